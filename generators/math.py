@@ -1,0 +1,66 @@
+"""Math: one assistant turn, reward 1 when math-verify finds the final answer equal to the label.
+
+Input rows: `prompt` (a string or OpenAI messages) and `label` (the reference answer, LaTeX allowed).
+Run options in the `/start_rollout` payload: `system_prompt`, `reward_timeout_s` (default 10).
+Groups use the buffer's defaults: slime's validity rule (non-empty responses) and GRPO normalization.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from math_verify import parse, verify
+
+from rollout_buffer.context import RolloutContext
+
+TASK_TYPE = "math"
+REQUIRED_FIELDS = ("prompt", "label")
+
+log = logging.getLogger(__name__)
+# math-verify warns on every call that its signal-based timeout is off; we bound it with asyncio instead.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+
+def prompt_messages(item: dict[str, Any], system_prompt: str | None = None) -> list[dict[str, Any]]:
+    """The task's prompt as OpenAI messages (a plain string becomes one user message)."""
+    prompt = item["prompt"]
+    messages = [dict(m) for m in prompt] if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+    if system_prompt and not any(m.get("role") == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def final_answer_text(response: str) -> str:
+    """The part of a response after its reasoning (`</think>`), where the final answer lives."""
+    return response.rsplit("</think>", 1)[-1]
+
+
+def math_reward(response: str, label: str) -> float:
+    """1.0 when the response's final answer is mathematically equal to the label, else 0.0."""
+    gold_text = label if label.strip().startswith(("$", "\\(", "\\[")) else f"${label}$"
+    gold = parse(gold_text, parsing_timeout=None)
+    pred = parse(final_answer_text(response), parsing_timeout=None)
+    if not gold or not pred:
+        return 0.0
+    return 1.0 if verify(gold, pred, timeout_seconds=None) else 0.0
+
+
+async def score(response: str, label: str, timeout_s: float = 10.0) -> float:
+    """math_reward in a worker thread (sympy is CPU-heavy), 0.0 when it takes longer than timeout_s."""
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(math_reward, response, label), timeout_s)
+    except TimeoutError:
+        log.warning("math-verify took over %.0fs; reward 0", timeout_s)
+        return 0.0
+
+
+async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> dict[str, Any]:
+    """Generate one answer and score it against `label`."""
+    conv = await ctx.conversation(prompt_messages(item, ctx.config.get("system_prompt")))
+    finish = await ctx.generate(conv)
+    response = conv.messages[-1]["content"] if conv.messages[-1]["role"] == "assistant" else ""
+    label = str(item["label"])
+    reward = await score(response, label, float(ctx.config.get("reward_timeout_s", 10.0)))
+    return await ctx.trajectory(conv, reward, finish, label=label)

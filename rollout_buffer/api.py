@@ -1,0 +1,234 @@
+"""HTTP API: slime's rollout-buffer protocol plus inspection endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from pydantic import ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from rollout_buffer.buffer import RolloutBuffer
+from rollout_buffer.config import ServerConfig
+from rollout_buffer.inputs import InputFileError, resolve_input_path, validate_file
+from rollout_buffer.plugins import discover
+from rollout_buffer.runner import RunManager
+from rollout_buffer.schemas import AckRequest, GetRolloutDataRequest, StartRolloutRequest, TrajectoryRecord
+from rollout_buffer.store import Store, StoreError
+
+log = logging.getLogger(__name__)
+
+
+def json_response(body: Any, status_code: int = 200) -> Response:
+    """A JSON response serialised by orjson."""
+    return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), status_code, media_type="application/json")
+
+
+def error_response(status_code: int, message: str, detail: Any = None) -> Response:
+    """slime's shape for failures: success false and a message naming the problem."""
+    body: dict[str, Any] = {"success": False, "message": message}
+    if detail is not None:
+        body["detail"] = detail
+    return json_response(body, status_code)
+
+
+def create_app(config: ServerConfig) -> FastAPI:
+    """Build the FastAPI app; the store opens and the active run resumes at start-up."""
+    generators = discover(config.generator_paths)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = Store(config.db_path)
+        await store.open()
+        buffer = RolloutBuffer(config, store, generators)
+        runs = RunManager(config, buffer, generators)
+        app.state.buffer = buffer
+        app.state.runs = runs
+        log.info("rollout buffer ready: data dir %s, generators %s", config.data_dir, sorted(generators))
+        await runs.resume()
+        try:
+            yield
+        finally:
+            await runs.shutdown()
+            await store.close()
+
+    app = FastAPI(
+        title="rollout-buffer",
+        version="0.1.0",
+        description="Asynchronous agent rollout buffer for slime (slime's /start_rollout + /get_rollout_data).",
+        lifespan=lifespan,
+    )
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    if config.auth_token:
+        app.add_middleware(BearerAuthMiddleware, token=config.auth_token)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> Response:
+        errors = exc.errors()
+        return error_response(422, "invalid request: " + describe_errors(errors), _jsonable(errors))
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> Response:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(StoreError)
+    async def _store(_: Request, exc: StoreError) -> Response:
+        return error_response(503, f"store unavailable, nothing was written: {exc}")
+
+    @app.get("/healthz", summary="Liveness probe (no auth)")
+    async def healthz() -> Response:
+        return json_response({"ok": True})
+
+    @app.post("/start_rollout", summary="Start (or replace) the rollout run")
+    async def start_rollout(req: StartRolloutRequest, request: Request) -> Response:
+        gen = generators.get(req.task_type)
+        if gen is None:
+            raise HTTPException(422, f"task_type: unknown {req.task_type!r}; known: {sorted(generators)}")
+        try:
+            path = resolve_input_path(req.input_file, config.data_roots)
+            required = getattr(gen.module, "REQUIRED_FIELDS", ())
+            summary = await asyncio.to_thread(validate_file, path, required)
+        except InputFileError as e:
+            raise HTTPException(422, str(e)) from None
+        runs: RunManager = request.app.state.runs
+        run_id = await runs.start(req, path, summary.num_items)
+        return json_response(
+            {
+                "success": True,
+                "message": f"rollout started for {summary.num_items} tasks",
+                "run_id": run_id,
+                "num_items": summary.num_items,
+            }
+        )
+
+    @app.post("/buffer/write", summary="Persist one trajectory (idempotent on uid)")
+    async def buffer_write(record: TrajectoryRecord, request: Request) -> Response:
+        buffer: RolloutBuffer = request.app.state.buffer
+        result = await buffer.write([record])
+        return json_response(
+            {
+                "success": True,
+                "message": "duplicate uid ignored" if result.duplicates else "written",
+                "uid": record.uid,
+                "duplicate": bool(result.duplicates),
+            }
+        )
+
+    @app.post("/get_rollout_data", summary="Whole ready groups, oldest first (long-poll, lease/ack)")
+    async def get_rollout_data(request: Request) -> Response:
+        # slime's original client may send an empty body: treat it as {}.
+        raw = await request.body()
+        body = _parse_body(raw) if raw.strip() else {}
+        try:
+            req = GetRolloutDataRequest.model_validate(body)
+        except ValidationError as e:
+            raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+        buffer: RolloutBuffer = request.app.state.buffer
+        d = await buffer.deliver(req.max_groups, req.wait_s, req.lease_s, req.ack)
+        message = f"{d.meta_info['num_groups']} groups" if d.success else "no complete group is ready"
+        return json_response(
+            {"success": d.success, "message": message, "data": {"data": d.records, "meta_info": d.meta_info}}
+        )
+
+    @app.post("/ack", summary="Acknowledge a leased batch")
+    async def ack(req: AckRequest, request: Request) -> Response:
+        buffer: RolloutBuffer = request.app.state.buffer
+        n = await buffer.ack(req.batch_id)
+        return json_response({"success": True, "acked_groups": n})
+
+    @app.get("/status", summary="Run, progress and counts")
+    async def status(request: Request) -> Response:
+        buffer: RolloutBuffer = request.app.state.buffer
+        runs: RunManager = request.app.state.runs
+        body = await buffer.status()
+        live = runs.progress()
+        if body["run"] is not None and live is not None and live.get("run_id") == body["run"]["run_id"]:
+            body["run"]["progress"] = live
+        return json_response(body)
+
+    @app.get("/trajectories/{uid}", summary="One stored trajectory")
+    async def trajectory(uid: str, request: Request) -> Response:
+        buffer: RolloutBuffer = request.app.state.buffer
+        rec = await buffer.store.get_record(uid)
+        if rec is None:
+            raise HTTPException(404, f"uid: no trajectory {uid!r}")
+        return json_response(rec)
+
+    return app
+
+
+def _parse_body(raw: bytes) -> Any:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise RequestValidationError([{"loc": ("body",), "msg": f"not valid JSON: {e}", "type": "json_invalid"}])
+    # orjson refuses invalid UTF-8 with the same error type, so both surface as 422.
+
+
+def describe_errors(errors: Any) -> str:
+    """One line naming every bad field, e.g. `body.reward: Input should be a valid number`."""
+    parts = []
+    for err in list(errors)[:20]:
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts)
+
+
+def _jsonable(errors: Any) -> Any:
+    """Validation errors without the raw input and exception objects (which may not serialise)."""
+    return [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in errors]
+
+
+class BearerAuthMiddleware:
+    """Every endpoint but /healthz needs `Authorization: Bearer <token>`; compared in constant time."""
+
+    def __init__(self, app: ASGIApp, token: str):
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] == "/healthz":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if not hmac.compare_digest(given, self.expected):
+            await error_response(401, "missing or wrong bearer token")(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Refuse request bodies larger than the configured cap with 413, before they are buffered."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await error_response(413, f"request body exceeds {self.max_bytes} bytes")(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    raise HTTPException(413, f"request body exceeds {self.max_bytes} bytes")
+            return msg
+
+        await self.app(scope, limited, send)

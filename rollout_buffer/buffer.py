@@ -1,0 +1,217 @@
+"""The buffer: accepts trajectories, completes groups, and hands whole groups to consumers (long-poll, leases)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_buffer.config import ServerConfig
+from rollout_buffer.groups import GroupPolicy, Record
+from rollout_buffer.plugins import Generator
+from rollout_buffer.schemas import TrajectoryRecord
+from rollout_buffer.store import NewRecord, Store, WriteResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Delivery:
+    """One answer of `/get_rollout_data`."""
+
+    records: list[Record]
+    meta_info: dict[str, Any]
+
+    @property
+    def success(self) -> bool:
+        return bool(self.records)
+
+
+@dataclass
+class ReadCounters:
+    """Counts since the last read, reported in meta_info as slime's `finished_groups`."""
+
+    finished: int = 0
+    filtered: Counter[str] = field(default_factory=Counter)
+
+
+class RolloutBuffer:
+    """Group completion and delivery on top of the store; knows generators only through their hooks."""
+
+    def __init__(self, config: ServerConfig, store: Store, generators: Mapping[str, Generator]):
+        self.config = config
+        self.store = store
+        self.generators = generators
+        self._changed = asyncio.Event()
+        self._since_read = ReadCounters()
+        self._policies: dict[str, GroupPolicy] = {}
+        self._default_run_lock = asyncio.Lock()
+
+    # ---- runs ------------------------------------------------------------------------------------
+    async def create_run(self, config: dict[str, Any], group_size: int) -> str:
+        """Record a new run (it replaces the running one) and return its id."""
+        run_id = await self.store.create_run(config, group_size)
+        log.info("run %s started: task_type=%s group_size=%d", run_id, config.get("task_type"), group_size)
+        return run_id
+
+    def policy_for(self, run: dict[str, Any]) -> GroupPolicy:
+        """The group policy of a run: its options plus its generator's hooks."""
+        cached = self._policies.get(run["run_id"])
+        if cached is not None:
+            return cached
+        cfg = run["config"]
+        gen = self.generators.get(cfg.get("task_type") or "")
+        policy = GroupPolicy(
+            normalize=bool(cfg.get("normalize_rewards", True)),
+            drop_zero_variance=bool(cfg.get("drop_zero_variance", False)),
+            is_valid_group=gen.hook("is_valid_group") if gen else None,
+            transform_group=gen.hook("transform_group") if gen else None,
+        )
+        self._policies[run["run_id"]] = policy
+        return policy
+
+    async def _writer_run(self) -> dict[str, Any]:
+        """The run `/buffer/write` records belong to: the latest one (so a group never straddles runs
+        because its run finished mid-group), or a default run when there is none yet."""
+        run = await self.store.latest_run()
+        if run is not None:
+            return run
+        async with self._default_run_lock:
+            run = await self.store.latest_run()
+            if run is None:
+                run_id = await self.create_run({"task_type": None, "source": "buffer_write"}, self.config.group_size)
+                run = await self.store.get_run(run_id)
+            assert run is not None
+            return run
+
+    # ---- writes ----------------------------------------------------------------------------------
+    async def write(self, records: Iterable[TrajectoryRecord], run: dict[str, Any] | None = None) -> WriteResult:
+        """Persist records of a run (the writer run by default); completed groups become deliverable."""
+        run = run or await self._writer_run()
+        items = [
+            NewRecord(r.uid, r.instance_id, r.epoch, r.status, r.model_dump(mode="json")) for r in records
+        ]
+        result = await self.store.write_records(run["run_id"], run["group_size"], items, self.policy_for(run).finalize)
+        if result.completed:
+            for _key, reason in result.completed:
+                if reason is None:
+                    self._since_read.finished += 1
+                else:
+                    self._since_read.filtered[reason] += 1
+                    log.info("group %s/%s epoch %s dropped: %s", _key[0], _key[1], _key[2], reason)
+            self._notify()
+        return result
+
+    def _notify(self) -> None:
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
+
+    # ---- reads -----------------------------------------------------------------------------------
+    async def deliver(
+        self, max_groups: int | None, wait_s: float, lease_s: float | None, ack: str | None = None
+    ) -> Delivery:
+        """Whole ready groups, oldest first; waits up to `wait_s` for the first one to be ready."""
+        acked = await self.ack(ack) if ack else 0
+        deadline = time.monotonic() + wait_s
+        while True:
+            changed = self._changed
+            batch = await self.store.take(max_groups, lease_s)
+            remaining = deadline - time.monotonic()
+            if batch.groups or remaining <= 0:
+                break
+            timeout = remaining
+            if batch.next_lease_expiry is not None:
+                timeout = min(timeout, max(0.01, batch.next_lease_expiry - time.time()))
+            try:
+                await asyncio.wait_for(changed.wait(), timeout)
+            except TimeoutError:
+                pass
+        records = [r for g in batch.groups for r in g]
+        meta = self._meta_info(batch.groups, batch.batch_id, acked, batch.redelivered)
+        return Delivery(records, meta)
+
+    async def ack(self, batch_id: str) -> int:
+        """Mark a leased batch consumed."""
+        n = await self.store.ack(batch_id)
+        if n:
+            log.debug("batch %s acked (%d groups)", batch_id, n)
+        return n
+
+    def _meta_info(
+        self, groups: list[list[Record]], batch_id: str | None, acked: int, redelivered: int
+    ) -> dict[str, Any]:
+        records = [r for g in groups for r in g]
+        n = len(records)
+        since, self._since_read = self._since_read, ReadCounters()
+        raw = [float(r["raw_reward"] if r.get("raw_reward") is not None else r["reward"]) for r in records]
+        meta: dict[str, Any] = {
+            "total_samples": n,
+            "num_groups": len(groups),
+            "avg_group_size": n / len(groups) if groups else 0.0,
+            "avg_reward": sum(raw) / n if n else 0.0,
+            "avg_normalized_reward": sum(float(r["reward"]) for r in records) / n if n else 0.0,
+            "finished_groups": since.finished,
+            "filtered_groups": dict(since.filtered),
+            "batch_id": batch_id,
+            "acked_groups": acked,
+            "redelivered_groups": redelivered,
+        }
+        for reason, count in since.filtered.items():
+            meta[f"filtered_{reason.split(':')[0]}"] = count
+        mismatches = sum(1 for r in records if (r.get("extra_info") or {}).get("tokenization_mismatch"))
+        meta["tokenization_mismatches"] = mismatches
+        self._add_generator_meta(groups, meta)
+        return meta
+
+    def _add_generator_meta(self, groups: list[list[Record]], meta: dict[str, Any]) -> None:
+        by_task: dict[str, list[list[Record]]] = {}
+        for g in groups:
+            task = (g[0].get("extra_info") or {}).get("task_type") if g else None
+            if task:
+                by_task.setdefault(task, []).append(g)
+        for task, task_groups in by_task.items():
+            gen = self.generators.get(task)
+            hook = gen.hook("get_group_data_meta_info") if gen else None
+            if hook is None:
+                continue
+            try:
+                extra = hook({str(i): g for i, g in enumerate(task_groups)})
+            except Exception as e:
+                log.warning("get_group_data_meta_info of %s failed: %s", task, e)
+                continue
+            if isinstance(extra, dict):
+                for k, v in extra.items():
+                    meta.setdefault(k, v)
+
+    # ---- status ----------------------------------------------------------------------------------
+    async def status(self) -> dict[str, Any]:
+        """The latest run, and counts of groups and trajectories."""
+        run = await self.store.latest_run()
+        run_id = run["run_id"] if run else None
+        return {
+            "run": _public_run(run) if run else None,
+            "groups": await self.store.group_counts(run_id) if run_id else {},
+            "records": await self.store.record_counts(run_id) if run_id else {},
+            "filtered": await self.store.filter_counts(run_id) if run_id else {},
+            "all_groups": await self.store.group_counts(),
+        }
+
+
+def _public_run(run: dict[str, Any]) -> dict[str, Any]:
+    cfg = run["config"]
+    return {
+        "run_id": run["run_id"],
+        "state": run["state"],
+        "created_at": run["created_at"],
+        "task_type": cfg.get("task_type"),
+        "input_file": cfg.get("input_file"),
+        "num_repeat_per_sample": run["group_size"],
+        "num_epoch": cfg.get("num_epoch"),
+        "config": cfg,
+        "progress": run["progress"],
+        "error": run["error"],
+    }

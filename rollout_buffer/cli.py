@@ -1,0 +1,82 @@
+"""The `rollout-buffer` command: serve, demo, sim-engine and friends."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from rollout_buffer import demo
+from rollout_buffer.config import (
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_HOST,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_PORT,
+    ServerConfig,
+)
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the rollout buffer HTTP server")
+    p.add_argument("--host", default=DEFAULT_HOST, help="bind address (default: %(default)s, loopback only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--data-dir", type=Path, default=Path("rollout_data"), help="SQLite store folder")
+    p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE,
+                   help="group size for /buffer/write records sent before any /start_rollout")
+    p.add_argument("--auth-token", default=None,
+                   help="require 'Authorization: Bearer T' (also read from ROLLOUT_BUFFER_AUTH_TOKEN)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--generator-path", type=Path, action="append", default=[],
+                   help="extra generator .py file or folder (repeatable)")
+    p.add_argument("--data-root", type=Path, action="append", default=[],
+                   help="only accept input files under this folder (repeatable)")
+    p.add_argument("--log-level", default="INFO")
+
+
+def serve(args: argparse.Namespace) -> None:
+    """Start uvicorn with the app built from the command-line options."""
+    import uvicorn
+
+    from rollout_buffer.api import create_app
+
+    config = ServerConfig.with_env(
+        host=args.host,
+        port=args.port,
+        data_dir=args.data_dir,
+        group_size=args.group_size,
+        auth_token=args.auth_token,
+        max_body_bytes=args.max_body_bytes,
+        generator_paths=tuple(args.generator_path),
+        data_roots=tuple(args.data_root),
+    )
+    app = create_app(config)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level.lower(),
+                access_log=False, timeout_keep_alive=75)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "sim-engine":
+        from rollout_buffer.sim_engine import main as sim_main
+
+        sim_main(argv[1:])
+        return
+    parser = argparse.ArgumentParser(prog="rollout-buffer", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    demo.add_parser(sub)
+    sub.add_parser("sim-engine", help="simulated SGLang engine (see `rollout-buffer sim-engine --help`)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "INFO").upper(), format=LOG_FORMAT)
+    if args.command == "serve":
+        serve(args)
+    elif args.command == "demo":
+        demo.main(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Server configuration: one small typed object, validated at the edge, defaults written once."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8889
+# slime's rollout buffer groups writers that never called /start_rollout by 16.
+DEFAULT_GROUP_SIZE = 16
+DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
+AUTH_TOKEN_ENV = "ROLLOUT_BUFFER_AUTH_TOKEN"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything `rollout-buffer serve` needs to know."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    data_dir: Path = field(default_factory=lambda: Path("rollout_data"))
+    group_size: int = DEFAULT_GROUP_SIZE
+    auth_token: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    generator_paths: tuple[Path, ...] = ()
+    # Where input files and tokenizers may live; empty means anywhere.
+    data_roots: tuple[Path, ...] = ()
+    progress_log_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1:
+            raise ValueError("group_size must be at least 1")
+        if not 0 < self.port < 65536:
+            raise ValueError("port must be between 1 and 65535")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be at least 1024")
+
+    @property
+    def db_path(self) -> Path:
+        """The SQLite file under the data dir."""
+        return self.data_dir / "buffer.sqlite"
+
+    @classmethod
+    def with_env(cls, **kwargs: object) -> ServerConfig:
+        """Build a config, taking the auth token from the environment when not given."""
+        if not kwargs.get("auth_token"):
+            kwargs["auth_token"] = os.environ.get(AUTH_TOKEN_ENV) or None
+        return cls(**kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,428 @@
+"""One trajectory's conversation: OpenAI messages and, in token mode, the exact token sequence beside them.
+
+Token mode (a tokenizer is given) keeps what the model really saw and produced:
+
+- the prompt is the chat template's rendering of the first messages with the generation prompt (loss 0);
+- an assistant turn appends the engine's own output ids (loss 1, with their log-probs) and is never
+  re-tokenized; what the template writes after the end-of-turn token (Qwen's "\\n" after `<|im_end|>`)
+  follows at loss 0, and the whole closing when the engine stopped on a stop string instead;
+- user and tool messages append only the template's text for them (loss 0), rendered after a fixed base
+  history, so templates that rewrite earlier turns (Qwen3 drops old reasoning) cannot shift the delta;
+- a turn cut by the length limit (or aborted) ends the conversation: there is no clean place to go on.
+
+The sanity check compares the sequence with the template applied to the final messages at once:
+
+- `strict`: token for token. Qwen3's template drops the `<think>` block of every assistant turn that
+  precedes a later user message, and adds an empty one to a final turn that has none, so with reasoning
+  models `strict` reports those turns: the sequence keeps the reasoning the model generated, which is
+  what training must see.
+- `ignore_strippable`: decoded text, ignoring whitespace and `<think>…</think>` blocks on both sides,
+  the two things such templates rewrite. Qwen3's expected difference passes; a changed word, a lost
+  message or a wrong delta is still reported.
+- `disable`: no check.
+
+Chat mode (no tokenizer) keeps the messages only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from rollout_buffer.tokenizer import end_of_turn_ids
+
+SanityCheckMode = Literal["strict", "ignore_strippable", "disable"]
+
+# Environment messages are rendered after this history, which has no assistant turn for a template to
+# rewrite; only the text past it is appended.
+BASE_HISTORY: list[dict[str, Any]] = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Hello."},
+]
+_PROBE_REPLY = "rollout-buffer probe reply"
+_REASONING = re.compile(r"<think>.*?</think>", re.DOTALL)
+# Finish reasons that leave the assistant turn unfinished.
+_CUT = frozenset({"length", "abort"})
+_SNIPPET_TOKENS = (8, 24)
+_SNIPPET_CHARS = (40, 120)
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """What the chat template writes around messages, for one tokenizer, tool list and template options."""
+
+    base_text: str
+    generation_prompt_ids: tuple[int, ...]
+    closing_text: str  # after an assistant reply's content: end-of-turn token and what follows it
+    closing_ids: tuple[int, ...]
+    end_of_turn: frozenset[int]
+
+
+@functools.lru_cache(maxsize=256)
+def _frame(tokenizer: Any, tools_json: bytes, options_json: bytes) -> _Frame:
+    tools = orjson.loads(tools_json)
+    options = orjson.loads(options_json)
+
+    def render(messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False, **options
+        )
+
+    base = render(BASE_HISTORY, False)
+    with_prompt = render(BASE_HISTORY, True)
+    replied = render([*BASE_HISTORY, {"role": "assistant", "content": _PROBE_REPLY}], False)
+    if not with_prompt.startswith(base):
+        raise ValueError("chat template rewrites the history when asked for a generation prompt")
+    closing = replied[replied.rindex(_PROBE_REPLY) + len(_PROBE_REPLY):]
+    closing_ids = tokenizer.encode(closing, add_special_tokens=False)
+    eot = end_of_turn_ids(tokenizer)
+    if not closing_ids or closing_ids[0] != eot[0]:
+        raise ValueError(f"chat template closes assistant turns with {closing!r}, not an end-of-turn token")
+    return _Frame(
+        base_text=base,
+        generation_prompt_ids=tuple(tokenizer.encode(with_prompt[len(base):], add_special_tokens=False)),
+        closing_text=closing,
+        closing_ids=tuple(closing_ids),
+        end_of_turn=frozenset(eot),
+    )
+
+
+class Conversation:
+    """Messages of one trajectory (one per role in multi-agent runs) and, with a tokenizer, its exact tokens.
+
+    Build it with the opening messages; then alternate `generation_ids()` → engine → `add_assistant(...)`
+    and `add_messages([...])` for tool results or user turns; finish with `check()` and `record_fields()`.
+    The `a`-prefixed variants run template renders and tokenization in a thread, off the event loop.
+    """
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    token_mode: bool
+    sanity_check: SanityCheckMode
+    token_ids: list[int]
+    loss_mask: list[int]
+    log_probs: list[float]
+    weight_versions: list[str]
+    prompt_length: int
+    truncated: bool
+    finish_reason: str | None
+
+    def __init__(
+        self,
+        messages: list[dict[str, Any]],
+        tokenizer: Any = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        sanity_check: SanityCheckMode = "strict",
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        if sanity_check not in ("strict", "ignore_strippable", "disable"):
+            raise ValueError(f"sanity_check must be strict, ignore_strippable or disable: {sanity_check!r}")
+        if not messages:
+            raise ValueError("a conversation starts with at least one message")
+        self.messages = list(messages)
+        self.tools = tools
+        self.sanity_check = sanity_check
+        self.token_mode = tokenizer is not None
+        self.token_ids, self.loss_mask, self.log_probs, self.weight_versions = [], [], [], []
+        self.prompt_length = 0
+        self.truncated = False
+        self.finish_reason = None
+        self._tokenizer = tokenizer
+        self._options = dict(chat_template_kwargs or {})
+        self._log_probs_complete = True
+        self._open = False  # token_ids ends with the generation prompt
+        self._assistant_turns = 0
+        # The run of environment messages since the last assistant turn, re-rendered as a whole when it
+        # grows (consecutive tool messages share one block in Qwen's template).
+        self._env_messages_start = 0
+        self._env_tokens_start = 0
+        self._env_text = ""
+        if self.token_mode:
+            self._frame = _frame(
+                tokenizer,
+                orjson.dumps(tools),
+                orjson.dumps(self._options, option=orjson.OPT_SORT_KEYS),
+            )
+            self._render_prompt(self.messages)
+
+    @classmethod
+    async def acreate(
+        cls,
+        messages: list[dict[str, Any]],
+        tokenizer: Any = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        sanity_check: SanityCheckMode = "strict",
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> Conversation:
+        """`Conversation(...)` with the prompt rendered and tokenized in a thread."""
+        kwargs: dict[str, Any] = {
+            "tools": tools, "sanity_check": sanity_check, "chat_template_kwargs": chat_template_kwargs,
+        }
+        if tokenizer is None:
+            return cls(messages, None, **kwargs)
+        return await asyncio.to_thread(functools.partial(cls, messages, tokenizer, **kwargs))
+
+    # -- token mode -------------------------------------------------------------------------------
+
+    def generation_ids(self) -> list[int]:
+        """The tokens to send to the engine for the next assistant turn, generation prompt included."""
+        self._require_tokens()
+        self._require_not_truncated()
+        return self.token_ids + ([] if self._open else list(self._frame.generation_prompt_ids))
+
+    def add_assistant(
+        self,
+        output_ids: list[int],
+        log_probs: list[float] | None,
+        text: str,
+        *,
+        weight_version: str | None = None,
+        finish_reason: str = "stop",
+    ) -> None:
+        """Append one engine turn: its own output ids (loss 1) and log-probs, and `text` as the message.
+
+        `text` should be what the ids decode to; it is kept in `messages` and never re-tokenized.
+        `finish_reason` is the engine's ("stop", "length", "abort"): an output that neither ends with an
+        end-of-turn token nor stopped cleanly truncates the conversation.
+        """
+        self._require_tokens()
+        self._require_not_truncated()
+        if log_probs is not None and len(log_probs) != len(output_ids):
+            raise ValueError(f"{len(log_probs)} log-probs for {len(output_ids)} output ids")
+        if not self._open:
+            self._append(self._frame.generation_prompt_ids, 0)
+        self._append(output_ids, 1, log_probs)
+        if log_probs is None and output_ids:
+            self._log_probs_complete = False
+        if output_ids and output_ids[-1] in self._frame.end_of_turn:
+            self._append(self._frame.closing_ids[1:], 0)
+        elif finish_reason in _CUT:
+            self.truncated = True
+        else:
+            # Stopped on a stop string: the template's closing finishes the turn, but was not generated.
+            self._append(self._frame.closing_ids, 0)
+        self._end_assistant_turn(text, finish_reason)
+        if weight_version is not None and weight_version not in self.weight_versions:
+            self.weight_versions.append(weight_version)
+        self._open = False
+        self._env_tokens_start = len(self.token_ids)
+
+    async def aadd_assistant(
+        self,
+        output_ids: list[int],
+        log_probs: list[float] | None,
+        text: str,
+        *,
+        weight_version: str | None = None,
+        finish_reason: str = "stop",
+    ) -> None:
+        """`add_assistant` for async callers; it renders nothing, so it runs inline."""
+        self.add_assistant(output_ids, log_probs, text, weight_version=weight_version,
+                           finish_reason=finish_reason)
+
+    def response_tokens_used(self) -> int:
+        """Tokens the response will hold once the next assistant turn starts (generation prompt counted)."""
+        self._require_tokens()
+        pending = 0 if self._open or self.truncated else len(self._frame.generation_prompt_ids)
+        return len(self.token_ids) + pending - self.prompt_length
+
+    def record_fields(self) -> dict[str, Any]:
+        """The exact-token fields of the trajectory record; `{}` in chat mode.
+
+        `loss_mask` covers every token; `rollout_log_probs` covers the response (0.0 on loss-0 tokens) and
+        is left out when some turn came without log-probs, rather than faked.
+        """
+        if not self.token_mode:
+            return {}
+        fields: dict[str, Any] = {
+            "tokens": list(self.token_ids),
+            "loss_mask": list(self.loss_mask),
+            "response_length": len(self.token_ids) - self.prompt_length,
+            "weight_versions": list(self.weight_versions),
+        }
+        if self._log_probs_complete:
+            fields["rollout_log_probs"] = self.log_probs[self.prompt_length:]
+        return fields
+
+    # -- both modes -------------------------------------------------------------------------------
+
+    def add_assistant_text(self, text: str, finish_reason: str = "stop") -> None:
+        """Chat mode: append an assistant message the engine produced from `messages`."""
+        if self.token_mode:
+            raise RuntimeError("token mode keeps the engine's output ids: use add_assistant")
+        self._require_not_truncated()
+        if finish_reason in _CUT:
+            self.truncated = True
+        self._end_assistant_turn(text, finish_reason)
+
+    def add_messages(self, new: list[dict[str, Any]]) -> None:
+        """Append user or tool messages; in token mode their template text follows at loss 0."""
+        self._require_not_truncated()
+        if any(m.get("role") == "assistant" for m in new):
+            raise ValueError("assistant turns come from the engine: use add_assistant")
+        if not new:
+            return
+        if self.token_mode:
+            self._append_environment(new)
+        else:
+            self.messages.extend(new)
+
+    async def aadd_messages(self, new: list[dict[str, Any]]) -> None:
+        """`add_messages` with the template render in a thread."""
+        if self.token_mode:
+            await asyncio.to_thread(self.add_messages, new)
+        else:
+            self.add_messages(new)
+
+    def check(self) -> dict[str, Any] | None:
+        """Compare the sequence with the template's rendering of the final messages (see the module doc).
+
+        Returns None when consistent (and always in chat mode or with `disable`); otherwise where they
+        first differ: `position` (a token index, or a character offset in the decoded sequence for
+        `ignore_strippable`), `unit`, decoded `expected` / `actual` snippets and both lengths. Never raises:
+        a template that fails to render is reported under `error`.
+        """
+        if not self.token_mode or self.sanity_check == "disable":
+            return None
+        try:
+            expected = self._full_render()
+            if self.sanity_check == "strict":
+                return self._compare_tokens(self._encode(expected))
+            return self._compare_text(expected)
+        except Exception as e:  # the check diagnoses; it must not fail a finished trajectory
+            return {"mode": self.sanity_check, "error": f"{type(e).__name__}: {e}"}
+
+    async def acheck(self) -> dict[str, Any] | None:
+        """`check` with the full render in a thread."""
+        if not self.token_mode or self.sanity_check == "disable":
+            return None
+        return await asyncio.to_thread(self.check)
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        return self._tokenizer.apply_chat_template(
+            messages, tools=self.tools, add_generation_prompt=generation_prompt, tokenize=False,
+            **self._options,
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+    def _append(self, ids: list[int] | tuple[int, ...], loss: int, log_probs: list[float] | None = None
+                ) -> None:
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([loss] * len(ids))
+        self.log_probs.extend(log_probs if log_probs is not None else [0.0] * len(ids))
+
+    def _truncate_to(self, n: int) -> None:
+        del self.token_ids[n:], self.loss_mask[n:], self.log_probs[n:]
+
+    def _render_prompt(self, messages: list[dict[str, Any]]) -> None:
+        text = self._render(messages, True)
+        if text == self._env_text:
+            raise ValueError(f"chat template renders nothing for roles {[m.get('role') for m in messages]}")
+        ids = self._encode(text)
+        self.messages = messages
+        self._truncate_to(0)
+        self._append(ids, 0)
+        self.prompt_length = len(ids)
+        self._env_text = text
+        self._open = True
+
+    def _append_environment(self, new: list[dict[str, Any]]) -> None:
+        if self._assistant_turns == 0:
+            # Still the prompt: render it again whole, so it matches the template exactly.
+            self._render_prompt([*self.messages, *new])
+            return
+        run = [*self.messages[self._env_messages_start:], *new]
+        rendered = self._render([*BASE_HISTORY, *run], False)
+        if not rendered.startswith(self._frame.base_text):
+            raise ValueError("chat template rewrites the base history when messages follow it")
+        delta = rendered[len(self._frame.base_text):]
+        if delta == self._env_text:
+            raise ValueError(f"chat template renders nothing for roles {[m.get('role') for m in new]}")
+        ids = self._encode(delta)
+        self.messages.extend(new)
+        self._truncate_to(self._env_tokens_start)
+        self._append(ids, 0)
+        self._env_text = delta
+        self._open = False
+
+    def _end_assistant_turn(self, text: str, finish_reason: str) -> None:
+        self.messages.append({"role": "assistant", "content": text})
+        self.finish_reason = finish_reason
+        self._assistant_turns += 1
+        self._env_messages_start = len(self.messages)
+        self._env_text = ""
+
+    def _full_render(self) -> str:
+        text = self._render(self.messages, self._open)
+        if self.truncated and text.endswith(self._frame.closing_text):
+            # The template closes the cut last turn; the sequence, rightly, does not.
+            text = text[: -len(self._frame.closing_text)]
+        return text
+
+    def _compare_tokens(self, expected: list[int]) -> dict[str, Any] | None:
+        actual = self.token_ids
+        if actual == expected:
+            return None
+        pos = next((i for i, (a, b) in enumerate(zip(actual, expected, strict=False)) if a != b),
+                   min(len(actual), len(expected)))
+        before, after = _SNIPPET_TOKENS
+        window = slice(max(0, pos - before), pos + after)
+        decode = functools.partial(self._tokenizer.decode, skip_special_tokens=False)
+        return {
+            "mode": "strict", "unit": "token", "position": pos,
+            "expected": decode(expected[window]), "actual": decode(actual[window]),
+            "expected_length": len(expected), "actual_length": len(actual),
+        }
+
+    def _compare_text(self, expected: str) -> dict[str, Any] | None:
+        actual = self._tokenizer.decode(self.token_ids, skip_special_tokens=False)
+        if _significant(actual) == _significant(expected):
+            return None
+        a_chars, a_at = _significant_with_offsets(actual)
+        e_chars, e_at = _significant_with_offsets(expected)
+        k = next((i for i, (a, b) in enumerate(zip(a_chars, e_chars, strict=False)) if a != b),
+                 min(len(a_chars), len(e_chars)))
+        a_pos = a_at[k] if k < len(a_at) else len(actual)
+        e_pos = e_at[k] if k < len(e_at) else len(expected)
+        before, after = _SNIPPET_CHARS
+        return {
+            "mode": "ignore_strippable", "unit": "char", "position": a_pos,
+            "expected": expected[max(0, e_pos - before): e_pos + after],
+            "actual": actual[max(0, a_pos - before): a_pos + after],
+            "expected_length": len(expected), "actual_length": len(actual),
+        }
+
+    def _require_tokens(self) -> None:
+        if not self.token_mode:
+            raise RuntimeError("chat mode has no token sequence: pass a tokenizer for token mode")
+
+    def _require_not_truncated(self) -> None:
+        if self.truncated:
+            raise RuntimeError(f"conversation was cut ({self.finish_reason}); no further turns")
+
+
+def _significant(text: str) -> str:
+    """`text` without reasoning blocks and whitespace: what `ignore_strippable` compares."""
+    return "".join(_REASONING.sub("", text).split())
+
+
+def _significant_with_offsets(text: str) -> tuple[str, list[int]]:
+    """Like `_significant`, with each kept character's offset in `text` (to point at a difference)."""
+    offsets: list[int] = []
+    start = 0
+    for m in _REASONING.finditer(text):
+        offsets.extend(i for i in range(start, m.start()) if not text[i].isspace())
+        start = m.end()
+    offsets.extend(i for i in range(start, len(text)) if not text[i].isspace())
+    return "".join(text[i] for i in offsets), offsets

@@ -1,0 +1,405 @@
+"""Client of SGLang engines (or an SGLang router): token-in-token-out `/generate` and OpenAI chat.
+
+One instance per run, shared by every trajectory of the run: one pooled `httpx.AsyncClient`, bounded
+retries with exponential backoff for transient failures, resumption of aborted generations, and
+least-in-flight engine choice with session affinity so the turns of one trajectory hit one engine's
+prefix cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+import orjson
+
+logger = logging.getLogger(__name__)
+
+# SamplingParams fields SGLang's /generate accepts (python/sglang/srt/sampling/sampling_params.py).
+_SGLANG_KEYS = frozenset(
+    {
+        "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "stop_regex",
+        "repetition_penalty", "frequency_penalty", "presence_penalty", "min_new_tokens", "ignore_eos",
+        "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "n", "logit_bias",
+        "sampling_seed", "json_schema", "regex", "ebnf", "structural_tag", "custom_params",
+    }
+)
+# Other common names (OpenAI, vLLM) mapped onto SGLang's.
+_RENAMES = {
+    "max_tokens": "max_new_tokens",
+    "max_completion_tokens": "max_new_tokens",
+    "seed": "sampling_seed",
+    "include_stop_str_in_output": "no_stop_trim",
+}
+# OpenAI chat fields SGLang's /v1/chat/completions accepts besides messages and tools.
+_CHAT_KEYS = frozenset(
+    {
+        "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "stop",
+        "stop_token_ids", "repetition_penalty", "frequency_penalty", "presence_penalty", "n", "seed",
+        "skip_special_tokens", "no_stop_trim", "ignore_eos", "min_tokens", "logit_bias", "logprobs",
+        "top_logprobs", "response_format", "tool_choice", "chat_template_kwargs", "separate_reasoning",
+        "stream_reasoning", "continue_final_message", "rid",
+    }
+)
+_AFFINITY_SIZE = 100_000
+_T = TypeVar("_T")
+_ERROR_TEXT_CHARS = 500
+
+
+def to_sglang_sampling_params(params: dict[str, Any], max_new_tokens: int | None = None) -> dict[str, Any]:
+    """SGLang `/generate` sampling params from OpenAI-style or SGLang-style ones.
+
+    `max_tokens` (and `max_completion_tokens`) become `max_new_tokens`, `seed` becomes `sampling_seed`,
+    `include_stop_str_in_output` becomes `no_stop_trim`; an explicit `max_new_tokens` argument wins.
+    Keys SGLang would refuse are dropped (logged at debug level) and `None` values are left out.
+    Raises ValueError for `n` other than 1: repeats are separate requests here.
+    """
+    out: dict[str, Any] = {}
+    dropped: list[str] = []
+    for key, value in params.items():
+        name = _RENAMES.get(key, key)
+        if value is None:
+            continue
+        if name not in _SGLANG_KEYS:
+            dropped.append(key)
+        elif name == "max_new_tokens" and key != name and "max_new_tokens" in params:
+            continue  # the SGLang name wins over its aliases
+        else:
+            out[name] = value
+    if int(out.pop("n", 1)) != 1:
+        raise ValueError("n must be 1: each sample is its own request (use num_repeat_per_sample)")
+    if max_new_tokens is not None:
+        out["max_new_tokens"] = max_new_tokens
+    if dropped:
+        logger.debug("sampling params not understood by SGLang, dropped: %s", ", ".join(sorted(dropped)))
+    return out
+
+
+def _chat_params(params: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI chat params, keeping OpenAI names (`max_new_tokens` is accepted as `max_tokens`)."""
+    out = {k: v for k, v in params.items() if k in _CHAT_KEYS and v is not None}
+    if "max_new_tokens" in params and "max_tokens" not in out:
+        out["max_tokens"] = params["max_new_tokens"]
+    if int(out.get("n", 1)) != 1:
+        raise ValueError("n must be 1: each sample is its own request (use num_repeat_per_sample)")
+    return out
+
+
+@dataclass
+class GenerateResult:
+    """Output of one `/generate` call, abort resumes included."""
+
+    output_ids: list[int]
+    log_probs: list[float]  # one per output id when log-probs were requested, else empty
+    text: str
+    finish_reason: str  # "stop" | "length" | "abort"
+    weight_version: str | None
+    engine_url: str
+    attempts: int  # HTTP requests sent, over all resumes
+    resumed: int  # abort resumes done
+
+
+@dataclass
+class ChatResult:
+    """Output of one `/v1/chat/completions` call."""
+
+    text: str
+    finish_reason: str
+    engine_url: str
+    attempts: int
+    raw: dict[str, Any]
+
+
+class EngineError(Exception):
+    """An engine call failed for good: retries exhausted, or the engine refused the request (4xx)."""
+
+    def __init__(self, kind: str, url: str, attempts: int, reason: str, status: int | None = None):
+        super().__init__(f"engine {url} failed ({kind}) after {attempts} attempt(s): {reason}")
+        self.kind = kind  # "http_5xx" | "http_4xx" | "timeout" | "connection" | "bad_response"
+        self.url = url
+        self.attempts = attempts
+        self.reason = reason
+        self.status = status
+
+
+class _AttemptError(Exception):
+    def __init__(self, kind: str, reason: str, status: int | None = None):
+        super().__init__(reason)
+        self.kind = kind
+        self.reason = reason
+        self.status = status
+
+
+@dataclass
+class EngineStats:
+    """Counters of the client; the metrics module exports them."""
+
+    requests: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    retries: int = 0
+    aborts_resumed: int = 0
+    aborted_results: int = 0
+    requests_by_url: Counter[str] = field(default_factory=Counter)
+    in_flight: Counter[str] = field(default_factory=Counter)
+    latency_sum_s: float = 0.0
+    latency_count: int = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        """A plain-dict copy, for logs and `/status`."""
+        return {
+            "requests": self.requests,
+            "errors": dict(self.errors),
+            "retries": self.retries,
+            "aborts_resumed": self.aborts_resumed,
+            "aborted_results": self.aborted_results,
+            "requests_by_url": dict(self.requests_by_url),
+            "in_flight": {u: n for u, n in self.in_flight.items() if n},
+            "latency_sum_s": self.latency_sum_s,
+            "latency_count": self.latency_count,
+        }
+
+
+def _error_text(response: httpx.Response) -> str:
+    """The engine's own message from an error body (`{"error": {"message"}}` or `{"message"}`)."""
+    try:
+        body = orjson.loads(response.content)
+    except orjson.JSONDecodeError:
+        return response.text[:_ERROR_TEXT_CHARS] or response.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])[:_ERROR_TEXT_CHARS]
+        if body.get("message"):
+            return str(body["message"])[:_ERROR_TEXT_CHARS]
+        if body.get("detail"):
+            return str(body["detail"])[:_ERROR_TEXT_CHARS]
+    return response.text[:_ERROR_TEXT_CHARS]
+
+
+@dataclass
+class _Chunk:
+    output_ids: list[int]
+    log_probs: list[float]
+    text: str
+    finish_reason: str
+    weight_version: str | None
+
+
+def _parse_generate(body: Any, want_logprobs: bool) -> _Chunk:
+    """Read SGLang's `/generate` answer; `_AttemptError("bad_response")` when it is not that shape."""
+    try:
+        meta = body["meta_info"]
+        finish = meta.get("finish_reason") or {}
+        kind = finish.get("type") if isinstance(finish, dict) else str(finish)
+        if kind not in ("stop", "length", "abort"):
+            raise ValueError(f"unknown finish_reason {finish!r}")
+        entries = meta.get("output_token_logprobs") or []
+        ids = body.get("output_ids")
+        ids = [int(e[1]) for e in entries] if ids is None else [int(t) for t in ids]
+        log_probs = [float(e[0]) for e in entries] if want_logprobs else []
+        if want_logprobs and len(log_probs) != len(ids):
+            raise ValueError(f"{len(log_probs)} log-probs for {len(ids)} output tokens")
+        version = meta.get("weight_version")
+        text = str(body.get("text") or "")
+        return _Chunk(ids, log_probs, text, kind, None if version is None else str(version))
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        raise _AttemptError("bad_response", f"unexpected /generate response: {e}") from None
+
+
+class EngineClient:
+    """Calls SGLang engines with retries, abort resumption and least-in-flight + session-affinity routing.
+
+    Give one URL for a router (or a single engine), several for engines balanced by this client.
+    """
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        timeout_s: float = 600.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 10.0,
+        max_abort_resumes: int = 3,
+        max_connections: int = 4096,
+    ):
+        if not urls:
+            raise ValueError("EngineClient needs at least one engine URL")
+        if max_retries < 0 or max_abort_resumes < 0:
+            raise ValueError("max_retries and max_abort_resumes must be >= 0")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.max_abort_resumes = max_abort_resumes
+        self.stats = EngineStats()
+        self._affinity: OrderedDict[str, str] = OrderedDict()
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            headers={"Content-Type": "application/json"},
+        )
+
+    # ------------------------------------------------------------ routing
+
+    def _pick(self, session_id: str, avoid: set[str]) -> str:
+        """The session's engine, or the least-in-flight one (ties: fewest requests so far)."""
+        url = self._affinity.get(session_id)
+        if url is not None and url not in avoid:
+            self._affinity.move_to_end(session_id)
+            return url
+        candidates = [u for u in self.urls if u not in avoid] or self.urls
+        url = min(candidates, key=lambda u: (self.stats.in_flight[u], self.stats.requests_by_url[u]))
+        self._affinity[session_id] = url
+        self._affinity.move_to_end(session_id)
+        if len(self._affinity) > _AFFINITY_SIZE:
+            self._affinity.popitem(last=False)
+        return url
+
+    def release(self, session_id: str) -> None:
+        """Forget the engine of a finished session."""
+        self._affinity.pop(session_id, None)
+
+    # ------------------------------------------------------------ HTTP with retries
+
+    async def _attempt(self, url: str, path: str, payload: dict[str, Any]) -> Any:
+        stats = self.stats
+        stats.requests += 1
+        stats.requests_by_url[url] += 1
+        stats.in_flight[url] += 1
+        start = time.monotonic()
+        try:
+            response = await self._http.post(url + path, content=orjson.dumps(payload))
+        except httpx.TimeoutException as e:
+            reason = f"no answer within {self.timeout_s}s ({type(e).__name__})"
+            raise _AttemptError("timeout", reason) from None
+        except httpx.TransportError as e:
+            raise _AttemptError("connection", f"{type(e).__name__}: {e}") from None
+        finally:
+            stats.in_flight[url] -= 1
+            stats.latency_sum_s += time.monotonic() - start
+            stats.latency_count += 1
+        if response.status_code >= 500:
+            raise _AttemptError("http_5xx", f"HTTP {response.status_code}: {_error_text(response)}",
+                                response.status_code)
+        if response.status_code >= 400:
+            raise _AttemptError("http_4xx", f"HTTP {response.status_code}: {_error_text(response)}",
+                                response.status_code)
+        try:
+            return orjson.loads(response.content)
+        except orjson.JSONDecodeError as e:
+            reason = f"undecodable JSON ({len(response.content)} bytes): {e}"
+            raise _AttemptError("bad_response", reason) from None
+
+    def _backoff(self, attempt: int) -> float:
+        delay = min(self.max_backoff_s, self.backoff_s * 2**attempt)
+        return delay * (0.5 + random.random() / 2)  # jitter spreads the retries of many trajectories
+
+    async def _post(self, path: str, payload: dict[str, Any], session_id: str,
+                    parse: Callable[[Any], _T]) -> tuple[_T, str, int]:
+        """POST with bounded retries; returns (parsed body, engine URL, attempts).
+
+        `parse` reads the decoded body and may raise `_AttemptError("bad_response")`, which is retried.
+        """
+        avoid: set[str] = set()
+        attempt = 0
+        while True:
+            attempt += 1
+            url = self._pick(session_id, avoid)
+            try:
+                return parse(await self._attempt(url, path, payload)), url, attempt
+            except _AttemptError as e:
+                self.stats.errors[e.kind] += 1
+                if e.kind == "http_4xx" or attempt > self.max_retries:
+                    raise EngineError(e.kind, url, attempt, e.reason, e.status) from None
+                if e.kind == "connection" and len(self.urls) > 1:
+                    # The session's engine may be gone: let the retry go to another one.
+                    avoid.add(url)
+                    self._affinity.pop(session_id, None)
+                self.stats.retries += 1
+                delay = self._backoff(attempt - 1)
+                logger.info("engine %s%s: %s (%s); retry %d/%d in %.2fs", url, path, e.kind, e.reason,
+                            attempt, self.max_retries, delay)
+                await asyncio.sleep(delay)
+
+    # ------------------------------------------------------------ public API
+
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], *, session_id: str,
+                       return_logprob: bool = True) -> GenerateResult:
+        """Token-in-token-out generation; an aborted generation is resumed from its partial output.
+
+        A resume resends `input_ids + output so far` with `max_new_tokens` reduced by what was generated,
+        at most `max_abort_resumes` times; output ids and log-probs are concatenated. If the engine still
+        aborts, the result says `finish_reason="abort"`.
+        """
+        params = to_sglang_sampling_params(sampling_params)
+        budget = params.get("max_new_tokens")
+        out_ids: list[int] = []
+        log_probs: list[float] = []
+        texts: list[str] = []
+        attempts = resumed = 0
+        version: str | None = None
+        while True:
+            if budget is not None:
+                params["max_new_tokens"] = budget - len(out_ids)
+            payload = {"input_ids": [*input_ids, *out_ids], "sampling_params": params,
+                       "return_logprob": return_logprob}
+            chunk, url, n = await self._post(
+                "/generate", payload, session_id, lambda body: _parse_generate(body, return_logprob)
+            )
+            attempts += n
+            out_ids += chunk.output_ids
+            log_probs += chunk.log_probs
+            texts.append(chunk.text)
+            version = chunk.weight_version or version
+            if chunk.finish_reason != "abort" or resumed >= self.max_abort_resumes:
+                break
+            resumed += 1
+            self.stats.aborts_resumed += 1
+            await asyncio.sleep(self._backoff(resumed - 1))
+        if chunk.finish_reason == "abort":
+            self.stats.aborted_results += 1
+        return GenerateResult(
+            output_ids=out_ids,
+            log_probs=log_probs,
+            text="".join(texts),
+            finish_reason=chunk.finish_reason,
+            weight_version=version,
+            engine_url=url,
+            attempts=attempts,
+            resumed=resumed,
+        )
+
+    async def chat(self, messages: list[dict[str, Any]], sampling_params: dict[str, Any], *, session_id: str,
+                   tools: list[dict[str, Any]] | None = None) -> ChatResult:
+        """OpenAI chat completion (text in, text out); no abort resumption in this mode."""
+        payload: dict[str, Any] = {"model": "default", **_chat_params(sampling_params), "messages": messages}
+        if tools:
+            payload["tools"] = tools
+
+        def check(body: Any) -> ChatResult:
+            try:
+                choice = body["choices"][0]
+                text = choice["message"].get("content") or ""
+                finish = str(choice.get("finish_reason") or "stop")
+            except (KeyError, TypeError, IndexError, AttributeError) as e:
+                raise _AttemptError("bad_response", f"unexpected chat response: {e}") from None
+            return ChatResult(text=text, finish_reason=finish, engine_url="", attempts=0, raw=body)
+
+        result, url, attempts = await self._post("/v1/chat/completions", payload, session_id, check)
+        result.engine_url, result.attempts = url, attempts
+        if result.finish_reason == "abort":
+            self.stats.aborted_results += 1
+        return result
+
+    async def aclose(self) -> None:
+        """Close the pooled connections."""
+        await self._http.aclose()

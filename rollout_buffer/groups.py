@@ -1,0 +1,101 @@
+"""What happens to a group when its last trajectory arrives: validity filters, then reward normalization."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+Record = dict[str, Any]
+
+# Standard deviations below this count as zero variance (all rewards equal).
+ZERO_VARIANCE_EPS = 1e-8
+# Added to the denominator as slime's GRPO normalization does.
+NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class GroupOutcome:
+    """A finished group: delivered when `reason` is None, else dropped for that reason."""
+
+    records: list[Record]
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class GroupPolicy:
+    """How a run finalizes its groups. Generator hooks use slime's names and signatures."""
+
+    normalize: bool = True
+    drop_zero_variance: bool = False
+    is_valid_group: Callable[[list[Record]], Any] | None = None
+    transform_group: Callable[[list[Record]], list[Record]] | None = None
+
+    def finalize(self, records: list[Record]) -> GroupOutcome:
+        """Filter, normalize and transform one complete group. Never raises: a hook error drops the group."""
+        for r in records:
+            if r.get("raw_reward") is None:
+                r["raw_reward"] = r["reward"]
+        reason = failed_reason(records)
+        if reason is None:
+            try:
+                reason = self._validity_reason(records)
+            except Exception as e:  # a user hook must not take the store down
+                reason = f"is_valid_group_error: {type(e).__name__}: {e}"
+        if reason is not None:
+            return GroupOutcome(records, reason)
+        if self.normalize:
+            normalize_rewards(records)
+        if self.transform_group is not None:
+            try:
+                records = list(self.transform_group(records))
+            except Exception as e:
+                return GroupOutcome(records, f"transform_group_error: {type(e).__name__}: {e}")
+        return GroupOutcome(records)
+
+    def _validity_reason(self, records: list[Record]) -> str | None:
+        if self.is_valid_group is not None:
+            verdict = self.is_valid_group(records)
+            # slime's hooks return a bool, or a (bool, reason) pair in some generators.
+            ok, why = verdict if isinstance(verdict, tuple) else (verdict, "invalid_group")
+            return None if ok else str(why or "invalid_group")
+        if not all(has_response(r) for r in records):
+            return "empty_response"
+        if self.drop_zero_variance and reward_std(records) < ZERO_VARIANCE_EPS:
+            return "zero_variance"
+        return None
+
+
+def failed_reason(records: list[Record]) -> str | None:
+    """A group with a failed trajectory cannot be trained on as a whole."""
+    if any(r.get("status") == "failed" for r in records):
+        return "failed_trajectory"
+    return None
+
+
+def has_response(record: Record) -> bool:
+    """slime's rule: the trajectory ends with a non-empty assistant message."""
+    messages = record.get("messages") or []
+    if not messages:
+        return False
+    last = messages[-1]
+    content = last.get("content") if isinstance(last, dict) else None
+    if isinstance(content, list):  # OpenAI content parts
+        content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return last.get("role") == "assistant" and bool(str(content or "").strip() or last.get("tool_calls"))
+
+
+def reward_std(records: list[Record]) -> float:
+    """Population standard deviation of the raw rewards of a group."""
+    rewards = [float(r["raw_reward"]) for r in records]
+    return statistics.pstdev(rewards) if len(rewards) > 1 else 0.0
+
+
+def normalize_rewards(records: list[Record]) -> None:
+    """GRPO: reward = (raw − mean) / (std + eps) per group; a zero-variance group gets 0 everywhere."""
+    rewards = [float(r["raw_reward"]) for r in records]
+    mean = statistics.fmean(rewards)
+    std = reward_std(records)
+    for r, raw in zip(records, rewards, strict=True):
+        r["reward"] = 0.0 if std < ZERO_VARIANCE_EPS else (raw - mean) / (std + NORM_EPS)

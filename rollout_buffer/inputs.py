@@ -1,0 +1,90 @@
+"""The rollout input file: JSONL, one task per line, validated up front and streamed during the run."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+# A required field is a name, or a tuple of names of which one must be present.
+RequiredField = str | tuple[str, ...]
+
+
+class InputFileError(ValueError):
+    """The input file is missing, unreadable or has a bad line; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class InputSummary:
+    """What validation learned about an input file."""
+
+    path: Path
+    num_items: int
+
+
+def resolve_input_path(raw: str, roots: Sequence[Path]) -> Path:
+    """Resolve `input_file`, refusing paths outside the allowed roots (symlinks resolved first)."""
+    path = Path(raw).expanduser()
+    try:
+        resolved = path.resolve(strict=True)
+    except FileNotFoundError:
+        raise InputFileError(f"input_file: {raw} does not exist") from None
+    except OSError as e:
+        raise InputFileError(f"input_file: {raw} cannot be opened: {e.strerror or e}") from None
+    if roots and not any(resolved.is_relative_to(r.resolve()) for r in roots):
+        raise InputFileError(f"input_file: {raw} is outside the allowed data roots")
+    if not resolved.is_file():
+        raise InputFileError(f"input_file: {raw} is not a regular file")
+    return resolved
+
+
+def iter_items(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield (line number, item) for every non-blank line; `instance_id` defaults to the line number."""
+    with path.open("rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            item = _parse(path, lineno, line)
+            if item.get("instance_id") is None:
+                item["instance_id"] = str(lineno - 1)
+            else:
+                item["instance_id"] = str(item["instance_id"])
+            yield lineno, item
+
+
+def validate_file(path: Path, required: Sequence[RequiredField] = ()) -> InputSummary:
+    """Read the whole file once: every line a JSON object with the required fields, ids unique."""
+    seen: dict[str, int] = {}
+    count = 0
+    try:
+        for lineno, item in iter_items(path):
+            for field in required:
+                names = (field,) if isinstance(field, str) else field
+                if not any(item.get(n) is not None for n in names):
+                    wanted = " or ".join(repr(n) for n in names)
+                    raise InputFileError(f"input_file: {path} line {lineno}: missing required field {wanted}")
+            iid = item["instance_id"]
+            if iid in seen:
+                raise InputFileError(
+                    f"input_file: {path} line {lineno}: instance_id {iid!r} repeats line {seen[iid]}"
+                )
+            seen[iid] = lineno
+            count += 1
+    except OSError as e:
+        raise InputFileError(f"input_file: {path} cannot be read: {e.strerror or e}") from None
+    if count == 0:
+        raise InputFileError(f"input_file: {path} has no tasks")
+    return InputSummary(path, count)
+
+
+def _parse(path: Path, lineno: int, line: bytes) -> dict[str, Any]:
+    try:
+        item = orjson.loads(line)
+    except orjson.JSONDecodeError as e:
+        raise InputFileError(f"input_file: {path} line {lineno}: not valid JSON ({e})") from None
+    if not isinstance(item, dict):
+        raise InputFileError(f"input_file: {path} line {lineno}: expected a JSON object")
+    return item

@@ -1,0 +1,381 @@
+"""The rollout runner: one asyncio task per run keeps `num_process` trajectories in flight.
+
+Work is created lazily (a semaphore is taken before each trajectory task exists), so a huge input file
+never sits in memory as tasks. Repeats of one instance are scheduled back to back so groups complete early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import traceback
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from pydantic import ValidationError
+
+from rollout_buffer.buffer import RolloutBuffer
+from rollout_buffer.config import ServerConfig
+from rollout_buffer.context import RolloutContext, RunResources, stamp
+from rollout_buffer.engine import EngineClient, EngineError
+from rollout_buffer.inputs import InputFileError
+from rollout_buffer.plugins import Generator
+from rollout_buffer.schemas import StartRolloutRequest, TrajectoryRecord
+from rollout_buffer.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Progress:
+    """Live counts of one run, shown in /status and the log."""
+
+    run_id: str
+    total: int
+    started_at: float = field(default_factory=time.time)
+    done: int = 0
+    failed: int = 0
+    in_flight: int = 0
+    skipped: int = 0
+    statuses: Counter[str] = field(default_factory=Counter)
+    failures: Counter[str] = field(default_factory=Counter)
+    state: str = "running"
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-ready view, with the rate in trajectories per second."""
+        elapsed = max(time.time() - self.started_at, 1e-9)
+        return {
+            "run_id": self.run_id,
+            "state": self.state,
+            "total": self.total,
+            "done": self.done,
+            "failed": self.failed,
+            "in_flight": self.in_flight,
+            "skipped": self.skipped,
+            "rate": self.done / elapsed,
+            "elapsed_s": elapsed,
+            "statuses": dict(self.statuses),
+            "failures": dict(self.failures),
+        }
+
+
+def uid_for(run_id: str, instance_id: str, epoch: int, repeat: int) -> str:
+    """Deterministic uid: a resumed run recognises what it already wrote."""
+    return f"{run_id}:{instance_id}:{epoch}:{repeat}"
+
+
+class LineIndex:
+    """Byte offsets of the input file's task lines, so epochs can be shuffled without holding items."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offsets: list[int] = []
+        with path.open("rb") as f:
+            pos = 0
+            for line in f:
+                if line.strip():
+                    self.offsets.append(pos)
+                pos += len(line)
+        self._fh = path.open("rb")
+
+    def read(self, i: int) -> dict[str, Any]:
+        """The i-th task, with `instance_id` defaulting to its position."""
+        self._fh.seek(self.offsets[i])
+        item = orjson.loads(self._fh.readline())
+        if not isinstance(item, dict):
+            raise InputFileError(f"input_file: {self.path} task {i}: expected a JSON object")
+        item["instance_id"] = str(item["instance_id"]) if item.get("instance_id") is not None else str(i)
+        return item
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+class Run:
+    """One rollout run: schedules trajectories, records every outcome, ends by itself."""
+
+    def __init__(self, run_id: str, req: StartRolloutRequest, input_path: Path, generator: Generator,
+                 buffer: RolloutBuffer, config: ServerConfig):
+        self.run_id = run_id
+        self.req = req
+        self.input_path = input_path
+        self.generator = generator
+        self.buffer = buffer
+        self.config = config
+        self.progress = Progress(run_id, total=0)
+        self.task: asyncio.Task[None] | None = None
+        self._run_row: dict[str, Any] | None = None
+
+    def start(self) -> None:
+        """Launch the run in the background."""
+        self.task = asyncio.create_task(self._main(), name=f"run-{self.run_id}")
+
+    async def cancel(self) -> None:
+        """Stop scheduling and cancel in-flight trajectories (their groups stay open)."""
+        if self.task and not self.task.done():
+            self.task.cancel()
+            try:
+                await self.task
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    async def _main(self) -> None:
+        try:
+            self._run_row = await self.buffer.store.get_run(self.run_id)
+            if self.generator.native:
+                await self._run_native()
+            else:
+                await self._run_slime_style()
+            self.progress.state = "finished"
+            await self.buffer.store.set_run_state(self.run_id, "finished")
+            log.info("run %s finished: %s", self.run_id, self.progress.snapshot())
+        except asyncio.CancelledError:
+            self.progress.state = "stopped"
+            raise
+        except Exception as e:
+            self.progress.state = "failed"
+            log.exception("run %s failed", self.run_id)
+            await self.buffer.store.set_run_state(self.run_id, "failed", f"{type(e).__name__}: {e}")
+        finally:
+            await self._save_progress()
+
+    async def _save_progress(self) -> None:
+        try:
+            await self.buffer.store.set_run_progress(self.run_id, self.progress.snapshot())
+        except Exception as e:  # progress is advisory; never let it end a run
+            log.warning("could not save progress of %s: %s", self.run_id, e)
+
+    # ---- native generators -----------------------------------------------------------------------
+    async def _run_native(self) -> None:
+        req = self.req
+        tokenizer = await self._load_tokenizer()
+        engine = EngineClient(req.engine_urls(), **_engine_options(req))
+        index = await asyncio.to_thread(LineIndex, self.input_path)
+        extra = req.model_extra or {}
+        resources = RunResources(
+            run_id=self.run_id,
+            task_type=req.task_type,
+            config=req.model_dump(mode="json"),
+            engine=engine,
+            tokenizer=tokenizer,
+            sampling_params=_sampling_params(req),
+            max_tokens=req.max_tokens or req.sampling_params.get("max_tokens"),
+            sanity_check=str(extra.get("tokenization_sanity_check_mode", "strict")),
+            chat_template_kwargs=extra.get("chat_template_kwargs"),
+        )
+        n = req.num_repeat_per_sample
+        self.progress.total = len(index.offsets) * req.num_epoch * n
+        done_groups, partial = await self._stored_work()
+        skip = Counter(req.skip_instance_ids or [])
+        sem = asyncio.Semaphore(req.num_process)
+        tasks: set[asyncio.Task[None]] = set()
+        reporter = asyncio.create_task(self._report_loop())
+        try:
+            for epoch, i in self._schedule(len(index.offsets)):
+                item = index.read(i)
+                iid = item["instance_id"]
+                if skip[iid] > 0:
+                    skip[iid] -= 1
+                    self.progress.skipped += n
+                    continue
+                if (iid, epoch) in done_groups:
+                    self.progress.skipped += n
+                    continue
+                have = partial.get((iid, epoch), set())
+                for repeat in range(n):
+                    uid = uid_for(self.run_id, iid, epoch, repeat)
+                    if uid in have:
+                        self.progress.skipped += 1
+                        continue
+                    await sem.acquire()
+                    ctx = RolloutContext(resources, iid, epoch, repeat, uid)
+                    t = asyncio.create_task(self._one(item, ctx, sem))
+                    tasks.add(t)
+                    t.add_done_callback(tasks.discard)
+            if tasks:
+                await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            reporter.cancel()
+            index.close()
+            await engine.aclose()
+
+    def _schedule(self, num_items: int) -> Iterator[tuple[int, int]]:
+        for epoch in range(self.req.num_epoch):
+            order = list(range(num_items))
+            if self.req.shuffle:
+                random.Random(self.req.seed + epoch).shuffle(order)
+            for i in order:
+                yield epoch, i
+
+    async def _stored_work(self) -> tuple[set[tuple[str, int]], dict[tuple[str, int], set[str]]]:
+        """What a resumed run already has: finished groups, and the uids of unfinished ones."""
+
+        def op(conn: Any) -> tuple[set[tuple[str, int]], dict[tuple[str, int], set[str]]]:
+            done = {
+                (i, e)
+                for i, e in conn.execute(
+                    "SELECT instance_id, epoch FROM groups WHERE run_id=? AND state!='open'", (self.run_id,)
+                )
+            }
+            partial: dict[tuple[str, int], set[str]] = {}
+            for i, e, uid in conn.execute(
+                "SELECT t.instance_id, t.epoch, t.uid FROM trajectories t JOIN groups g ON "
+                "g.run_id=t.run_id AND g.instance_id=t.instance_id AND g.epoch=t.epoch AND g.part=t.part "
+                "WHERE t.run_id=? AND g.state='open'",
+                (self.run_id,),
+            ):
+                partial.setdefault((i, e), set()).add(uid)
+            return done, partial
+
+        return await self.buffer.store.call(op)
+
+    async def _one(self, item: dict[str, Any], ctx: RolloutContext, sem: asyncio.Semaphore) -> None:
+        self.progress.in_flight += 1
+        try:
+            records = await self._generate(item, ctx)
+            await self._write(records)
+        finally:
+            self.progress.in_flight -= 1
+            sem.release()
+
+    async def _generate(self, item: dict[str, Any], ctx: RolloutContext) -> list[TrajectoryRecord]:
+        try:
+            out = await self.generator.module.run_rollout(item, ctx)
+            outs = out if isinstance(out, list) else [out]
+            single = len(outs) == 1
+            return [TrajectoryRecord.model_validate(stamp(o, ctx, None if single else k))
+                    for k, o in enumerate(outs)]
+        except asyncio.CancelledError:
+            raise
+        except EngineError as e:
+            return [self._failed(item, ctx, f"engine_{e.kind}", str(e))]
+        except ValidationError as e:
+            return [self._failed(item, ctx, "bad_record", f"generator returned an invalid record: {e}")]
+        except Exception as e:
+            log.debug("generator %s raised on %s: %s", self.req.task_type, ctx.uid, traceback.format_exc())
+            return [self._failed(item, ctx, "generator_error", f"{type(e).__name__}: {e}")]
+
+    def _failed(self, item: dict[str, Any], ctx: RolloutContext, kind: str, text: str) -> TrajectoryRecord:
+        self.progress.failures[kind] += 1
+        prompt = item.get("prompt")
+        messages = prompt if isinstance(prompt, list) else ([{"role": "user", "content": prompt}] if prompt else [])
+        rec = stamp({"messages": messages, "reward": 0.0, "status": "failed",
+                     "extra_info": {"error": text, "error_kind": kind}}, ctx)
+        return TrajectoryRecord.model_validate(rec)
+
+    async def _write(self, records: list[TrajectoryRecord]) -> None:
+        if self._run_row is None:
+            raise RuntimeError(f"run {self.run_id} vanished from the store")
+        await self.buffer.write(records, self._run_row)
+        for r in records:
+            self.progress.statuses[r.status] += 1
+            if r.status == "failed":
+                self.progress.failed += 1
+            else:
+                self.progress.done += 1
+
+    async def _load_tokenizer(self) -> Any | None:
+        path = self.req.tokenizer_path
+        if not path:
+            log.info("run %s: no tokenizer_path, chat mode (messages only)", self.run_id)
+            return None
+        try:
+            return await asyncio.to_thread(load_tokenizer, path)
+        except Exception as e:
+            log.warning("run %s: tokenizer %s did not load (%s); chat mode", self.run_id, path, e)
+            return None
+
+    async def _report_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.progress_log_s)
+            s = self.progress.snapshot()
+            log.info("run %s: %d/%d done, %d in flight, %d failed, %.1f traj/s", self.run_id,
+                     s["done"] + s["failed"], s["total"] - s["skipped"], s["in_flight"], s["failed"], s["rate"])
+            await self._save_progress()
+
+    # ---- slime-style generators ------------------------------------------------------------------
+    async def _run_slime_style(self) -> None:
+        payload = self.req.model_dump(mode="json")
+        if not payload.get("remote_buffer_url"):
+            payload["remote_buffer_url"] = f"http://{self.config.host}:{self.config.port}"
+        # slime's generators block for the whole rollout and post records over HTTP.
+        await asyncio.to_thread(self.generator.module.run_rollout, payload)
+
+
+class RunManager:
+    """Starts, replaces and resumes runs; at most one runs at a time."""
+
+    def __init__(self, config: ServerConfig, buffer: RolloutBuffer, generators: dict[str, Generator]):
+        self.config = config
+        self.buffer = buffer
+        self.generators = generators
+        self.current: Run | None = None
+
+    async def start(self, req: StartRolloutRequest, input_path: Path, num_items: int) -> str:
+        """Create a run in the store and launch it; a running run is replaced (its data stays)."""
+        await self._stop_current()
+        cfg = req.model_dump(mode="json")
+        cfg["input_file"] = str(input_path)
+        cfg["num_items"] = num_items
+        run_id = await self.buffer.create_run(cfg, req.num_repeat_per_sample)
+        self._launch(run_id, req, input_path)
+        return run_id
+
+    def _launch(self, run_id: str, req: StartRolloutRequest, input_path: Path) -> None:
+        gen = self.generators[req.task_type]
+        self.current = Run(run_id, req, input_path, gen, self.buffer, self.config)
+        self.current.start()
+
+    async def resume(self) -> None:
+        """After a restart, continue the run that was running (complete groups are not regenerated)."""
+        run = await self.buffer.store.latest_run()
+        if run is None or run["state"] != "running" or not run["config"].get("task_type"):
+            return
+        cfg = run["config"]
+        try:
+            req = StartRolloutRequest.model_validate(cfg)
+            gen = self.generators[req.task_type]
+            path = Path(cfg["input_file"])
+            if not path.is_file():
+                raise InputFileError(f"input_file: {path} is gone")
+        except (ValidationError, KeyError, InputFileError) as e:
+            log.error("cannot resume run %s: %s", run["run_id"], e)
+            await self.buffer.store.set_run_state(run["run_id"], "failed", f"resume failed: {e}")
+            return
+        log.info("resuming run %s (%s)", run["run_id"], gen.task_type)
+        self._launch(run["run_id"], req, path)
+
+    def progress(self) -> dict[str, Any] | None:
+        """Live progress of the current run."""
+        return self.current.progress.snapshot() if self.current else None
+
+    async def _stop_current(self) -> None:
+        if self.current is not None:
+            log.info("replacing run %s", self.current.run_id)
+            await self.current.cancel()
+            self.current = None
+
+    async def shutdown(self) -> None:
+        """Stop the current run; it stays `running` in the store and resumes at the next start."""
+        await self._stop_current()
+
+
+def _sampling_params(req: StartRolloutRequest) -> dict[str, Any]:
+    params = dict(req.sampling_params)
+    if req.max_tokens is not None:
+        params.setdefault("max_tokens", req.max_tokens)
+    return params
+
+
+def _engine_options(req: StartRolloutRequest) -> dict[str, Any]:
+    extra = req.model_extra or {}
+    keys = ("timeout_s", "max_retries", "backoff_s", "max_abort_resumes")
+    return {k: extra[k] for k in keys if k in extra}

@@ -1,0 +1,128 @@
+"""Wire schemas of the HTTP protocol: what slime sends and what it gets back."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+TrajectoryStatus = Literal["completed", "truncated", "aborted", "failed"]
+
+
+class TrajectoryRecord(BaseModel):
+    """One finished trajectory, as `/buffer/write` takes it and `/get_rollout_data` returns it.
+
+    slime's keys (`uid`, `instance_id`, `messages`, `reward`, `extra_info`) are required; the exact
+    token fields are filled when the generator ran in token mode. Unknown keys are kept.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    uid: str = Field(min_length=1)
+    instance_id: str
+    messages: list[dict[str, Any]]
+    reward: float
+    extra_info: dict[str, Any] = Field(default_factory=dict)
+    raw_reward: float | None = None
+    status: TrajectoryStatus = "completed"
+    tokens: list[int] | None = None
+    loss_mask: list[int] | None = None
+    rollout_log_probs: list[float] | None = None
+    response_length: int | None = None
+    weight_versions: list[str] | None = None
+
+    @field_validator("instance_id", mode="before")
+    @classmethod
+    def _instance_id_as_str(cls, v: Any) -> Any:
+        # slime's data often has integer ids; the store keys on strings.
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+    @field_validator("reward", "raw_reward")
+    @classmethod
+    def _finite(cls, v: float | None) -> float | None:
+        if v is not None and not math.isfinite(v):
+            raise ValueError("must be a finite number (NaN and infinity are refused)")
+        return v
+
+    @model_validator(mode="after")
+    def _token_fields_align(self) -> TrajectoryRecord:
+        if self.tokens is not None and self.loss_mask is not None:
+            n_mask = len(self.loss_mask)
+            if self.response_length is not None and n_mask not in (len(self.tokens), self.response_length):
+                raise ValueError("loss_mask must cover all tokens or the last response_length tokens")
+        if self.rollout_log_probs is not None and self.response_length is not None:
+            if len(self.rollout_log_probs) != self.response_length:
+                raise ValueError("rollout_log_probs must have response_length entries")
+        return self
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the record: `extra_info.epoch`, 0 when absent."""
+        try:
+            return int(self.extra_info.get("epoch", 0) or 0)
+        except (TypeError, ValueError):
+            return 0
+
+
+class StartRolloutRequest(BaseModel):
+    """slime's `/start_rollout` payload. Numbers may arrive as strings, as slime sends them."""
+
+    model_config = ConfigDict(extra="allow")
+
+    task_type: str = Field(min_length=1)
+    input_file: str = Field(min_length=1)
+    num_repeat_per_sample: int = Field(default=8, ge=1, le=4096)
+    num_epoch: int = Field(default=1, ge=1)
+    num_process: int = Field(default=256, ge=1, le=1_000_000)
+    remote_engine_url: str | list[str] | None = None
+    remote_buffer_url: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    tokenizer_path: str | None = None
+    skip_instance_ids: list[str] | None = None
+    # Group policy: slime's validity rule by default, DAPO dynamic sampling on request.
+    drop_zero_variance: bool = False
+    normalize_rewards: bool = True
+    shuffle: bool = True
+    seed: int = 42
+
+    @field_validator("skip_instance_ids", mode="before")
+    @classmethod
+    def _ids_as_str(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            return [str(x) if isinstance(x, int) and not isinstance(x, bool) else x for x in v]
+        return v
+
+    @field_validator("remote_engine_url")
+    @classmethod
+    def _urls(cls, v: str | list[str] | None) -> str | list[str] | None:
+        urls = [v] if isinstance(v, str) else (v or [])
+        for u in urls:
+            if not u.startswith(("http://", "https://")):
+                raise ValueError(f"engine URL {u!r} must start with http:// or https://")
+        if isinstance(v, list) and not v:
+            raise ValueError("needs at least one engine URL")
+        return v
+
+    def engine_urls(self) -> list[str]:
+        """The engine URLs as a list (one router, or several engines)."""
+        v = self.remote_engine_url
+        return [] if v is None else ([v] if isinstance(v, str) else list(v))
+
+
+class GetRolloutDataRequest(BaseModel):
+    """Body of `/get_rollout_data`; slime's original client sends `{}`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    max_groups: int | None = Field(default=None, ge=1)
+    wait_s: float = Field(default=0.0, ge=0.0, le=600.0)
+    lease_s: float | None = Field(default=None, gt=0.0, le=86_400.0)
+    ack: str | None = None
+
+
+class AckRequest(BaseModel):
+    """Body of `/ack`."""
+
+    batch_id: str = Field(min_length=1)

@@ -1,0 +1,247 @@
+"""Scripted replies of the simulated engine, chosen from the conversation text.
+
+The policy table is ordered: the first policy whose `applies` accepts the conversation writes the reply.
+Randomness comes in through a `Draw` made by the engine from its seeded RNG, so a policy is a pure function
+of (conversation text, draw). The phrasing variant is derived from the question itself, which makes the
+reply for a given prompt and draw identical across requests and processes.
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+import re
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from fractions import Fraction
+
+_WRONG_OFFSETS = (-3, -2, -1, 1, 2, 3)
+_MAX_EXPR_CHARS = 200
+
+
+@dataclass(frozen=True)
+class Draw:
+    """The random choices of one request: is the answer right, how far off it is, is the action invalid."""
+
+    correct: bool
+    offset: int
+    invalid: bool
+
+
+def make_draw(rng: random.Random, correct_rate: float, invalid_rate: float) -> Draw:
+    """Draw the choices of one request; always consumes the same number of RNG values."""
+    correct = rng.random() < correct_rate
+    offset = rng.choice(_WRONG_OFFSETS)
+    invalid = rng.random() < invalid_rate
+    return Draw(correct=correct, offset=offset, invalid=invalid)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One scripted behaviour: when it applies and what it says."""
+
+    name: str
+    applies: Callable[[str], bool]
+    reply: Callable[[str, Draw], str]
+
+
+def _variant(text: str, n: int) -> int:
+    return zlib.crc32(text.encode()) % n
+
+
+def last_user_turn(text: str) -> str:
+    """Content of the last ChatML user turn, or the whole text when it has no chat markup."""
+    start = text.rfind("<|im_start|>user")
+    if start < 0:
+        return text
+    end = text.find("<|im_end|>", start)
+    return text[start + len("<|im_start|>user") : end if end >= 0 else len(text)].strip()
+
+
+# ---------------------------------------------------------------- math
+
+
+_EXPR = re.compile(r"(?<![\w.])[(\d][\d\s()+\-*/×÷]*[\d)]")
+
+
+@dataclass(frozen=True)
+class Arithmetic:
+    """A parsed arithmetic question: its text, exact value and the evaluation steps in order."""
+
+    expr: str
+    value: Fraction
+    steps: tuple[tuple[str, Fraction], ...]
+
+
+def _evaluate(node: ast.expr, steps: list[tuple[str, Fraction]]) -> Fraction:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+        return Fraction(node.value)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_evaluate(node.operand, steps)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
+        left, right = _evaluate(node.left, steps), _evaluate(node.right, steps)
+        symbol = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}[type(node.op)]
+        if isinstance(node.op, ast.Div):
+            if right == 0:
+                raise ZeroDivisionError
+            value = left / right
+        else:
+            value = {"+": left + right, "-": left - right, "*": left * right}[symbol]
+        steps.append((f"{format_number(left)} {symbol} {format_number(right)}", value))
+        return value
+    raise ValueError("not simple arithmetic")
+
+
+def _parse(candidate: str) -> Arithmetic | None:
+    expr = " ".join(candidate.replace("×", "*").replace("÷", "/").split())
+    # The pattern may swallow an unmatched bracket of the surrounding prose: drop it.
+    while expr.endswith(")") and expr.count(")") > expr.count("("):
+        expr = expr[:-1].rstrip()
+    while expr.startswith("(") and expr.count("(") > expr.count(")"):
+        expr = expr[1:].lstrip()
+    if not expr or len(expr) > _MAX_EXPR_CHARS or not re.search(r"\d\s*\)*\s*[-+*/]", expr):
+        return None
+    try:
+        tree = ast.parse(expr, mode="eval")
+        steps: list[tuple[str, Fraction]] = []
+        value = _evaluate(tree.body, steps)
+    except (SyntaxError, ValueError, ZeroDivisionError):
+        return None
+    return Arithmetic(expr=expr, value=value, steps=tuple(steps)) if steps else None
+
+
+def find_arithmetic(text: str) -> Arithmetic | None:
+    """The last arithmetic expression of the last user turn (else of the whole text), evaluated exactly."""
+    for scope in (last_user_turn(text), text):
+        for match in reversed(list(_EXPR.finditer(scope))):
+            parsed = _parse(match.group(0))
+            if parsed is not None:
+                return parsed
+    return None
+
+
+def format_number(value: Fraction) -> str:
+    """An integer as digits, anything else as a LaTeX fraction."""
+    if value.denominator == 1:
+        return str(value.numerator)
+    sign = "-" if value < 0 else ""
+    return f"{sign}\\frac{{{abs(value.numerator)}}}{{{value.denominator}}}"
+
+
+def _math_reply(text: str, draw: Draw) -> str:
+    problem = find_arithmetic(text)
+    if problem is None:
+        return _guess_reply(text, draw)
+    shown = problem.value if draw.correct else problem.value + draw.offset
+    lines = [f"{step} = {format_number(v)}" for step, v in problem.steps[:-1]]
+    lines.append(f"{problem.steps[-1][0]} = {format_number(shown)}")
+    opener = (
+        f"I need to compute {problem.expr}.",
+        f"Let me work out {problem.expr} step by step.",
+        f"The question asks for {problem.expr}; I will evaluate it carefully.",
+    )[_variant(problem.expr, 3)]
+    reasoning = "\n".join([opener, *lines])
+    return f"<think>\n{reasoning}\n</think>\n\nThe answer is \\boxed{{{format_number(shown)}}}."
+
+
+def _is_math(text: str) -> bool:
+    return find_arithmetic(text) is not None
+
+
+# ---------------------------------------------------------------- search (Search-R1 tags)
+
+
+_INFORMATION = re.compile(r"<information>(.*?)</information>", re.DOTALL)
+_QUESTION = re.compile(r"question:\s*", re.IGNORECASE)
+_EXPLICIT_ANSWER = re.compile(r"\banswer\s*(?:is|:)\s*([^\n.;]+)", re.IGNORECASE)
+_TITLE = re.compile(r"\(Title:\s*\"?(.+?)\"?\)(?=\s|$)")
+
+
+def _question(text: str) -> str:
+    """The question: the line after the last 'Question:', else the last line of the first user turn."""
+    matches = list(_QUESTION.finditer(text))
+    if matches:
+        rest = text[matches[-1].end() :]
+    else:
+        start = text.find("<|im_start|>user")
+        rest = text[start + len("<|im_start|>user") :] if start >= 0 else text
+        rest = rest.split("<|im_end|>", 1)[0].strip()
+        rest = rest.splitlines()[-1] if rest else ""
+    first_line = rest.split("<|im_end|>", 1)[0].strip().split("\n", 1)[0]
+    return first_line.strip().rstrip("?").strip()[:200] or "the question"
+
+
+def _rollout_part(text: str) -> str:
+    """The text produced after the prompt: from the first assistant turn, else after 'Question:'.
+
+    Search-R1 instructions themselves mention `<information>` tags; only blocks in this part count.
+    """
+    start = text.find("<|im_start|>assistant")
+    if start >= 0:
+        return text[start:]
+    matches = list(_QUESTION.finditer(text))
+    return text[matches[-1].end() :] if matches else text
+
+
+def answer_candidates(information: str) -> list[str]:
+    """Possible answers found in retrieved text: an explicit 'answer is X', then document titles, then
+    the first words of the text. The first candidate is the one a correct reply gives."""
+    found = [m.group(1).strip() for m in _EXPLICIT_ANSWER.finditer(information)]
+    found += [m.group(1).strip() for m in _TITLE.finditer(information)]
+    words = information.split()
+    if words:
+        found.append(" ".join(words[:3]))
+    unique: list[str] = []
+    for candidate in found:
+        if candidate and candidate not in unique:
+            unique.append(candidate)
+    return unique
+
+
+def _search_reply(text: str, draw: Draw) -> str:
+    if draw.invalid:
+        return "I should look this up before I answer."
+    blocks = _INFORMATION.findall(_rollout_part(text))
+    if not blocks:
+        query = _question(text)
+        return f"<think>\nI need to find out: {query}.\n</think>\n<search> {query} </search>"
+    candidates = answer_candidates(blocks[-1])
+    if draw.correct and candidates:
+        answer = candidates[0]
+    else:
+        answer = candidates[1] if len(candidates) > 1 else "unknown"
+    return f"<think>\nThe search results point to {answer}.\n</think>\n<answer> {answer} </answer>"
+
+
+def _is_search(text: str) -> bool:
+    return "<search>" in text and "<answer>" in text
+
+
+# ---------------------------------------------------------------- fallback
+
+
+def _guess_reply(text: str, draw: Draw) -> str:
+    guess = 10 + _variant(last_user_turn(text), 90) + (0 if draw.correct else draw.offset)
+    return (
+        "<think>\nThis is not a calculation I can check, so I will make my best guess.\n</think>\n\n"
+        f"The answer is \\boxed{{{guess}}}."
+    )
+
+
+POLICIES: tuple[Policy, ...] = (
+    Policy("search", _is_search, _search_reply),
+    Policy("math", _is_math, _math_reply),
+    Policy("guess", lambda _text: True, _guess_reply),
+)
+
+
+def choose_policy(text: str) -> Policy:
+    """The first policy of the table that applies to the conversation."""
+    return next(p for p in POLICIES if p.applies(text))
+
+
+def scripted_reply(text: str, draw: Draw) -> tuple[str, str]:
+    """(policy name, reply text) for the conversation rendered as `text`."""
+    policy = choose_policy(text)
+    return policy.name, policy.reply(text, draw)

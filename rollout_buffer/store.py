@@ -1,0 +1,497 @@
+"""Durable state in SQLite (WAL): runs, trajectories, groups and delivered batches.
+
+One thread owns the connection. Async callers queue operations; the thread runs every operation that is
+waiting in one transaction (group commit) so thousands of writes per second cost one fsync-free commit
+each batch, and the event loop never blocks on SQLite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import orjson
+
+from rollout_buffer.groups import GroupOutcome, Record
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY,
+    created_at REAL NOT NULL,
+    state TEXT NOT NULL,
+    group_size INTEGER NOT NULL,
+    config BLOB NOT NULL,
+    progress BLOB,
+    error TEXT
+);
+CREATE TABLE IF NOT EXISTS trajectories (
+    uid TEXT PRIMARY KEY,
+    run_id TEXT NOT NULL,
+    instance_id TEXT NOT NULL,
+    epoch INTEGER NOT NULL,
+    part INTEGER NOT NULL,
+    status TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    record BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS trajectories_group ON trajectories(run_id, instance_id, epoch, part);
+CREATE TABLE IF NOT EXISTS groups (
+    run_id TEXT NOT NULL,
+    instance_id TEXT NOT NULL,
+    epoch INTEGER NOT NULL,
+    part INTEGER NOT NULL,
+    size INTEGER NOT NULL,
+    n INTEGER NOT NULL,
+    state TEXT NOT NULL,          -- open | ready | leased | delivered | filtered
+    reason TEXT,
+    ready_seq INTEGER,
+    batch_id TEXT,
+    lease_expires REAL,
+    completed_at REAL,
+    PRIMARY KEY (run_id, instance_id, epoch, part)
+);
+CREATE INDEX IF NOT EXISTS groups_ready ON groups(state, ready_seq);
+CREATE TABLE IF NOT EXISTS batches (
+    batch_id TEXT PRIMARY KEY,
+    created_at REAL NOT NULL,
+    lease_expires REAL,
+    acked_at REAL,
+    num_groups INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+"""
+
+GroupKey = tuple[str, str, int, int]  # run_id, instance_id, epoch, part
+
+
+class StoreError(RuntimeError):
+    """SQLite failed (disk full, I/O error, corrupt file): the caller answers 503, nothing is half-written."""
+
+
+@dataclass
+class NewRecord:
+    """A validated trajectory ready to persist."""
+
+    uid: str
+    instance_id: str
+    epoch: int
+    status: str
+    record: Record
+
+
+@dataclass
+class WriteResult:
+    """What one write call changed."""
+
+    inserted: int = 0
+    duplicates: int = 0
+    completed: list[tuple[GroupKey, str | None]] = field(default_factory=list)  # (group, drop reason)
+
+
+@dataclass
+class Batch:
+    """Groups handed to one consumer call."""
+
+    batch_id: str | None
+    groups: list[list[Record]]
+    next_lease_expiry: float | None
+    redelivered: int = 0
+
+
+class Store:
+    """The SQLite store; every public coroutine runs on the store thread."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._queue: queue.SimpleQueue[tuple[Callable[[sqlite3.Connection], Any], asyncio.Future, Any] | None]
+        self._queue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._conn: sqlite3.Connection | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    async def open(self) -> None:
+        """Create or open the database and start the store thread."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._main, args=(loop, ready), name="store", daemon=True)
+        self._thread.start()
+        await ready
+
+    async def close(self) -> None:
+        """Finish queued operations and close the connection."""
+        if self._thread is None:
+            return
+        self._queue.put(None)
+        await asyncio.to_thread(self._thread.join, 30)
+        self._thread = None
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA journal_mode=WAL")
+        # NORMAL in WAL mode survives a killed process; only power loss can drop the last commits.
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA busy_timeout=5000")
+        conn.executescript(SCHEMA)
+        return conn
+
+    def _main(self, loop: asyncio.AbstractEventLoop, ready: asyncio.Future) -> None:
+        try:
+            self._conn = self._connect()
+        except sqlite3.Error as e:
+            loop.call_soon_threadsafe(ready.set_exception, StoreError(f"cannot open {self.path}: {e}"))
+            return
+        loop.call_soon_threadsafe(ready.set_result, None)
+        conn = self._conn
+        stop = False
+        while not stop:
+            item = self._queue.get()
+            batch = []
+            while item is not None:
+                batch.append(item)
+                if len(batch) >= 512:
+                    break
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            else:
+                stop = True
+            if batch:
+                self._run_batch(conn, batch)
+        conn.close()
+
+    def _run_batch(self, conn: sqlite3.Connection, batch: list) -> None:
+        results: list[tuple[asyncio.Future, Any, BaseException | None]] = []
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for fn, fut, _ in batch:
+                conn.execute("SAVEPOINT op")
+                try:
+                    results.append((fut, fn(conn), None))
+                    conn.execute("RELEASE op")
+                except Exception as e:  # one bad operation must not undo the others
+                    conn.execute("ROLLBACK TO op")
+                    conn.execute("RELEASE op")
+                    results.append((fut, None, e))
+            conn.execute("COMMIT")
+        except sqlite3.Error as e:
+            log.error("store commit failed: %s", e)
+            try:
+                conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            err = StoreError(f"store write failed: {e}")
+            results = [(fut, None, err) for fut, _, _ in batch]
+        for fut, value, exc in results:
+            loop = fut.get_loop()
+            loop.call_soon_threadsafe(_resolve, fut, value, exc)
+
+    async def call(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run `fn(conn)` on the store thread inside the current group-commit transaction."""
+        if self._thread is None:
+            raise StoreError("store is closed")
+        fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._queue.put((fn, fut, None))
+        return await fut
+
+    # ---- runs ------------------------------------------------------------------------------------
+    async def create_run(self, config: dict[str, Any], group_size: int, run_id: str | None = None) -> str:
+        """Start a new run; the running one (if any) becomes `replaced`. Its finished groups stay."""
+        rid = run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+        def op(conn: sqlite3.Connection) -> str:
+            conn.execute("UPDATE runs SET state='replaced' WHERE state='running'")
+            conn.execute(
+                "INSERT INTO runs(run_id, created_at, state, group_size, config) VALUES (?,?,?,?,?)",
+                (rid, time.time(), "running", group_size, orjson.dumps(config)),
+            )
+            return rid
+
+        return await self.call(op)
+
+    async def latest_run(self) -> dict[str, Any] | None:
+        """The newest run (the active one while it runs), or None."""
+
+        def op(conn: sqlite3.Connection) -> dict[str, Any] | None:
+            row = conn.execute(
+                "SELECT run_id, created_at, state, group_size, config, progress, error FROM runs "
+                "ORDER BY created_at DESC, rowid DESC LIMIT 1"
+            ).fetchone()
+            return _run_row(row) if row else None
+
+        return await self.call(op)
+
+    async def get_run(self, run_id: str) -> dict[str, Any] | None:
+        """One run by id."""
+
+        def op(conn: sqlite3.Connection) -> dict[str, Any] | None:
+            row = conn.execute(
+                "SELECT run_id, created_at, state, group_size, config, progress, error FROM runs "
+                "WHERE run_id=?",
+                (run_id,),
+            ).fetchone()
+            return _run_row(row) if row else None
+
+        return await self.call(op)
+
+    async def set_run_state(self, run_id: str, state: str, error: str | None = None) -> None:
+        """Mark a run finished / failed (a replaced run keeps its state)."""
+        await self.call(
+            lambda c: c.execute(
+                "UPDATE runs SET state=?, error=? WHERE run_id=? AND state='running'", (state, error, run_id)
+            )
+        )
+
+    async def set_run_progress(self, run_id: str, progress: dict[str, Any]) -> None:
+        """Persist a progress snapshot so /status survives restarts."""
+        blob = orjson.dumps(progress)
+        await self.call(lambda c: c.execute("UPDATE runs SET progress=? WHERE run_id=?", (blob, run_id)))
+
+    # ---- writes ----------------------------------------------------------------------------------
+    async def write_records(
+        self,
+        run_id: str,
+        group_size: int,
+        records: Iterable[NewRecord],
+        finalize: Callable[[list[Record]], GroupOutcome],
+    ) -> WriteResult:
+        """Persist records (duplicate uids ignored) and finalize every group they complete."""
+        items = list(records)
+        return await self.call(lambda conn: _write(conn, run_id, group_size, items, finalize))
+
+    # ---- reads -----------------------------------------------------------------------------------
+    async def take(self, max_groups: int | None, lease_s: float | None, now: float | None = None) -> Batch:
+        """Hand out the oldest ready groups: leased for `lease_s`, or consumed when lease_s is None."""
+        return await self.call(lambda conn: _take(conn, max_groups, lease_s, now or time.time()))
+
+    async def ack(self, batch_id: str) -> int:
+        """Mark a leased batch consumed; returns how many groups it covered (0 for an unknown batch)."""
+
+        def op(conn: sqlite3.Connection) -> int:
+            cur = conn.execute(
+                "UPDATE groups SET state='delivered', lease_expires=NULL "
+                "WHERE batch_id=? AND state IN ('leased','ready')",
+                (batch_id,),
+            )
+            conn.execute("UPDATE batches SET acked_at=? WHERE batch_id=? AND acked_at IS NULL",
+                         (time.time(), batch_id))
+            return cur.rowcount
+
+        return await self.call(op)
+
+    async def group_counts(self, run_id: str | None = None) -> dict[str, int]:
+        """Groups by state (one run, or all)."""
+
+        def op(conn: sqlite3.Connection) -> dict[str, int]:
+            sql = "SELECT state, count(*) FROM groups"
+            args: tuple = ()
+            if run_id is not None:
+                sql += " WHERE run_id=?"
+                args = (run_id,)
+            return dict(conn.execute(sql + " GROUP BY state", args).fetchall())
+
+        return await self.call(op)
+
+    async def filter_counts(self, run_id: str | None = None) -> dict[str, int]:
+        """Dropped groups by reason."""
+
+        def op(conn: sqlite3.Connection) -> dict[str, int]:
+            sql = "SELECT reason, count(*) FROM groups WHERE state='filtered'"
+            args: tuple = ()
+            if run_id is not None:
+                sql += " AND run_id=?"
+                args = (run_id,)
+            return dict(conn.execute(sql + " GROUP BY reason", args).fetchall())
+
+        return await self.call(op)
+
+    async def record_counts(self, run_id: str | None = None) -> dict[str, int]:
+        """Trajectories by status."""
+
+        def op(conn: sqlite3.Connection) -> dict[str, int]:
+            sql = "SELECT status, count(*) FROM trajectories"
+            args: tuple = ()
+            if run_id is not None:
+                sql += " WHERE run_id=?"
+                args = (run_id,)
+            return dict(conn.execute(sql + " GROUP BY status", args).fetchall())
+
+        return await self.call(op)
+
+    async def group_fill(self, run_id: str) -> dict[tuple[str, int], int]:
+        """Trajectories already stored per (instance_id, epoch) of a run, for resuming it."""
+
+        def op(conn: sqlite3.Connection) -> dict[tuple[str, int], int]:
+            rows = conn.execute(
+                "SELECT instance_id, epoch, count(*) FROM trajectories WHERE run_id=? GROUP BY instance_id, epoch",
+                (run_id,),
+            ).fetchall()
+            return {(i, e): n for i, e, n in rows}
+
+        return await self.call(op)
+
+    async def get_record(self, uid: str) -> Record | None:
+        """One stored trajectory by uid."""
+
+        def op(conn: sqlite3.Connection) -> Record | None:
+            row = conn.execute("SELECT record FROM trajectories WHERE uid=?", (uid,)).fetchone()
+            return orjson.loads(row[0]) if row else None
+
+        return await self.call(op)
+
+
+def _resolve(fut: asyncio.Future, value: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(value)
+
+
+def _run_row(row: tuple) -> dict[str, Any]:
+    run_id, created_at, state, group_size, config, progress, error = row
+    return {
+        "run_id": run_id,
+        "created_at": created_at,
+        "state": state,
+        "group_size": group_size,
+        "config": orjson.loads(config),
+        "progress": orjson.loads(progress) if progress else {},
+        "error": error,
+    }
+
+
+def _next_seq(conn: sqlite3.Connection) -> int:
+    conn.execute("INSERT INTO meta(key, value) VALUES ('ready_seq', 1) "
+                 "ON CONFLICT(key) DO UPDATE SET value = value + 1")
+    return conn.execute("SELECT value FROM meta WHERE key='ready_seq'").fetchone()[0]
+
+
+def _write(
+    conn: sqlite3.Connection,
+    run_id: str,
+    group_size: int,
+    items: list[NewRecord],
+    finalize: Callable[[list[Record]], GroupOutcome],
+) -> WriteResult:
+    result = WriteResult()
+    now = time.time()
+    for item in items:
+        # The open part of this (instance, epoch): later parts take records arriving after completion.
+        row = conn.execute(
+            "SELECT part, n FROM groups WHERE run_id=? AND instance_id=? AND epoch=? AND state='open' "
+            "ORDER BY part LIMIT 1",
+            (run_id, item.instance_id, item.epoch),
+        ).fetchone()
+        if row is None:
+            last = conn.execute(
+                "SELECT max(part) FROM groups WHERE run_id=? AND instance_id=? AND epoch=?",
+                (run_id, item.instance_id, item.epoch),
+            ).fetchone()[0]
+            part = 0 if last is None else last + 1
+        else:
+            part = row[0]
+        cur = conn.execute(
+            "INSERT OR IGNORE INTO trajectories(uid, run_id, instance_id, epoch, part, status, created_at, record) "
+            "VALUES (?,?,?,?,?,?,?,?)",
+            (item.uid, run_id, item.instance_id, item.epoch, part, item.status, now, orjson.dumps(item.record)),
+        )
+        if cur.rowcount == 0:
+            result.duplicates += 1
+            continue
+        result.inserted += 1
+        key = (run_id, item.instance_id, item.epoch, part)
+        conn.execute(
+            "INSERT INTO groups(run_id, instance_id, epoch, part, size, n, state) VALUES (?,?,?,?,?,1,'open') "
+            "ON CONFLICT DO UPDATE SET n = n + 1",
+            (*key, group_size),
+        )
+        n, size = conn.execute(
+            "SELECT n, size FROM groups WHERE run_id=? AND instance_id=? AND epoch=? AND part=?", key
+        ).fetchone()
+        if n >= size:
+            result.completed.append((key, _complete(conn, key, finalize, now)))
+    return result
+
+
+def _complete(
+    conn: sqlite3.Connection, key: GroupKey, finalize: Callable[[list[Record]], GroupOutcome], now: float
+) -> str | None:
+    rows = conn.execute(
+        "SELECT uid, record FROM trajectories WHERE run_id=? AND instance_id=? AND epoch=? AND part=? "
+        "ORDER BY rowid",
+        key,
+    ).fetchall()
+    outcome = finalize([orjson.loads(blob) for _, blob in rows])
+    if outcome.reason is not None:
+        conn.execute(
+            "UPDATE groups SET state='filtered', reason=?, completed_at=? "
+            "WHERE run_id=? AND instance_id=? AND epoch=? AND part=?",
+            (outcome.reason, now, *key),
+        )
+        return outcome.reason
+    by_uid = {r["uid"]: r for r in outcome.records}
+    for uid, _ in rows:
+        rec = by_uid.get(uid)
+        if rec is not None:
+            conn.execute("UPDATE trajectories SET record=? WHERE uid=?", (orjson.dumps(rec), uid))
+    conn.execute(
+        "UPDATE groups SET state='ready', ready_seq=?, completed_at=? "
+        "WHERE run_id=? AND instance_id=? AND epoch=? AND part=?",
+        (_next_seq(conn), now, *key),
+    )
+    return None
+
+
+def _take(conn: sqlite3.Connection, max_groups: int | None, lease_s: float | None, now: float) -> Batch:
+    expired = conn.execute(
+        "UPDATE groups SET state='ready', lease_expires=NULL WHERE state='leased' AND lease_expires <= ?", (now,)
+    ).rowcount
+    if expired:
+        log.info("%d leased groups were not acked in time and are deliverable again", expired)
+    rows = conn.execute(
+        "SELECT run_id, instance_id, epoch, part, batch_id FROM groups WHERE state='ready' "
+        "ORDER BY ready_seq LIMIT ?",
+        (max_groups if max_groups is not None else -1,),
+    ).fetchall()
+    groups: list[list[Record]] = []
+    batch_id: str | None = None
+    redelivered = 0
+    if rows:
+        batch_id = uuid.uuid4().hex
+        expires = now + lease_s if lease_s is not None else None
+        state = "leased" if lease_s is not None else "delivered"
+        conn.execute(
+            "INSERT INTO batches(batch_id, created_at, lease_expires, acked_at, num_groups) VALUES (?,?,?,?,?)",
+            (batch_id, now, expires, None if lease_s is not None else now, len(rows)),
+        )
+        for run_id, instance_id, epoch, part, old_batch in rows:
+            redelivered += old_batch is not None
+            key = (run_id, instance_id, epoch, part)
+            conn.execute(
+                "UPDATE groups SET state=?, batch_id=?, lease_expires=? "
+                "WHERE run_id=? AND instance_id=? AND epoch=? AND part=?",
+                (state, batch_id, expires, *key),
+            )
+            blobs = conn.execute(
+                "SELECT record FROM trajectories WHERE run_id=? AND instance_id=? AND epoch=? AND part=? "
+                "ORDER BY rowid",
+                key,
+            ).fetchall()
+            groups.append([orjson.loads(b) for (b,) in blobs])
+    nxt = conn.execute("SELECT min(lease_expires) FROM groups WHERE state='leased'").fetchone()[0]
+    return Batch(batch_id, groups, nxt, redelivered)

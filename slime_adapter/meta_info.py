@@ -1,0 +1,118 @@
+"""`log_raw_info`: the buffer's per-batch meta_info, aggregated over one rollout and logged under `rollout/`.
+
+Averages are weighted by the samples of each batch (a batch of 64 samples counts 64 times a batch of
+one), counts are summed. slime's own trackers (wandb, tensorboard) get the numbers when slime's args
+enable them; `logging` always does.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PREFIX = "rollout/"
+# Keys with a meaning of their own; any other numeric key is averaged by samples under rollout/meta/.
+_SUMMED = ("tokenization_mismatches", "redelivered_groups")
+_AVERAGED = ("avg_reward", "avg_normalized_reward")
+_NOT_METRICS = frozenset(
+    {"total_samples", "num_groups", "avg_group_size", "finished_groups", "filtered_groups", "batch_id",
+     "run_id", "acked_groups", *_SUMMED, *_AVERAGED}
+)
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
+
+
+def _count(value: Any) -> int:
+    # slime's original buffer listed finished instance ids; this one counts them.
+    if isinstance(value, list | tuple | set):
+        return len(value)
+    number = _number(value)
+    return int(number) if number is not None else 0
+
+
+def aggregate_meta_info(all_meta_info: Iterable[dict[str, Any]]) -> dict[str, float]:
+    """The `rollout/...` metrics of one rollout's batches."""
+    metas = [m for m in all_meta_info if m]
+    weights = [_count(m.get("total_samples")) for m in metas]
+    total = sum(weights)
+    metrics: dict[str, float] = {f"{PREFIX}no_filter/total_samples": total}
+
+    def weighted(key: str) -> float | None:
+        values = [(_number(m.get(key)), w) for m, w in zip(metas, weights, strict=True)]
+        pairs = [(v, w) for v, w in values if v is not None]
+        seen = sum(w for _, w in pairs)
+        return sum(v * w for v, w in pairs) / seen if seen else None
+
+    for key in _AVERAGED:
+        if (value := weighted(key)) is not None:
+            metrics[f"{PREFIX}no_filter/{key}"] = value
+    num_groups = sum(_count(m.get("num_groups")) for m in metas)
+    metrics[f"{PREFIX}no_filter/num_groups"] = num_groups
+    if num_groups:
+        metrics[f"{PREFIX}no_filter/avg_group_size"] = total / num_groups
+    metrics[f"{PREFIX}finished_groups"] = sum(_count(m.get("finished_groups")) for m in metas)
+
+    filtered: Counter[str] = Counter()
+    for m in metas:
+        for reason, n in (m.get("filtered_groups") or {}).items():
+            # Free-text reasons ("is_valid_group_error: ValueError: ...") are grouped by their tag.
+            filtered[str(reason).split(":")[0]] += _count(n)
+    metrics[f"{PREFIX}filtered_groups/total"] = sum(filtered.values())
+    for reason, n in filtered.items():
+        metrics[f"{PREFIX}filtered_groups/{reason}"] = n
+    for key in _SUMMED:
+        metrics[f"{PREFIX}{key}"] = sum(_count(m.get(key)) for m in metas)
+
+    extra_keys = {k for m in metas for k in m if k not in _NOT_METRICS and not k.startswith("filtered_")}
+    for key in sorted(extra_keys):
+        if (value := weighted(key)) is not None:
+            metrics[f"{PREFIX}meta/{key}"] = value
+    return metrics
+
+
+def rollout_step(args: Any, rollout_id: int) -> int:
+    """The x-axis value slime logs rollout metrics against (`rollout/step`)."""
+    if getattr(args, "wandb_always_use_train_step", False):
+        return rollout_id * args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size
+    return rollout_id
+
+
+def _send_to_trackers(args: Any, metrics: dict[str, float], step: int) -> None:
+    try:
+        from slime.utils import logging_utils
+    except ImportError:
+        logging_utils = None
+    if logging_utils is not None and hasattr(logging_utils, "log"):
+        # Current slime: one call reaches every tracker the run enabled (wandb, tensorboard, mlflow).
+        logging_utils.log(args, metrics, step_key=f"{PREFIX}step")
+        return
+    if getattr(args, "use_wandb", False):
+        import wandb
+
+        wandb.log(metrics)
+    if getattr(args, "use_tensorboard", False):
+        from slime.utils.tensorboard_utils import _TensorboardAdapter
+
+        _TensorboardAdapter(args).log(metrics, step)
+
+
+def log_raw_info(args: Any, all_meta_info: list[dict[str, Any]], rollout_id: int) -> dict[str, float]:
+    """Aggregate and log one rollout's meta_info; returns the metrics logged (with `rollout/step`)."""
+    metrics = aggregate_meta_info(all_meta_info)
+    step = rollout_step(args, rollout_id)
+    metrics[f"{PREFIX}step"] = step
+    log.info("rollout %d buffer stats: %s", rollout_id, metrics)
+    try:
+        _send_to_trackers(args, metrics, step)
+    except Exception as e:  # a tracker outage must not stop training
+        log.warning("could not send rollout %d stats to trackers: %s: %s", rollout_id, type(e).__name__, e)
+    return metrics

@@ -1,0 +1,199 @@
+"""`generate_rollout`: slime's rollout function (`--rollout-function-path slime_adapter.generate_rollout`).
+
+Each call returns `rollout_batch_size` groups for one training step:
+
+1. start the buffer's run unless `GET /status` shows it already running for this task;
+2. fetch whole groups (long-poll, leased) until, with what slime's data buffer already holds, there are
+   enough; groups are used newest first, like slime's `select_rollout_data`, and surplus groups stay in
+   the data buffer for the next call instead of being dropped;
+3. put the fetched groups into the data buffer and only then ack their batches, so a trainer that dies
+   between fetch and ack loses nothing: the buffer delivers the unacked groups again after the lease;
+4. take the batch out of the data buffer with its own `get_samples` (so `--buffer-filter-path` applies).
+
+Irregular groups. slime's data buffer only takes groups of exactly `n_samples_per_prompt` samples (its
+`add_samples` asserts it). Groups of another size — multi-agent episodes, whose records carry
+`extra_info.agent_id`/`episode_id`, or runs that transform groups — are therefore kept beside the data
+buffer (tied to it, in this process) and returned as their own inner lists, each counting as one group
+of the batch. slime flattens the nested list, so any sizes are accepted; the buffer has already
+normalized rewards within each group, so run slime with `--disable-rewards-normalization`, or its
+batch-wide fallback for unequal groups would renormalize across groups.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from slime_adapter.client import BufferClient, Delivery, RolloutBufferError
+from slime_adapter.flags import AdapterSettings
+from slime_adapter.groups import RecordGroup, newest_first, split_groups
+from slime_adapter.meta_info import log_raw_info
+from slime_adapter.records import SampleBuilder, load_tokenizer
+from slime_adapter.run_control import ensure_rollout_started
+
+log = logging.getLogger(__name__)
+
+SampleGroup = list[Any]
+# Pause between fetches when the buffer answers empty at once (long-poll disabled with wait_s 0).
+_IDLE_POLL_S = 1.0
+
+# Irregular groups waiting for the next call, per data buffer; they go when the data buffer goes.
+_irregular_groups: weakref.WeakKeyDictionary[Any, list[SampleGroup]] = weakref.WeakKeyDictionary()
+
+
+def held_irregular_groups(data_buffer: Any) -> list[SampleGroup]:
+    """Groups whose size is not `n_samples_per_prompt`, held beside `data_buffer` for later calls."""
+    return _irregular_groups.setdefault(data_buffer, [])
+
+
+@dataclass
+class _Fetched:
+    delivery: Delivery
+    groups: list[RecordGroup]
+    fetched_at: float
+
+
+class GroupCollector:
+    """Fetches groups for one call and commits them to the data buffer before acking them."""
+
+    def __init__(self, client: BufferClient, settings: AdapterSettings, builder: SampleBuilder,
+                 data_buffer: Any, n_samples_per_prompt: int, rollout_id: int):
+        self.client = client
+        self.settings = settings
+        self.builder = builder
+        self.data_buffer = data_buffer
+        self.n = n_samples_per_prompt
+        self.rollout_id = rollout_id
+        self.meta_infos: list[dict[str, Any]] = []
+        self._pending: list[_Fetched] = []
+        self._arrivals = 0
+
+    def collect(self, num_groups: int) -> None:
+        """Fetch until `num_groups` more groups are in the data buffer (or held, when irregular)."""
+        got = 0
+        last_report = time.monotonic()
+        while got < num_groups:
+            wait_s = self._wait_before_fetch()
+            delivery = self.client.get_rollout_data(wait_s=wait_s, lease_s=self.settings.lease_s)
+            if delivery.meta_info:
+                self.meta_infos.append(delivery.meta_info)
+            if not delivery.records:
+                self._check_run_alive(got, num_groups)
+                if wait_s == 0:
+                    time.sleep(_IDLE_POLL_S)
+                if time.monotonic() - last_report > 60:
+                    log.info("waiting for rollout data: %d of %d groups so far", got, num_groups)
+                    last_report = time.monotonic()
+                continue
+            groups = split_groups(delivery.records, self._arrivals)
+            self._arrivals += len(groups)
+            self._pending.append(_Fetched(delivery, groups, time.monotonic()))
+            got += len(groups)
+            log.info("fetched %d groups (%d of %d)", len(groups), got, num_groups)
+        self.commit()
+
+    def _wait_before_fetch(self) -> float:
+        """The long-poll wait; commits pending groups first if waiting could outlast their lease."""
+        wait_s = self.settings.wait_s
+        lease_s = self.settings.lease_s
+        if self._pending and lease_s is not None:
+            lease_left = lease_s - (time.monotonic() - self._pending[0].fetched_at)
+            # A quarter of the lease stays in reserve for building samples and acking.
+            if lease_left - wait_s < lease_s / 4:
+                self.commit()
+        return wait_s
+
+    def commit(self) -> None:
+        """Samples of the pending groups into the data buffer (newest first), then ack their batches."""
+        if not self._pending:
+            return
+        groups = newest_first([g for f in self._pending for g in f.groups])
+        regular: list[SampleGroup] = []
+        irregular: list[SampleGroup] = []
+        for group in groups:
+            samples = [self.builder.build(r) for r in group.records]
+            (regular if len(samples) == self.n else irregular).append(samples)
+        if regular:
+            self.data_buffer.add_samples(regular)
+        if irregular:
+            held_irregular_groups(self.data_buffer).extend(irregular)
+            log.info("holding %d groups whose size is not %d beside the data buffer", len(irregular), self.n)
+        key = str(self.rollout_id)
+        consumed = list(self.data_buffer.get_metadata().get(key, []))
+        self.data_buffer.update_metadata({key: consumed + [g.instance_id for g in groups]})
+        for fetched in self._pending:
+            if fetched.delivery.batch_id is not None and self.settings.lease_s is not None:
+                self.client.ack(fetched.delivery.batch_id)
+        self._pending = []
+
+    def _check_run_alive(self, got: int, wanted: int) -> None:
+        """Stop waiting, with a clear error, when the buffer's run failed or has no more data to give."""
+        status = self.client.status()
+        run = status.get("run") or {}
+        state = run.get("state")
+        if state == "failed":
+            self.commit()
+            raise RolloutBufferError(
+                f"the rollout buffer's run {run.get('run_id')} failed ({run.get('error')}); "
+                f"got {got} of {wanted} groups"
+            )
+        # Open groups of a finished run never complete, so only ready ones count as data to come.
+        if state != "finished" or status.get("groups", {}).get("ready", 0):
+            return
+        self.commit()
+        if not self.client.status().get("groups", {}).get("leased", 0):
+            raise RolloutBufferError(
+                f"the rollout buffer's run {run.get('run_id')} finished and has no more groups; got {got} of "
+                f"{wanted}: raise --num-epoch or lower --num-rollout"
+            )
+
+
+def take_batch(data_buffer: Any, batch_size: int) -> list[SampleGroup]:
+    """Remove one training batch: held irregular groups first, then the data buffer's own `get_samples`."""
+    held = held_irregular_groups(data_buffer)
+    irregular = held[:batch_size]
+    del held[: len(irregular)]
+    # Never ask for more than the data buffer holds: slime's would top up with unanswered dataset prompts.
+    num_regular = min(batch_size - len(irregular), data_buffer.get_buffer_length())
+    batch = (data_buffer.get_samples(num_regular) if num_regular > 0 else []) + irregular
+    for group_index, group in enumerate(batch):
+        for sample in group:
+            if hasattr(sample, "group_index"):
+                sample.group_index = group_index
+    return batch
+
+
+def generate_rollout(
+    args: Any, rollout_id: int, data_buffer: Any, evaluation: bool = False
+) -> list[SampleGroup]:
+    """slime's rollout function: `rollout_batch_size` groups of samples from the rollout buffer."""
+    if evaluation:
+        raise NotImplementedError(
+            "slime_adapter.generate_rollout does not evaluate: the rollout buffer only produces training "
+            "trajectories. Point --eval-function-path at slime's own rollout function "
+            "(slime.rollout.sglang_rollout.generate_rollout) or evaluate checkpoints separately."
+        )
+    settings = AdapterSettings.from_args(args)
+    batch_size = int(args.rollout_batch_size)
+    n = int(args.n_samples_per_prompt)
+    tokenizer_path = getattr(args, "hf_checkpoint", None)
+
+    def tokenizer() -> Any:
+        if not tokenizer_path:
+            raise RolloutBufferError("a record without exact tokens needs --hf-checkpoint for its tokenizer")
+        return load_tokenizer(tokenizer_path)
+
+    builder = SampleBuilder(tokenizer, settings.loss_mask_type)
+    with BufferClient(settings.buffer_url, settings.token, settings.retry) as client:
+        ensure_rollout_started(client, args, settings, data_buffer.get_metadata())
+        collector = GroupCollector(client, settings, builder, data_buffer, n, rollout_id)
+        missing = batch_size - data_buffer.get_buffer_length() - len(held_irregular_groups(data_buffer))
+        if missing > 0:
+            collector.collect(missing)
+        else:
+            log.info("data buffer already holds %d groups; not fetching", batch_size - missing)
+    log_raw_info(args, collector.meta_infos, rollout_id)
+    return take_batch(data_buffer, batch_size)

@@ -1,0 +1,95 @@
+"""Start real server subprocesses on 127.0.0.1 for tests, with bounded waits."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    """Return a TCP port that is free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout_s: float = 30.0, proc: subprocess.Popen | None = None) -> None:
+    """Poll `url` until it answers 200, the process dies, or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before answering {url}")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError as e:
+            last = e
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} did not answer within {timeout_s}s: {last}")
+
+
+class Server:
+    """A CLI subcommand of `rollout-buffer` running as a subprocess."""
+
+    def __init__(self, args: list[str], health_path: str, port: int, log_path: Path, env: dict | None = None):
+        self.args = args
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.health_url = self.url + health_path
+        self.log_path = log_path
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 60.0) -> Server:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - closed with the process
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rollout_buffer.cli", *self.args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,
+        )
+        try:
+            wait_http(self.health_url, timeout_s, self.proc)
+        except Exception:
+            self.stop()
+            raise RuntimeError(f"server failed to start; log:\n{self.log()}") from None
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def kill9(self) -> None:
+        """SIGKILL the server: no shutdown hooks run."""
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+
+
+@contextlib.contextmanager
+def running(args: list[str], health_path: str, port: int, log_path: Path, env: dict | None = None
+            ) -> Iterator[Server]:
+    """Context manager: start a `rollout-buffer` subcommand, stop it on exit."""
+    srv = Server(args, health_path, port, log_path, env).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()

@@ -1,0 +1,279 @@
+"""`generate_rollout` against a live `rollout-buffer serve` subprocess on 127.0.0.1.
+
+Trajectories are written by the tests themselves through `POST /buffer/write`, with exact tokens from the
+real Qwen3 tokenizer. Runs the adapter starts use a slime-style generator that produces nothing itself:
+it keeps its run open (so written records join it) until the test stops the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from servers import Server, free_port, running
+
+from slime_adapter import add_arguments, generate_rollout
+from slime_adapter.client import RolloutBufferError, RolloutBufferUnavailable
+from slime_adapter.data_buffer import DataBuffer
+from slime_adapter.loss_mask import LossMaskGenerator
+from slime_adapter.rollout import held_irregular_groups
+
+GENERATORS = {
+    "external_writes.py": '''
+"""slime-style generator whose trajectories arrive via /buffer/write; keeps the run open until stopped."""
+import time
+from pathlib import Path
+
+TASK_TYPE = "external_writes"
+
+
+def run_rollout(data):
+    stop = Path(data["input_file"]).with_suffix(".stop")
+    deadline = time.monotonic() + 120
+    while not stop.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+''',
+    "finishes_at_once.py": '''
+"""slime-style generator that produces nothing and ends its run at once."""
+TASK_TYPE = "finishes_at_once"
+
+
+def run_rollout(data):
+    return None
+''',
+}
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    gens = tmp_path / "generators"
+    gens.mkdir()
+    for name, source in GENERATORS.items():
+        (gens / name).write_text(source)
+    (tmp_path / "tasks.jsonl").write_text("".join(f'{{"instance_id": {i}, "prompt": "task {i}"}}\n' for i in range(8)))
+    return tmp_path
+
+
+@pytest.fixture
+def serve(workdir: Path) -> Iterator[Callable[..., Server]]:
+    """Start `rollout-buffer serve` with the test generators; stops every server it started."""
+    started: list[Any] = []
+
+    def start(group_size: int = 4, port: int | None = None, env: dict[str, str] | None = None) -> Server:
+        port = port or free_port()
+        args = ["serve", "--port", str(port), "--data-dir", str(workdir / f"data-{port}"),
+                "--group-size", str(group_size), "--generator-path", str(workdir / "generators")]
+        ctx = running(args, "/healthz", port, workdir / f"buffer-{port}.log", env)
+        started.append(ctx)
+        return ctx.__enter__()
+
+    yield start
+    (workdir / "tasks.stop").touch()  # lets a blocked external_writes generator return
+    for ctx in reversed(started):
+        ctx.__exit__(None, None, None)
+
+
+def slime_args(url: str, workdir: Path, tokenizer_path: str, *extra: str, **overrides: Any) -> argparse.Namespace:
+    """slime's args as the trainer would have them, the adapter's flags parsed by its own parser."""
+    cli = ["--agent-rollout-buffer-url", url, "--rollout-task-type", "external_writes", "--loss-mask-type", "qwen3",
+           "--rollout-buffer-wait-s", "2", "--rollout-buffer-lease-s", "30", "--fetch-trajectory-retry-times", "3",
+           "--rollout-buffer-backoff-s", "0.05", *extra]
+    args = add_arguments(argparse.ArgumentParser()).parse_args(cli)
+    slime = {
+        "rollout_batch_size": 2, "n_samples_per_prompt": 4, "prompt_data": str(workdir / "tasks.jsonl"),
+        "sglang_router_ip": "127.0.0.1", "sglang_router_port": free_port(), "rollout_max_response_len": 64,
+        "rollout_temperature": 0.8, "rollout_top_p": 0.95, "hf_checkpoint": tokenizer_path, "num_epoch": 1,
+        "use_wandb": False, "use_tensorboard": False,
+    }
+    for key, value in {**slime, **overrides}.items():
+        setattr(args, key, value)
+    return args
+
+
+def token_record(tokenizer: Any, instance_id: str, k: int, timestamp: float, reward: float,
+                 **extra_info: Any) -> dict[str, Any]:
+    """A trajectory as a token-mode generator writes it: exact ids, full-length loss mask, log-probs."""
+    question = f"What is {instance_id} + {k}?"
+    prompt_text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                                add_generation_prompt=True)
+    prompt = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    answer = f"It is {k} more than {instance_id}."
+    response = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    return {
+        "uid": f"{instance_id}-{k}",
+        "instance_id": instance_id,
+        "messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
+        "reward": reward,
+        "extra_info": {"timestamp": timestamp, "finish_reason": "stop", "epoch": 0, **extra_info},
+        "tokens": prompt + response,
+        "loss_mask": [0] * len(prompt) + [1] * len(response),
+        "rollout_log_probs": [-0.5] * len(response),
+        "response_length": len(response),
+    }
+
+
+def write(url: str, records: list[dict[str, Any]], token: str | None = None) -> None:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with httpx.Client(base_url=url, headers=headers, timeout=10) as http:
+        for record in records:
+            resp = http.post("/buffer/write", json=record)
+            assert resp.status_code == 200, resp.text
+
+
+def write_group(url: str, tokenizer: Any, instance_id: str, timestamp: float, size: int = 4,
+                token: str | None = None, **extra_info: Any) -> list[dict[str, Any]]:
+    records = [token_record(tokenizer, instance_id, k, timestamp, float(k % 2), **extra_info) for k in range(size)]
+    write(url, records, token)
+    return records
+
+
+def wait_for_run(url: str, task_type: str, timeout_s: float = 20.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        run = httpx.get(f"{url}/status", timeout=5).json()["run"]
+        if run and run["task_type"] == task_type and run["state"] == "running":
+            return run
+        time.sleep(0.05)
+    raise TimeoutError(f"no running {task_type} run on {url}")
+
+
+def test_full_call_starts_once_and_returns_the_newest_groups(
+    serve: Callable[..., Server], workdir: Path, qwen_tokenizer: Any, qwen_tokenizer_path: str
+) -> None:
+    url = serve().url
+    args = slime_args(url, workdir, qwen_tokenizer_path)
+    data_buffer = DataBuffer(n_samples_per_prompt=4)
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(generate_rollout, args, 0, data_buffer)
+        run = wait_for_run(url, "external_writes")  # the first call sent /start_rollout
+        assert run["num_repeat_per_sample"] == 4 and run["num_epoch"] == 1
+        assert run["config"]["sampling_params"] == {"max_tokens": 64, "temperature": 0.8, "top_p": 0.95}
+        assert run["config"]["remote_engine_url"] == f"http://127.0.0.1:{args.sglang_router_port}"
+        assert run["config"]["tokenizer_path"] == qwen_tokenizer_path
+        written = {iid: write_group(url, qwen_tokenizer, iid, ts) for iid, ts in (("10", 1.0), ("11", 3.0))}
+        # A slime-style (messages-only) group: tokens come from the qwen3 loss mask algorithm.
+        messages = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]
+        write(url, [{"uid": f"m-{k}", "instance_id": "12", "messages": messages, "reward": float(k % 2),
+                     "extra_info": {"timestamp": 2.0}} for k in range(4)])
+        batch = first.result(timeout=60)
+
+    assert [len(g) for g in batch] == [4, 4]
+    assert [g[0].index for g in batch] == [11, 12]  # newest first; the oldest group stays for later
+    assert data_buffer.get_buffer_length() == 1
+    for sample, record in zip(batch[0], written["11"], strict=True):
+        assert sample.tokens == record["tokens"]
+        assert sample.response_length == record["response_length"] == len(sample.loss_mask)
+        assert sample.rollout_log_probs == record["rollout_log_probs"]
+        assert sample.metadata["raw_reward"] == record["reward"]
+        assert sample.status.name == "COMPLETED"
+    assert sorted(s.reward for s in batch[0]) == pytest.approx([-1, -1, 1, 1], abs=1e-5)  # GRPO-normalized
+    ids, mask = LossMaskGenerator(qwen_tokenizer, "qwen3").get_loss_mask(messages)
+    for sample in batch[1]:
+        assert sample.tokens == ids and sample.loss_mask == mask[mask.index(1) :]
+    assert all(s.group_index == i for i, g in enumerate(batch) for s in g)
+
+    write_group(url, qwen_tokenizer, "13", 4.0)
+    second = generate_rollout(args, 1, data_buffer)
+    assert [g[0].index for g in second] == [10, 13]  # the kept surplus, then the new group
+    status = httpx.get(f"{url}/status", timeout=5).json()
+    assert status["run"]["run_id"] == run["run_id"]  # not restarted
+    assert data_buffer.get_metadata() == {"0": ["11", "12", "10"], "1": ["13"]}
+
+
+class CrashingDataBuffer(DataBuffer):
+    def add_samples(self, samples: list[list[Any]]) -> None:
+        raise RuntimeError("trainer crashed while storing samples")
+
+
+def test_crash_between_fetch_and_ack_loses_no_group(
+    serve: Callable[..., Server], workdir: Path, qwen_tokenizer: Any, qwen_tokenizer_path: str
+) -> None:
+    url = serve().url
+    uids = {r["uid"] for iid in ("20", "21") for r in write_group(url, qwen_tokenizer, iid, 1.0)}
+    args = slime_args(url, workdir, qwen_tokenizer_path, "--rollout-buffer-lease-s", "1")
+    with pytest.raises(RuntimeError, match="trainer crashed"):
+        generate_rollout(args, 0, CrashingDataBuffer(4))
+
+    began = time.monotonic()
+    batch = generate_rollout(args, 0, DataBuffer(4))  # the restarted trainer
+    assert {s.prompt for g in batch for s in g} == uids
+    assert time.monotonic() - began < 15
+    after = httpx.post(f"{url}/get_rollout_data", json={"wait_s": 2.0}, timeout=10).json()
+    assert after["success"] is False  # acked this time: not delivered again
+
+
+def test_retry_limit_is_honoured_when_the_buffer_is_down(workdir: Path, qwen_tokenizer_path: str) -> None:
+    args = slime_args(f"http://127.0.0.1:{free_port()}", workdir, qwen_tokenizer_path,
+                      "--fetch-trajectory-retry-times", "2")
+    began = time.monotonic()
+    with pytest.raises(RolloutBufferUnavailable, match="failed 3 times"):
+        generate_rollout(args, 0, DataBuffer(4))
+    assert time.monotonic() - began < 5
+
+
+def test_unlimited_retries_wait_for_a_buffer_that_comes_up_late(
+    serve: Callable[..., Server], workdir: Path, qwen_tokenizer: Any, qwen_tokenizer_path: str
+) -> None:
+    port = free_port()
+    args = slime_args(f"http://127.0.0.1:{port}", workdir, qwen_tokenizer_path,
+                      "--fetch-trajectory-retry-times", "-1", rollout_batch_size=1)
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(generate_rollout, args, 0, DataBuffer(4))
+        time.sleep(0.5)
+        assert not pending.done()
+        url = serve(port=port).url
+        wait_for_run(url, "external_writes")
+        write_group(url, qwen_tokenizer, "30", 1.0)
+        assert [g[0].index for g in pending.result(timeout=60)] == [30]
+
+
+def test_bearer_token_is_sent_and_a_refusal_is_not_retried(
+    serve: Callable[..., Server], workdir: Path, qwen_tokenizer: Any, qwen_tokenizer_path: str
+) -> None:
+    url = serve(env={"ROLLOUT_BUFFER_AUTH_TOKEN": TOKEN}).url
+    write_group(url, qwen_tokenizer, "40", 1.0, token=TOKEN)
+    good = slime_args(url, workdir, qwen_tokenizer_path, "--rollout-buffer-token", TOKEN, rollout_batch_size=1)
+    assert [g[0].index for g in generate_rollout(good, 0, DataBuffer(4))] == [40]
+    bad = slime_args(url, workdir, qwen_tokenizer_path, "--rollout-buffer-token", "wrong",
+                     "--fetch-trajectory-retry-times", "-1")
+    with pytest.raises(RolloutBufferError, match="401"):
+        generate_rollout(bad, 0, DataBuffer(4))
+
+
+def test_multi_agent_groups_of_another_size_are_returned_whole(
+    serve: Callable[..., Server], workdir: Path, qwen_tokenizer: Any, qwen_tokenizer_path: str
+) -> None:
+    # 3 episodes x (planner, actor) per task: groups of 6 while slime's n_samples_per_prompt is 3.
+    url = serve(group_size=6).url
+    for iid in ("50", "51"):
+        records = [token_record(qwen_tokenizer, iid, k, 1.0, float(k % 2), agent_id=("planner", "actor")[k % 2],
+                                episode_id=f"{iid}-{k // 2}") for k in range(6)]
+        write(url, records)
+    args = slime_args(url, workdir, qwen_tokenizer_path, n_samples_per_prompt=3)
+    data_buffer = DataBuffer(3)
+    batch = generate_rollout(args, 0, data_buffer)
+    assert [len(g) for g in batch] == [6, 6]
+    assert {s.metadata["agent_id"] for s in batch[0]} == {"planner", "actor"}
+    assert data_buffer.get_buffer_length() == 0 and held_irregular_groups(data_buffer) == []
+
+
+def test_a_finished_run_without_data_is_a_clear_error(
+    serve: Callable[..., Server], workdir: Path, qwen_tokenizer_path: str
+) -> None:
+    url = serve().url
+    args = slime_args(url, workdir, qwen_tokenizer_path, "--rollout-task-type", "finishes_at_once")
+    with pytest.raises(RolloutBufferError, match="finished and has no more groups"):
+        generate_rollout(args, 0, DataBuffer(4))
+
+
+def test_evaluation_is_refused_with_a_pointer_to_slimes_own(workdir: Path, qwen_tokenizer_path: str) -> None:
+    args = slime_args("http://127.0.0.1:1", workdir, qwen_tokenizer_path)
+    with pytest.raises(NotImplementedError, match="eval-function-path"):
+        generate_rollout(args, 0, DataBuffer(4), evaluation=True)

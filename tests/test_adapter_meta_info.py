@@ -1,0 +1,105 @@
+"""`log_raw_info`: one rollout's meta_info batches, aggregated with sample weights, logged under rollout/."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+import types
+from argparse import Namespace
+from typing import Any
+
+import pytest
+
+from slime_adapter import log_raw_info
+from slime_adapter.meta_info import aggregate_meta_info
+
+# With slime installed its own tracking manager receives the metrics instead of wandb directly.
+without_slime = pytest.mark.skipif(importlib.util.find_spec("slime") is not None, reason="slime is installed")
+
+BATCHES: list[dict[str, Any]] = [
+    {
+        "total_samples": 8, "num_groups": 2, "avg_group_size": 4.0, "avg_reward": 1.0,
+        "avg_normalized_reward": 0.0, "finished_groups": 3, "filtered_groups": {"zero_variance": 1},
+        "filtered_zero_variance": 1, "tokenization_mismatches": 1, "redelivered_groups": 0,
+        "batch_id": "b1", "acked_groups": 0, "pass_rate": 0.5,
+    },
+    {
+        "total_samples": 24, "num_groups": 3, "avg_group_size": 8.0, "avg_reward": 0.0,
+        "avg_normalized_reward": 0.0, "finished_groups": 0,
+        "filtered_groups": {"zero_variance": 2, "is_valid_group_error: ValueError: bad": 1},
+        "tokenization_mismatches": 0, "redelivered_groups": 2, "batch_id": "b2", "pass_rate": 0.25,
+    },
+    # An empty long-poll answer still reports what was filtered since the last read.
+    {"total_samples": 0, "num_groups": 0, "avg_reward": 0.0, "finished_groups": 1,
+     "filtered_groups": {"empty_response": 4}, "batch_id": None},
+]
+
+
+def test_values_are_weighted_by_samples_and_counts_summed() -> None:
+    m = aggregate_meta_info(BATCHES)
+    assert m["rollout/no_filter/total_samples"] == 32
+    assert m["rollout/no_filter/avg_reward"] == pytest.approx((8 * 1.0 + 24 * 0.0) / 32)
+    assert m["rollout/no_filter/num_groups"] == 5
+    assert m["rollout/no_filter/avg_group_size"] == pytest.approx(32 / 5)
+    assert m["rollout/finished_groups"] == 4
+    assert m["rollout/filtered_groups/zero_variance"] == 3
+    assert m["rollout/filtered_groups/is_valid_group_error"] == 1
+    assert m["rollout/filtered_groups/empty_response"] == 4
+    assert m["rollout/filtered_groups/total"] == 8
+    assert m["rollout/tokenization_mismatches"] == 1
+    assert m["rollout/redelivered_groups"] == 2
+    assert m["rollout/meta/pass_rate"] == pytest.approx((8 * 0.5 + 24 * 0.25) / 32)
+    assert all(k.startswith("rollout/") for k in m)
+    assert not any("batch_id" in k or "filtered_zero_variance" in k for k in m)
+
+
+def test_slimes_original_finished_groups_list_is_counted() -> None:
+    m = aggregate_meta_info([{"total_samples": 4, "avg_reward": 0.5, "finished_groups": ["7", "9"]}])
+    assert m["rollout/finished_groups"] == 2 and m["rollout/no_filter/avg_reward"] == 0.5
+
+
+def test_no_batches_logs_zero_samples() -> None:
+    assert aggregate_meta_info([])["rollout/no_filter/total_samples"] == 0
+
+
+def test_logged_to_logging_with_the_rollout_step(caplog: pytest.LogCaptureFixture) -> None:
+    args = Namespace(use_wandb=False, use_tensorboard=False)
+    with caplog.at_level(logging.INFO, logger="slime_adapter.meta_info"):
+        metrics = log_raw_info(args, BATCHES, rollout_id=12)
+    assert metrics["rollout/step"] == 12
+    assert "rollout 12" in caplog.text and "rollout/no_filter/avg_reward" in caplog.text
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """A stand-in `wandb` module (wandb is not installed here) recording what is logged."""
+    logged: list[dict[str, Any]] = []
+    module = types.ModuleType("wandb")
+    module.log = logged.append  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    return logged
+
+
+@without_slime
+def test_wandb_gets_the_metrics_when_slime_enables_it(fake_wandb: list[dict[str, Any]]) -> None:
+    args = Namespace(use_wandb=True, use_tensorboard=False, wandb_always_use_train_step=True,
+                     rollout_batch_size=4, n_samples_per_prompt=8, global_batch_size=16)
+    log_raw_info(args, BATCHES, rollout_id=3)
+    assert len(fake_wandb) == 1
+    assert fake_wandb[0]["rollout/step"] == 3 * 4 * 8 // 16
+    assert fake_wandb[0]["rollout/no_filter/total_samples"] == 32
+
+
+@without_slime
+def test_a_failing_tracker_does_not_stop_training(
+    fake_wandb: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(_: dict[str, Any]) -> None:
+        raise ConnectionError("wandb is down")
+
+    monkeypatch.setattr(sys.modules["wandb"], "log", broken)
+    with caplog.at_level(logging.WARNING, logger="slime_adapter.meta_info"):
+        metrics = log_raw_info(Namespace(use_wandb=True), BATCHES, rollout_id=1)
+    assert metrics["rollout/no_filter/total_samples"] == 32
+    assert "wandb is down" in caplog.text

@@ -1,0 +1,332 @@
+"""The simulated SGLang engine over real HTTP: SGLang's shapes, scripted replies, limits and faults."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from servers import free_port
+from sim_engine_process import SimEngineProcess, sim_engines
+
+from rollout_buffer.sim_engine import build_parser, token_logprob
+from rollout_buffer.sim_policy import Draw, scripted_reply
+
+RIGHT = Draw(correct=True, offset=1, invalid=False)
+SEARCH_INSTRUCTIONS = (
+    "Answer the given question. Call a search engine by <search> query </search> and it will return the top "
+    "searched results between <information> and </information>. Give the final answer inside <answer> and "
+    "</answer>. Question: who wrote the novel dune?\n"
+)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, SimEngineProcess]]:
+    log_dir = tmp_path_factory.mktemp("sim")
+    with sim_engines(
+        log_dir,
+        ["--correct-rate", "1.0", "--seed", "1"],
+        ["--correct-rate", "0.0", "--seed", "2"],
+        ["--correct-rate", "1.0", "--latency-ms", "1000"],
+    ) as (right, wrong, slow):
+        yield {"right": right, "wrong": wrong, "slow": slow}
+
+
+@pytest.fixture(scope="module")
+def right(engines: dict[str, SimEngineProcess]) -> SimEngineProcess:
+    return engines["right"]
+
+
+@pytest.fixture(scope="module")
+def im_end(qwen_tokenizer: Any) -> int:
+    return qwen_tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+def prompt_ids(tokenizer: Any, question: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def expected_ids(tokenizer: Any, ids: list[int], im_end: int) -> tuple[str, list[int]]:
+    """The scripted right reply for a prompt, and its ids closed by <|im_end|>."""
+    _, reply = scripted_reply(tokenizer.decode(ids), RIGHT)
+    return reply, tokenizer.encode(reply, add_special_tokens=False) + [im_end]
+
+
+def generate(engine: SimEngineProcess, ids: list[int], **fields: Any) -> httpx.Response:
+    payload = {"input_ids": ids, "sampling_params": {"max_new_tokens": 256}, **fields}
+    return httpx.post(engine.url + "/generate", json=payload, timeout=10)
+
+
+def test_generate_answers_the_scripted_reply_in_sglang_shape(right: SimEngineProcess, qwen_tokenizer: Any,
+                                                             im_end: int) -> None:
+    ids = prompt_ids(qwen_tokenizer, "What is 17 + 25?")
+    reply, want = expected_ids(qwen_tokenizer, ids, im_end)
+    body = generate(right, ids, return_logprob=True).json()
+    meta = body["meta_info"]
+    assert body["output_ids"] == want and want[-1] == im_end
+    assert qwen_tokenizer.decode(body["output_ids"]) == reply + "<|im_end|>"
+    assert body["text"] == reply and reply.endswith("\\boxed{42}.")
+    assert meta["finish_reason"] == {"type": "stop", "matched": im_end}
+    assert meta["prompt_tokens"] == len(ids) and meta["completion_tokens"] == len(want)
+    assert meta["weight_version"] == "default" and "simulated" in meta["model"]
+    logprobs = meta["output_token_logprobs"]
+    assert [e[1] for e in logprobs] == want
+    assert all(isinstance(e[0], float) and e[0] < 0 and e[2] is None for e in logprobs)
+    again = generate(right, ids, return_logprob=True).json()
+    assert again["meta_info"]["output_token_logprobs"] == logprobs
+
+
+def test_text_input_and_no_logprobs(right: SimEngineProcess, qwen_tokenizer: Any, im_end: int) -> None:
+    ids = prompt_ids(qwen_tokenizer, "What is 9 * 9?")
+    body = httpx.post(right.url + "/generate", json={"text": qwen_tokenizer.decode(ids)}, timeout=10).json()
+    assert body["output_ids"] == expected_ids(qwen_tokenizer, ids, im_end)[1]
+    assert "output_token_logprobs" not in body["meta_info"]
+
+
+def test_max_new_tokens_cuts_with_finish_length(right: SimEngineProcess, qwen_tokenizer: Any,
+                                                im_end: int) -> None:
+    ids = prompt_ids(qwen_tokenizer, "What is 12 - 5?")
+    _, want = expected_ids(qwen_tokenizer, ids, im_end)
+    body = generate(right, ids, sampling_params={"max_new_tokens": 7}, return_logprob=True).json()
+    assert body["output_ids"] == want[:7]
+    assert body["meta_info"]["finish_reason"] == {"type": "length", "length": 7}
+    assert body["text"] == qwen_tokenizer.decode(want[:7])
+    assert len(body["meta_info"]["output_token_logprobs"]) == 7
+
+
+def test_stop_strings_end_the_output_and_are_trimmed_from_text(right: SimEngineProcess,
+                                                               qwen_tokenizer: Any) -> None:
+    ids = prompt_ids(qwen_tokenizer, SEARCH_INSTRUCTIONS)
+    params = {"max_new_tokens": 256, "stop": ["</search>", "</answer>"]}
+    body = generate(right, ids, sampling_params=params).json()
+    assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": "</search>"}
+    assert qwen_tokenizer.decode(body["output_ids"]).endswith("</search>")
+    assert body["text"].endswith("<search> who wrote the novel dune ")
+    kept = generate(right, ids, sampling_params={**params, "no_stop_trim": True}).json()
+    assert kept["text"].endswith("</search>")
+
+
+def test_search_policy_searches_then_answers_from_information(right: SimEngineProcess,
+                                                             qwen_tokenizer: Any) -> None:
+    ids = prompt_ids(qwen_tokenizer, SEARCH_INSTRUCTIONS)
+    first = generate(right, ids, sampling_params={"stop": ["</search>"], "no_stop_trim": True}).json()
+    observation = '\n\n<information>Doc 1(Title: "Frank Herbert") Author of Dune.</information>\n\n'
+    ids2 = ids + first["output_ids"] + qwen_tokenizer.encode(observation, add_special_tokens=False)
+    second = generate(right, ids2).json()
+    assert "<answer> Frank Herbert </answer>" in second["text"]
+
+
+def test_wrong_engine_answers_wrong(engines: dict[str, SimEngineProcess], qwen_tokenizer: Any) -> None:
+    for question, value in [("What is 17 + 25?", "42"), ("Compute 3 * (4 + 5).", "27"), ("What is 8 - 3?", "5")]:
+        text = generate(engines["wrong"], prompt_ids(qwen_tokenizer, question)).json()["text"]
+        assert "\\boxed{" in text and f"\\boxed{{{value}}}" not in text
+
+
+def test_sglang_refusals_are_4xx(right: SimEngineProcess, qwen_tokenizer: Any) -> None:
+    ids = prompt_ids(qwen_tokenizer, "What is 1 + 2?")
+    for params, words in [({"max_tokens": 5}, "max_tokens"), ({"temperature": -1}, "temperature"),
+                          ({"top_p": 0}, "top_p"), ({"n": 2}, "n must be 1")]:
+        r = generate(right, ids, sampling_params=params)
+        assert r.status_code == 400 and words in r.json()["error"]["message"]
+    assert httpx.post(right.url + "/generate", json={"sampling_params": {}}, timeout=5).status_code == 400
+    assert generate(right, [10**7]).status_code == 400
+
+
+def test_chat_completions_openai_shape(right: SimEngineProcess, qwen_tokenizer: Any) -> None:
+    messages = [{"role": "user", "content": "Compute 3 * (4 + 5)."}]
+    r = httpx.post(right.url + "/v1/chat/completions", json={"model": "any", "messages": messages}, timeout=10)
+    body = r.json()
+    choice = body["choices"][0]
+    assert body["object"] == "chat.completion" and "simulated" in body["model"]
+    assert choice["message"]["role"] == "assistant" and choice["message"]["content"].endswith("\\boxed{27}.")
+    assert choice["finish_reason"] == "stop"
+    rendered = qwen_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    n_prompt = len(qwen_tokenizer.encode(rendered, add_special_tokens=False))
+    n_reply = len(qwen_tokenizer.encode(choice["message"]["content"], add_special_tokens=False)) + 1
+    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": n_reply,
+                             "total_tokens": n_prompt + n_reply}
+    short = httpx.post(right.url + "/v1/chat/completions",
+                       json={"messages": messages, "max_tokens": 4, "logprobs": True}, timeout=10).json()
+    assert short["choices"][0]["finish_reason"] == "length" and short["usage"]["completion_tokens"] == 4
+    assert len(short["choices"][0]["logprobs"]["content"]) == 4
+
+
+def test_info_endpoints_report_a_local_model_path(right: SimEngineProcess, qwen_tokenizer_path: str) -> None:
+    local = os.path.abspath(qwen_tokenizer_path)
+    for path in ("/health", "/health_generate"):
+        assert httpx.get(right.url + path, timeout=5).status_code == 200
+    for path in ("/model_info", "/get_model_info"):
+        info = httpx.get(right.url + path, timeout=5).json()
+        assert info["model_path"] == local and info["tokenizer_path"] == local and info["is_generation"] is True
+    for path in ("/server_info", "/get_server_info"):
+        info = httpx.get(right.url + path, timeout=5).json()
+        assert info["model_path"] == local and "simulated" in info["served_model_name"]
+    models = httpx.get(right.url + "/v1/models", timeout=5).json()
+    assert "simulated" in models["data"][0]["id"]
+    assert httpx.get(right.url + "/get_load", timeout=5).json()[0]["num_reqs"] == 0
+
+
+def test_abort_fault_returns_partial_output_that_resumes_to_the_full_reply(
+    right: SimEngineProcess, qwen_tokenizer: Any, im_end: int
+) -> None:
+    ids = prompt_ids(qwen_tokenizer, "What is 31 + 11?")
+    full = generate(right, ids, return_logprob=True).json()
+    right.queue_faults("abort")
+    cut = generate(right, ids, return_logprob=True).json()
+    n = len(full["output_ids"]) // 2
+    assert cut["meta_info"]["finish_reason"]["type"] == "abort"
+    assert cut["output_ids"] == full["output_ids"][:n]
+    assert cut["meta_info"]["output_token_logprobs"] == full["meta_info"]["output_token_logprobs"][:n]
+    rest = generate(right, ids + cut["output_ids"], sampling_params={"max_new_tokens": 256 - n},
+                    return_logprob=True).json()
+    assert cut["output_ids"] + rest["output_ids"] == full["output_ids"]
+    lps = [e[0] for e in cut["meta_info"]["output_token_logprobs"] + rest["meta_info"]["output_token_logprobs"]]
+    assert lps == [token_logprob(t, i) for i, t in enumerate(full["output_ids"])]
+
+
+def test_error_faults(right: SimEngineProcess, qwen_tokenizer: Any) -> None:
+    ids = prompt_ids(qwen_tokenizer, "What is 2 + 2?")
+    right.queue_faults("http_500", "truncated_json", "reset")
+    r = generate(right, ids)
+    assert r.status_code == 500 and "simulated" in r.json()["error"]["message"]
+    r = generate(right, ids)
+    assert r.status_code == 200
+    with pytest.raises(ValueError):
+        r.json()
+    with pytest.raises((httpx.ReadError, httpx.RemoteProtocolError)):
+        generate(right, ids)
+    assert generate(right, ids).status_code == 200
+    faults = right.stats()["faults"]
+    assert faults["http_500"] >= 1 and faults["truncated_json"] >= 1 and faults["reset"] >= 1
+
+
+def test_hang_fault_outlasts_the_client_timeout(right: SimEngineProcess, qwen_tokenizer: Any) -> None:
+    right.queue_faults("hang")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(right.url + "/generate", json={"input_ids": prompt_ids(qwen_tokenizer, "What is 1 + 1?")},
+                   timeout=0.5)
+
+
+def test_unknown_fault_kind_is_refused(right: SimEngineProcess) -> None:
+    r = httpx.post(right.url + "/sim/faults", json={"next": ["explode"]}, timeout=5)
+    assert r.status_code == 400 and "explode" in r.json()["error"]["message"]
+
+
+def test_abort_request_cuts_running_requests(engines: dict[str, SimEngineProcess], qwen_tokenizer: Any) -> None:
+    slow = engines["slow"]
+    ids = prompt_ids(qwen_tokenizer, "What is 40 + 2?")
+
+    async def run() -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(timeout=10) as client:
+            pending = [asyncio.create_task(client.post(slow.url + "/generate", json={"input_ids": ids}))
+                       for _ in range(3)]
+            await asyncio.sleep(0.4)
+            await client.post(slow.url + "/abort_request", json={"abort_all": True})
+            return [(await t).json() for t in pending]
+
+    start = time.monotonic()
+    bodies = asyncio.run(run())
+    assert time.monotonic() - start < 0.9
+    for body in bodies:
+        assert body["meta_info"]["finish_reason"]["type"] == "abort"
+        assert 0 < len(body["output_ids"]) < 30
+
+
+def test_update_weight_version(engines: dict[str, SimEngineProcess], qwen_tokenizer: Any) -> None:
+    engine = engines["wrong"]
+    r = httpx.post(engine.url + "/update_weight_version", json={"new_version": "step-7"}, timeout=5)
+    assert r.json()["success"] is True
+    body = generate(engine, prompt_ids(qwen_tokenizer, "What is 3 + 3?")).json()
+    assert body["meta_info"]["weight_version"] == "step-7"
+    assert httpx.get(engine.url + "/model_info", timeout=5).json()["weight_version"] == "step-7"
+
+
+def test_stats_count_requests_by_endpoint(engines: dict[str, SimEngineProcess], qwen_tokenizer: Any) -> None:
+    engine = engines["wrong"]
+    before = engine.stats()
+    generate(engine, prompt_ids(qwen_tokenizer, "What is 5 + 5?"))
+    httpx.post(engine.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]},
+               timeout=10)
+    after = engine.stats()
+    assert after["requests"] - before["requests"] == 2
+    assert after["by_endpoint"]["/generate"] - before["by_endpoint"]["/generate"] == 1
+    assert after["by_endpoint"]["/v1/chat/completions"] - before["by_endpoint"].get("/v1/chat/completions", 0) == 1
+    last = engine.requests()[-1]
+    assert last["endpoint"] == "/v1/chat/completions" and last["finish"] == "stop"
+
+
+def test_a_thousand_concurrent_requests_overlap(engines: dict[str, SimEngineProcess], qwen_tokenizer: Any) -> None:
+    slow = engines["slow"]
+    ids = prompt_ids(qwen_tokenizer, "What is 6 * 7?")
+
+    async def run() -> list[int]:
+        limits = httpx.Limits(max_connections=1000)
+        async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+            rs = await asyncio.gather(*(client.post(slow.url + "/generate", json={"input_ids": ids})
+                                        for _ in range(1000)))
+            return [r.status_code for r in rs]
+
+    start = time.monotonic()
+    assert asyncio.run(run()) == [200] * 1000
+    assert time.monotonic() - start < 8.0  # 1000 x 1 s of latency overlapped, not serialized
+    assert slow.stats()["max_in_flight"] >= 500
+
+
+@contextlib.contextmanager
+def sglang_router(workers: list[str], log_path: Path) -> Iterator[str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *workers, "--host", "127.0.0.1",
+           "--port", str(port), "--policy", "round_robin"]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log_path.read_text(errors="replace")
+            with contextlib.suppress(httpx.HTTPError):
+                listed = httpx.get(url + "/workers", timeout=1).json().get("workers", [])
+                if len([w for w in listed if w.get("is_healthy")]) == len(workers):
+                    break
+            time.sleep(0.1)
+        else:
+            raise TimeoutError(f"router did not register the workers:\n{log_path.read_text(errors='replace')}")
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(10)
+
+
+def test_real_sglang_router_in_front_of_two_sim_engines(engines: dict[str, SimEngineProcess],
+                                                        qwen_tokenizer: Any, tmp_path: Path) -> None:
+    pytest.importorskip("sglang_router")
+    right, wrong = engines["right"], engines["wrong"]
+    ids = prompt_ids(qwen_tokenizer, "What is 17 + 25?")
+    before = right.generate_count(), wrong.generate_count()
+    with sglang_router([right.url, wrong.url], tmp_path / "router.log") as url:
+        bodies = [httpx.post(url + "/generate", json={"input_ids": ids, "return_logprob": True}, timeout=10).json()
+                  for _ in range(4)]
+        chat = httpx.post(url + "/v1/chat/completions",
+                          json={"model": "sim-engine (simulated)", "messages": [{"role": "user", "content": "Hi"}]},
+                          timeout=10)
+    assert (right.generate_count() - before[0], wrong.generate_count() - before[1]) == (2, 2)
+    assert all(len(b["meta_info"]["output_token_logprobs"]) == len(b["output_ids"]) for b in bodies)
+    assert chat.status_code == 200 and "simulated" in chat.json()["model"]
+
+
+def test_cli_rejects_rates_outside_0_1() -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--port", "1", "--abort-rate", "1.5"])
+    args = build_parser().parse_args(["--port", "1", "--error-kinds", "http_500,reset"])
+    assert args.error_kinds == ("http_500", "reset")
