@@ -38,6 +38,8 @@ class RolloutContext:
     epoch: int
     repeat: int
     uid: str
+    # Filled by generate(): what the engine did for this trajectory, reported in extra_info.
+    engine_stats: dict[str, Any] = field(default_factory=lambda: {"turns": 0, "abort_resumes": 0, "engines": []})
 
     @property
     def config(self) -> dict[str, Any]:
@@ -86,6 +88,7 @@ class RolloutContext:
             result = await engine.generate(
                 conv.generation_ids(), to_sglang_sampling_params(params, budget), session_id=session
             )
+            self._count_turn(result.engine_url, result.resumed)
             await conv.aadd_assistant(
                 result.output_ids, result.log_probs, result.text,
                 weight_version=result.weight_version, finish_reason=result.finish_reason,
@@ -95,13 +98,21 @@ class RolloutContext:
         if per_turn is not None:
             chat_params["max_tokens"] = per_turn
         chat = await engine.chat(conv.messages, chat_params, session_id=session, tools=conv.tools)
+        self._count_turn(chat.engine_url, 0)
         conv.add_assistant_text(chat.text, finish_reason=chat.finish_reason)
         return chat.finish_reason
+
+    def _count_turn(self, engine_url: str, resumed: int) -> None:
+        stats = self.engine_stats
+        stats["turns"] += 1
+        stats["abort_resumes"] += resumed
+        if engine_url not in stats["engines"]:
+            stats["engines"].append(engine_url)
 
     async def trajectory(self, conv: Conversation, reward: float, finish_reason: str = "stop",
                          **extra_info: Any) -> dict[str, Any]:
         """Build the record of a finished conversation (exact tokens included in token mode)."""
-        info: dict[str, Any] = {"finish_reason": finish_reason, **extra_info}
+        info: dict[str, Any] = {"finish_reason": finish_reason, **self.engine_stats, **extra_info}
         fields: dict[str, Any] = {}
         if conv.token_mode:
             mismatch = await conv.acheck()

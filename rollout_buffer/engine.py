@@ -1,9 +1,12 @@
 """Client of SGLang engines (or an SGLang router): token-in-token-out `/generate` and OpenAI chat.
 
-One instance per run, shared by every trajectory of the run: one pooled `httpx.AsyncClient`, bounded
-retries with exponential backoff for transient failures, resumption of aborted generations, and
-least-in-flight engine choice with session affinity so the turns of one trajectory hit one engine's
-prefix cache.
+One instance per run, shared by every trajectory of the run: one pooled HTTP session, bounded retries
+with exponential backoff for transient failures, resumption of aborted generations, and least-in-flight
+engine choice with session affinity so the turns of one trajectory hit one engine's prefix cache.
+
+The session is aiohttp's rather than httpx's: httpcore's pool scans every connection for every request,
+which at a thousand requests in flight costs several milliseconds of CPU per request (measured 4x slower
+than aiohttp against the same server), and the buffer must not become the bottleneck.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import httpx
+import aiohttp
 import orjson
 
 logger = logging.getLogger(__name__)
@@ -166,21 +169,19 @@ class EngineStats:
         }
 
 
-def _error_text(response: httpx.Response) -> str:
-    """The engine's own message from an error body (`{"error": {"message"}}` or `{"message"}`)."""
+def _error_text(content: bytes) -> str:
+    """The engine's own message from an error body (`{"error": {"message"}}`, `{"message"}`, `{"detail"}`)."""
     try:
-        body = orjson.loads(response.content)
+        body = orjson.loads(content)
     except orjson.JSONDecodeError:
-        return response.text[:_ERROR_TEXT_CHARS] or response.reason_phrase
+        body = None
     if isinstance(body, dict):
         err = body.get("error")
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])[:_ERROR_TEXT_CHARS]
-        if body.get("message"):
-            return str(body["message"])[:_ERROR_TEXT_CHARS]
-        if body.get("detail"):
-            return str(body["detail"])[:_ERROR_TEXT_CHARS]
-    return response.text[:_ERROR_TEXT_CHARS]
+        for message in (err.get("message") if isinstance(err, dict) else err, body.get("message"),
+                        body.get("detail")):
+            if message:
+                return str(message)[:_ERROR_TEXT_CHARS]
+    return content.decode(errors="replace")[:_ERROR_TEXT_CHARS]
 
 
 @dataclass
@@ -240,13 +241,20 @@ class EngineClient:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.max_abort_resumes = max_abort_resumes
+        self.max_connections = max_connections
         self.stats = EngineStats()
         self._affinity: OrderedDict[str, str] = OrderedDict()
-        self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-            headers={"Content-Type": "application/json"},
-        )
+        self._session: aiohttp.ClientSession | None = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        # Created on first use: an aiohttp session belongs to the running event loop.
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0),
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                headers={"Content-Type": "application/json"},
+            )
+        return self._session
 
     # ------------------------------------------------------------ routing
 
@@ -277,27 +285,25 @@ class EngineClient:
         stats.in_flight[url] += 1
         start = time.monotonic()
         try:
-            response = await self._http.post(url + path, content=orjson.dumps(payload))
-        except httpx.TimeoutException as e:
+            async with self._http().post(url + path, data=orjson.dumps(payload)) as response:
+                status, content = response.status, await response.read()
+        except TimeoutError as e:
+            # Before ClientError: aiohttp's timeout errors are connection errors too.
             reason = f"no answer within {self.timeout_s}s ({type(e).__name__})"
             raise _AttemptError("timeout", reason) from None
-        except httpx.TransportError as e:
+        except (aiohttp.ClientError, OSError) as e:
             raise _AttemptError("connection", f"{type(e).__name__}: {e}") from None
         finally:
             stats.in_flight[url] -= 1
             stats.latency_sum_s += time.monotonic() - start
             stats.latency_count += 1
-        if response.status_code >= 500:
-            raise _AttemptError("http_5xx", f"HTTP {response.status_code}: {_error_text(response)}",
-                                response.status_code)
-        if response.status_code >= 400:
-            raise _AttemptError("http_4xx", f"HTTP {response.status_code}: {_error_text(response)}",
-                                response.status_code)
+        if status >= 400:
+            kind = "http_5xx" if status >= 500 else "http_4xx"
+            raise _AttemptError(kind, f"HTTP {status}: {_error_text(content)}", status)
         try:
-            return orjson.loads(response.content)
+            return orjson.loads(content)
         except orjson.JSONDecodeError as e:
-            reason = f"undecodable JSON ({len(response.content)} bytes): {e}"
-            raise _AttemptError("bad_response", reason) from None
+            raise _AttemptError("bad_response", f"undecodable JSON ({len(content)} bytes): {e}") from None
 
     def _backoff(self, attempt: int) -> float:
         delay = min(self.max_backoff_s, self.backoff_s * 2**attempt)
@@ -402,4 +408,5 @@ class EngineClient:
 
     async def aclose(self) -> None:
         """Close the pooled connections."""
-        await self._http.aclose()
+        if self._session is not None:
+            await self._session.close()

@@ -7,7 +7,6 @@ import importlib.util
 import os
 from typing import Any
 
-from transformers import AutoTokenizer
 
 # A user turn and an assistant reply: enough history for any chat template to render an assistant turn.
 _PROBE_REPLY = "rollout-buffer probe reply"
@@ -29,6 +28,9 @@ def load_tokenizer(path: str) -> Any:
 
 @functools.lru_cache(maxsize=8)
 def _load(folder: str) -> Any:
+    # Imported here: transformers takes about a second to import, which every server start would pay.
+    from transformers import AutoTokenizer
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except Exception as e:  # OSError, ValueError, KeyError...: depends on what the folder lacks

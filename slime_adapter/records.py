@@ -9,11 +9,14 @@ did.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from slime_adapter.loss_mask import MultiTurnLossMaskGenerator, get_response_lengths
 from slime_adapter.sample import Sample, sample_fields, status_member
+
+log = logging.getLogger(__name__)
 
 Record = dict[str, Any]
 
@@ -97,20 +100,22 @@ class SampleBuilder:
 
     def build(self, record: Record) -> Any:
         """One `Sample` from one record."""
+        uid, log_probs = record.get("uid"), record.get("rollout_log_probs")
         if record.get("tokens") is not None:
             tokens, length, loss_mask = _exact_tokens(record)
+            if log_probs is not None and len(log_probs) != length:
+                raise RecordError(f"record {uid}: {len(log_probs)} rollout_log_probs for {length} tokens")
         else:
             tokens, length, loss_mask = self._masked_tokens(record)
-        log_probs = record.get("rollout_log_probs")
-        if log_probs is not None and len(log_probs) != length:
-            raise RecordError(
-                f"record {record.get('uid')}: {len(log_probs)} rollout_log_probs for response_length {length}"
-            )
+            if log_probs is not None and len(log_probs) != length:
+                # Engine log-probs belong to the engine's tokens, not to this re-tokenization.
+                log.warning("record %s: dropping rollout_log_probs that do not match its tokens", uid)
+                log_probs = None
         extra_info = dict(record.get("extra_info") or {})
         raw_reward = record.get("raw_reward")
         fields: dict[str, Any] = {
             "index": sample_index(record["instance_id"]),
-            "prompt": record["uid"],
+            "prompt": uid,
             "tokens": tokens,
             "response": _last_assistant_text(record.get("messages") or []),
             "response_length": length,

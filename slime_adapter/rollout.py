@@ -31,7 +31,7 @@ from slime_adapter.client import BufferClient, Delivery, RolloutBufferError
 from slime_adapter.flags import AdapterSettings
 from slime_adapter.groups import RecordGroup, newest_first, split_groups
 from slime_adapter.meta_info import log_raw_info
-from slime_adapter.records import SampleBuilder, load_tokenizer
+from slime_adapter.records import RecordError, SampleBuilder, load_tokenizer
 from slime_adapter.run_control import ensure_rollout_started
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,16 @@ class GroupCollector:
         self.meta_infos: list[dict[str, Any]] = []
         self._pending: list[_Fetched] = []
         self._arrivals = 0
+
+    def fill(self, batch_size: int) -> None:
+        """Fetch until the data buffer and the held irregular groups add up to `batch_size` groups."""
+        # A loop, because groups that cannot become samples are dropped at commit time.
+        while (missing := batch_size - self.held_groups()) > 0:
+            self.collect(missing)
+
+    def held_groups(self) -> int:
+        """Groups ready for training: in the data buffer, plus irregular ones held beside it."""
+        return self.data_buffer.get_buffer_length() + len(held_irregular_groups(self.data_buffer))
 
     def collect(self, num_groups: int) -> None:
         """Fetch until `num_groups` more groups are in the data buffer (or held, when irregular)."""
@@ -114,7 +124,12 @@ class GroupCollector:
         regular: list[SampleGroup] = []
         irregular: list[SampleGroup] = []
         for group in groups:
-            samples = [self.builder.build(r) for r in group.records]
+            try:
+                samples = [self.builder.build(r) for r in group.records]
+            except RecordError as e:
+                # Acked with the rest: delivered again it would fail again and stall training for good.
+                log.error("dropping group %s (epoch %d): %s", group.instance_id, group.epoch, e)
+                continue
             (regular if len(samples) == self.n else irregular).append(samples)
         if regular:
             self.data_buffer.add_samples(regular)
@@ -190,10 +205,7 @@ def generate_rollout(
     with BufferClient(settings.buffer_url, settings.token, settings.retry) as client:
         ensure_rollout_started(client, args, settings, data_buffer.get_metadata())
         collector = GroupCollector(client, settings, builder, data_buffer, n, rollout_id)
-        missing = batch_size - data_buffer.get_buffer_length() - len(held_irregular_groups(data_buffer))
-        if missing > 0:
-            collector.collect(missing)
-        else:
-            log.info("data buffer already holds %d groups; not fetching", batch_size - missing)
-    log_raw_info(args, collector.meta_infos, rollout_id)
+        collector.fill(batch_size)
+    if collector.meta_infos:
+        log_raw_info(args, collector.meta_infos, rollout_id)
     return take_batch(data_buffer, batch_size)

@@ -66,6 +66,12 @@ class Server:
             raise RuntimeError(f"server failed to start; log:\n{self.log()}") from None
         return self
 
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 

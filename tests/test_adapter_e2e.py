@@ -57,7 +57,8 @@ def workdir(tmp_path: Path) -> Path:
     gens.mkdir()
     for name, source in GENERATORS.items():
         (gens / name).write_text(source)
-    (tmp_path / "tasks.jsonl").write_text("".join(f'{{"instance_id": {i}, "prompt": "task {i}"}}\n' for i in range(8)))
+    tasks = "".join(f'{{"instance_id": {i}, "prompt": "task {i}"}}\n' for i in range(8))
+    (tmp_path / "tasks.jsonl").write_text(tasks)
     return tmp_path
 
 
@@ -80,11 +81,15 @@ def serve(workdir: Path) -> Iterator[Callable[..., Server]]:
         ctx.__exit__(None, None, None)
 
 
-def slime_args(url: str, workdir: Path, tokenizer_path: str, *extra: str, **overrides: Any) -> argparse.Namespace:
+def slime_args(
+    url: str, workdir: Path, tokenizer_path: str, *extra: str, **overrides: Any
+) -> argparse.Namespace:
     """slime's args as the trainer would have them, the adapter's flags parsed by its own parser."""
-    cli = ["--agent-rollout-buffer-url", url, "--rollout-task-type", "external_writes", "--loss-mask-type", "qwen3",
-           "--rollout-buffer-wait-s", "2", "--rollout-buffer-lease-s", "30", "--fetch-trajectory-retry-times", "3",
-           "--rollout-buffer-backoff-s", "0.05", *extra]
+    cli = [
+        *("--agent-rollout-buffer-url", url, "--rollout-task-type", "external_writes"),
+        *("--loss-mask-type", "qwen3", "--rollout-buffer-wait-s", "2", "--rollout-buffer-lease-s", "30"),
+        *("--fetch-trajectory-retry-times", "3", "--rollout-buffer-backoff-s", "0.05", *extra),
+    ]
     args = add_arguments(argparse.ArgumentParser()).parse_args(cli)
     slime = {
         "rollout_batch_size": 2, "n_samples_per_prompt": 4, "prompt_data": str(workdir / "tasks.jsonl"),
@@ -105,7 +110,8 @@ def token_record(tokenizer: Any, instance_id: str, k: int, timestamp: float, rew
                                                 add_generation_prompt=True)
     prompt = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
     answer = f"It is {k} more than {instance_id}."
-    response = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    response = [*tokenizer(answer, add_special_tokens=False)["input_ids"], end]
     return {
         "uid": f"{instance_id}-{k}",
         "instance_id": instance_id,
@@ -129,7 +135,7 @@ def write(url: str, records: list[dict[str, Any]], token: str | None = None) -> 
 
 def write_group(url: str, tokenizer: Any, instance_id: str, timestamp: float, size: int = 4,
                 token: str | None = None, **extra_info: Any) -> list[dict[str, Any]]:
-    records = [token_record(tokenizer, instance_id, k, timestamp, float(k % 2), **extra_info) for k in range(size)]
+    records = [token_record(tokenizer, instance_id, k, timestamp, k % 2, **extra_info) for k in range(size)]
     write(url, records, token)
     return records
 
@@ -158,15 +164,10 @@ def test_full_call_starts_once_and_returns_the_newest_groups(
         assert run["config"]["remote_engine_url"] == f"http://127.0.0.1:{args.sglang_router_port}"
         assert run["config"]["tokenizer_path"] == qwen_tokenizer_path
         written = {iid: write_group(url, qwen_tokenizer, iid, ts) for iid, ts in (("10", 1.0), ("11", 3.0))}
-        # A slime-style (messages-only) group: tokens come from the qwen3 loss mask algorithm.
-        messages = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]
-        write(url, [{"uid": f"m-{k}", "instance_id": "12", "messages": messages, "reward": float(k % 2),
-                     "extra_info": {"timestamp": 2.0}} for k in range(4)])
         batch = first.result(timeout=60)
 
     assert [len(g) for g in batch] == [4, 4]
-    assert [g[0].index for g in batch] == [11, 12]  # newest first; the oldest group stays for later
-    assert data_buffer.get_buffer_length() == 1
+    assert [g[0].index for g in batch] == [11, 10]  # newest first
     for sample, record in zip(batch[0], written["11"], strict=True):
         assert sample.tokens == record["tokens"]
         assert sample.response_length == record["response_length"] == len(sample.loss_mask)
@@ -174,17 +175,23 @@ def test_full_call_starts_once_and_returns_the_newest_groups(
         assert sample.metadata["raw_reward"] == record["reward"]
         assert sample.status.name == "COMPLETED"
     assert sorted(s.reward for s in batch[0]) == pytest.approx([-1, -1, 1, 1], abs=1e-5)  # GRPO-normalized
-    ids, mask = LossMaskGenerator(qwen_tokenizer, "qwen3").get_loss_mask(messages)
-    for sample in batch[1]:
-        assert sample.tokens == ids and sample.loss_mask == mask[mask.index(1) :]
     assert all(s.group_index == i for i, g in enumerate(batch) for s in g)
 
-    write_group(url, qwen_tokenizer, "13", 4.0)
+    # Three groups ready before the next call: the two newest are used, the oldest stays for later.
+    # One is slime-style (messages only): its tokens come from the qwen3 loss mask algorithm.
+    messages = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]
+    write(url, [{"uid": f"m-{k}", "instance_id": "12", "messages": messages, "reward": float(k % 2),
+                 "extra_info": {"timestamp": 2.0}} for k in range(4)])
+    write_group(url, qwen_tokenizer, "13", 5.0)
+    write_group(url, qwen_tokenizer, "14", 4.0)
     second = generate_rollout(args, 1, data_buffer)
-    assert [g[0].index for g in second] == [10, 13]  # the kept surplus, then the new group
-    status = httpx.get(f"{url}/status", timeout=5).json()
-    assert status["run"]["run_id"] == run["run_id"]  # not restarted
-    assert data_buffer.get_metadata() == {"0": ["11", "12", "10"], "1": ["13"]}
+    assert [g[0].index for g in second] == [13, 14]
+    assert httpx.get(f"{url}/status", timeout=5).json()["run"]["run_id"] == run["run_id"]  # not restarted
+    [kept] = data_buffer.get_samples(1)
+    ids, mask = LossMaskGenerator(qwen_tokenizer, "qwen3").get_loss_mask(messages)
+    assert [s.index for s in kept] == [12] * 4
+    assert all(s.tokens == ids and s.loss_mask == mask[mask.index(1) :] for s in kept)
+    assert data_buffer.get_metadata() == {"0": ["11", "10"], "1": ["13", "14", "12"]}
 
 
 class CrashingDataBuffer(DataBuffer):
@@ -205,7 +212,7 @@ def test_crash_between_fetch_and_ack_loses_no_group(
     batch = generate_rollout(args, 0, DataBuffer(4))  # the restarted trainer
     assert {s.prompt for g in batch for s in g} == uids
     assert time.monotonic() - began < 15
-    after = httpx.post(f"{url}/get_rollout_data", json={"wait_s": 2.0}, timeout=10).json()
+    after = httpx.post(f"{url}/get_rollout_data", json={"wait_s": 1.5}, timeout=10).json()
     assert after["success"] is False  # acked this time: not delivered again
 
 
@@ -239,7 +246,8 @@ def test_bearer_token_is_sent_and_a_refusal_is_not_retried(
 ) -> None:
     url = serve(env={"ROLLOUT_BUFFER_AUTH_TOKEN": TOKEN}).url
     write_group(url, qwen_tokenizer, "40", 1.0, token=TOKEN)
-    good = slime_args(url, workdir, qwen_tokenizer_path, "--rollout-buffer-token", TOKEN, rollout_batch_size=1)
+    good = slime_args(url, workdir, qwen_tokenizer_path, "--rollout-buffer-token", TOKEN,
+                      rollout_batch_size=1)
     assert [g[0].index for g in generate_rollout(good, 0, DataBuffer(4))] == [40]
     bad = slime_args(url, workdir, qwen_tokenizer_path, "--rollout-buffer-token", "wrong",
                      "--fetch-trajectory-retry-times", "-1")
@@ -253,8 +261,11 @@ def test_multi_agent_groups_of_another_size_are_returned_whole(
     # 3 episodes x (planner, actor) per task: groups of 6 while slime's n_samples_per_prompt is 3.
     url = serve(group_size=6).url
     for iid in ("50", "51"):
-        records = [token_record(qwen_tokenizer, iid, k, 1.0, float(k % 2), agent_id=("planner", "actor")[k % 2],
-                                episode_id=f"{iid}-{k // 2}") for k in range(6)]
+        records = [
+            token_record(qwen_tokenizer, iid, k, 1.0, k % 2, agent_id=("planner", "actor")[k % 2],
+                         episode_id=f"{iid}-{k // 2}")
+            for k in range(6)
+        ]
         write(url, records)
     args = slime_args(url, workdir, qwen_tokenizer_path, n_samples_per_prompt=3)
     data_buffer = DataBuffer(3)
@@ -268,7 +279,8 @@ def test_a_finished_run_without_data_is_a_clear_error(
     serve: Callable[..., Server], workdir: Path, qwen_tokenizer_path: str
 ) -> None:
     url = serve().url
-    args = slime_args(url, workdir, qwen_tokenizer_path, "--rollout-task-type", "finishes_at_once")
+    args = slime_args(url, workdir, qwen_tokenizer_path, "--rollout-task-type", "finishes_at_once",
+                      "--rollout-buffer-wait-s", "0.5")
     with pytest.raises(RolloutBufferError, match="finished and has no more groups"):
         generate_rollout(args, 0, DataBuffer(4))
 

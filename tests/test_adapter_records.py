@@ -126,3 +126,9 @@ def test_bad_token_records_name_their_uid(qwen_tokenizer: Any) -> None:
 
 def test_numeric_instance_ids_become_ints() -> None:
     assert sample_index("0042") == 42 and sample_index(5) == 5 and sample_index("q-1") == "q-1"
+
+
+def test_engine_log_probs_are_dropped_when_the_record_is_retokenized(qwen_tokenizer: Any) -> None:
+    rec = {"uid": "u2", "instance_id": "1", "messages": MESSAGES, "reward": 0.0, "extra_info": {},
+           "rollout_log_probs": [-0.1, -0.2]}
+    assert builder(qwen_tokenizer).build(rec).rollout_log_probs is None

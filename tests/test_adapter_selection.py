@@ -133,3 +133,13 @@ def test_irregular_groups_are_held_beside_the_data_buffer_and_returned_whole() -
     assert [s.group_index for g in batch for s in g] == [0, 0, 1, 1, 1]
     assert batch[1][0].metadata["agent_id"] == "planner"
     assert held_irregular_groups(data_buffer) == [] and data_buffer.get_buffer_length() == 0
+
+
+def test_a_group_that_cannot_become_samples_is_dropped_not_redelivered_forever() -> None:
+    events: list[str] = []
+    broken = group("bad", 2)
+    broken[1] = {**broken[1], "loss_mask": None, "response_length": None}
+    data_buffer = RecordingDataBuffer(2, events)
+    collector(ScriptedBuffer([broken + group("good", 2), group("next", 2)], events), data_buffer, n=2).fill(2)
+    assert events == ["fetch", "add 1", "ack b0", "fetch", "add 1", "ack b1"]  # the broken group is acked too
+    assert ids(take_batch(data_buffer, 2)) == ["good", "next"]
