@@ -284,12 +284,17 @@ class Run:
 
     async def _load_tokenizer(self) -> Any | None:
         path = self.req.tokenizer_path
+        if (self.req.model_extra or {}).get("engine_mode") == "chat":
+            log.info("run %s: engine_mode chat (messages only)", self.run_id)
+            return None
         if not path:
             log.info("run %s: no tokenizer_path, chat mode (messages only)", self.run_id)
             return None
         try:
             return await asyncio.to_thread(load_tokenizer, path)
         except Exception as e:
+            if (self.req.model_extra or {}).get("engine_mode") == "token":
+                raise ValueError(f"engine_mode token needs a tokenizer: {e}") from e
             log.warning("run %s: tokenizer %s did not load (%s); chat mode", self.run_id, path, e)
             return None
 

@@ -149,25 +149,20 @@ class GroupCollector:
         status = self.client.status()
         run = status.get("run") or {}
         state = run.get("state")
-        if state == "failed":
-            self.commit()
-            raise RolloutBufferError(
-                f"the rollout buffer's run {run.get('run_id')} failed ({run.get('error')}); "
-                f"got {got} of {wanted} groups"
-            )
-        # Open groups of a finished run never complete, so only ready ones count as data to come.
-        if state != "finished" or status.get("groups", {}).get("ready", 0):
+        # Open groups of an ended run never complete, so only ready ones count as data to come.
+        if state not in ("finished", "failed") or status.get("groups", {}).get("ready", 0):
             return
-        self.commit()
-        if not self.client.status().get("groups", {}).get("leased", 0):
-            raise RolloutBufferError(
-                f"the rollout buffer's run {run.get('run_id')} finished and has no more groups; got {got} of "
-                f"{wanted}: raise --num-epoch or lower --num-rollout"
-            )
+        self.commit()  # then our own leases no longer count as groups that may come back
+        if self.client.status().get("groups", {}).get("leased", 0):
+            return
+        why = f"failed ({run.get('error')})" if state == "failed" else "finished and has no more groups"
+        hint = "" if state == "failed" else ": raise --num-epoch or lower --num-rollout"
+        run_id = run.get("run_id")
+        raise RolloutBufferError(f"the buffer's run {run_id} {why}; got {got} of {wanted} groups{hint}")
 
 
 def take_batch(data_buffer: Any, batch_size: int) -> list[SampleGroup]:
-    """Remove one training batch: held irregular groups first, then the data buffer's own `get_samples`."""
+    """Remove one training batch: held irregular groups take places first, the data buffer fills the rest."""
     held = held_irregular_groups(data_buffer)
     irregular = held[:batch_size]
     del held[: len(irregular)]

@@ -87,10 +87,13 @@ def test_newest_groups_are_used_first_and_the_rest_kept() -> None:
     stamps = {"g0": 3.0, "g1": 1.0, "g2": 5.0, "g3": 2.0, "g4": 4.0}
     delivery = [r for name, ts in stamps.items() for r in group(name, 2, ts)]
     data_buffer = RecordingDataBuffer(2, events)
-    collector(ScriptedBuffer([delivery], events), data_buffer, n=2).collect(2)
+    c = collector(ScriptedBuffer([delivery], events), data_buffer, n=2)
+    c.fill(2)
     assert events == ["fetch", "add 5", "ack b0"]  # acked only once in the data buffer
     assert ids(take_batch(data_buffer, 2)) == ["g2", "g4"]
     assert data_buffer.get_buffer_length() == 3  # surplus kept, not dropped
+    c.fill(2)
+    assert events == ["fetch", "add 5", "ack b0"]  # enough held: the next step does not fetch
     assert ids(take_batch(data_buffer, 2)) == ["g0", "g3"]
     assert data_buffer.get_metadata() == {"5": ["g2", "g4", "g0", "g3", "g1"]}
 

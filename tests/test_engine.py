@@ -32,8 +32,9 @@ def im_end(qwen_tokenizer: Any) -> int:
 
 
 def prompt(tokenizer: Any, question: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                         tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+    )
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -49,12 +50,15 @@ async def with_client(urls: list[str], call: Any, **kwargs: Any) -> Any:
         await client.aclose()
 
 
-def test_generate_returns_the_engines_tokens_and_logprobs(engines: list[SimEngineProcess], qwen_tokenizer: Any,
-                                                          im_end: int) -> None:
+def test_generate_returns_the_engines_tokens_and_logprobs(
+    engines: list[SimEngineProcess], qwen_tokenizer: Any, im_end: int
+) -> None:
     ids = prompt(qwen_tokenizer, "What is 17 + 25?")
     _, reply = scripted_reply(qwen_tokenizer.decode(ids), RIGHT)
-    result = run(with_client([engines[0].url], lambda c: c.generate(ids, {"max_tokens": 256}, session_id="s")))
-    want = qwen_tokenizer.encode(reply, add_special_tokens=False) + [im_end]
+    result = run(
+        with_client([engines[0].url], lambda c: c.generate(ids, {"max_tokens": 256}, session_id="s"))
+    )
+    want = [*qwen_tokenizer.encode(reply, add_special_tokens=False), im_end]
     assert result.output_ids == want
     assert result.log_probs == [token_logprob(t, i) for i, t in enumerate(want)]
     assert result.text == reply and result.finish_reason == "stop"
@@ -62,7 +66,9 @@ def test_generate_returns_the_engines_tokens_and_logprobs(engines: list[SimEngin
     assert (result.attempts, result.resumed) == (1, 0)
 
 
-def test_abort_resume_gives_the_uninterrupted_output(engines: list[SimEngineProcess], qwen_tokenizer: Any) -> None:
+def test_abort_resume_gives_the_uninterrupted_output(
+    engines: list[SimEngineProcess], qwen_tokenizer: Any
+) -> None:
     engine = engines[0]
     ids = prompt(qwen_tokenizer, "Compute 3 * (4 + 5).")
 
@@ -114,7 +120,9 @@ def test_5xx_is_retried_then_raised(engines: list[SimEngineProcess], qwen_tokeni
         run(with_client([engine.url], lambda c: c.generate(ids, {}, session_id="x"), max_retries=2))
     err = info.value
     assert err.kind == "http_5xx" and err.attempts == 3 and err.status == 500
-    assert engine.url in str(err) and "3 attempt" in str(err) and "simulated internal server error" in str(err)
+    assert (
+        engine.url in str(err) and "3 attempt" in str(err) and "simulated internal server error" in str(err)
+    )
 
 
 def test_timeouts_are_retried_then_raised(engines: list[SimEngineProcess], qwen_tokenizer: Any) -> None:
@@ -126,14 +134,18 @@ def test_timeouts_are_retried_then_raised(engines: list[SimEngineProcess], qwen_
     engine.queue_faults("hang", "hang")
     start = time.monotonic()
     with pytest.raises(EngineError) as info:
-        run(with_client([engine.url], lambda c: c.generate(ids, {}, session_id="t"), timeout_s=0.5,
-                        max_retries=1))
+        run(
+            with_client(
+                [engine.url], lambda c: c.generate(ids, {}, session_id="t"), timeout_s=0.5, max_retries=1
+            )
+        )
     assert info.value.kind == "timeout" and info.value.attempts == 2
     assert time.monotonic() - start < 3
 
 
-def test_reset_connections_and_truncated_json_are_retried(engines: list[SimEngineProcess],
-                                                          qwen_tokenizer: Any) -> None:
+def test_reset_connections_and_truncated_json_are_retried(
+    engines: list[SimEngineProcess], qwen_tokenizer: Any
+) -> None:
     engine = engines[0]
     engine.queue_faults("reset", "truncated_json")
 
@@ -146,12 +158,17 @@ def test_reset_connections_and_truncated_json_are_retried(engines: list[SimEngin
     assert stats["errors"] == {"connection": 1, "bad_response": 1}
 
 
-def test_4xx_is_not_retried_and_carries_the_engines_message(engines: list[SimEngineProcess],
-                                                           qwen_tokenizer: Any) -> None:
+def test_4xx_is_not_retried_and_carries_the_engines_message(
+    engines: list[SimEngineProcess], qwen_tokenizer: Any
+) -> None:
     before = engines[0].generate_count()
     with pytest.raises(EngineError) as info:
-        run(with_client([engines[0].url], lambda c: c.generate(prompt(qwen_tokenizer, "Hi"), {"temperature": -1},
-                                                                session_id="bad")))
+        run(
+            with_client(
+                [engines[0].url],
+                lambda c: c.generate(prompt(qwen_tokenizer, "Hi"), {"temperature": -1}, session_id="bad"),
+            )
+        )
     assert info.value.kind == "http_4xx" and info.value.attempts == 1 and info.value.status == 400
     assert "temperature" in str(info.value)
     assert engines[0].generate_count() == before + 1
@@ -169,8 +186,9 @@ def test_dead_engine_fails_with_connection_and_retries_move_to_a_live_one(
     assert moved.engine_url == engines[0].url and moved.attempts == 2 and moved.finish_reason == "stop"
 
 
-def test_least_in_flight_shares_load_and_sessions_stick(engines: list[SimEngineProcess],
-                                                        qwen_tokenizer: Any) -> None:
+def test_least_in_flight_shares_load_and_sessions_stick(
+    engines: list[SimEngineProcess], qwen_tokenizer: Any
+) -> None:
     a, b = engines
     ids = prompt(qwen_tokenizer, "What is 6 + 6?")
     counts = a.generate_count(), b.generate_count()
@@ -191,29 +209,62 @@ def test_least_in_flight_shares_load_and_sessions_stick(engines: list[SimEngineP
 
 def test_chat_completions(engines: list[SimEngineProcess]) -> None:
     messages = [{"role": "user", "content": "What is 17 + 25?"}]
-    tools = [{"type": "function", "function": {"name": "calc", "description": "calculator",
-                                               "parameters": {"type": "object", "properties": {}}}}]
-    result = run(with_client([engines[1].url], lambda c: c.chat(messages, {"max_tokens": 256, "temperature": 0.7},
-                                                                 session_id="c", tools=tools)))
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "calc",
+                "description": "calculator",
+                "parameters": {"type": "object", "properties": {}},
+            },
+        }
+    ]
+    result = run(
+        with_client(
+            [engines[1].url],
+            lambda c: c.chat(messages, {"max_tokens": 256, "temperature": 0.7}, session_id="c", tools=tools),
+        )
+    )
     assert result.text.endswith("\\boxed{42}.") and result.finish_reason == "stop"
     assert result.engine_url == engines[1].url and result.attempts == 1
     assert result.raw["usage"]["completion_tokens"] > 0
-    short = run(with_client([engines[1].url], lambda c: c.chat(messages, {"max_new_tokens": 3}, session_id="c")))
+    short = run(
+        with_client([engines[1].url], lambda c: c.chat(messages, {"max_new_tokens": 3}, session_id="c"))
+    )
     assert short.finish_reason == "length"
 
 
-def test_sampling_params_are_translated_for_sglang(engines: list[SimEngineProcess], qwen_tokenizer: Any) -> None:
-    openai_style = {"max_tokens": 9, "temperature": 0.7, "top_p": 0.9, "seed": 3, "n": 1, "logprobs": True,
-                    "user": "x", "stop": None, "include_stop_str_in_output": True}
+def test_sampling_params_are_translated_for_sglang(
+    engines: list[SimEngineProcess], qwen_tokenizer: Any
+) -> None:
+    openai_style = {
+        "max_tokens": 9,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "seed": 3,
+        "n": 1,
+        "logprobs": True,
+        "user": "x",
+        "stop": None,
+        "include_stop_str_in_output": True,
+    }
     assert to_sglang_sampling_params(openai_style) == {
-        "max_new_tokens": 9, "temperature": 0.7, "top_p": 0.9, "sampling_seed": 3, "no_stop_trim": True,
+        "max_new_tokens": 9,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "sampling_seed": 3,
+        "no_stop_trim": True,
     }
     assert to_sglang_sampling_params({"max_tokens": 9, "max_new_tokens": 5}) == {"max_new_tokens": 5}
     assert to_sglang_sampling_params({"max_tokens": 9}, max_new_tokens=4) == {"max_new_tokens": 4}
     with pytest.raises(ValueError, match="n must be 1"):
         to_sglang_sampling_params({"n": 4})
-    result = run(with_client([engines[0].url], lambda c: c.generate(prompt(qwen_tokenizer, "What is 3 + 4?"),
-                                                                    openai_style, session_id="p")))
+    result = run(
+        with_client(
+            [engines[0].url],
+            lambda c: c.generate(prompt(qwen_tokenizer, "What is 3 + 4?"), openai_style, session_id="p"),
+        )
+    )
     assert result.finish_reason == "length" and len(result.output_ids) == 9
 
 

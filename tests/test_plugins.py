@@ -1,0 +1,75 @@
+"""Generator discovery: built-in package, installed entry points, --generator-path; duplicates refused."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import httpx
+import pytest
+from servers import free_port, running
+
+from rollout_buffer.plugins import PluginError, discover
+
+PLUGINS = Path(__file__).parent / "plugins"
+
+
+def test_builtin_package_and_path() -> None:
+    found = discover([PLUGINS / "two_turn.py", PLUGINS / "slime_style.py"], include_entry_points=False)
+    assert found["math"].origin.endswith("generators/math.py")
+    assert found["math"].native and not found["slime_style"].native
+    assert found["two_turn"].origin == str(PLUGINS / "two_turn.py")
+
+
+def test_directory_path_and_duplicate_names_both_files() -> None:
+    with pytest.raises(PluginError) as err:
+        discover([PLUGINS / "flaky.py", PLUGINS / "dup"], include_entry_points=False)
+    msg = str(err.value)
+    assert "'flaky'" in msg and "flaky.py" in msg and "flaky_again.py" in msg
+
+
+def test_broken_file_is_a_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "broken.py"
+    bad.write_text("TASK_TYPE = 'broken'\nimport not_a_module_anywhere\n")
+    with pytest.raises(PluginError, match="broken.py failed to import: ModuleNotFoundError"):
+        discover([bad], include_entry_points=False)
+    nofn = tmp_path / "nofn.py"
+    nofn.write_text("TASK_TYPE = 'nofn'\n")
+    with pytest.raises(PluginError, match="no callable run_rollout"):
+        discover([nofn], include_entry_points=False)
+
+
+def _install_entry_point(site: Path) -> None:
+    """A real installed distribution (dist-info with entry_points.txt) providing a generator module."""
+    (site / "ep_generator.py").write_text(textwrap.dedent('''
+        TASK_TYPE = "from_entry_point"
+
+        async def run_rollout(item, ctx):
+            return {"messages": [{"role": "assistant", "content": "x"}], "reward": 1.0}
+    '''))
+    info = site / "ep_generator-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: ep-generator\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[rollout_buffer.generators]\nfrom_entry_point = ep_generator\n")
+
+
+def test_entry_point_generator_is_served(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    _install_entry_point(site)
+    listing = subprocess.run(
+        [sys.executable, "-c", "from rollout_buffer.plugins import discover; print(sorted(discover()))"],
+        env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, check=True,
+    )
+    assert "from_entry_point" in listing.stdout and "math" in listing.stdout
+    port = free_port()
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "p"}\n')
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "d")]
+    with running(args, "/healthz", port, tmp_path / "log", env={"PYTHONPATH": str(site)}) as srv:
+        resp = httpx.post(f"{srv.url}/start_rollout", json={"task_type": "from_entry_point", "input_file": str(inp)})
+        assert resp.status_code == 200, resp.text
+        resp = httpx.post(f"{srv.url}/start_rollout", json={"task_type": "nope", "input_file": str(inp)})
+        assert "from_entry_point" in resp.json()["message"], "the error lists the known task types"
