@@ -169,8 +169,9 @@ def _parse_body(raw: bytes) -> Any:
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as e:
-        raise RequestValidationError([{"loc": ("body",), "msg": f"not valid JSON: {e}", "type": "json_invalid"}])
-    # orjson refuses invalid UTF-8 with the same error type, so both surface as 422.
+        # orjson refuses invalid UTF-8 with the same error type, so both surface as 422.
+        error = {"loc": ("body",), "msg": f"not valid JSON: {e}", "type": "json_invalid"}
+        raise RequestValidationError([error]) from None
 
 
 def describe_errors(errors: Any) -> str:

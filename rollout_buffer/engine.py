@@ -52,6 +52,8 @@ _CHAT_KEYS = frozenset(
     }
 )
 _AFFINITY_SIZE = 100_000
+# A router's queue timeout and rate limit: the request was fine, the engines were busy.
+_RETRYABLE_4XX = frozenset({408, 429})
 _T = TypeVar("_T")
 _ERROR_TEXT_CHARS = 500
 
@@ -218,6 +220,8 @@ class EngineClient:
     """Calls SGLang engines with retries, abort resumption and least-in-flight + session-affinity routing.
 
     Give one URL for a router (or a single engine), several for engines balanced by this client.
+    Connection errors, timeouts, 5xx, undecodable answers and a router's 408/429 are retried with
+    exponential backoff; other 4xx fail at once.
     """
 
     def __init__(
@@ -324,7 +328,7 @@ class EngineClient:
                 return parse(await self._attempt(url, path, payload)), url, attempt
             except _AttemptError as e:
                 self.stats.errors[e.kind] += 1
-                if e.kind == "http_4xx" or attempt > self.max_retries:
+                if (e.kind == "http_4xx" and e.status not in _RETRYABLE_4XX) or attempt > self.max_retries:
                     raise EngineError(e.kind, url, attempt, e.reason, e.status) from None
                 if e.kind == "connection" and len(self.urls) > 1:
                     # The session's engine may be gone: let the retry go to another one.

@@ -349,7 +349,7 @@ class RunManager:
             req = StartRolloutRequest.model_validate(cfg)
             gen = self.generators[req.task_type]
             path = Path(cfg["input_file"])
-            if not path.is_file():
+            if not await asyncio.to_thread(path.is_file):
                 raise InputFileError(f"input_file: {path} is gone")
         except (ValidationError, KeyError, InputFileError) as e:
             log.error("cannot resume run %s: %s", run["run_id"], e)

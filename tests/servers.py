@@ -51,7 +51,7 @@ class Server:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 60.0) -> Server:
-        log = open(self.log_path, "ab")  # noqa: SIM115 - closed with the process
+        log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rollout_buffer.cli", *self.args],
             stdout=log,

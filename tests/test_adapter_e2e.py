@@ -47,6 +47,14 @@ TASK_TYPE = "finishes_at_once"
 def run_rollout(data):
     return None
 ''',
+    "fails_at_once.py": '''
+"""slime-style generator whose run fails at once."""
+TASK_TYPE = "fails_at_once"
+
+
+def run_rollout(data):
+    raise RuntimeError("engine unreachable")
+''',
 }
 TOKEN = "s3cret-token"
 
@@ -156,10 +164,12 @@ def test_full_call_starts_once_and_returns_the_newest_groups(
     url = serve().url
     args = slime_args(url, workdir, qwen_tokenizer_path)
     data_buffer = DataBuffer(n_samples_per_prompt=4)
+    data_buffer.update_metadata({"6": ["3", "4"]})  # a resumed trainer: these tasks were trained on already
     with ThreadPoolExecutor(1) as pool:
-        first = pool.submit(generate_rollout, args, 0, data_buffer)
+        first = pool.submit(generate_rollout, args, 7, data_buffer)
         run = wait_for_run(url, "external_writes")  # the first call sent /start_rollout
         assert run["num_repeat_per_sample"] == 4 and run["num_epoch"] == 1
+        assert run["config"]["skip_instance_ids"] == ["3", "4"]
         assert run["config"]["sampling_params"] == {"max_tokens": 64, "temperature": 0.8, "top_p": 0.95}
         assert run["config"]["remote_engine_url"] == f"http://127.0.0.1:{args.sglang_router_port}"
         assert run["config"]["tokenizer_path"] == qwen_tokenizer_path
@@ -184,14 +194,14 @@ def test_full_call_starts_once_and_returns_the_newest_groups(
                  "extra_info": {"timestamp": 2.0}} for k in range(4)])
     write_group(url, qwen_tokenizer, "13", 5.0)
     write_group(url, qwen_tokenizer, "14", 4.0)
-    second = generate_rollout(args, 1, data_buffer)
+    second = generate_rollout(args, 8, data_buffer)
     assert [g[0].index for g in second] == [13, 14]
     assert httpx.get(f"{url}/status", timeout=5).json()["run"]["run_id"] == run["run_id"]  # not restarted
     [kept] = data_buffer.get_samples(1)
     ids, mask = LossMaskGenerator(qwen_tokenizer, "qwen3").get_loss_mask(messages)
     assert [s.index for s in kept] == [12] * 4
     assert all(s.tokens == ids and s.loss_mask == mask[mask.index(1) :] for s in kept)
-    assert data_buffer.get_metadata() == {"0": ["11", "10"], "1": ["13", "14", "12"]}
+    assert data_buffer.get_metadata() == {"6": ["3", "4"], "7": ["11", "10"], "8": ["13", "14", "12"]}
 
 
 class CrashingDataBuffer(DataBuffer):
@@ -225,12 +235,13 @@ def test_retry_limit_is_honoured_when_the_buffer_is_down(workdir: Path, qwen_tok
     assert time.monotonic() - began < 5
 
 
-def test_unlimited_retries_wait_for_a_buffer_that_comes_up_late(
+def test_retries_wait_for_a_buffer_that_comes_up_late(
     serve: Callable[..., Server], workdir: Path, qwen_tokenizer: Any, qwen_tokenizer_path: str
 ) -> None:
     port = free_port()
+    # 9 retries from 0.05 s doubling: about 25 s of patience, finite so a failure cannot hang the suite.
     args = slime_args(f"http://127.0.0.1:{port}", workdir, qwen_tokenizer_path,
-                      "--fetch-trajectory-retry-times", "-1", rollout_batch_size=1)
+                      "--fetch-trajectory-retry-times", "9", rollout_batch_size=1)
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(generate_rollout, args, 0, DataBuffer(4))
         time.sleep(0.5)
@@ -250,9 +261,11 @@ def test_bearer_token_is_sent_and_a_refusal_is_not_retried(
                       rollout_batch_size=1)
     assert [g[0].index for g in generate_rollout(good, 0, DataBuffer(4))] == [40]
     bad = slime_args(url, workdir, qwen_tokenizer_path, "--rollout-buffer-token", "wrong",
-                     "--fetch-trajectory-retry-times", "-1")
-    with pytest.raises(RolloutBufferError, match="401"):
+                     "--fetch-trajectory-retry-times", "9")
+    began = time.monotonic()
+    with pytest.raises(RolloutBufferError, match="401") as refused:
         generate_rollout(bad, 0, DataBuffer(4))
+    assert not isinstance(refused.value, RolloutBufferUnavailable) and time.monotonic() - began < 2
 
 
 def test_multi_agent_groups_of_another_size_are_returned_whole(
@@ -275,13 +288,20 @@ def test_multi_agent_groups_of_another_size_are_returned_whole(
     assert data_buffer.get_buffer_length() == 0 and held_irregular_groups(data_buffer) == []
 
 
-def test_a_finished_run_without_data_is_a_clear_error(
-    serve: Callable[..., Server], workdir: Path, qwen_tokenizer_path: str
+@pytest.mark.parametrize(
+    ("task_type", "message"),
+    [
+        ("finishes_at_once", "finished and has no more groups"),
+        ("fails_at_once", "failed .*engine unreachable"),
+    ],
+)
+def test_an_ended_run_without_data_is_a_clear_error(
+    serve: Callable[..., Server], workdir: Path, qwen_tokenizer_path: str, task_type: str, message: str
 ) -> None:
     url = serve().url
-    args = slime_args(url, workdir, qwen_tokenizer_path, "--rollout-task-type", "finishes_at_once",
+    args = slime_args(url, workdir, qwen_tokenizer_path, "--rollout-task-type", task_type,
                       "--rollout-buffer-wait-s", "0.5")
-    with pytest.raises(RolloutBufferError, match="finished and has no more groups"):
+    with pytest.raises(RolloutBufferError, match=message):
         generate_rollout(args, 0, DataBuffer(4))
 
 

@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from slime_adapter import add_arguments
+from slime_adapter.client import RetryPolicy
 from slime_adapter.flags import AUTH_TOKEN_ENV, AdapterSettings
 
 
@@ -71,3 +72,10 @@ def test_settings_refuse_missing_url_and_bad_wait() -> None:
     with pytest.raises(ValueError, match="wait"):
         args = parser.parse_args(["--rollout-buffer-url", "http://x", "--rollout-buffer-wait-s", "900"])
         AdapterSettings.from_args(args)
+
+
+def test_retry_policy_limits_and_backoff() -> None:
+    assert not RetryPolicy(retries=-1).gives_up(10**6)  # -1: never gives up
+    limited = RetryPolicy(retries=2, backoff_s=0.5)
+    assert not limited.gives_up(2) and limited.gives_up(3)  # 2 retries = 3 attempts
+    assert [limited.delay(k) for k in (1, 2, 3, 10)] == [0.5, 1.0, 2.0, 30.0]  # doubling, capped

@@ -277,6 +277,6 @@ def test_a_thousand_concurrent_generations(engines: list[SimEngineProcess], qwen
 
     start = time.monotonic()
     results, stats = run(with_client([e.url for e in engines], call))
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 15  # 1000 x 50 ms would take 50 s one after another
     assert all(r.finish_reason == "stop" and "\\boxed{42}" in r.text for r in results)
     assert sorted(stats["requests_by_url"].values()) == [500, 500] and stats["in_flight"] == {}

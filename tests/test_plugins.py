@@ -33,7 +33,7 @@ def test_directory_path_and_duplicate_names_both_files() -> None:
 def test_broken_file_is_a_clear_error(tmp_path: Path) -> None:
     bad = tmp_path / "broken.py"
     bad.write_text("TASK_TYPE = 'broken'\nimport not_a_module_anywhere\n")
-    with pytest.raises(PluginError, match="broken.py failed to import: ModuleNotFoundError"):
+    with pytest.raises(PluginError, match=r"broken\.py failed to import: ModuleNotFoundError"):
         discover([bad], include_entry_points=False)
     nofn = tmp_path / "nofn.py"
     nofn.write_text("TASK_TYPE = 'nofn'\n")

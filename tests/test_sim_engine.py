@@ -254,10 +254,11 @@ def test_unknown_fault_kind_is_refused(right: SimEngineProcess) -> None:
 
 
 def test_abort_request_cuts_running_requests(
-    engines: dict[str, SimEngineProcess], qwen_tokenizer: Any
+    engines: dict[str, SimEngineProcess], qwen_tokenizer: Any, im_end: int
 ) -> None:
     slow = engines["slow"]
     ids = prompt_ids(qwen_tokenizer, "What is 40 + 2?")
+    full = len(expected_ids(qwen_tokenizer, ids, im_end)[1])
 
     async def run() -> list[dict[str, Any]]:
         async with httpx.AsyncClient(timeout=10) as client:
@@ -265,16 +266,17 @@ def test_abort_request_cuts_running_requests(
                 asyncio.create_task(client.post(slow.url + "/generate", json={"input_ids": ids}))
                 for _ in range(3)
             ]
-            await asyncio.sleep(0.4)
+            for _ in range(100):  # until the three are running (bounded: 100 x 10 ms)
+                load = (await client.get(slow.url + "/get_load")).json()[0]
+                if load["num_reqs"] == 3:
+                    break
+                await asyncio.sleep(0.01)
             await client.post(slow.url + "/abort_request", json={"abort_all": True})
             return [(await t).json() for t in pending]
 
-    start = time.monotonic()
-    bodies = asyncio.run(run())
-    assert time.monotonic() - start < 0.9
-    for body in bodies:
+    for body in asyncio.run(run()):
         assert body["meta_info"]["finish_reason"]["type"] == "abort"
-        assert 0 < len(body["output_ids"]) < 30
+        assert len(body["output_ids"]) < full
 
 
 def test_update_weight_version(engines: dict[str, SimEngineProcess], qwen_tokenizer: Any) -> None:
@@ -325,7 +327,7 @@ def test_a_thousand_concurrent_requests_overlap(
 
     start = time.monotonic()
     assert asyncio.run(run()) == [200] * 1000
-    assert time.monotonic() - start < 6.0  # 1000 x 1 s of latency overlapped, not serialized
+    assert time.monotonic() - start < 10.0  # 1000 x 1 s of latency overlapped, not serialized
     assert slow.stats()["max_in_flight"] >= 500
 
 

@@ -37,7 +37,8 @@ def slime_payload(path: Path, **over: object) -> dict:
 
 @pytest.fixture
 def math_file(tmp_path: Path) -> Path:
-    return write_jsonl(tmp_path / "math.jsonl", [{"prompt": f"What is {i} + 1?", "label": str(i + 1)} for i in range(3)])
+    rows = [{"prompt": f"What is {i} + 1?", "label": str(i + 1)} for i in range(3)]
+    return write_jsonl(tmp_path / "math.jsonl", rows)
 
 
 def start(url: str, payload: dict) -> httpx.Response:

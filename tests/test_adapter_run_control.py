@@ -1,0 +1,70 @@
+"""When the adapter starts the buffer's run, and with what payload (slime's flag names → slime's keys)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import pytest
+
+from slime_adapter import add_arguments
+from slime_adapter.flags import AdapterSettings
+from slime_adapter.run_control import consumed_instance_ids, reason_to_start, start_payload
+
+
+def args(**overrides: Any) -> argparse.Namespace:
+    cli = ["--rollout-buffer-url", "http://buf:8889", "--rollout-task-type", "search"]
+    cli += ["--rollout-num-process", "64"]
+    ns = add_arguments(argparse.ArgumentParser()).parse_args(cli)
+    slime = {"prompt_data": "/data/tasks.jsonl", "n_samples_per_prompt": 8, "num_epoch": None,
+             "sglang_router_ip": "10.0.0.2", "sglang_router_port": 30000, "rollout_max_response_len": 4096,
+             "rollout_temperature": 1.0, "rollout_top_p": None, "hf_checkpoint": "/models/qwen3"}
+    for key, value in {**slime, **overrides}.items():
+        setattr(ns, key, value)
+    return ns
+
+
+def test_payload_uses_slimes_keys_and_values() -> None:
+    a = args()
+    payload = start_payload(a, AdapterSettings.from_args(a), ["3"])
+    assert payload == {
+        "task_type": "search",
+        "input_file": "/data/tasks.jsonl",
+        "num_repeat_per_sample": 8,
+        "num_epoch": 3,  # slime's original default when --num-epoch is unset
+        "num_process": 64,
+        "remote_engine_url": "http://10.0.0.2:30000",
+        "remote_buffer_url": "http://buf:8889",
+        "max_tokens": 4096,
+        "sampling_params": {"max_tokens": 4096, "temperature": 1.0},  # unset top_p is left to the engine
+        "tokenizer_path": "/models/qwen3",
+        "skip_instance_ids": ["3"],
+    }
+
+
+def test_resumed_training_skips_every_consumed_instance_once() -> None:
+    metadata = {"0": ["1", "2"], "1": [2, "3"], "note": "not a list"}
+    assert consumed_instance_ids(metadata) == ["1", "2", "3"]
+
+
+TASKS = "/data/tasks.jsonl"
+PAYLOAD = {"task_type": "search", "input_file": TASKS}
+
+
+@pytest.mark.parametrize(
+    ("state", "task_type", "input_file", "starts"),
+    [
+        (None, None, None, True),  # no run at all
+        ("running", "search", TASKS, False),
+        ("finished", "search", TASKS, False),
+        ("running", None, None, False),  # fed through /buffer/write by generators slime does not drive
+        ("failed", "search", TASKS, True),
+        ("running", "math", TASKS, True),
+        ("running", "search", "/data/other.jsonl", True),
+    ],
+)
+def test_the_buffers_run_state_decides_whether_to_start(
+    state: str | None, task_type: str | None, input_file: str | None, starts: bool
+) -> None:
+    run = {"run_id": "r", "state": state, "task_type": task_type, "input_file": input_file}
+    assert (reason_to_start(None if state is None else run, PAYLOAD) is not None) == starts
