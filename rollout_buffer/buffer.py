@@ -93,7 +93,9 @@ class RolloutBuffer:
         """Persist records of a run (the writer run by default); completed groups become deliverable."""
         run = run or await self._writer_run()
         items = [
-            NewRecord(r.uid, r.instance_id, r.epoch, r.status, r.model_dump(mode="json")) for r in records
+            NewRecord(r.uid, r.instance_id, r.epoch, r.status, r.model_dump(mode="json"),
+                      episode=r.extra_info.get("episode_id"))
+            for r in records
         ]
         result = await self.store.write_records(run["run_id"], run["group_size"], items, self.policy_for(run).finalize)
         if result.completed:

@@ -136,5 +136,7 @@ def stamp(record: dict[str, Any], ctx: RolloutContext, index: int | None = None)
     info.setdefault("task_type", ctx.run.task_type)
     info.setdefault("run_id", ctx.run.run_id)
     info.setdefault("timestamp", time.time())
+    if index is not None:  # one of several records of a multi-agent episode
+        info.setdefault("episode_id", ctx.uid)
     uid = ctx.uid if index is None else f"{ctx.uid}-{index}"
     return {**record, "uid": record.get("uid") or uid, "instance_id": ctx.instance_id, "extra_info": info}

@@ -86,16 +86,40 @@ def has_response(record: Record) -> bool:
     return last.get("role") == "assistant" and bool(str(content or "").strip() or last.get("tool_calls"))
 
 
+def episode_rewards(records: list[Record]) -> dict[str, float]:
+    """One raw reward per episode: `extra_info.episode_reward` when a multi-agent generator sets it, else
+    the mean raw reward of the episode's records. A record without `episode_id` is its own episode."""
+    members: dict[str, list[Record]] = {}
+    for r in records:
+        members.setdefault(_episode(r), []).append(r)
+    out: dict[str, float] = {}
+    for ep, rs in members.items():
+        shared = (rs[0].get("extra_info") or {}).get("episode_reward")
+        out[ep] = float(shared) if shared is not None else statistics.fmean(float(r["raw_reward"]) for r in rs)
+    return out
+
+
+def _episode(record: Record) -> str:
+    return str((record.get("extra_info") or {}).get("episode_id") or record["uid"])
+
+
 def reward_std(records: list[Record]) -> float:
-    """Population standard deviation of the raw rewards of a group."""
-    rewards = [float(r["raw_reward"]) for r in records]
+    """Population standard deviation of the group's episode rewards."""
+    rewards = list(episode_rewards(records).values())
     return statistics.pstdev(rewards) if len(rewards) > 1 else 0.0
 
 
 def normalize_rewards(records: list[Record]) -> None:
-    """GRPO: reward = (raw − mean) / (std + eps) per group; a zero-variance group gets 0 everywhere."""
-    rewards = [float(r["raw_reward"]) for r in records]
-    mean = statistics.fmean(rewards)
-    std = reward_std(records)
-    for r, raw in zip(records, rewards, strict=True):
-        r["reward"] = 0.0 if std < ZERO_VARIANCE_EPS else (raw - mean) / (std + NORM_EPS)
+    """GRPO over episodes: (R − mean) / (std + eps), 0 for a zero-variance group.
+
+    A record's reward is its episode's advantage times its `extra_info.reward_weight` (default 1), so
+    planner and actor samples of one episode can weigh the shared reward differently.
+    """
+    per_episode = episode_rewards(records)
+    values = list(per_episode.values())
+    mean = statistics.fmean(values)
+    std = statistics.pstdev(values) if len(values) > 1 else 0.0
+    for r in records:
+        weight = float((r.get("extra_info") or {}).get("reward_weight", 1.0))
+        advantage = 0.0 if std < ZERO_VARIANCE_EPS else (per_episode[_episode(r)] - mean) / (std + NORM_EPS)
+        r["reward"] = advantage * weight

@@ -243,6 +243,7 @@ class Run:
             records = await self._generate(item, ctx)
             await self._write(records)
         finally:
+            ctx.engine.release(ctx.uid)
             self.progress.in_flight -= 1
             sem.release()
 

@@ -43,6 +43,7 @@ CREATE TABLE IF NOT EXISTS trajectories (
     epoch INTEGER NOT NULL,
     part INTEGER NOT NULL,
     status TEXT NOT NULL,
+    episode TEXT NOT NULL,
     created_at REAL NOT NULL,
     record BLOB NOT NULL
 );
@@ -89,6 +90,8 @@ class NewRecord:
     epoch: int
     status: str
     record: Record
+    # Records of one multi-agent episode share it; a group counts episodes, not records.
+    episode: str | None = None
 
 
 @dataclass
@@ -390,10 +393,11 @@ def _write(
 ) -> WriteResult:
     result = WriteResult()
     now = time.time()
+    touched: dict[GroupKey, None] = {}
     for item in items:
         # The open part of this (instance, epoch): later parts take records arriving after completion.
         row = conn.execute(
-            "SELECT part, n FROM groups WHERE run_id=? AND instance_id=? AND epoch=? AND state='open' "
+            "SELECT part FROM groups WHERE run_id=? AND instance_id=? AND epoch=? AND state='open' "
             "ORDER BY part LIMIT 1",
             (run_id, item.instance_id, item.epoch),
         ).fetchone()
@@ -405,25 +409,35 @@ def _write(
             part = 0 if last is None else last + 1
         else:
             part = row[0]
+        key = (run_id, item.instance_id, item.epoch, part)
+        episode = item.episode or item.uid
+        if part:
+            item.record.setdefault("extra_info", {})["group_part"] = part
+        new_episode = conn.execute(
+            "SELECT 1 FROM trajectories WHERE run_id=? AND instance_id=? AND epoch=? AND part=? AND episode=? LIMIT 1",
+            (*key, episode),
+        ).fetchone() is None
         cur = conn.execute(
-            "INSERT OR IGNORE INTO trajectories(uid, run_id, instance_id, epoch, part, status, created_at, record) "
-            "VALUES (?,?,?,?,?,?,?,?)",
-            (item.uid, run_id, item.instance_id, item.epoch, part, item.status, now, orjson.dumps(item.record)),
+            "INSERT OR IGNORE INTO trajectories"
+            "(uid, run_id, instance_id, epoch, part, status, episode, created_at, record) VALUES (?,?,?,?,?,?,?,?,?)",
+            (item.uid, *key, item.status, episode, now, orjson.dumps(item.record)),
         )
         if cur.rowcount == 0:
             result.duplicates += 1
             continue
         result.inserted += 1
-        key = (run_id, item.instance_id, item.epoch, part)
         conn.execute(
-            "INSERT INTO groups(run_id, instance_id, epoch, part, size, n, state) VALUES (?,?,?,?,?,1,'open') "
-            "ON CONFLICT DO UPDATE SET n = n + 1",
-            (*key, group_size),
+            "INSERT INTO groups(run_id, instance_id, epoch, part, size, n, state) VALUES (?,?,?,?,?,?,'open') "
+            "ON CONFLICT DO UPDATE SET n = n + excluded.n",
+            (*key, group_size, int(new_episode)),
         )
-        n, size = conn.execute(
-            "SELECT n, size FROM groups WHERE run_id=? AND instance_id=? AND epoch=? AND part=?", key
+        touched[key] = None
+    # Completion is checked after the whole call so every record of a multi-agent episode is in its group.
+    for key in touched:
+        n, size, state = conn.execute(
+            "SELECT n, size, state FROM groups WHERE run_id=? AND instance_id=? AND epoch=? AND part=?", key
         ).fetchone()
-        if n >= size:
+        if state == "open" and n >= size:
             result.completed.append((key, _complete(conn, key, finalize, now)))
     return result
 

@@ -31,7 +31,7 @@ def buffer(tmp_path: Path, *extra: str) -> Server:
     port = free_port()
     args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"),
             "--generator-path", str(PLUGINS / "two_turn.py"), "--generator-path", str(PLUGINS / "flaky.py"),
-            "--generator-path", str(PLUGINS / "slime_style.py"), *extra]
+            "--generator-path", str(PLUGINS / "slime_style.py"), "--generator-path", str(PLUGINS / "duo.py"), *extra]
     return Server(args, "/healthz", port, tmp_path / "buffer.log")
 
 
@@ -274,3 +274,18 @@ def test_restart_resumes_without_regenerating_complete_groups(tmp_path, qwen_tok
     # Only trajectories that were not stored before the crash were generated again.
     assert after - 96 <= 8, f"{after - 96} extra generations: complete groups were regenerated"
     assert before >= 16
+
+
+def test_multi_agent_episodes_are_the_unit_of_a_group(tmp_path, sim_engine):
+    inp = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
+    with buffer(tmp_path).start() as srv:
+        start(srv.url, sim_engine.url, inp, None, task_type="duo")
+        wait_finished(srv.url)
+        out = httpx.post(f"{srv.url}/get_rollout_data", json={"max_groups": 1}).json()["data"]
+    records = out["data"]
+    assert out["meta_info"]["num_groups"] == 1 and len(records) == 12, "4 episodes x 3 records, delivered together"
+    assert len({r["extra_info"]["episode_id"] for r in records}) == 4
+    adv = 0.5 / (0.5 + 1e-6)
+    for r in records:
+        sign = 1 if r["extra_info"]["episode_reward"] == 1.0 else -1
+        assert r["reward"] == pytest.approx(sign * adv * r["extra_info"]["reward_weight"])
