@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from pathlib import Path
@@ -57,19 +58,28 @@ def serve(args: argparse.Namespace) -> None:
                 access_log=False, timeout_keep_alive=75)
 
 
+# Subcommands that own their argument parsing: name → (module, help). Each module has `main(argv)`.
+DELEGATED: dict[str, tuple[str, str]] = {
+    "sim-engine": ("rollout_buffer.sim_engine", "simulated SGLang engine for runs without a GPU"),
+    "retriever": ("generators.retriever", "Search-R1 retrieval server (BM25) over a JSONL corpus"),
+    "status": ("rollout_buffer.status_cli", "print a running buffer's run, progress and counts"),
+    "export": ("rollout_buffer.export", "write stored trajectories as JSONL"),
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "sim-engine":
-        from rollout_buffer.sim_engine import main as sim_main
-
-        sim_main(argv[1:])
+    if argv and argv[0] in DELEGATED:
+        module = importlib.import_module(DELEGATED[argv[0]][0])
+        module.main(argv[1:])
         return
     parser = argparse.ArgumentParser(prog="rollout-buffer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     demo.add_parser(sub)
-    sub.add_parser("sim-engine", help="simulated SGLang engine (see `rollout-buffer sim-engine --help`)")
+    for name, (_, help_text) in DELEGATED.items():
+        sub.add_parser(name, help=f"{help_text} (see `rollout-buffer {name} --help`)", add_help=False)
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "INFO").upper(), format=LOG_FORMAT)
     if args.command == "serve":
