@@ -171,7 +171,7 @@ class Run:
         )
         n = req.num_repeat_per_sample
         self.progress.total = len(index.offsets) * req.num_epoch * n
-        done_groups, partial = await self._stored_work()
+        done_groups, partial = await self.buffer.store.stored_work(self.run_id)
         skip = Counter(req.skip_instance_ids or [])
         sem = asyncio.Semaphore(req.num_process)
         tasks: set[asyncio.Task[None]] = set()
@@ -214,28 +214,6 @@ class Run:
                 random.Random(self.req.seed + epoch).shuffle(order)
             for i in order:
                 yield epoch, i
-
-    async def _stored_work(self) -> tuple[set[tuple[str, int]], dict[tuple[str, int], set[str]]]:
-        """What a resumed run already has: finished groups, and the uids of unfinished ones."""
-
-        def op(conn: Any) -> tuple[set[tuple[str, int]], dict[tuple[str, int], set[str]]]:
-            done = {
-                (i, e)
-                for i, e in conn.execute(
-                    "SELECT instance_id, epoch FROM groups WHERE run_id=? AND state!='open'", (self.run_id,)
-                )
-            }
-            partial: dict[tuple[str, int], set[str]] = {}
-            for i, e, uid in conn.execute(
-                "SELECT t.instance_id, t.epoch, t.uid FROM trajectories t JOIN groups g ON "
-                "g.run_id=t.run_id AND g.instance_id=t.instance_id AND g.epoch=t.epoch AND g.part=t.part "
-                "WHERE t.run_id=? AND g.state='open'",
-                (self.run_id,),
-            ):
-                partial.setdefault((i, e), set()).add(uid)
-            return done, partial
-
-        return await self.buffer.store.call(op)
 
     async def _one(self, item: dict[str, Any], ctx: RolloutContext, sem: asyncio.Semaphore) -> None:
         self.progress.in_flight += 1

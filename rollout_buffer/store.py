@@ -297,52 +297,38 @@ class Store:
 
     async def group_counts(self, run_id: str | None = None) -> dict[str, int]:
         """Groups by state (one run, or all)."""
-
-        def op(conn: sqlite3.Connection) -> dict[str, int]:
-            sql = "SELECT state, count(*) FROM groups"
-            args: tuple = ()
-            if run_id is not None:
-                sql += " WHERE run_id=?"
-                args = (run_id,)
-            return dict(conn.execute(sql + " GROUP BY state", args).fetchall())
-
-        return await self.call(op)
+        return await self._count("groups", "state", "1", run_id)
 
     async def filter_counts(self, run_id: str | None = None) -> dict[str, int]:
         """Dropped groups by reason."""
-
-        def op(conn: sqlite3.Connection) -> dict[str, int]:
-            sql = "SELECT reason, count(*) FROM groups WHERE state='filtered'"
-            args: tuple = ()
-            if run_id is not None:
-                sql += " AND run_id=?"
-                args = (run_id,)
-            return dict(conn.execute(sql + " GROUP BY reason", args).fetchall())
-
-        return await self.call(op)
+        return await self._count("groups", "reason", "state='filtered'", run_id)
 
     async def record_counts(self, run_id: str | None = None) -> dict[str, int]:
         """Trajectories by status."""
+        return await self._count("trajectories", "status", "1", run_id)
 
-        def op(conn: sqlite3.Connection) -> dict[str, int]:
-            sql = "SELECT status, count(*) FROM trajectories"
-            args: tuple = ()
-            if run_id is not None:
-                sql += " WHERE run_id=?"
-                args = (run_id,)
-            return dict(conn.execute(sql + " GROUP BY status", args).fetchall())
+    async def _count(self, table: str, column: str, where: str, run_id: str | None) -> dict[str, int]:
+        # Only called with the literal names above: nothing user-supplied reaches the SQL text.
+        sql = f"SELECT {column}, count(*) FROM {table} WHERE {where}"
+        sql, args = (sql + " AND run_id=?", (run_id,)) if run_id is not None else (sql, ())
+        return await self.call(lambda conn: dict(conn.execute(f"{sql} GROUP BY {column}", args).fetchall()))
 
-        return await self.call(op)
+    async def stored_work(self, run_id: str) -> tuple[set[tuple[str, int]], dict[tuple[str, int], set[str]]]:
+        """What a resumed run already has: its finished groups, and the uids stored in unfinished ones."""
 
-    async def group_fill(self, run_id: str) -> dict[tuple[str, int], int]:
-        """Trajectories already stored per (instance_id, epoch) of a run, for resuming it."""
-
-        def op(conn: sqlite3.Connection) -> dict[tuple[str, int], int]:
-            rows = conn.execute(
-                "SELECT instance_id, epoch, count(*) FROM trajectories WHERE run_id=? GROUP BY instance_id, epoch",
+        def op(conn: sqlite3.Connection) -> tuple[set[tuple[str, int]], dict[tuple[str, int], set[str]]]:
+            done = set(conn.execute(
+                "SELECT instance_id, epoch FROM groups WHERE run_id=? AND state!='open'", (run_id,)
+            ).fetchall())
+            partial: dict[tuple[str, int], set[str]] = {}
+            for i, e, uid in conn.execute(
+                "SELECT t.instance_id, t.epoch, t.uid FROM trajectories t JOIN groups g ON "
+                "g.run_id=t.run_id AND g.instance_id=t.instance_id AND g.epoch=t.epoch AND g.part=t.part "
+                "WHERE t.run_id=? AND g.state='open'",
                 (run_id,),
-            ).fetchall()
-            return {(i, e): n for i, e, n in rows}
+            ):
+                partial.setdefault((i, e), set()).add(uid)
+            return done, partial
 
         return await self.call(op)
 
