@@ -14,11 +14,13 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rollout_buffer.buffer import RolloutBuffer
+from rollout_buffer import metrics
+from rollout_buffer.buffer import RecordError, RolloutBuffer
 from rollout_buffer.config import ServerConfig
-from rollout_buffer.inputs import InputFileError, resolve_input_path, validate_file
+from rollout_buffer.inputs import InputFileError, confined_path, resolve_input_path, validate_file
 from rollout_buffer.plugins import discover
 from rollout_buffer.runner import RunManager
 from rollout_buffer.schemas import AckRequest, GetRolloutDataRequest, StartRolloutRequest, TrajectoryRecord
@@ -46,7 +48,7 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = Store(config.db_path)
+        store = Store(config.db_path, config.max_db_bytes)
         await store.open()
         buffer = RolloutBuffer(config, store, generators)
         runs = RunManager(config, buffer, generators)
@@ -75,9 +77,14 @@ def create_app(config: ServerConfig) -> FastAPI:
         errors = exc.errors()
         return error_response(422, "invalid request: " + describe_errors(errors), _jsonable(errors))
 
-    @app.exception_handler(HTTPException)
-    async def _http(_: Request, exc: HTTPException) -> Response:
+    # Starlette's class: FastAPI raises it too (e.g. for an unparseable body), not only its own subclass.
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
         return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(RecordError)
+    async def _record(_: Request, exc: RecordError) -> Response:
+        return error_response(422, str(exc))
 
     @app.exception_handler(StoreError)
     async def _store(_: Request, exc: StoreError) -> Response:
@@ -93,9 +100,11 @@ def create_app(config: ServerConfig) -> FastAPI:
         if gen is None:
             raise HTTPException(422, f"task_type: unknown {req.task_type!r}; known: {sorted(generators)}")
         try:
-            path = resolve_input_path(req.input_file, config.data_roots)
+            path = await asyncio.to_thread(resolve_input_path, req.input_file, config.data_roots)
             required = getattr(gen.module, "REQUIRED_FIELDS", ())
             summary = await asyncio.to_thread(validate_file, path, required)
+            if req.tokenizer_path and config.data_roots:
+                await asyncio.to_thread(confined_path, req.tokenizer_path, config.data_roots, "tokenizer_path")
         except InputFileError as e:
             raise HTTPException(422, str(e)) from None
         runs: RunManager = request.app.state.runs
@@ -122,7 +131,13 @@ def create_app(config: ServerConfig) -> FastAPI:
             }
         )
 
-    @app.post("/get_rollout_data", summary="Whole ready groups, oldest first (long-poll, lease/ack)")
+    @app.post(
+        "/get_rollout_data",
+        summary="Whole ready groups, oldest first (long-poll, lease/ack)",
+        # The body is parsed by hand (slime may send none at all); document its schema anyway.
+        openapi_extra={"requestBody": {"required": False, "content": {
+            "application/json": {"schema": GetRolloutDataRequest.model_json_schema()}}}},
+    )
     async def get_rollout_data(request: Request) -> Response:
         # slime's original client may send an empty body: treat it as {}.
         raw = await request.body()
@@ -132,7 +147,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         except ValidationError as e:
             raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
         buffer: RolloutBuffer = request.app.state.buffer
-        d = await buffer.deliver(req.max_groups, req.wait_s, req.lease_s, req.ack)
+        d = await buffer.deliver(req.max_groups, req.wait_s, req.lease_s, req.ack, request.is_disconnected)
         message = f"{d.meta_info['num_groups']} groups" if d.success else "no complete group is ready"
         return json_response(
             {"success": d.success, "message": message, "data": {"data": d.records, "meta_info": d.meta_info}}
@@ -161,6 +176,13 @@ def create_app(config: ServerConfig) -> FastAPI:
         if rec is None:
             raise HTTPException(404, f"uid: no trajectory {uid!r}")
         return json_response(rec)
+
+    @app.get("/metrics", summary="Prometheus metrics (text exposition format)")
+    async def prometheus_metrics(request: Request) -> Response:
+        buffer: RolloutBuffer = request.app.state.buffer
+        runs: RunManager = request.app.state.runs
+        body, content_type = await metrics.scrape(buffer.store, runs, request.headers.get("accept", ""))
+        return Response(body, media_type=content_type)
 
     return app
 

@@ -6,10 +6,13 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
+from rollout_buffer import metrics
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.groups import GroupPolicy, Record
 from rollout_buffer.plugins import Generator
@@ -17,6 +20,18 @@ from rollout_buffer.schemas import TrajectoryRecord
 from rollout_buffer.store import NewRecord, Store, WriteResult
 
 log = logging.getLogger(__name__)
+
+
+class RecordError(ValueError):
+    """A record that validates but cannot be stored (e.g. integers beyond 64 bits)."""
+
+
+def encode_record(record: TrajectoryRecord) -> bytes:
+    """The record as stored JSON; raises RecordError naming the uid when JSON cannot hold it."""
+    try:
+        return orjson.dumps(record.model_dump(mode="json"))
+    except TypeError as e:
+        raise RecordError(f"record {record.uid!r} cannot be stored as JSON: {e}") from None
 
 
 @dataclass
@@ -93,11 +108,13 @@ class RolloutBuffer:
         """Persist records of a run (the writer run by default); completed groups become deliverable."""
         run = run or await self._writer_run()
         items = [
-            NewRecord(r.uid, r.instance_id, r.epoch, r.status, r.model_dump(mode="json"),
-                      episode=r.extra_info.get("episode_id"))
+            NewRecord(r.uid, r.instance_id, r.epoch, r.status, encode_record(r), episode=r.extra_info.get("episode_id"))
             for r in records
         ]
-        result = await self.store.write_records(run["run_id"], run["group_size"], items, self.policy_for(run).finalize)
+        with metrics.STORE_WRITE_SECONDS.time():
+            result = await self.store.write_records(run["run_id"], run["group_size"], items,
+                                                    self.policy_for(run).finalize)
+        metrics.count_write(result)
         if result.completed:
             for _key, reason in result.completed:
                 if reason is None:
@@ -114,13 +131,24 @@ class RolloutBuffer:
 
     # ---- reads -----------------------------------------------------------------------------------
     async def deliver(
-        self, max_groups: int | None, wait_s: float, lease_s: float | None, ack: str | None = None
+        self,
+        max_groups: int | None,
+        wait_s: float,
+        lease_s: float | None,
+        ack: str | None = None,
+        client_gone: Callable[[], Awaitable[bool]] | None = None,
     ) -> Delivery:
-        """Whole ready groups, oldest first; waits up to `wait_s` for the first one to be ready."""
+        """Whole ready groups, oldest first; waits up to `wait_s` for the first one to be ready.
+
+        A long-polling client that hung up gets nothing taken for it: without a lease those groups would
+        count as consumed and be lost.
+        """
         acked = await self.ack(ack) if ack else 0
         deadline = time.monotonic() + wait_s
         while True:
             changed = self._changed
+            if client_gone is not None and await client_gone():
+                return Delivery([], {})  # nobody is listening; keep the counters for the next reader
             batch = await self.store.take(max_groups, lease_s)
             remaining = deadline - time.monotonic()
             if batch.groups or remaining <= 0:
@@ -133,12 +161,14 @@ class RolloutBuffer:
             except TimeoutError:
                 pass
         records = [r for g in batch.groups for r in g]
+        metrics.count_delivery(batch.groups, batch.redelivered)
         meta = self._meta_info(batch.groups, batch.batch_id, acked, batch.redelivered)
         return Delivery(records, meta)
 
     async def ack(self, batch_id: str) -> int:
         """Mark a leased batch consumed."""
         n = await self.store.ack(batch_id)
+        metrics.GROUPS_ACKED.inc(n)
         if n:
             log.debug("batch %s acked (%d groups)", batch_id, n)
         return n

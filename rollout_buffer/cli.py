@@ -34,6 +34,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="extra generator .py file or folder (repeatable)")
     p.add_argument("--data-root", type=Path, action="append", default=[],
                    help="only accept input files under this folder (repeatable)")
+    p.add_argument("--max-db-mb", type=float, default=None,
+                   help="cap the store's size; writes past it answer 503 as on a full disk")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -52,6 +54,7 @@ def serve(args: argparse.Namespace) -> None:
         max_body_bytes=args.max_body_bytes,
         generator_paths=tuple(args.generator_path),
         data_roots=tuple(args.data_root),
+        max_db_bytes=int(args.max_db_mb * 1024 * 1024) if args.max_db_mb else None,
     )
     app = create_app(config)
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level.lower(),

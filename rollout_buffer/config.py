@@ -28,6 +28,8 @@ class ServerConfig:
     # Where input files and tokenizers may live; empty means anywhere.
     data_roots: tuple[Path, ...] = ()
     progress_log_s: float = 10.0
+    # Cap on the SQLite file; writes past it answer 503 like a full disk. None: only the disk limits it.
+    max_db_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.group_size < 1:

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout_buffer import metrics
 from rollout_buffer.conversation import Conversation
 from rollout_buffer.engine import EngineClient, to_sglang_sampling_params
 
@@ -118,6 +119,7 @@ class RolloutContext:
             mismatch = await conv.acheck()
             if mismatch is not None:
                 info["tokenization_mismatch"] = mismatch
+                metrics.TOKENIZATION_MISMATCHES.inc()
             fields = conv.record_fields()
         return {
             "messages": conv.messages,

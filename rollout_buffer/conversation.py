@@ -48,6 +48,11 @@ _PROBE_REPLY = "rollout-buffer probe reply"
 _REASONING = re.compile(r"<think>.*?</think>", re.DOTALL)
 # Finish reasons that leave the assistant turn unfinished.
 _CUT = frozenset({"length", "abort"})
+# Template renders and encodes of conversations up to this size (characters of message content) run on the
+# event loop: a math prompt renders and encodes in about 0.1 ms, while a hop to a worker thread costs the loop
+# more than that under load (future chaining plus a GIL hand-off each way). Bigger ones go to a thread.
+INLINE_CHARS = 2048
+_PER_MESSAGE_CHARS = 32  # the template's framing of one message
 _SNIPPET_TOKENS = (8, 24)
 _SNIPPET_CHARS = (40, 120)
 
@@ -97,7 +102,8 @@ class Conversation:
 
     Build it with the opening messages; then alternate `generation_ids()` → engine → `add_assistant(...)`
     and `add_messages([...])` for tool results or user turns; finish with `check()` and `record_fields()`.
-    The `a`-prefixed variants run template renders and tokenization in a thread, off the event loop.
+    The `a`-prefixed variants run template renders and tokenization in a thread, off the event loop, unless
+    the conversation is small enough (`INLINE_CHARS`) that the hop would cost more than the work.
     """
 
     messages: list[dict[str, Any]]
@@ -161,12 +167,12 @@ class Conversation:
         sanity_check: SanityCheckMode = "strict",
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> Conversation:
-        """`Conversation(...)` with the prompt rendered and tokenized in a thread."""
+        """`Conversation(...)` with the prompt rendered and tokenized in a thread (inline when small)."""
         kwargs: dict[str, Any] = {
             "tools": tools, "sanity_check": sanity_check, "chat_template_kwargs": chat_template_kwargs,
         }
-        if tokenizer is None:
-            return cls(messages, None, **kwargs)
+        if tokenizer is None or _light(messages, tools):
+            return cls(messages, tokenizer, **kwargs)
         return await asyncio.to_thread(functools.partial(cls, messages, tokenizer, **kwargs))
 
     # -- token mode -------------------------------------------------------------------------------
@@ -275,8 +281,9 @@ class Conversation:
             self.messages.extend(new)
 
     async def aadd_messages(self, new: list[dict[str, Any]]) -> None:
-        """`add_messages` with the template render in a thread."""
-        if self.token_mode:
+        """`add_messages` with the template render in a thread (inline when small)."""
+        rendered = self.messages if self._assistant_turns == 0 else self.messages[self._env_messages_start:]
+        if self.token_mode and not _light([*rendered, *new], self.tools):
             await asyncio.to_thread(self.add_messages, new)
         else:
             self.add_messages(new)
@@ -300,9 +307,11 @@ class Conversation:
             return {"mode": self.sanity_check, "error": f"{type(e).__name__}: {e}"}
 
     async def acheck(self) -> dict[str, Any] | None:
-        """`check` with the full render in a thread."""
+        """`check` with the full render in a thread (inline when small)."""
         if not self.token_mode or self.sanity_check == "disable":
             return None
+        if _light(self.messages, self.tools):
+            return self.check()
         return await asyncio.to_thread(self.check)
 
     # -- internals --------------------------------------------------------------------------------
@@ -410,6 +419,19 @@ class Conversation:
     def _require_not_truncated(self) -> None:
         if self.truncated:
             raise RuntimeError(f"conversation was cut ({self.finish_reason}); no further turns")
+
+
+def _light(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> bool:
+    """True when rendering and encoding `messages` is cheaper than handing the work to a thread."""
+    size = len(orjson.dumps(tools)) if tools else 0
+    for m in messages:
+        content = m.get("content")
+        size += _PER_MESSAGE_CHARS + (len(content) if isinstance(content, str) else len(orjson.dumps(content)))
+        if m.get("tool_calls"):
+            size += len(orjson.dumps(m["tool_calls"]))
+        if size > INLINE_CHARS:
+            return False
+    return True
 
 
 def _significant(text: str) -> str:

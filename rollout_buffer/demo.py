@@ -63,6 +63,20 @@ def _subprocess(args: list[str], health_url: str, log_file: Path, timeout_s: flo
             proc.kill()
 
 
+def _start_retriever(stack: contextlib.ExitStack, workdir: Path, console: Console) -> None:
+    """Serve the bundled search corpus and point the buffer started next at it (it inherits the variable)."""
+    from generators.search import SEARCH_URL_ENV
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    console.print(f"[dim]starting retrieval server on {url}[/dim]")
+    corpus = resources.files("generators") / "data" / "search_corpus.jsonl"
+    stack.enter_context(_subprocess(
+        ["retriever", "--port", str(port), "--corpus", str(corpus), "--index-dir", str(workdir / "index")],
+        f"{url}/health", workdir / "retriever.log"))
+    os.environ[SEARCH_URL_ENV] = f"{url}/retrieve"
+
+
 @dataclass
 class DemoResult:
     """What the demo measured."""
@@ -125,6 +139,8 @@ def run_demo(ns: argparse.Namespace, console: Console) -> DemoResult:
             stack.enter_context(_subprocess(
                 ["sim-engine", "--port", str(port), "--tokenizer", tokenizer, "--latency-ms", str(ns.latency_ms)],
                 f"{engine_url}/health", workdir / "sim_engine.log"))
+        if ns.task == "search":
+            _start_retriever(stack, workdir, console)
         bport = _free_port()
         buffer_url = f"http://127.0.0.1:{bport}"
         data_dir = Path(ns.data_dir) if ns.data_dir else workdir / "data"
@@ -186,7 +202,7 @@ def print_result(result: DemoResult, console: Console) -> None:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `rollout-buffer demo`."""
     p = sub.add_parser("demo", help="run a whole rollout locally on a simulated engine (no GPU)")
-    p.add_argument("--task", default="math", choices=["math"])
+    p.add_argument("--task", default="math", choices=["math", "search", "tool_call"])
     p.add_argument("--engine-url", default=None, help="a real SGLang router instead of the simulated engine")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the bundled Qwen3 tokenizer)")
     p.add_argument("--input", default=None, help="input JSONL (default: the bundled dataset)")

@@ -23,6 +23,8 @@ from typing import Any, TypeVar
 import aiohttp
 import orjson
 
+from rollout_buffer import metrics
+
 logger = logging.getLogger(__name__)
 
 # SamplingParams fields SGLang's /generate accepts (python/sglang/srt/sampling/sampling_params.py).
@@ -301,6 +303,7 @@ class EngineClient:
             stats.in_flight[url] -= 1
             stats.latency_sum_s += time.monotonic() - start
             stats.latency_count += 1
+            metrics.ENGINE_REQUEST_SECONDS.labels(path).observe(time.monotonic() - start)
         if status >= 400:
             kind = "http_5xx" if status >= 500 else "http_4xx"
             raise _AttemptError(kind, f"HTTP {status}: {_error_text(content)}", status)
@@ -328,6 +331,7 @@ class EngineClient:
                 return parse(await self._attempt(url, path, payload)), url, attempt
             except _AttemptError as e:
                 self.stats.errors[e.kind] += 1
+                metrics.ENGINE_ERRORS.labels(e.kind).inc()
                 if (e.kind == "http_4xx" and e.status not in _RETRYABLE_4XX) or attempt > self.max_retries:
                     raise EngineError(e.kind, url, attempt, e.reason, e.status) from None
                 if e.kind == "connection" and len(self.urls) > 1:
@@ -335,6 +339,7 @@ class EngineClient:
                     avoid.add(url)
                     self._affinity.pop(session_id, None)
                 self.stats.retries += 1
+                metrics.ENGINE_RETRIES.inc()
                 delay = self._backoff(attempt - 1)
                 logger.info("engine %s%s: %s (%s); retry %d/%d in %.2fs", url, path, e.kind, e.reason,
                             attempt, self.max_retries, delay)
@@ -374,7 +379,9 @@ class EngineClient:
                 break
             resumed += 1
             self.stats.aborts_resumed += 1
+            metrics.ENGINE_ABORT_RESUMES.inc()
             await asyncio.sleep(self._backoff(resumed - 1))
+        metrics.TOKENS_GENERATED.inc(len(out_ids))
         if chunk.finish_reason == "abort":
             self.stats.aborted_results += 1
         return GenerateResult(
@@ -406,6 +413,7 @@ class EngineClient:
 
         result, url, attempts = await self._post("/v1/chat/completions", payload, session_id, check)
         result.engine_url, result.attempts = url, attempts
+        metrics.TOKENS_GENERATED.inc(metrics.chat_tokens(result.raw))
         if result.finish_reason == "abort":
             self.stats.aborted_results += 1
         return result

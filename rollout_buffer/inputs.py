@@ -25,17 +25,23 @@ class InputSummary:
     num_items: int
 
 
-def resolve_input_path(raw: str, roots: Sequence[Path]) -> Path:
-    """Resolve `input_file`, refusing paths outside the allowed roots (symlinks resolved first)."""
+def confined_path(raw: str, roots: Sequence[Path], field: str = "input_file") -> Path:
+    """Resolve a client-supplied path (symlinks included) and refuse it outside the allowed roots."""
     path = Path(raw).expanduser()
     try:
         resolved = path.resolve(strict=True)
     except FileNotFoundError:
-        raise InputFileError(f"input_file: {raw} does not exist") from None
-    except OSError as e:
-        raise InputFileError(f"input_file: {raw} cannot be opened: {e.strerror or e}") from None
+        raise InputFileError(f"{field}: {raw} does not exist") from None
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop
+        raise InputFileError(f"{field}: {raw} cannot be opened: {e}") from None
     if roots and not any(resolved.is_relative_to(r.resolve()) for r in roots):
-        raise InputFileError(f"input_file: {raw} is outside the allowed data roots")
+        raise InputFileError(f"{field}: {raw} is outside the allowed data roots")
+    return resolved
+
+
+def resolve_input_path(raw: str, roots: Sequence[Path]) -> Path:
+    """The input file, confined to the allowed roots and a regular file."""
+    resolved = confined_path(raw, roots)
     if not resolved.is_file():
         raise InputFileError(f"input_file: {raw} is not a regular file")
     return resolved

@@ -20,7 +20,8 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from rollout_buffer.buffer import RolloutBuffer
+from rollout_buffer import metrics
+from rollout_buffer.buffer import RecordError, RolloutBuffer
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.context import RolloutContext, RunResources, stamp
 from rollout_buffer.engine import EngineClient, EngineError
@@ -219,7 +220,10 @@ class Run:
         self.progress.in_flight += 1
         try:
             records = await self._generate(item, ctx)
-            await self._write(records)
+            try:
+                await self._write(records)
+            except RecordError as e:
+                await self._write([self._failed(item, ctx, "bad_record", str(e))])
         finally:
             ctx.engine.release(ctx.uid)
             self.progress.in_flight -= 1
@@ -244,6 +248,7 @@ class Run:
 
     def _failed(self, item: dict[str, Any], ctx: RolloutContext, kind: str, text: str) -> TrajectoryRecord:
         self.progress.failures[kind] += 1
+        metrics.TRAJECTORIES_FAILED.labels(kind).inc()
         prompt = item.get("prompt")
         messages = prompt if isinstance(prompt, list) else ([{"role": "user", "content": prompt}] if prompt else [])
         rec = stamp({"messages": messages, "reward": 0.0, "status": "failed",

@@ -9,6 +9,7 @@ reply for a given prompt and draw identical across requests and processes.
 from __future__ import annotations
 
 import ast
+import json
 import random
 import re
 import zlib
@@ -218,6 +219,47 @@ def _is_search(text: str) -> bool:
     return "<search>" in text and "<answer>" in text
 
 
+# ---------------------------------------------------------------- tool call (hermes, calculator)
+
+
+CALCULATOR_TOOL = "calculator"
+_TOOL_RESPONSE = re.compile(r"<tool_response>\s*(.*?)\s*</tool_response>", re.DOTALL)
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def first_user_turn(text: str) -> str:
+    """Content of the first ChatML user turn (the task, not a tool response), or the whole text."""
+    start = text.find("<|im_start|>user")
+    if start < 0:
+        return text
+    end = text.find("<|im_end|>", start)
+    return text[start + len("<|im_start|>user") : end if end >= 0 else len(text)].strip()
+
+
+def _offers_calculator(text: str) -> bool:
+    return "<tools>" in text and f'"name": "{CALCULATOR_TOOL}"' in text
+
+
+def _tool_call_reply(text: str, draw: Draw) -> str:
+    """Call the calculator on the question's arithmetic; once it answered, box its value (off when wrong).
+
+    An invalid draw writes a malformed call; a tool error is answered with a new call.
+    """
+    start = text.find("<|im_start|>assistant")
+    responses = _TOOL_RESPONSE.findall(text[start:]) if start >= 0 else []
+    value = _NUMBER.search(responses[-1]) if responses and not responses[-1].startswith("Error") else None
+    if value is not None:
+        shown = value.group(0) if draw.correct else format_number(Fraction(value.group(0)) + draw.offset)
+        return (f"<think>\nThe calculator returned {value.group(0)}.\n</think>\n\n"
+                f"The answer is \\boxed{{{shown}}}.")
+    problem = find_arithmetic(first_user_turn(text))
+    if problem is None:
+        return _guess_reply(text, draw)
+    arguments = '{"expression": }' if draw.invalid else json.dumps({"expression": problem.expr})
+    return (f"<think>\nI will use the calculator for {problem.expr}.\n</think>\n\n"
+            f'<tool_call>\n{{"name": "{CALCULATOR_TOOL}", "arguments": {arguments}}}\n</tool_call>')
+
+
 # ---------------------------------------------------------------- fallback
 
 
@@ -230,6 +272,7 @@ def _guess_reply(text: str, draw: Draw) -> str:
 
 
 POLICIES: tuple[Policy, ...] = (
+    Policy("tool_call", _offers_calculator, _tool_call_reply),
     Policy("search", _is_search, _search_reply),
     Policy("math", _is_math, _math_reply),
     Policy("guess", lambda _text: True, _guess_reply),

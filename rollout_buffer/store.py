@@ -8,6 +8,7 @@ each batch, and the event loop never blocks on SQLite.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import sqlite3
@@ -89,7 +90,7 @@ class NewRecord:
     instance_id: str
     epoch: int
     status: str
-    record: Record
+    blob: bytes  # the record as JSON
     # Records of one multi-agent episode share it; a group counts episodes, not records.
     episode: str | None = None
 
@@ -101,6 +102,7 @@ class WriteResult:
     inserted: int = 0
     duplicates: int = 0
     completed: list[tuple[GroupKey, str | None]] = field(default_factory=list)  # (group, drop reason)
+    inserted_by_status: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -116,8 +118,9 @@ class Batch:
 class Store:
     """The SQLite store; every public coroutine runs on the store thread."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, max_bytes: int | None = None):
         self.path = path
+        self.max_bytes = max_bytes
         self._queue: queue.SimpleQueue[tuple[Callable[[sqlite3.Connection], Any], asyncio.Future, Any] | None]
         self._queue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -148,6 +151,9 @@ class Store:
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA busy_timeout=5000")
         conn.executescript(SCHEMA)
+        if self.max_bytes is not None:
+            page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+            conn.execute(f"PRAGMA max_page_count={max(1, self.max_bytes // page_size)}")
         return conn
 
     def _main(self, loop: asyncio.AbstractEventLoop, ready: asyncio.Future) -> None:
@@ -183,21 +189,24 @@ class Store:
             for fn, fut, _ in batch:
                 conn.execute("SAVEPOINT op")
                 try:
-                    results.append((fut, fn(conn), None))
-                    conn.execute("RELEASE op")
+                    value = fn(conn)
+                except sqlite3.Error:
+                    raise  # disk full, I/O error: SQLite may have dropped the whole transaction
                 except Exception as e:  # one bad operation must not undo the others
                     conn.execute("ROLLBACK TO op")
                     conn.execute("RELEASE op")
                     results.append((fut, None, e))
+                    continue
+                conn.execute("RELEASE op")
+                results.append((fut, value, None))
             conn.execute("COMMIT")
         except sqlite3.Error as e:
-            log.error("store commit failed: %s", e)
-            try:
-                conn.execute("ROLLBACK")
-            except sqlite3.Error:
-                pass
+            log.error("store transaction failed, %d operations refused: %s", len(batch), e)
+            if conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
             err = StoreError(f"store write failed: {e}")
-            results = [(fut, None, err) for fut, _, _ in batch]
+            results = [(fut, None, err) for _, fut, _ in batch]  # nothing of the transaction was kept
         for fut, value, exc in results:
             loop = fut.get_loop()
             loop.call_soon_threadsafe(_resolve, fut, value, exc)
@@ -397,8 +406,11 @@ def _write(
             part = row[0]
         key = (run_id, item.instance_id, item.epoch, part)
         episode = item.episode or item.uid
-        if part:
-            item.record.setdefault("extra_info", {})["group_part"] = part
+        blob = item.blob
+        if part:  # a record past a complete group says which part it belongs to
+            record = orjson.loads(blob)
+            record.setdefault("extra_info", {})["group_part"] = part
+            blob = orjson.dumps(record)
         new_episode = conn.execute(
             "SELECT 1 FROM trajectories WHERE run_id=? AND instance_id=? AND epoch=? AND part=? AND episode=? LIMIT 1",
             (*key, episode),
@@ -406,12 +418,13 @@ def _write(
         cur = conn.execute(
             "INSERT OR IGNORE INTO trajectories"
             "(uid, run_id, instance_id, epoch, part, status, episode, created_at, record) VALUES (?,?,?,?,?,?,?,?,?)",
-            (item.uid, *key, item.status, episode, now, orjson.dumps(item.record)),
+            (item.uid, *key, item.status, episode, now, blob),
         )
         if cur.rowcount == 0:
             result.duplicates += 1
             continue
         result.inserted += 1
+        result.inserted_by_status[item.status] = result.inserted_by_status.get(item.status, 0) + 1
         conn.execute(
             "INSERT INTO groups(run_id, instance_id, epoch, part, size, n, state) VALUES (?,?,?,?,?,?,'open') "
             "ON CONFLICT DO UPDATE SET n = n + excluded.n",

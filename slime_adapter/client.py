@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import orjson
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +160,8 @@ class BufferClient:
         if response.status_code >= 500 or response.status_code == 429:
             raise _Retryable(f"HTTP {response.status_code}: {response.text[:200]}")
         try:
-            answer = response.json()
+            # orjson, not httpx's json: a batch of long trajectories is millions of numbers (about 3x faster).
+            answer = orjson.loads(response.content)
         except ValueError:
             raise _Retryable(f"HTTP {response.status_code} with a body that is not JSON") from None
         if response.status_code >= 400:

@@ -1,0 +1,1 @@
+"""Benchmarks of the rollout buffer, run by hand (`python -m bench.<name> --help`); not part of CI."""

@@ -1,0 +1,184 @@
+"""Servers under test as subprocesses on 127.0.0.1, and a meter of their CPU time and memory.
+
+Every benchmark starts what it measures through here: the simulated engine and the buffer via the
+`rollout-buffer` CLI, the baseline via its own module. Waits are bounded; processes are stopped by
+process group so a server's children (the baseline's workers) go with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+
+from rollout_buffer.tokenizer import bundled_tokenizer_path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Service:
+    """One server subprocess (`python -m <module> <args>`) with its log in `log_path`."""
+
+    def __init__(self, module: str, args: list[str], port: int, health_path: str, log_path: Path):
+        self.module = module
+        self.args = args
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.health_url = self.url + health_path
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "service not started"
+        return self.proc.pid
+
+    def start(self, timeout_s: float = 60.0) -> Service:
+        """Launch and wait until the health URL answers 200."""
+        env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args], stdout=log,
+                                         stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.module} exited with {self.proc.returncode}; log:\n{self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.health_url, timeout=1.0).status_code == 200:
+                    return self
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"{self.module} did not answer {self.health_url} in {timeout_s}s")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        """The end of the service's log."""
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        """SIGTERM the process group; then SIGKILL whatever is left of it (forked workers included)."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(15)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(15)
+
+    def __enter__(self) -> Service:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def sim_engine(workdir: Path, latency_ms: float, seed: int = 0) -> Service:
+    """`rollout-buffer sim-engine` with the bundled Qwen3 tokenizer and the given per-request latency."""
+    port = free_port()
+    args = ["sim-engine", "--port", str(port), "--tokenizer", bundled_tokenizer_path(), "--latency-ms",
+            str(latency_ms), "--correct-rate", "0.5", "--seed", str(seed)]
+    return Service("rollout_buffer.cli", args, port, "/health", workdir / f"sim-{port}.log")
+
+
+def rollout_buffer(workdir: Path) -> Service:
+    """`rollout-buffer serve` with a fresh data dir under `workdir`."""
+    port = free_port()
+    args = ["serve", "--port", str(port), "--data-dir", str(workdir / f"data-{port}"), "--log-level", "WARNING"]
+    return Service("rollout_buffer.cli", args, port, "/healthz", workdir / f"buffer-{port}.log")
+
+
+@dataclass
+class Usage:
+    """What a process tree used: CPU seconds (user + system) in a window, peak PSS over the run."""
+
+    cpu_s: float
+    peak_pss_mb: float
+    processes: int
+
+
+class Meter:
+    """Samples a process and its children in a thread: CPU time between marks, peak PSS.
+
+    PSS (proportional set size) splits shared pages between the processes sharing them, so the sum over
+    a tree of forked workers is the memory they really cost.
+    """
+
+    def __init__(self, pid: int, interval_s: float = 0.5):
+        self.root = psutil.Process(pid)
+        self.interval_s = interval_s
+        self._peak_pss = 0
+        self._max_procs = 1
+        self._cpu_dead = 0.0  # CPU of children that exited since the mark
+        self._last_cpu: dict[int, float] = {}
+        self._cpu_at_mark = 0.0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="meter", daemon=True)
+
+    def __enter__(self) -> Meter:
+        self.mark()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _tree(self) -> list[psutil.Process]:
+        try:
+            return [self.root, *self.root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def _sample(self, with_memory: bool) -> float:
+        """Total CPU of the tree now (exited children included); updates the PSS peak."""
+        procs = self._tree()
+        cpu: dict[int, float] = {}
+        pss = 0
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, FileNotFoundError):
+                t = p.cpu_times()
+                cpu[p.pid] = t.user + t.system
+                if with_memory:
+                    pss += p.memory_full_info().pss
+        with self._lock:
+            self._cpu_dead += sum(v for k, v in self._last_cpu.items() if k not in cpu)
+            self._last_cpu = cpu
+            if with_memory:
+                self._peak_pss = max(self._peak_pss, pss)
+            self._max_procs = max(self._max_procs, len(procs))
+            return self._cpu_dead + sum(cpu.values())
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample(with_memory=True)
+
+    def mark(self) -> None:
+        """Start the measured window: CPU counts from now (the PSS peak covers the whole run)."""
+        total = self._sample(with_memory=False)
+        with self._lock:
+            self._cpu_at_mark = total
+
+    def usage(self) -> Usage:
+        """CPU since the mark, peak PSS and most processes since the meter started."""
+        total = self._sample(with_memory=True)
+        with self._lock:
+            return Usage(total - self._cpu_at_mark, self._peak_pss / 2**20, self._max_procs)

@@ -1,0 +1,286 @@
+"""Throughput vs in-flight trajectories and engine latency, against two ceilings and the baseline.
+
+For each engine latency (simulated engine, `--latency-ms`) and each in-flight count (`num_process`), on the
+math task with groups of 8, in token mode and chat mode, it measures in one run:
+
+- **bare**: a bare asyncio client sending the same engine requests with no buffer (`bench.bare_client`);
+- **buffer**: `rollout-buffer serve` running the math generator, samples/s delivered to a consumer that
+  fetches like the slime adapter (long-poll, lease, ack); CPU time and peak PSS of the buffer process;
+- **baseline**: the process-per-trajectory buffer (`bench.baseline_buffer`, chat only: its design has no
+  token mode), CPU time and peak PSS summed over its process tree.
+
+The ceiling is the lower of in-flight ÷ latency and the bare client's rate (on 2 cores the engine stand-in
+costs CPU too). Rates are taken over a window after the first deliveries, so start-up is not counted.
+
+    python -m bench.throughput            # the full matrix (about 25 minutes on 2 cores)
+    python -m bench.throughput --quick    # the two target points and one middle point (about 5 minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from bench import bare_client, profiler
+from bench.consumer import PollingConsumer
+from bench.harness import REPO, Meter, Service, free_port, rollout_buffer, sim_engine
+from bench.workload import GROUP_SIZE, start_payload, write_tasks
+
+log = logging.getLogger(__name__)
+console = Console(width=200)
+
+
+@dataclass
+class Result:
+    """One measured point."""
+
+    latency_ms: float
+    in_flight: int
+    mode: str
+    system: str  # bare | buffer | baseline
+    rate: float  # samples (or requests) per second
+    cpu_cores: float | None = None
+    pss_mb: float | None = None
+    processes: int | None = None
+    note: str = ""
+
+    @property
+    def cpu_ms_per_sample(self) -> float | None:
+        return None if self.cpu_cores is None or not self.rate else 1000 * self.cpu_cores / self.rate
+
+
+@dataclass(frozen=True)
+class Timing:
+    """How long to let a system settle after its first deliveries, and how long to measure."""
+
+    settle_s: float
+    window_s: float
+
+    @classmethod
+    def for_latency(cls, latency_ms: float, quick: bool) -> Timing:
+        latency_s = latency_ms / 1000
+        if quick:
+            return cls(settle_s=1.0 + latency_s, window_s=max(6.0, 3 * latency_s))
+        return cls(settle_s=2.0 + 2 * latency_s, window_s=max(12.0, 6 * latency_s))
+
+
+def _wait_first(consumer: PollingConsumer, service: Service, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not consumer.arrivals.total:
+        if consumer.error is not None:
+            raise RuntimeError(f"consumer failed: {consumer.error}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no delivery within {timeout_s}s; log:\n{service.log_tail()}")
+        time.sleep(0.05)
+
+
+def _task_count(expected_rate: float, in_flight: int, timing: Timing, startup_s: float) -> int:
+    samples = expected_rate * (startup_s + timing.settle_s + timing.window_s) * 1.5 + 2 * in_flight
+    return max(64, math.ceil(samples / GROUP_SIZE))
+
+
+def measure_buffer(workdir: Path, engine: Service, latency_ms: float, in_flight: int, mode: str,
+                   timing: Timing, expected_rate: float, profile: bool) -> Result:
+    """The rollout buffer on the math task; samples/s at a slime-like consumer."""
+    tasks = write_tasks(workdir / f"tasks-{mode}-{in_flight}.jsonl",
+                        _task_count(expected_rate, in_flight, timing, 5 + 2 * latency_ms / 1000))
+    with rollout_buffer(workdir) as buf, Meter(buf.pid) as meter, PollingConsumer(buf.url) as consumer:
+        resp = httpx.post(f"{buf.url}/start_rollout", json=start_payload(tasks, engine.url, in_flight, mode),
+                          timeout=60)
+        resp.raise_for_status()
+        _wait_first(consumer, buf, 120)
+        time.sleep(timing.settle_s)
+        spy = None
+        if profile:
+            out = workdir / f"profile-{latency_ms:g}ms-{in_flight}-{mode}.txt"
+            spy = (profiler.record(buf.pid, timing.window_s, out), out)
+        meter.mark()
+        start = time.monotonic()
+        time.sleep(timing.window_s)
+        end = time.monotonic()
+        usage = meter.usage()
+        samples = consumer.arrivals.samples_between(start, end)
+        progress = httpx.get(f"{buf.url}/status", timeout=30).json()["run"]["progress"]
+    note = f"{progress['failed']} failed" if progress.get("failed") else ""
+    if progress.get("state") == "finished":
+        note = (note + "; " if note else "") + "ran out of tasks"
+    if spy is not None:
+        spy[0].wait(timing.window_s + 30)
+        _print_profile(spy[1], f"buffer, {latency_ms:g} ms, {in_flight} in flight, {mode} mode")
+    window = end - start
+    return Result(latency_ms, in_flight, mode, "buffer", samples / window, usage.cpu_s / window,
+                  usage.peak_pss_mb, usage.processes, note)
+
+
+def measure_baseline(workdir: Path, engine: Service, latency_ms: float, in_flight: int, timing: Timing,
+                     expected_rate: float) -> Result:
+    """The process-per-trajectory baseline (chat mode), polled without long-poll."""
+    tasks = write_tasks(workdir / f"tasks-baseline-{in_flight}.jsonl",
+                        _task_count(expected_rate, in_flight, timing, 30 + in_flight / 2))
+    port = free_port()
+    service = Service("bench.baseline_buffer", ["--port", str(port)], port, "/healthz",
+                      workdir / f"baseline-{port}.log")
+    interval = 0.5 if in_flight <= 128 else 2.0  # reading every worker's smaps is itself costly
+    with service, Meter(service.pid, interval_s=interval) as meter, \
+            PollingConsumer(service.url, wait_s=0, lease_s=None, idle_s=0.2) as consumer:
+        payload = start_payload(tasks, engine.url, in_flight, "chat")
+        started = time.monotonic()
+        httpx.post(f"{service.url}/start_rollout", json=payload, timeout=60).raise_for_status()
+        # Forking a worker per trajectory takes a while; measure once they are all up and delivering.
+        deadline = started + 60 + in_flight
+        while meter.usage().processes < in_flight + 1 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        startup_s = time.monotonic() - started
+        _wait_first(consumer, service, 300)
+        time.sleep(timing.settle_s)
+        meter.mark()
+        start = time.monotonic()
+        time.sleep(timing.window_s)
+        end = time.monotonic()
+        usage = meter.usage()
+        samples = consumer.arrivals.samples_between(start, end)
+    window = end - start
+    return Result(latency_ms, in_flight, "chat", "baseline", samples / window, usage.cpu_s / window,
+                  usage.peak_pss_mb, usage.processes, f"{startup_s:.0f} s to fork the workers")
+
+
+def _print_profile(raw: Path, title: str) -> None:
+    if not raw.exists():
+        console.print(f"[yellow]no profile written for {title} (py-spy needs ptrace permission)[/]")
+        return
+    table = Table(title=f"Profile: {title} ({profiler.samples(raw)} GIL samples; {raw})")
+    table.add_column("package (innermost frame)")
+    table.add_column("GIL share", justify="right")
+    for name, share in profiler.by_package(raw):
+        table.add_row(name, f"{share:.0%}")
+    console.print(table)
+    table = Table(title="project functions, inclusive")
+    table.add_column("function")
+    table.add_column("GIL share", justify="right")
+    for name, share in profiler.by_function(raw, ("rollout_buffer/", "generators/", "slime_adapter/")):
+        table.add_row(name, f"{share:.0%}")
+    console.print(table)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def print_results(results: list[Result]) -> None:
+    """The results table: every system at every point, with its ceiling ratio and baseline ratio."""
+    table = Table(title="Throughput: samples/s delivered to a slime-like consumer (math task, groups of 8)")
+    for name, justify in (("latency", "right"), ("in flight", "right"), ("mode", "left"), ("system", "left"),
+                          ("samples/s", "right"), ("ceiling", "right"), ("% of ceiling", "right"),
+                          ("× baseline", "right"), ("CPU cores", "right"), ("CPU ms/sample", "right"),
+                          ("peak PSS MB", "right"), ("procs", "right"), ("note", "left")):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for r in results:
+        ceiling = ceiling_of(results, r.latency_ms, r.in_flight, r.mode)
+        base = _find(results, r.latency_ms, r.in_flight, "chat", "baseline")
+        ratio = r.rate / base.rate if r.system == "buffer" and base and base.rate else None
+        ran = r.system != "baseline" or r.processes is not None
+        table.add_row(f"{r.latency_ms:g} ms", str(r.in_flight), r.mode, r.system, f"{r.rate:.0f}" if ran else "—",
+                      _fmt(ceiling, ".0f"), _fmt(100 * r.rate / ceiling if ceiling and ran else None, ".0f"),
+                      _fmt(ratio, ".1f"), _fmt(r.cpu_cores, ".2f"), _fmt(r.cpu_ms_per_sample, ".2f"),
+                      _fmt(r.pss_mb, ".0f"), _fmt(r.processes, "d"), r.note)
+    console.print(table)
+
+
+def _find(results: list[Result], latency_ms: float, in_flight: int, mode: str, system: str) -> Result | None:
+    return next((r for r in results if (r.latency_ms, r.in_flight, r.mode, r.system)
+                 == (latency_ms, in_flight, mode, system)), None)
+
+
+def ceiling_of(results: list[Result], latency_ms: float, in_flight: int, mode: str) -> float | None:
+    """The lower of in-flight ÷ latency and the bare client's rate at that point."""
+    bound = in_flight / (latency_ms / 1000)
+    bare = _find(results, latency_ms, in_flight, mode, "bare")
+    return min(bound, bare.rate) if bare else bound
+
+
+def summary(results: list[Result]) -> str:
+    """One line: every buffer point as % of its ceiling, and the ratio to the baseline where it ran."""
+    parts = []
+    for r in results:
+        if r.system != "buffer":
+            continue
+        ceiling = ceiling_of(results, r.latency_ms, r.in_flight, r.mode)
+        text = f"{r.in_flight}@{r.latency_ms:g}ms/{r.mode} {100 * r.rate / ceiling:.0f}%" if ceiling else ""
+        base = _find(results, r.latency_ms, r.in_flight, "chat", "baseline")
+        if base and base.rate:
+            text += f" {r.rate / base.rate:.1f}×base"
+        if r.pss_mb is not None:
+            text += f" {r.pss_mb:.0f}MB"
+        parts.append(text)
+    return "SUMMARY throughput (buffer as % of ceiling): " + ", ".join(parts)
+
+
+def _points(args: argparse.Namespace) -> list[tuple[float, int]]:
+    if args.quick and not (args.latency_ms or args.in_flight):
+        return [(20.0, 128), (200.0, 256), (2000.0, 4096)]
+    latencies = args.latency_ms or [20.0, 200.0, 2000.0]
+    in_flight = args.in_flight or [64, 128, 256, 1024, 4096]
+    return [(lat, n) for lat in latencies for n in in_flight]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the matrix and print the table and the summary line."""
+    p = argparse.ArgumentParser(prog="python -m bench.throughput", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="three points, short windows")
+    p.add_argument("--latency-ms", type=float, action="append", help="engine latency (repeatable)")
+    p.add_argument("--in-flight", type=int, action="append", help="num_process (repeatable)")
+    p.add_argument("--modes", default="token,chat", help="comma-separated: token, chat")
+    p.add_argument("--baseline-max-procs", type=int, default=512,
+                   help="largest in-flight count the baseline runs at (one process each)")
+    p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--profile", action="store_true", help="py-spy the buffer during each measured window")
+    p.add_argument("--workdir", type=Path, default=None, help="keep logs and profiles here")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if args.profile and not profiler.available():
+        p.error("--profile needs py-spy on PATH (pip install py-spy)")
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-throughput-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    results: list[Result] = []
+    points = _points(args)
+    for latency in sorted({lat for lat, _ in points}):
+        timing = Timing.for_latency(latency, args.quick)
+        with sim_engine(workdir, latency) as engine:
+            for lat, n in points:
+                if lat != latency:
+                    continue
+                for mode in modes:
+                    console.print(f"[dim]{latency:g} ms, {n} in flight, {mode}: bare client…[/]")
+                    bare = bare_client.measure(engine.url, mode, n, timing.settle_s, timing.window_s)
+                    results.append(Result(latency, n, mode, "bare", bare["rate"]))
+                    time.sleep(latency / 1000 + 0.5)  # let the engine finish what was cut off
+                    console.print(f"[dim]{latency:g} ms, {n} in flight, {mode}: buffer…[/]")
+                    expected = min(n / (latency / 1000), bare["rate"])
+                    results.append(measure_buffer(workdir, engine, latency, n, mode, timing, expected, args.profile))
+                    time.sleep(latency / 1000 + 0.5)
+                if not args.no_baseline and "chat" in modes:
+                    if n > args.baseline_max_procs:
+                        results.append(Result(latency, n, "chat", "baseline", 0.0,
+                                              note=f"not run: {n} processes (> --baseline-max-procs)"))
+                        continue
+                    console.print(f"[dim]{latency:g} ms, {n} in flight: baseline ({n} processes)…[/]")
+                    expected = ceiling_of(results, latency, n, "chat") or n / (latency / 1000)
+                    results.append(measure_baseline(workdir, engine, latency, n, timing, expected))
+                    time.sleep(latency / 1000 + 0.5)
+    print_results(results)
+    console.print(f"logs: {workdir}  (repo {REPO})")
+    console.print(summary(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Tool calls in the hermes format (Qwen, Hermes, many others): `<tool_call>{"name", "arguments"}</tool_call>`.
+
+Only the text after the reasoning (`</think>`) is read: a model thinking about a call has not made it.
+A block that is not a JSON object with a string `name` and object `arguments` is kept as a call with an
+`error`, so the model is told its call was malformed instead of being silently ignored. `arguments`
+given as a JSON string (some models double-encode) is decoded.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model made; `error` says why it cannot run when it is malformed."""
+
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """The tool calls of one assistant message, in order; [] when it makes none."""
+    answer = text.rsplit("</think>", 1)[-1]
+    return [_parse_one(body) for body in _CALL.findall(answer)]
+
+
+def _parse_one(body: str) -> ToolCall:
+    try:
+        call = orjson.loads(body.strip())
+    except orjson.JSONDecodeError as e:
+        return ToolCall("", error=f"the tool call is not valid JSON ({e})")
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+        return ToolCall("", error='the tool call needs a "name" string')
+    name, arguments = call["name"], call.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = orjson.loads(arguments) if arguments.strip() else {}
+        except orjson.JSONDecodeError as e:
+            return ToolCall(name, error=f"the arguments of {name} are not valid JSON ({e})")
+    if not isinstance(arguments, dict):
+        return ToolCall(name, error=f'the "arguments" of {name} must be a JSON object')
+    return ToolCall(name, arguments)

@@ -1,0 +1,178 @@
+"""`rollout-buffer export`: stored trajectories as JSONL, read straight from the SQLite store.
+
+The store is opened read-only; SQLite's WAL mode lets this reader see one consistent snapshot while a
+running server keeps writing, and nothing here can change or lock the server's data. Records are written
+exactly as stored (the bytes the server would deliver: normalized `reward`, original `raw_reward`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sqlite3
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from rich.console import Console
+
+from rollout_buffer.schemas import TrajectoryStatus
+
+DB_NAME = "buffer.sqlite"
+STATUSES: tuple[TrajectoryStatus, ...] = ("completed", "truncated", "aborted", "failed")
+
+EXAMPLES = """\
+examples:
+  # every trajectory the trainer received, all runs
+  rollout-buffer export --data-dir /data/rollout_buffer --out delivered.jsonl
+  # the newest run, everything it stored (failed, filtered and unfinished groups too)
+  rollout-buffer export --data-dir /data/rollout_buffer --out run.jsonl --run latest --all
+  # completed trajectories of one run, for SFT
+  rollout-buffer export --data-dir ./rollout_data --out sft.jsonl --run run-20250101-120000-ab12cd --status completed
+  # to stdout, while the server runs
+  rollout-buffer export --data-dir ./rollout_data --out - | jq .reward
+"""
+
+
+class ExportError(RuntimeError):
+    """The store cannot be read or the selection names nothing; the message says which."""
+
+
+@dataclass(frozen=True)
+class ExportSummary:
+    """What one export wrote."""
+
+    records: int
+    run_ids: tuple[str, ...]
+
+
+def open_readonly(data_dir: Path) -> sqlite3.Connection:
+    """The data dir's store, opened read-only (URI `mode=ro`): writes are refused by SQLite itself."""
+    db = data_dir / DB_NAME
+    if not db.is_file():
+        raise ExportError(f"--data-dir: no store at {db} (is this the server's --data-dir?)")
+    try:
+        conn = sqlite3.connect(db.resolve().as_uri() + "?mode=ro", uri=True, isolation_level=None, timeout=10)
+        conn.execute("SELECT count(*) FROM runs").fetchone()
+    except sqlite3.Error as e:
+        raise ExportError(f"cannot read {db}: {e}") from None
+    return conn
+
+
+def select_runs(conn: sqlite3.Connection, run: str | None) -> list[str]:
+    """Run ids to export: all (None), the newest (`latest`), or the one named."""
+    rows = conn.execute("SELECT run_id FROM runs ORDER BY created_at, rowid").fetchall()
+    ids = [r[0] for r in rows]
+    if run is None:
+        return ids
+    if run == "latest":
+        if not ids:
+            raise ExportError("--run latest: the store has no runs yet")
+        return ids[-1:]
+    if run not in ids:
+        known = ", ".join(ids[-5:]) or "none"
+        raise ExportError(f"--run: no run {run!r} in the store (latest runs: {known})")
+    return [run]
+
+
+def iter_records(conn: sqlite3.Connection, run_id: str | None, delivered_only: bool,
+                 statuses: tuple[str, ...] = ()) -> Iterator[bytes]:
+    """The stored JSON of each selected trajectory (one run, or all), in delivery order, or in write order
+    when everything is exported."""
+    where: list[str] = []
+    args: list[str] = []
+    if run_id is not None:
+        where.append("t.run_id=?")
+        args.append(run_id)
+    if statuses:
+        where.append(f"t.status IN ({','.join('?' * len(statuses))})")
+        args += statuses
+    if delivered_only:
+        sql = (
+            "SELECT t.record FROM groups g JOIN trajectories t ON t.run_id=g.run_id AND "
+            "t.instance_id=g.instance_id AND t.epoch=g.epoch AND t.part=g.part "
+            f"WHERE {' AND '.join(['g.state=?', *where])} ORDER BY g.ready_seq, t.rowid"
+        )
+        args.insert(0, "delivered")
+    else:
+        sql = f"SELECT t.record FROM trajectories t WHERE {' AND '.join(['1', *where])} ORDER BY t.rowid"
+    for (blob,) in conn.execute(sql, args):
+        yield bytes(blob)
+
+
+def export(data_dir: Path, out: BinaryIO, run: str | None = None, delivered_only: bool = True,
+           statuses: tuple[str, ...] = ()) -> ExportSummary:
+    """Write the selected trajectories to `out`, one JSON object a line, from one snapshot of the store."""
+    conn = open_readonly(data_dir)
+    try:
+        conn.execute("BEGIN")  # one read transaction: runs and records come from the same snapshot
+        run_ids = select_runs(conn, run)
+        n = 0
+        for blob in iter_records(conn, run_ids[0] if run is not None else None, delivered_only, statuses):
+            out.write(blob)
+            out.write(b"\n")
+            n += 1
+        conn.execute("COMMIT")
+    except sqlite3.Error as e:
+        raise ExportError(f"reading {data_dir / DB_NAME} failed: {e}") from None
+    finally:
+        conn.close()
+    return ExportSummary(n, tuple(run_ids))
+
+
+def export_to_file(data_dir: Path, path: Path, run: str | None = None, delivered_only: bool = True,
+                   statuses: tuple[str, ...] = ()) -> ExportSummary:
+    """`export` into `path`, which appears complete or not at all (written beside it, then renamed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("wb") as f:
+            summary = export(data_dir, f, run, delivered_only, statuses)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return summary
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Arguments of `rollout-buffer export`."""
+    p = argparse.ArgumentParser(
+        prog="rollout-buffer export",
+        description="Write stored trajectories as JSONL (one record a line) for inspection or SFT.\n"
+        "The store is opened read-only: safe while the server runs.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--data-dir", type=Path, required=True, help="the server's --data-dir (holds buffer.sqlite)")
+    p.add_argument("--out", required=True, help="output .jsonl file, or - for stdout")
+    p.add_argument("--run", default=None, help="one run id, or 'latest' (default: every run)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--delivered", dest="delivered_only", action="store_true", default=True,
+                       help="only groups the trainer consumed (acked, or taken without a lease); the default")
+    which.add_argument("--all", dest="delivered_only", action="store_false",
+                       help="every stored trajectory: failed ones, filtered and unfinished groups too")
+    p.add_argument("--status", action="append", choices=STATUSES, default=[],
+                   help="keep only trajectories with this status (repeatable)")
+    return p
+
+
+def main(argv: list[str]) -> None:
+    """Entry point of `rollout-buffer export`."""
+    args = build_parser().parse_args(argv)
+    err = Console(stderr=True, highlight=False, markup=False)
+    statuses = tuple(args.status)
+    try:
+        if args.out == "-":
+            summary = export(args.data_dir, sys.stdout.buffer, args.run, args.delivered_only, statuses)
+            sys.stdout.flush()
+        else:
+            summary = export_to_file(args.data_dir, Path(args.out), args.run, args.delivered_only, statuses)
+    except ExportError as e:
+        err.print(f"error: {e}", style="red")
+        raise SystemExit(2) from None
+    what = "delivered" if args.delivered_only else "stored"
+    runs = summary.run_ids[0] if len(summary.run_ids) == 1 else f"{len(summary.run_ids)} runs"
+    err.print(f"wrote {summary.records} {what} trajectories from {runs} to {args.out}")

@@ -1,0 +1,196 @@
+"""`rollout-buffer status` and `rollout-buffer export` on real runs, and the README's endpoints vs the OpenAPI spec."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from ops_helpers import math_rows, start_run, wait_finished, write_jsonl
+from servers import Server, free_port, running
+
+from rollout_buffer import export, status_cli
+from rollout_buffer.config import AUTH_TOKEN_ENV
+from rollout_buffer.schemas import TrajectoryRecord
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI = [sys.executable, "-m", "rollout_buffer.cli"]
+
+
+@pytest.fixture(scope="module")
+def sim_engine(tmp_path_factory, qwen_tokenizer_path: str) -> Iterator[Server]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("sim") / "sim.log"
+    args = ["sim-engine", "--port", str(port), "--tokenizer", qwen_tokenizer_path, "--latency-ms", "20"]
+    with running(args, "/health", port, log) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, sim_engine: Server, qwen_tokenizer_path: str) -> Iterator[tuple[Server, Path]]:
+    """A buffer whose math run finished with one failed trajectory (its group dropped): 4 groups ready."""
+    tmp = tmp_path_factory.mktemp("buffer")
+    port = free_port()
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp / "data")]
+    with running(args, "/healthz", port, tmp / "buffer.log") as srv:
+        httpx.post(f"{sim_engine.url}/sim/faults", json={"next": ["http_500"]}).raise_for_status()
+        inp = write_jsonl(tmp / "math.jsonl", math_rows(5))
+        start_run(srv.url, sim_engine.url, inp, qwen_tokenizer_path, max_retries=0)
+        wait_finished(srv.url)
+        yield srv, tmp / "data"
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """`rollout-buffer ARGS` with piped output, 120 columns wide, no URL or token from the environment."""
+    env = {k: v for k, v in os.environ.items() if k not in (status_cli.URL_ENV, AUTH_TOKEN_ENV)}
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**env, "COLUMNS": "120"})
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
+# ---- status ------------------------------------------------------------------------------------------
+
+
+def test_status_prints_the_run_progress_bar_and_counts(finished_run, capsys, monkeypatch) -> None:
+    srv, _ = finished_run
+    monkeypatch.setenv("COLUMNS", "120")
+    status_cli.main(["--url", srv.url])
+    out = capsys.readouterr().out
+    run_id = httpx.get(f"{srv.url}/status").json()["run"]["run_id"]
+    assert f"{run_id}  finished  math" in out
+    assert "━" in out and "20/20 trajectories 100%" in out
+    assert "done 19  failed 1  skipped 0  in flight 0" in out
+    assert "ready 4  filtered 1" in out and "completed 19  failed 1" in out
+    assert "failed_trajectory 1" in out and "engine_http_5xx 1" in out
+
+
+def test_status_watch_until_done_follows_a_run_to_its_end(tmp_path, sim_engine, qwen_tokenizer_path) -> None:
+    port = free_port()
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data")]
+    with running(args, "/healthz", port, tmp_path / "buffer.log") as srv:
+        inp = write_jsonl(tmp_path / "math.jsonl", math_rows(8))
+        run_id = start_run(srv.url, sim_engine.url, inp, qwen_tokenizer_path, num_process=2)
+        watched = cli("status", "--url", srv.url, "--watch", "--interval", "0.1", "--until-done")
+        # A run that cannot start (token mode without a tokenizer) fails: --until-done says so with exit 1.
+        start_run(srv.url, sim_engine.url, inp, "/no/such/tokenizer", engine_mode="token")
+        failed = cli("status", "--url", srv.url, "--watch", "--interval", "0.1", "--until-done")
+    assert watched.returncode == 0, watched.stderr
+    blocks = watched.stdout.strip().split("\n\n")
+    assert len(blocks) >= 2, "piped output gets one block per refresh"
+    assert f"{run_id}  finished" in blocks[-1] and "32/32 trajectories 100%" in blocks[-1]
+    assert failed.returncode == 1 and "  failed  math" in failed.stdout
+    assert "engine_mode token needs a tokenizer" in failed.stdout
+
+
+def test_status_with_a_token_and_without(tmp_path) -> None:
+    port = free_port()
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--auth-token", "t0k"]
+    with running(args, "/healthz", port, tmp_path / "buffer.log") as srv:
+        refused = cli("status", "--url", srv.url)
+        allowed = cli("status", "--url", srv.url, "--token", "t0k")
+    assert refused.returncode == 2 and "--token" in refused.stderr and "ROLLOUT_BUFFER_AUTH_TOKEN" in refused.stderr
+    assert allowed.returncode == 0 and "no run yet" in allowed.stdout
+    gone = cli("status", "--url", srv.url)
+    assert gone.returncode == 2 and f"cannot reach {srv.url}" in gone.stderr
+
+
+# ---- export ------------------------------------------------------------------------------------------
+
+
+def test_export_writes_what_the_trainer_received_while_the_server_runs(finished_run, tmp_path) -> None:
+    srv, data_dir = finished_run
+    taken = httpx.post(f"{srv.url}/get_rollout_data", json={"max_groups": 2, "lease_s": 60}).json()
+    httpx.post(f"{srv.url}/ack", json={"batch_id": taken["data"]["meta_info"]["batch_id"]}).raise_for_status()
+    received = taken["data"]["data"]
+
+    delivered = cli("export", "--data-dir", str(data_dir), "--out", str(tmp_path / "delivered.jsonl"))
+    everything = cli("export", "--data-dir", str(data_dir), "--out", str(tmp_path / "all.jsonl"), "--all",
+                     "--run", "latest")
+    failed = cli("export", "--data-dir", str(data_dir), "--out", "-", "--all", "--status", "failed")
+
+    assert delivered.returncode == 0, delivered.stderr
+    assert "wrote 8 delivered trajectories" in delivered.stderr
+    assert everything.returncode == 0 and "wrote 20 stored trajectories from run-" in everything.stderr
+    assert read_jsonl(tmp_path / "delivered.jsonl") == received, "the very records (normalized rewards included)"
+    records = read_jsonl(tmp_path / "all.jsonl")
+    assert len(records) == 20 and len({r["uid"] for r in records}) == 20
+    assert Counter(r["status"] for r in records) == {"completed": 19, "failed": 1}
+    for r in records:
+        TrajectoryRecord.model_validate(r)
+    assert [orjson.loads(line)["status"] for line in failed.stdout.splitlines()] == ["failed"]
+    assert "engine_http_5xx" in failed.stdout
+
+    # The server did not notice: the rest is still deliverable and new writes land.
+    rest = httpx.post(f"{srv.url}/get_rollout_data", json={"lease_s": 60}).json()
+    assert rest["data"]["meta_info"]["num_groups"] == 2
+    httpx.post(f"{srv.url}/ack", json={"batch_id": rest["data"]["meta_info"]["batch_id"]}).raise_for_status()
+    write = httpx.post(f"{srv.url}/buffer/write",
+                       json={"uid": "late-1", "instance_id": "x", "messages": [], "reward": 0.0})
+    assert write.status_code == 200
+    again = cli("export", "--data-dir", str(data_dir), "--out", str(tmp_path / "delivered.jsonl"))
+    assert again.returncode == 0 and len(read_jsonl(tmp_path / "delivered.jsonl")) == 16
+
+
+def test_export_during_a_run_does_not_disturb_it(tmp_path, sim_engine, qwen_tokenizer_path) -> None:
+    port = free_port()
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data")]
+    with running(args, "/healthz", port, tmp_path / "buffer.log") as srv:
+        inp = write_jsonl(tmp_path / "math.jsonl", math_rows(10))
+        start_run(srv.url, sim_engine.url, inp, qwen_tokenizer_path, num_process=2)
+        counts = []
+        for i in range(5):
+            out = tmp_path / f"snap{i}.jsonl"
+            with out.open("wb") as f:
+                export.export(tmp_path / "data", f, delivered_only=False)
+            counts.append(len(read_jsonl(out)))
+        status = wait_finished(srv.url)
+    assert counts == sorted(counts) and counts[-1] <= 40
+    assert status["run"]["progress"]["done"] == 40, "the run went on undisturbed"
+
+
+def test_export_errors_name_the_problem_and_leave_no_file(finished_run, tmp_path) -> None:
+    _, data_dir = finished_run
+    out = tmp_path / "x.jsonl"
+    unknown = cli("export", "--data-dir", str(data_dir), "--out", str(out), "--run", "run-nope")
+    assert unknown.returncode == 2 and "no run 'run-nope'" in unknown.stderr
+    missing = cli("export", "--data-dir", str(tmp_path / "empty"), "--out", str(out))
+    assert missing.returncode == 2 and "no store" in missing.stderr
+    assert list(tmp_path.iterdir()) == [], "no output and no temporary file"
+
+
+def test_help_of_each_ops_command_has_examples() -> None:
+    for command in ("status", "export"):
+        result = cli(command, "--help")
+        assert result.returncode == 0 and "examples:" in result.stdout
+        assert f"rollout-buffer {command} --" in result.stdout
+
+
+# ---- README ------------------------------------------------------------------------------------------
+
+
+def test_every_endpoint_in_the_readme_exists_in_the_openapi_spec(buffer_server: Server) -> None:
+    readme = (ROOT / "README.md").read_text()
+    # The buffer's own API section (other sections name the engines' and the retriever's endpoints).
+    api = re.search(r"^## [^\n]*(?:HTTP API|[Pp]rotocol)[^\n]*\n(.*?)(?=^## |\Z)", readme, re.MULTILINE | re.DOTALL)
+    assert api is not None, "README has no HTTP API / protocol section"
+    calls = re.findall(r"`(GET|POST|PUT|PATCH|DELETE) (/[^`\s]*)`", api.group(1))
+    documented = {(method, path.split("?")[0]) for method, path in calls}
+    core = {"/start_rollout", "/get_rollout_data", "/ack", "/buffer/write", "/status", "/trajectories/{uid}"}
+    assert core <= {p for _, p in documented}, "the README's HTTP API table went missing"
+    spec = httpx.get(f"{buffer_server.url}/openapi.json").json()
+    for method, path in sorted(documented):
+        if path in ("/docs", "/openapi.json", "/redoc"):
+            assert httpx.get(buffer_server.url + path).status_code == 200, path
+            continue
+        assert path in spec["paths"], f"README documents {method} {path}; the server has {sorted(spec['paths'])}"
+        assert method.lower() in spec["paths"][path], f"{path} does not answer {method}"
