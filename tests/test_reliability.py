@@ -196,7 +196,7 @@ def test_fuzzed_api_never_5xx(tmp_path: Path) -> None:
             [st, "run", f"{srv.url}/openapi.json", "--checks", "not_a_server_error", "--max-examples",
              "200" if LONG else "40", "--seed", "1", "--request-timeout", "10", "--phases", "examples,fuzzing",
              "--exclude-path", "/get_rollout_data"],
-            capture_output=True, text=True, timeout=600,
+            capture_output=True, text=True, timeout=600, cwd=tmp_path,
         )
         assert out.returncode == 0, out.stdout[:6000] + srv.log()[-3000:]
         assert httpx.get(f"{srv.url}/healthz").json() == {"ok": True}
