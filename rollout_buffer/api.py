@@ -29,6 +29,10 @@ from rollout_buffer.store import Store, StoreError
 log = logging.getLogger(__name__)
 
 
+# Payload fields naming server-side files: confined to --data-root like input_file (a tool config imports code).
+CONFINED_PATH_FIELDS = ("tokenizer_path", "tool_config_path")
+
+
 def json_response(body: Any, status_code: int = 200) -> Response:
     """A JSON response serialised by orjson."""
     return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), status_code, media_type="application/json")
@@ -103,8 +107,11 @@ def create_app(config: ServerConfig) -> FastAPI:
             path = await asyncio.to_thread(resolve_input_path, req.input_file, config.data_roots)
             required = getattr(gen.module, "REQUIRED_FIELDS", ())
             summary = await asyncio.to_thread(validate_file, path, required)
-            if req.tokenizer_path and config.data_roots:
-                await asyncio.to_thread(confined_path, req.tokenizer_path, config.data_roots, "tokenizer_path")
+            if config.data_roots:
+                fields = {"tokenizer_path": req.tokenizer_path, **(req.model_extra or {})}
+                for name in CONFINED_PATH_FIELDS:
+                    if isinstance(fields.get(name), str):
+                        await asyncio.to_thread(confined_path, fields[name], config.data_roots, name)
         except InputFileError as e:
             raise HTTPException(422, str(e)) from None
         runs: RunManager = request.app.state.runs
@@ -150,7 +157,9 @@ def create_app(config: ServerConfig) -> FastAPI:
         d = await buffer.deliver(req.max_groups, req.wait_s, req.lease_s, req.ack, request.is_disconnected)
         message = f"{d.meta_info['num_groups']} groups" if d.success else "no complete group is ready"
         return json_response(
-            {"success": d.success, "message": message, "data": {"data": d.records, "meta_info": d.meta_info}}
+            {"success": d.success, "message": message,
+             # The stored JSON goes out as it is: parsing and re-encoding long token lists costs seconds.
+             "data": {"data": [orjson.Fragment(r.blob) for r in d.records], "meta_info": d.meta_info}}
         )
 
     @app.post("/ack", summary="Acknowledge a leased batch")

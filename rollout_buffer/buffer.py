@@ -14,10 +14,10 @@ import orjson
 
 from rollout_buffer import metrics
 from rollout_buffer.config import ServerConfig
-from rollout_buffer.groups import GroupPolicy, Record
+from rollout_buffer.groups import GroupPolicy
 from rollout_buffer.plugins import Generator
 from rollout_buffer.schemas import TrajectoryRecord
-from rollout_buffer.store import NewRecord, Store, WriteResult
+from rollout_buffer.store import NewRecord, Store, StoredRecord, WriteResult
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +36,9 @@ def encode_record(record: TrajectoryRecord) -> bytes:
 
 @dataclass
 class Delivery:
-    """One answer of `/get_rollout_data`."""
+    """One answer of `/get_rollout_data`: the records as stored JSON (sent on as they are), and meta_info."""
 
-    records: list[Record]
+    records: list[StoredRecord]
     meta_info: dict[str, Any]
 
     @property
@@ -174,18 +174,18 @@ class RolloutBuffer:
         return n
 
     def _meta_info(
-        self, groups: list[list[Record]], batch_id: str | None, acked: int, redelivered: int
+        self, groups: list[list[StoredRecord]], batch_id: str | None, acked: int, redelivered: int
     ) -> dict[str, Any]:
         records = [r for g in groups for r in g]
         n = len(records)
         since, self._since_read = self._since_read, ReadCounters()
-        raw = [float(r["raw_reward"] if r.get("raw_reward") is not None else r["reward"]) for r in records]
+        raw = [r.raw_reward for r in records]
         meta: dict[str, Any] = {
             "total_samples": n,
             "num_groups": len(groups),
             "avg_group_size": n / len(groups) if groups else 0.0,
             "avg_reward": sum(raw) / n if n else 0.0,
-            "avg_normalized_reward": sum(float(r["reward"]) for r in records) / n if n else 0.0,
+            "avg_normalized_reward": sum(r.reward for r in records) / n if n else 0.0,
             "finished_groups": since.finished,
             "filtered_groups": dict(since.filtered),
             "batch_id": batch_id,
@@ -194,15 +194,14 @@ class RolloutBuffer:
         }
         for reason, count in since.filtered.items():
             meta[f"filtered_{reason.split(':')[0]}"] = count
-        mismatches = sum(1 for r in records if (r.get("extra_info") or {}).get("tokenization_mismatch"))
-        meta["tokenization_mismatches"] = mismatches
+        meta["tokenization_mismatches"] = sum(r.tokenization_mismatch for r in records)
         self._add_generator_meta(groups, meta)
         return meta
 
-    def _add_generator_meta(self, groups: list[list[Record]], meta: dict[str, Any]) -> None:
-        by_task: dict[str, list[list[Record]]] = {}
+    def _add_generator_meta(self, groups: list[list[StoredRecord]], meta: dict[str, Any]) -> None:
+        by_task: dict[str, list[list[StoredRecord]]] = {}
         for g in groups:
-            task = (g[0].get("extra_info") or {}).get("task_type") if g else None
+            task = g[0].task_type if g else None
             if task:
                 by_task.setdefault(task, []).append(g)
         for task, task_groups in by_task.items():
@@ -211,7 +210,8 @@ class RolloutBuffer:
             if hook is None:
                 continue
             try:
-                extra = hook({str(i): g for i, g in enumerate(task_groups)})
+                # Only a hook needs the records parsed.
+                extra = hook({str(i): [r.load() for r in g] for i, g in enumerate(task_groups)})
             except Exception as e:
                 log.warning("get_group_data_meta_info of %s failed: %s", task, e)
                 continue

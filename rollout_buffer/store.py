@@ -106,11 +106,26 @@ class WriteResult:
 
 
 @dataclass
+class StoredRecord:
+    """A delivered record as stored (its JSON, sent on without parsing) and the fields delivery summarises."""
+
+    blob: bytes
+    reward: float
+    raw_reward: float
+    task_type: str | None
+    tokenization_mismatch: bool
+
+    def load(self) -> Record:
+        """The record as a dict."""
+        return orjson.loads(self.blob)
+
+
+@dataclass
 class Batch:
     """Groups handed to one consumer call."""
 
     batch_id: str | None
-    groups: list[list[Record]]
+    groups: list[list[StoredRecord]]
     next_lease_expiry: float | None
     redelivered: int = 0
 
@@ -151,6 +166,10 @@ class Store:
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA busy_timeout=5000")
         conn.executescript(SCHEMA)
+        if "summary" not in {row[1] for row in conn.execute("PRAGMA table_info(trajectories)")}:
+            # What delivery reads of a completed record, so it can send the stored JSON without parsing it;
+            # stores written before this column summarise their records at delivery instead.
+            conn.execute("ALTER TABLE trajectories ADD COLUMN summary BLOB")
         if self.max_bytes is not None:
             page_size = conn.execute("PRAGMA page_size").fetchone()[0]
             conn.execute(f"PRAGMA max_page_count={max(1, self.max_bytes // page_size)}")
@@ -461,13 +480,26 @@ def _complete(
     for uid, _ in rows:
         rec = by_uid.get(uid)
         if rec is not None:
-            conn.execute("UPDATE trajectories SET record=? WHERE uid=?", (orjson.dumps(rec), uid))
+            conn.execute("UPDATE trajectories SET record=?, summary=? WHERE uid=?",
+                         (orjson.dumps(rec), _summary(rec), uid))
     conn.execute(
         "UPDATE groups SET state='ready', ready_seq=?, completed_at=? "
         "WHERE run_id=? AND instance_id=? AND epoch=? AND part=?",
         (_next_seq(conn), now, *key),
     )
     return None
+
+
+def _summary(record: Record) -> bytes:
+    info = record.get("extra_info") or {}
+    raw = record.get("raw_reward")
+    return orjson.dumps([record["reward"], record["reward"] if raw is None else raw, info.get("task_type"),
+                         bool(info.get("tokenization_mismatch"))])
+
+
+def _stored(blob: bytes, summary: bytes | None) -> StoredRecord:
+    reward, raw, task_type, mismatch = orjson.loads(summary if summary is not None else _summary(orjson.loads(blob)))
+    return StoredRecord(blob, float(reward), float(raw), task_type, bool(mismatch))
 
 
 def _take(conn: sqlite3.Connection, max_groups: int | None, lease_s: float | None, now: float) -> Batch:
@@ -481,7 +513,7 @@ def _take(conn: sqlite3.Connection, max_groups: int | None, lease_s: float | Non
         "ORDER BY ready_seq LIMIT ?",
         (max_groups if max_groups is not None else -1,),
     ).fetchall()
-    groups: list[list[Record]] = []
+    groups: list[list[StoredRecord]] = []
     batch_id: str | None = None
     redelivered = 0
     if rows:
@@ -500,11 +532,11 @@ def _take(conn: sqlite3.Connection, max_groups: int | None, lease_s: float | Non
                 "WHERE run_id=? AND instance_id=? AND epoch=? AND part=?",
                 (state, batch_id, expires, *key),
             )
-            blobs = conn.execute(
-                "SELECT record FROM trajectories WHERE run_id=? AND instance_id=? AND epoch=? AND part=? "
+            stored = conn.execute(
+                "SELECT record, summary FROM trajectories WHERE run_id=? AND instance_id=? AND epoch=? AND part=? "
                 "ORDER BY rowid",
                 key,
             ).fetchall()
-            groups.append([orjson.loads(b) for (b,) in blobs])
+            groups.append([_stored(blob, summary) for blob, summary in stored])
     nxt = conn.execute("SELECT min(lease_expires) FROM groups WHERE state='leased'").fetchone()[0]
     return Batch(batch_id, groups, nxt, redelivered)

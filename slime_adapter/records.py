@@ -63,7 +63,8 @@ def _last_assistant_text(messages: list[dict[str, Any]]) -> str:
 
 
 def _exact_tokens(record: Record) -> tuple[list[int], int, list[int]]:
-    tokens = list(record["tokens"])
+    # The record was just decoded for this sample: its lists are used as they are, not copied.
+    tokens = record["tokens"] if isinstance(record["tokens"], list) else list(record["tokens"])
     mask = record.get("loss_mask")
     length = record.get("response_length")
     if mask is not None and len(mask) == len(tokens):
@@ -121,7 +122,7 @@ class SampleBuilder:
             "response_length": length,
             "reward": record["reward"],
             "loss_mask": loss_mask,
-            "rollout_log_probs": list(log_probs) if log_probs is not None else None,
+            "rollout_log_probs": log_probs if log_probs is None or isinstance(log_probs, list) else list(log_probs),
             "status": sample_status(record),
             "metadata": {**extra_info, "raw_reward": record["reward"] if raw_reward is None else raw_reward},
         }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -49,12 +50,15 @@ SLIME_SAMPLE: type | None = _slime_sample()
 Sample: type = SLIME_SAMPLE or StandaloneSample
 
 
+# Both are asked once per sample; `Sample` is fixed at import, so the answers are computed once.
+@functools.cache
 def status_member(name: str) -> Enum:
     """`Sample.Status[name]`, falling back to ABORTED for statuses an older slime lacks (e.g. FAILED)."""
     members = Sample.Status.__members__
     return members[name] if name in members else members["ABORTED"]
 
 
+@functools.cache
 def sample_fields() -> frozenset[str]:
     """Constructor fields of the active `Sample` class (they differ between slime versions)."""
     return frozenset(Sample.__dataclass_fields__)

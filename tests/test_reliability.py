@@ -270,6 +270,8 @@ def test_paths_are_confined_to_data_roots(tmp_path: Path) -> None:
             assert resp.status_code == 422 and "input_file" in resp.json()["message"], path
         resp = start(str(inside), tokenizer_path="/usr")
         assert resp.status_code == 422 and "tokenizer_path" in resp.json()["message"]
+        resp = start(str(inside), task_type="tool_call", tool_config_path=str(outside))
+        assert resp.status_code == 422 and "tool_config_path" in resp.json()["message"]
         assert start(str(inside), remote_engine_url=f"http://127.0.0.1:{free_port()}", max_retries=0).status_code == 200
 
 
