@@ -246,7 +246,7 @@ async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> dict[str, An
     finish = "stop"
     for turn in range(config.max_turns):
         before = len(conv.messages)
-        finish = await ctx.generate(conv, stop=stops, no_stop_trim=True)
+        finish = await ctx.generate(conv, return_logprob=config.return_logprob, stop=stops, no_stop_trim=True)
         if len(conv.messages) == before:  # the response budget was spent before this turn
             break
         text = conv.messages[-1]["content"]
@@ -275,7 +275,4 @@ async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> dict[str, An
     }
     if item.get("metadata") is not None:
         extra["metadata"] = item["metadata"]
-    record = await ctx.trajectory(conv, reward, finish, **extra)
-    if not config.return_logprob:
-        record.pop("rollout_log_probs", None)
-    return record
+    return await ctx.trajectory(conv, reward, finish, **extra)

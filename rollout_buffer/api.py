@@ -13,7 +13,7 @@ import orjson
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -27,6 +27,11 @@ from rollout_buffer.schemas import AckRequest, GetRolloutDataRequest, StartRollo
 from rollout_buffer.store import Store, StoreError
 
 log = logging.getLogger(__name__)
+
+# `/buffer/write` takes one record, or a list of records written in one transaction.
+WRITE_BODY: TypeAdapter[TrajectoryRecord | list[TrajectoryRecord]] = TypeAdapter(
+    TrajectoryRecord | list[TrajectoryRecord]
+)
 
 
 # Payload fields naming server-side files: confined to --data-root like input_file (a tool config imports code).
@@ -125,18 +130,35 @@ def create_app(config: ServerConfig) -> FastAPI:
             }
         )
 
-    @app.post("/buffer/write", summary="Persist one trajectory (idempotent on uid)")
-    async def buffer_write(record: TrajectoryRecord, request: Request) -> Response:
+    @app.post(
+        "/buffer/write",
+        summary="Persist one trajectory, or a list written together (idempotent on uid)",
+        # Parsed by hand with orjson: FastAPI's body handling (stdlib json, dependency solving) cost more
+        # CPU than storing the record. The schema is documented all the same.
+        openapi_extra={"requestBody": {"required": True, "content": {
+            "application/json": {"schema": WRITE_BODY.json_schema()}}}},
+    )
+    async def buffer_write(request: Request) -> Response:
+        try:
+            body = WRITE_BODY.validate_python(_parse_body(await request.body()))
+        except ValidationError as e:
+            raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+        # A list is one transaction: how a multi-agent episode (records sharing extra_info.episode_id) must
+        # arrive, so its group cannot complete with only part of the episode stored.
+        records = body if isinstance(body, list) else [body]
+        if not records:
+            raise HTTPException(422, "body: an empty list writes nothing")
         buffer: RolloutBuffer = request.app.state.buffer
-        result = await buffer.write([record])
-        return json_response(
-            {
-                "success": True,
-                "message": "duplicate uid ignored" if result.duplicates else "written",
-                "uid": record.uid,
-                "duplicate": bool(result.duplicates),
-            }
-        )
+        result = await buffer.write(records)
+        answer: dict[str, Any] = {
+            "success": True,
+            "message": f"{result.inserted} written, {result.duplicates} duplicate uids ignored",
+            "written": result.inserted,
+            "duplicates": result.duplicates,
+        }
+        if not isinstance(body, list):
+            answer |= {"uid": body.uid, "duplicate": bool(result.duplicates)}
+        return json_response(answer)
 
     @app.post(
         "/get_rollout_data",
@@ -206,12 +228,19 @@ def _parse_body(raw: bytes) -> Any:
 
 
 def describe_errors(errors: Any) -> str:
-    """One line naming every bad field, e.g. `body.reward: Input should be a valid number`."""
-    parts = []
-    for err in list(errors)[:20]:
-        loc = ".".join(str(x) for x in err.get("loc", ()))
-        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
-    return "; ".join(parts)
+    """One line naming every bad field, e.g. `body.reward: Input should be a valid number`.
+
+    A union body (one record or a list) reports every branch; the shape errors of the branch the input
+    did not take are left out, and pydantic's branch tags are dropped from the field paths.
+    """
+    errs = [(_field_path(e.get("loc", ())), e) for e in errors]
+    wrong_branch = {"list_type", "model_attributes_type", "dict_type", "model_type"}
+    kept = [(loc, e) for loc, e in errs if not (e.get("type") in wrong_branch and loc == ["body"])] or errs
+    return "; ".join(f"{'.'.join(loc)}: {e.get('msg', 'invalid')}" for loc, e in kept[:20])
+
+
+def _field_path(loc: Any) -> list[str]:
+    return [str(x) for x in loc if not (isinstance(x, str) and "[" in x)]
 
 
 def _jsonable(errors: Any) -> Any:

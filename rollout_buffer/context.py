@@ -70,7 +70,7 @@ class RolloutContext:
         )
 
     async def generate(self, conv: Conversation, engine: EngineClient | None = None, session: str | None = None,
-                       **sampling_overrides: Any) -> str:
+                       return_logprob: bool = True, **sampling_overrides: Any) -> str:
         """One assistant turn: ask the engine, append its output to `conv`, return the finish reason.
 
         Token mode sends the exact token sequence and appends the engine's own output ids; chat mode
@@ -87,11 +87,12 @@ class RolloutContext:
             if budget is not None and budget <= 0:
                 return "length"
             result = await engine.generate(
-                conv.generation_ids(), to_sglang_sampling_params(params, budget), session_id=session
+                conv.generation_ids(), to_sglang_sampling_params(params, budget), session_id=session,
+                return_logprob=return_logprob,
             )
             self._count_turn(result.engine_url, result.resumed)
             await conv.aadd_assistant(
-                result.output_ids, result.log_probs, result.text,
+                result.output_ids, result.log_probs if return_logprob else None, result.text,
                 weight_version=result.weight_version, finish_reason=result.finish_reason,
             )
             return result.finish_reason

@@ -97,6 +97,21 @@ def _frame(tokenizer: Any, tools_json: bytes, options_json: bytes) -> _Frame:
     )
 
 
+# The repeats of one task (a GRPO group) open with the same prompt, usually back to back: render it once.
+# Only prompts up to this size (as JSON) are kept, which bounds the cache to a few MB.
+_PROMPT_CACHE_MAX_BYTES = 8192
+
+
+@functools.lru_cache(maxsize=256)
+def _prompt(tokenizer: Any, messages_json: bytes, tools_json: bytes, options_json: bytes
+            ) -> tuple[str, tuple[int, ...]]:
+    text = tokenizer.apply_chat_template(
+        orjson.loads(messages_json), tools=orjson.loads(tools_json), add_generation_prompt=True, tokenize=False,
+        **orjson.loads(options_json),
+    )
+    return text, tuple(tokenizer.encode(text, add_special_tokens=False))
+
+
 class Conversation:
     """Messages of one trajectory (one per role in multi-agent runs) and, with a tokenizer, its exact tokens.
 
@@ -150,11 +165,8 @@ class Conversation:
         self._env_tokens_start = 0
         self._env_text = ""
         if self.token_mode:
-            self._frame = _frame(
-                tokenizer,
-                orjson.dumps(tools),
-                orjson.dumps(self._options, option=orjson.OPT_SORT_KEYS),
-            )
+            self._template_key = (orjson.dumps(tools), orjson.dumps(self._options, option=orjson.OPT_SORT_KEYS))
+            self._frame = _frame(tokenizer, *self._template_key)
             self._render_prompt(self.messages)
 
     @classmethod
@@ -335,10 +347,18 @@ class Conversation:
         del self.token_ids[n:], self.loss_mask[n:], self.log_probs[n:]
 
     def _render_prompt(self, messages: list[dict[str, Any]]) -> None:
-        text = self._render(messages, True)
+        try:
+            key: bytes | None = orjson.dumps(messages)
+        except TypeError:  # not JSON (a caller's own objects): rendered without the cache
+            key = None
+        ids: tuple[int, ...] | list[int]
+        if key is not None and len(key) <= _PROMPT_CACHE_MAX_BYTES:
+            text, ids = _prompt(self._tokenizer, key, *self._template_key)
+        else:
+            text = self._render(messages, True)
+            ids = self._encode(text)
         if text == self._env_text:
             raise ValueError(f"chat template renders nothing for roles {[m.get('role') for m in messages]}")
-        ids = self._encode(text)
         self.messages = messages
         self._truncate_to(0)
         self._append(ids, 0)

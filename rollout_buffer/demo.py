@@ -202,7 +202,7 @@ def print_result(result: DemoResult, console: Console) -> None:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `rollout-buffer demo`."""
     p = sub.add_parser("demo", help="run a whole rollout locally on a simulated engine (no GPU)")
-    p.add_argument("--task", default="math", choices=["math", "search", "tool_call"])
+    p.add_argument("--task", default="math", choices=["math", "search", "tool_call", "plan_act"])
     p.add_argument("--engine-url", default=None, help="a real SGLang router instead of the simulated engine")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the bundled Qwen3 tokenizer)")
     p.add_argument("--input", default=None, help="input JSONL (default: the bundled dataset)")

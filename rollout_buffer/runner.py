@@ -206,6 +206,7 @@ class Run:
                 t.cancel()
             reporter.cancel()
             index.close()
+            await _close_shared(resources.shared)
             await engine.aclose()
 
     def _schedule(self, num_items: int) -> Iterator[tuple[int, int]]:
@@ -355,6 +356,18 @@ class RunManager:
     async def shutdown(self) -> None:
         """Stop the current run; it stays `running` in the store and resumes at the next start."""
         await self._stop_current()
+
+
+async def _close_shared(shared: dict[str, Any]) -> None:
+    """Close what generators keep in `RunResources.shared` (their own engine or search clients): objects
+    with an `aclose()` coroutine method."""
+    for key, value in shared.items():
+        aclose = getattr(value, "aclose", None)
+        if callable(aclose):
+            try:
+                await aclose()
+            except Exception as e:  # the run is over; a failed close must not mark it failed
+                log.warning("closing the run's %s failed: %s", key, e)
 
 
 def _sampling_params(req: StartRolloutRequest) -> dict[str, Any]:

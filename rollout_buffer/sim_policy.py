@@ -260,6 +260,156 @@ def _tool_call_reply(text: str, draw: Draw) -> str:
             f'<tool_call>\n{{"name": "{CALCULATOR_TOOL}", "arguments": {arguments}}}\n</tool_call>')
 
 
+# ---------------------------------------------------------------- plan / act (generators/plan_act.py)
+
+
+# The first words of the plan/act generator's default system prompts (generators/plan_act_format.py); the
+# report and sub-task layouts below are that module's too.
+PLANNER_MARKER = "You are the planner."
+ACTOR_MARKER = "You are the actor."
+SEARCH_TOOL = "search"
+_REPORT = re.compile(
+    r'<report\b[^>]*\bstatus="(\w+)"[^>]*>\s*Sub-task:\s*(.*?)\nResult:\s*(.*?)\s*</report>', re.DOTALL
+)
+_SUBTASK = re.compile(r"Your sub-task:\s*(.+)")
+_BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
+_LATEX_FRACTION = re.compile(r"(-?)\\frac\{(\d+)\}\{(\d+)\}")
+_OPERATORS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
+
+
+def system_turn(text: str) -> str:
+    """Content of the ChatML system turn (tool descriptions included), or '' without one."""
+    start = text.find("<|im_start|>system")
+    if start < 0:
+        return ""
+    end = text.find("<|im_end|>", start)
+    return text[start + len("<|im_start|>system") : end if end >= 0 else len(text)]
+
+
+def _offers_tool(text: str, name: str) -> bool:
+    return "<tools>" in text and f'"name": "{name}"' in text
+
+
+def reported_value(result: str) -> str | None:
+    """The value an actor's report gives: its last `\\boxed{}`, else what follows 'answer is'."""
+    boxed = _BOXED.findall(result)
+    if boxed:
+        return boxed[-1].strip()
+    explicit = _EXPLICIT_ANSWER.search(result)
+    return explicit.group(1).strip() if explicit else None
+
+
+def _as_fraction(value: str) -> Fraction | None:
+    latex = _LATEX_FRACTION.fullmatch(value.replace(" ", ""))
+    if latex:
+        return Fraction(int(latex.group(2)), int(latex.group(3))) * (-1 if latex.group(1) else 1)
+    try:
+        return Fraction(value.replace(",", ""))
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _operand(value: Fraction) -> str:
+    """A number as a sub-task writes it: bracketed when negative or fractional, so the step parses back."""
+    if value.denominator != 1:
+        return f"({value.numerator} / {value.denominator})"
+    return str(value.numerator) if value >= 0 else f"({value.numerator})"
+
+
+def _reduce(node: ast.expr, known: dict[str, Fraction], steps: list[str]) -> Fraction | None:
+    """The value of `node` from reported results, or None; operations ready to compute go to `steps`."""
+    if isinstance(node, ast.Constant):
+        return Fraction(node.value)
+    if isinstance(node, ast.UnaryOp):
+        inner = _reduce(node.operand, known, steps)
+        return None if inner is None else -inner
+    assert isinstance(node, ast.BinOp)
+    left, right = _reduce(node.left, known, steps), _reduce(node.right, known, steps)
+    if left is None or right is None:
+        return None
+    step = f"{_operand(left)} {_OPERATORS[type(node.op)]} {_operand(right)}"
+    if step in known:
+        return known[step]
+    if step not in steps:
+        steps.append(step)
+    return None
+
+
+def _plan_reply(steps: list[str], failed: list[str]) -> str:
+    retried = [s for s in steps if s in failed]
+    reasoning = "I split the task into sub-tasks the actor can carry out."
+    if retried:
+        reasoning += f" The actor could not finish {retried[0]!r}, so I plan it again."
+    body = "\n".join(f"<step>{s}</step>" for s in steps)
+    return f"<think>\n{reasoning}\n</think>\n\n<plan>\n{body}\n</plan>"
+
+
+def _planner_reply(text: str, draw: Draw) -> str:
+    """Plan the operations of the task's arithmetic whose operands are known, one planner turn per level of
+    the expression, then answer with the value the reports add up to (a question: one look-up, then its
+    answer). A failed step is planned again. An invalid draw writes neither plan nor answer."""
+    if draw.invalid:
+        return "<think>\nI am not sure how to split this task.\n</think>\n\nLet me think about it again."
+    task = first_user_turn(text)
+    start = text.find("<|im_start|>assistant")
+    reports = _REPORT.findall(text[start:]) if start >= 0 else []
+    failed = [subtask.strip() for status, subtask, _ in reports if status != "done"]
+    values = [(subtask.strip(), reported_value(result)) for status, subtask, result in reports if status == "done"]
+    problem = find_arithmetic(task)
+    if problem is None:
+        answers = [v for _, v in values if v]
+        if answers:
+            return f"<think>\nThe actor found {answers[-1]}.\n</think>\n\n<answer>{answers[-1]}</answer>"
+        return _plan_reply([f"Find out: {task.splitlines()[-1].strip()}"], failed)
+    known: dict[str, Fraction] = {}
+    for subtask, value in values:
+        parsed, number = find_arithmetic(subtask), _as_fraction(value or "")
+        if parsed is not None and number is not None:
+            known[parsed.expr] = number
+    steps: list[str] = []
+    total = _reduce(ast.parse(problem.expr, mode="eval").body, known, steps)
+    if total is not None:
+        shown = format_number(total)
+        return f"<think>\nThe reports add up to {shown}.\n</think>\n\n<answer>{shown}</answer>"
+    return _plan_reply([f"Compute {s}." for s in steps], failed)
+
+
+def _actor_reply(text: str, draw: Draw) -> str:
+    """Work the sub-task with the offered tool (calculator for arithmetic, else search) and report the
+    result, off by the draw's offset (or the wrong document) when the draw is wrong; a tool error is
+    reported as a failure to finish."""
+    first = first_user_turn(text)
+    found = _SUBTASK.findall(first)
+    subtask = found[-1].strip() if found else first
+    start = text.find("<|im_start|>assistant")
+    responses = _TOOL_RESPONSE.findall(text[start:]) if start >= 0 else []
+    if responses:
+        last = responses[-1].strip()
+        if last.startswith("Error"):
+            return f"<think>\nThe tool failed.\n</think>\n\nI could not complete the sub-task: {last}"
+        if _NUMBER.fullmatch(last):
+            shown = Fraction(last) + (0 if draw.correct else draw.offset)
+            return (f"<think>\nThe calculator returned {last}.\n</think>\n\n"
+                    f"The result is \\boxed{{{format_number(shown)}}}.")
+        candidates = answer_candidates(last)
+        answer = candidates[0] if draw.correct and candidates else (candidates[1:] or ["unknown"])[0]
+        return f"<think>\nThe documents point to {answer}.\n</think>\n\nThe answer is {answer}."
+    problem = find_arithmetic(subtask)
+    if problem is not None and _offers_tool(text, CALCULATOR_TOOL):
+        arguments = '{"expression": }' if draw.invalid else json.dumps({"expression": problem.expr})
+        return (f"<think>\nI will use the calculator for {problem.expr}.\n</think>\n\n"
+                f'<tool_call>\n{{"name": "{CALCULATOR_TOOL}", "arguments": {arguments}}}\n</tool_call>')
+    if _offers_tool(text, SEARCH_TOOL):
+        query = json.dumps({"query": subtask.removeprefix("Find out:").strip()})
+        return (f"<think>\nI will search for this.\n</think>\n\n"
+                f'<tool_call>\n{{"name": "{SEARCH_TOOL}", "arguments": {query}}}\n</tool_call>')
+    if problem is not None:
+        shown = problem.value + (0 if draw.correct else draw.offset)
+        return (f"<think>\nI compute {problem.expr} myself.\n</think>\n\n"
+                f"The result is \\boxed{{{format_number(shown)}}}.")
+    return "<think>\nI have no tool for this.\n</think>\n\nI cannot find this out without a tool."
+
+
 # ---------------------------------------------------------------- fallback
 
 
@@ -272,6 +422,8 @@ def _guess_reply(text: str, draw: Draw) -> str:
 
 
 POLICIES: tuple[Policy, ...] = (
+    Policy("planner", lambda text: PLANNER_MARKER in system_turn(text), _planner_reply),
+    Policy("actor", lambda text: ACTOR_MARKER in system_turn(text), _actor_reply),
     Policy("tool_call", _offers_calculator, _tool_call_reply),
     Policy("search", _is_search, _search_reply),
     Policy("math", _is_math, _math_reply),

@@ -271,15 +271,18 @@ def test_bearer_token_is_sent_and_a_refusal_is_not_retried(
 def test_multi_agent_groups_of_another_size_are_returned_whole(
     serve: Callable[..., Server], workdir: Path, qwen_tokenizer: Any, qwen_tokenizer_path: str
 ) -> None:
-    # 3 episodes x (planner, actor) per task: groups of 6 while slime's n_samples_per_prompt is 3.
-    url = serve(group_size=6).url
+    # 3 episodes x (planner, actor) per task: a group is 3 episodes (6 samples) while slime's
+    # n_samples_per_prompt is 3. Each episode is written in one call, as the runner does.
+    url = serve(group_size=3).url
     for iid in ("50", "51"):
         records = [
             token_record(qwen_tokenizer, iid, k, 1.0, k % 2, agent_id=("planner", "actor")[k % 2],
                          episode_id=f"{iid}-{k // 2}")
             for k in range(6)
         ]
-        write(url, records)
+        for episode in (records[0:2], records[2:4], records[4:6]):
+            resp = httpx.post(f"{url}/buffer/write", json=episode, timeout=10)
+            assert resp.status_code == 200 and resp.json()["written"] == 2, resp.text
     args = slime_args(url, workdir, qwen_tokenizer_path, n_samples_per_prompt=3)
     data_buffer = DataBuffer(3)
     batch = generate_rollout(args, 0, data_buffer)
