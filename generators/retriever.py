@@ -216,8 +216,12 @@ def create_app(index: BM25Index, default_topk: int = DEFAULT_TOPK) -> FastAPI:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The command line of `rollout-buffer retriever`."""
-    p = argparse.ArgumentParser(prog="rollout-buffer retriever", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="rollout-buffer retriever", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+        "  rollout-buffer retriever --corpus wiki-18.jsonl --port 8000\n"
+        "  rollout-buffer retriever --corpus corpus.jsonl --port 8000 --index-dir /data/bm25 --topk 5",
+    )
     p.add_argument("--corpus", type=Path, required=True, help="JSONL corpus (Search-R1's shape, see above)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, loopback only)")

@@ -7,10 +7,10 @@ import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Literal
 
 import orjson
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import TypeAdapter, ValidationError
@@ -207,6 +207,16 @@ def create_app(config: ServerConfig) -> FastAPI:
         if rec is None:
             raise HTTPException(404, f"uid: no trajectory {uid!r}")
         return json_response(rec)
+
+    @app.get("/groups", summary="Groups by state, newest first (inspection)")
+    async def groups(
+        request: Request,
+        state: Literal["open", "ready", "leased", "delivered", "filtered"] | None = None,
+        run_id: str | None = None,
+        limit: int = Query(default=100, ge=1, le=10_000),
+    ) -> Response:
+        buffer: RolloutBuffer = request.app.state.buffer
+        return json_response({"groups": await buffer.store.list_groups(state, run_id, limit)})
 
     @app.get("/metrics", summary="Prometheus metrics (text exposition format)")
     async def prometheus_metrics(request: Request) -> Response:

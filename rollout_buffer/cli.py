@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
 from pathlib import Path
 
@@ -16,12 +15,17 @@ from rollout_buffer.config import (
     DEFAULT_PORT,
     ServerConfig,
 )
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+from rollout_buffer.logs import setup_logging
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="run the rollout buffer HTTP server")
+    p = sub.add_parser(
+        "serve", help="run the rollout buffer HTTP server", formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+        "  rollout-buffer serve                                   # 127.0.0.1:8889, store in ./rollout_data\n"
+        "  rollout-buffer serve --host 0.0.0.0 --data-dir /data --auth-token $TOKEN --data-root /inputs\n"
+        "  rollout-buffer serve --generator-path ./my_generators --log-format json",
+    )
     p.add_argument("--host", default=DEFAULT_HOST, help="bind address (default: %(default)s, loopback only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--data-dir", type=Path, default=Path("rollout_data"), help="SQLite store folder")
@@ -37,6 +41,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-db-mb", type=float, default=None,
                    help="cap the store's size; writes past it answer 503 as on a full disk")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one JSON object per line")
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -58,7 +63,7 @@ def serve(args: argparse.Namespace) -> None:
     )
     app = create_app(config)
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level.lower(),
-                access_log=False, timeout_keep_alive=75)
+                access_log=False, timeout_keep_alive=75, log_config=None)
 
 
 # Subcommands that own their argument parsing: name → (module, help). Each module has `main(argv)`.
@@ -84,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, (_, help_text) in DELEGATED.items():
         sub.add_parser(name, help=f"{help_text} (see `rollout-buffer {name} --help`)", add_help=False)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(args, "log_level", "INFO").upper(), format=LOG_FORMAT)
+    setup_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", "text"))
     if args.command == "serve":
         serve(args)
     elif args.command == "demo":

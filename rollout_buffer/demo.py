@@ -201,7 +201,14 @@ def print_result(result: DemoResult, console: Console) -> None:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `rollout-buffer demo`."""
-    p = sub.add_parser("demo", help="run a whole rollout locally on a simulated engine (no GPU)")
+    p = sub.add_parser(
+        "demo", help="run a whole rollout locally on a simulated engine (no GPU)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+        "  rollout-buffer demo\n"
+        "  rollout-buffer demo --task search --num-repeat 8\n"
+        "  rollout-buffer demo --engine-url http://ROUTER:30000 --tokenizer /models/Qwen3-4B",
+    )
     p.add_argument("--task", default="math", choices=["math", "search", "tool_call", "plan_act"])
     p.add_argument("--engine-url", default=None, help="a real SGLang router instead of the simulated engine")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the bundled Qwen3 tokenizer)")

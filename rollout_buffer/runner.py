@@ -47,10 +47,12 @@ class Progress:
     statuses: Counter[str] = field(default_factory=Counter)
     failures: Counter[str] = field(default_factory=Counter)
     state: str = "running"
+    ended_at: float | None = None  # freezes the rate once the run ends
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-ready view, with the rate in trajectories per second."""
-        elapsed = max(time.time() - self.started_at, 1e-9)
+        end = self.ended_at if self.ended_at is not None else time.time()
+        elapsed = max(end - self.started_at, 1e-9)
         return {
             "run_id": self.run_id,
             "state": self.state,
@@ -134,6 +136,7 @@ class Run:
             else:
                 await self._run_slime_style()
             self.progress.state = "finished"
+            self.progress.ended_at = time.time()
             await self.buffer.store.set_run_state(self.run_id, "finished")
             log.info("run %s finished: %s", self.run_id, self.progress.snapshot())
         except asyncio.CancelledError:
@@ -144,6 +147,7 @@ class Run:
             log.exception("run %s failed", self.run_id)
             await self.buffer.store.set_run_state(self.run_id, "failed", f"{type(e).__name__}: {e}")
         finally:
+            self.progress.ended_at = time.time()
             await self._save_progress()
 
     async def _save_progress(self) -> None:
@@ -250,6 +254,7 @@ class Run:
     def _failed(self, item: dict[str, Any], ctx: RolloutContext, kind: str, text: str) -> TrajectoryRecord:
         self.progress.failures[kind] += 1
         metrics.TRAJECTORIES_FAILED.labels(kind).inc()
+        log.warning("trajectory %s failed (%s): %s", ctx.uid, kind, text)
         prompt = item.get("prompt")
         messages = prompt if isinstance(prompt, list) else ([{"role": "user", "content": prompt}] if prompt else [])
         rec = stamp({"messages": messages, "reward": 0.0, "status": "failed",

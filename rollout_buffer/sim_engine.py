@@ -786,7 +786,14 @@ def _error_kinds(value: str) -> tuple[str, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     """Arguments of `rollout-buffer sim-engine`."""
-    p = argparse.ArgumentParser(prog="rollout-buffer sim-engine", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="rollout-buffer sim-engine", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+        "  rollout-buffer sim-engine --port 30000 --latency-ms 200\n"
+        "  rollout-buffer sim-engine --port 30001 --correct-rate 1.0 --abort-rate 0.1 --error-rate 0.05\n"
+        "  rollout-buffer sim-engine --port 30002 --tokenizer /models/Qwen3-4B --seed 7",
+    )
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--tokenizer", dest="tokenizer_path", default=None,

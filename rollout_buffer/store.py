@@ -360,6 +360,29 @@ class Store:
 
         return await self.call(op)
 
+    async def list_groups(self, state: str | None, run_id: str | None, limit: int) -> list[dict[str, Any]]:
+        """Groups for inspection, newest first, with the uids of their trajectories."""
+
+        def op(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+            where, args = [], []
+            for column, value in (("g.state", state), ("g.run_id", run_id)):
+                if value is not None:
+                    where.append(f"{column}=?")
+                    args.append(value)
+            rows = conn.execute(
+                "SELECT g.run_id, g.instance_id, g.epoch, g.part, g.state, g.reason, g.n, g.size, g.batch_id, "
+                "g.lease_expires, g.completed_at, (SELECT group_concat(t.uid, ' ') FROM trajectories t WHERE "
+                "t.run_id=g.run_id AND t.instance_id=g.instance_id AND t.epoch=g.epoch AND t.part=g.part) "
+                f"FROM groups g {'WHERE ' + ' AND '.join(where) if where else ''} "
+                "ORDER BY g.rowid DESC LIMIT ?",
+                (*args, limit),
+            ).fetchall()
+            keys = ("run_id", "instance_id", "epoch", "part", "state", "reason", "episodes", "size", "batch_id",
+                    "lease_expires", "completed_at")
+            return [{**dict(zip(keys, r[:-1], strict=True)), "uids": (r[-1] or "").split()} for r in rows]
+
+        return await self.call(op)
+
     async def get_record(self, uid: str) -> Record | None:
         """One stored trajectory by uid."""
 

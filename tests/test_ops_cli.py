@@ -194,3 +194,29 @@ def test_every_endpoint_in_the_readme_exists_in_the_openapi_spec(buffer_server: 
             continue
         assert path in spec["paths"], f"README documents {method} {path}; the server has {sorted(spec['paths'])}"
         assert method.lower() in spec["paths"][path], f"{path} does not answer {method}"
+
+
+def test_every_command_help_has_examples() -> None:
+    import subprocess
+    import sys
+
+    for command in ("serve", "demo", "sim-engine", "retriever", "status", "export"):
+        out = subprocess.run([sys.executable, "-m", "rollout_buffer.cli", command, "--help"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "examples:" in out.stdout and f"rollout-buffer {command}" in out.stdout, command
+
+
+def test_json_log_lines(tmp_path) -> None:
+    import orjson
+    from servers import free_port, running
+
+    port = free_port()
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "d"), "--log-format", "json"]
+    with running(args, "/healthz", port, tmp_path / "log") as srv:
+        bad = {"uid": "u", "instance_id": "i", "messages": [], "reward": 1.0}
+        httpx.post(f"{srv.url}/buffer/write", json=bad).raise_for_status()
+    lines = [line for line in srv.log().splitlines() if line.startswith("{")]
+    entries = [orjson.loads(line) for line in lines]
+    assert any(e["logger"] == "rollout_buffer.api" and "ready" in e["message"] for e in entries)
+    assert all({"time", "level", "logger", "message"} <= set(e) for e in entries)

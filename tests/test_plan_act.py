@@ -24,6 +24,7 @@ from generators.math import math_reward
 from generators.plan_act_format import parse_planner_turn, split_reasoning
 from generators.plan_act_run import PlanActOptions
 from generators.search import exact_match, format_documents
+from generators.search_client import hit_documents
 from generators.tools.calculator import evaluate, format_value
 from rollout_buffer.demo import bundled_dataset
 from rollout_buffer.sim_policy import reported_value
@@ -50,9 +51,19 @@ def buffer(tmp: Path) -> Server:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_path: str) -> Iterator[Server]:
-    with sim_engine(tmp_path_factory.mktemp("sim"), qwen_tokenizer_path, "--correct-rate", "0.7").start() as srv:
-        yield srv
+def engines(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_path: str) -> Iterator[tuple[Server, Server]]:
+    """Two simulated engines, seeded: the first test to use them sees the same scripted draws every time."""
+    tmp = tmp_path_factory.mktemp("sim")
+    with (
+        sim_engine(tmp, qwen_tokenizer_path, "--correct-rate", "0.7", "--seed", "1").start() as e1,
+        sim_engine(tmp, qwen_tokenizer_path, "--correct-rate", "0.7", "--seed", "2").start() as e2,
+    ):
+        yield e1, e2
+
+
+@pytest.fixture
+def engine(engines: tuple[Server, Server]) -> Server:
+    return engines[0]
 
 
 def demo_rows(*ids: str) -> list[dict[str, Any]]:
@@ -183,15 +194,12 @@ def test_bad_run_options_are_refused_with_their_names() -> None:
 
 
 def test_episodes_plan_act_revise_answer_with_shared_reward_over_two_engines(
-        tmp_path: Path, qwen_tokenizer: Any, qwen_tokenizer_path: str) -> None:
+        tmp_path: Path, engines: tuple[Server, Server], qwen_tokenizer: Any, qwen_tokenizer_path: str) -> None:
     rows = demo_rows("plan-000", "plan-002", "plan-006")
     labels = {r["instance_id"]: r["label"] for r in rows}
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
-    with (
-        sim_engine(tmp_path, qwen_tokenizer_path, "--correct-rate", "0.7", "--seed", "1").start() as e1,
-        sim_engine(tmp_path, qwen_tokenizer_path, "--correct-rate", "0.7", "--seed", "2").start() as e2,
-        buffer(tmp_path).start() as srv,
-    ):
+    e1, e2 = engines
+    with buffer(tmp_path).start() as srv:
         # One episode at a time keeps the engines' scripted draws, and so the rewards, deterministic.
         status, batches = run_to_end(srv.url, [e1.url, e2.url], inp, qwen_tokenizer_path, num_process=1,
                                      planner_reward_weight=1.0, actor_reward_weight=0.5)
@@ -230,7 +238,7 @@ def test_episodes_plan_act_revise_answer_with_shared_reward_over_two_engines(
         for a in actors:
             ainfo = a["extra_info"]
             assert ainfo["agent_id"] == "actor" and ainfo["subtask_status"] == "done"
-            system, user, call, tool, report = a["messages"]
+            _system, user, _call, tool, report = a["messages"]
             assert user["content"].startswith(f"Task: {planner['messages'][1]['content']}")
             assert user["content"].endswith(f"Your sub-task: {ainfo['step']}")
             expression = ainfo["step"].removeprefix("Compute ").removesuffix(".")
@@ -269,11 +277,15 @@ def test_episodes_plan_act_revise_answer_with_shared_reward_over_two_engines(
         assert r["reward"] == pytest.approx(advantage * r["extra_info"]["reward_weight"])
 
 
+def generate_requests(engine: Server) -> int:
+    return httpx.get(f"{engine.url}/sim/stats").json()["by_endpoint"].get("/generate", 0)
+
+
 def test_failed_subtask_is_reported_and_replanned_on_the_actor_engine(
-        tmp_path: Path, qwen_tokenizer: Any, qwen_tokenizer_path: str) -> None:
+        tmp_path: Path, engine: Server, qwen_tokenizer: Any, qwen_tokenizer_path: str) -> None:
     inp = write_jsonl(tmp_path / "in.jsonl", demo_rows("plan-000"))
+    planner_engine, before = engine, generate_requests(engine)
     with (
-        sim_engine(tmp_path, qwen_tokenizer_path, "--correct-rate", "1.0").start() as planner_engine,
         sim_engine(tmp_path, qwen_tokenizer_path, "--correct-rate", "1.0").start() as actor_engine,
         buffer(tmp_path).start() as srv,
     ):
@@ -282,8 +294,7 @@ def test_failed_subtask_is_reported_and_replanned_on_the_actor_engine(
         status, batches = run_to_end(srv.url, planner_engine.url, inp, qwen_tokenizer_path,
                                      actor_engine_url=actor_engine.url, num_repeat_per_sample=1, max_retries=0,
                                      max_turns=5, normalize_rewards=False)
-        served = {name: httpx.get(f"{e.url}/sim/stats").json()["by_endpoint"]["/generate"]
-                  for name, e in (("planner", planner_engine), ("actor", actor_engine))}
+        served = {"planner": generate_requests(planner_engine) - before, "actor": generate_requests(actor_engine)}
     assert status["run"]["progress"] == {**status["run"]["progress"], "failed": 0, "done": 4}
     [(planner, actors)] = episodes(batches[0]).values()
     info = planner["extra_info"]
@@ -349,15 +360,12 @@ def retriever(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def test_question_answered_through_the_search_tool_scored_by_exact_match(
-        tmp_path: Path, qwen_tokenizer: Any, qwen_tokenizer_path: str, retriever: Server) -> None:
+        tmp_path: Path, engine: Server, qwen_tokenizer: Any, qwen_tokenizer_path: str, retriever: Server) -> None:
     lines = bundled_dataset("search").read_bytes().splitlines()
     rows = [orjson.loads(line) for line in lines[:3]]
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
-    with (
-        sim_engine(tmp_path, qwen_tokenizer_path, "--correct-rate", "0.7").start() as eng,
-        buffer(tmp_path).start() as srv,
-    ):
-        status, batches = run_to_end(srv.url, eng.url, inp, qwen_tokenizer_path, actor_tools=["search"],
+    with buffer(tmp_path).start() as srv:
+        status, batches = run_to_end(srv.url, engine.url, inp, qwen_tokenizer_path, actor_tools=["search"],
                                      search_url=retriever.url)
     golden = {str(i): r["golden_answers"] for i, r in enumerate(rows)}
     records = [r for batch in batches for r in batch]
@@ -365,11 +373,11 @@ def test_question_answered_through_the_search_tool_scored_by_exact_match(
     for planner, actors in episodes(records).values():
         question = planner["messages"][1]["content"]
         [actor] = actors
-        system, user, call, tool, report = actor["messages"]
+        _system, user, _call, tool, report = actor["messages"]
         assert user["content"].endswith(f"Your sub-task: Find out: {question}")
         assert actor["extra_info"]["tool_calls"][0]["arguments"] == {"query": question}
         docs = httpx.post(f"{retriever.url}/retrieve", json={"queries": [question], "topk": 3}).json()["result"][0]
-        assert tool == {"role": "tool", "name": "search", "content": format_documents([d["document"] for d in docs])}
+        assert tool == {"role": "tool", "name": "search", "content": format_documents(hit_documents(docs))}
         answer = planner["extra_info"]["answer"]
         assert answer == value_of(report["content"])
         reward = float(exact_match(answer, golden[planner["instance_id"]]))

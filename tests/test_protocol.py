@@ -232,3 +232,17 @@ def test_openapi_docs_list_the_protocol(buffer_server: Server) -> None:
     for path in ("/start_rollout", "/get_rollout_data", "/buffer/write", "/ack", "/status", "/healthz"):
         assert path in spec["paths"]
     assert httpx.get(f"{buffer_server.url}/docs").status_code == 200
+
+
+def test_groups_endpoint_lists_groups_by_state(buffer_server: Server) -> None:
+    url = buffer_server.url
+    write_group(url, "done", [1, 0, 0, 1])
+    write_group(url, "half", [1, 0])
+    ready = httpx.get(f"{url}/groups", params={"state": "ready"}).json()["groups"]
+    assert [(g["instance_id"], g["episodes"], g["size"]) for g in ready] == [("done", 4, 4)]
+    assert sorted(ready[0]["uids"]) == [f"done-None-{k}" for k in range(4)]
+    open_groups = httpx.get(f"{url}/groups", params={"state": "open"}).json()["groups"]
+    assert [g["instance_id"] for g in open_groups] == ["half"]
+    assert len(httpx.get(f"{url}/groups").json()["groups"]) == 2
+    resp = httpx.get(f"{url}/groups", params={"state": "bogus"})
+    assert resp.status_code == 422 and "state" in resp.json()["message"]
