@@ -151,6 +151,12 @@ def assert_exact_tokens(record: dict, tokenizer: Any) -> None:
     assert "tokenization_mismatch" not in record["extra_info"]
 
 
+def common_prefix(sequences: list[list[int]]) -> list[int]:
+    first = sequences[0]
+    n = next((i for i in range(len(first)) if any(len(s) <= i or s[i] != first[i] for s in sequences)), len(first))
+    return first[:n]
+
+
 def planner_turns(planner: dict) -> list[str]:
     return [m["content"] for m in planner["messages"] if m["role"] == "assistant"]
 
@@ -262,6 +268,11 @@ def test_episodes_plan_act_revise_answer_with_shared_reward_over_two_engines(
             assert r["extra_info"]["episode_id"] == info["episode_id"]
             assert r["status"] == "completed"
             assert_exact_tokens(r, qwen_tokenizer)
+        # Prefix reuse: every sub-task's conversation opens with the same system prompt, tools and task.
+        if len(actors) > 1:
+            shared_prefix = qwen_tokenizer.decode(common_prefix([a["tokens"] for a in actors]))
+            assert shared_prefix.startswith("<|im_start|>system\nYou are the actor.")
+            assert f"Task: {planner['messages'][1]['content']}" in shared_prefix
         # Session affinity: the whole episode ran on one engine.
         assert len({e for r in [planner, *actors] for e in r["extra_info"]["engines"]}) == 1
     # Normalization runs over episode rewards and is scaled by each record's role weight.
