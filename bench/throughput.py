@@ -66,11 +66,12 @@ class Timing:
     window_s: float
 
     @classmethod
-    def for_latency(cls, latency_ms: float, quick: bool) -> Timing:
-        latency_s = latency_ms / 1000
+    def for_point(cls, latency_ms: float, in_flight: int, quick: bool) -> Timing:
+        # Thousands in flight take seconds to ramp up on 2 cores (every first request at once).
+        latency_s, ramp_s = latency_ms / 1000, in_flight / 500
         if quick:
-            return cls(settle_s=1.0 + latency_s, window_s=max(6.0, 3 * latency_s))
-        return cls(settle_s=2.0 + 2 * latency_s, window_s=max(12.0, 6 * latency_s))
+            return cls(settle_s=1.0 + 2 * latency_s + ramp_s, window_s=max(6.0, 4 * latency_s))
+        return cls(settle_s=2.0 + 3 * latency_s + ramp_s, window_s=max(12.0, 6 * latency_s))
 
 
 def _wait_first(consumer: PollingConsumer, service: Service, timeout_s: float) -> None:
@@ -254,11 +255,11 @@ def main(argv: list[str] | None = None) -> None:
     results: list[Result] = []
     points = _points(args)
     for latency in sorted({lat for lat, _ in points}):
-        timing = Timing.for_latency(latency, args.quick)
         with sim_engine(workdir, latency) as engine:
             for lat, n in points:
                 if lat != latency:
                     continue
+                timing = Timing.for_point(latency, n, args.quick)
                 for mode in modes:
                     console.print(f"[dim]{latency:g} ms, {n} in flight, {mode}: bare client…[/]")
                     bare = bare_client.measure(engine.url, mode, n, timing.settle_s, timing.window_s)

@@ -74,6 +74,7 @@ class Subtask:
     finish: str = "stop"
 
     def report(self) -> Report:
+        """What the planner reads about this step."""
         return Report(self.position, self.step, self.status, self.result)
 
     def summary(self) -> dict[str, Any]:
@@ -112,64 +113,74 @@ def task_text(messages: list[dict[str, Any]]) -> str:
     return content if isinstance(content, str) else str(content)
 
 
-async def _act(ctx: RolloutContext, run: PlanActRun, tools: ToolRegistry, session: ToolSession, task: str,
-               sub: Subtask, earlier: list[tuple[str, str]]) -> None:
-    """Work one sub-task; failures end up in `sub.status` / `sub.result`, never raised."""
-    opts = run.options
-    sub.ctx = actx = _role_context(ctx)
-    messages = [{"role": "system", "content": opts.actor_system_prompt},
-                {"role": "user", "content": actor_prompt(task, sub.step, earlier)}]
-    sub.conv = conv = await actx.conversation(messages, tools=tools.schemas or None)
-    failure: str | None = None
-    try:
-        while True:
-            before = len(conv.messages)
-            sub.finish = await actx.generate(conv, engine=run.actor_engine, session=ctx.uid,
-                                             **opts.actor_sampling_params)
-            if len(conv.messages) == before:
-                sub.stop_reason, failure = "max_tokens", "no tokens left for another turn"
-                break
-            sub.actor_turns += 1
-            if sub.finish != "stop":
-                sub.stop_reason, failure = sub.finish, f"its reply was cut ({sub.finish})"
-                break
-            calls = parse_tool_calls(conv.messages[-1]["content"])
-            if not calls:
-                sub.stop_reason = "answer"
-                break
-            if sub.actor_turns >= opts.max_actor_turns:
-                sub.stop_reason, failure = "max_actor_turns", f"no answer within {opts.max_actor_turns} turns"
-                break
-            outcomes = await session.run(calls)
-            sub.tool_calls += [{"turn": sub.actor_turns, "name": o.name, "arguments": o.arguments,
-                                **({"error": o.error} if o.error else {})} for o in outcomes]
-            await conv.aadd_messages([o.message() for o in outcomes])
-    except EngineError as e:
-        sub.stop_reason, failure = "engine_error", f"engine error: {e}"
-    if failure is None:
-        sub.status = "done"
-        reply = split_reasoning(conv.messages[-1]["content"])[1].strip() or "(an empty reply)"
-        sub.result = truncate_response(reply, opts.max_report_length)
-    else:
-        sub.status, sub.result = "failed", f"the actor failed: {failure}"
+@dataclass
+class Episode:
+    """One episode's shared state: the run, the actor's tools and tool session, the sub-tasks so far."""
 
+    ctx: RolloutContext
+    run: PlanActRun
+    tools: ToolRegistry
+    session: ToolSession
+    task: str
+    subtasks: list[Subtask] = field(default_factory=list)
+    # (step, result) of the sub-tasks done so far, shown to the actor in later ones.
+    results: list[tuple[str, str]] = field(default_factory=list)
 
-async def _run_plan(ctx: RolloutContext, run: PlanActRun, tools: ToolRegistry, session: ToolSession, task: str,
-                    steps: tuple[str, ...], turn: int, first_index: int, earlier: list[tuple[str, str]]
-                    ) -> list[Subtask]:
-    """Give the plan's steps to the actor in order; each sees the results of the sub-tasks done before it."""
-    limit = run.options.max_subtasks_per_turn
-    subtasks = []
-    for position, step in enumerate(steps, start=1):
-        sub = Subtask(turn, first_index + position - 1, position, step)
-        if position > limit:
-            sub.result = f"not run: at most {limit} sub-tasks per plan"
+    async def run_plan(self, steps: tuple[str, ...], turn: int) -> list[Subtask]:
+        """Give the plan's steps to the actor in order; each sees the results of the sub-tasks done before it."""
+        limit = self.run.options.max_subtasks_per_turn
+        planned = []
+        for position, step in enumerate(steps, start=1):
+            sub = Subtask(turn, len(self.subtasks), position, step)
+            if position > limit:
+                sub.result = f"not run: at most {limit} sub-tasks per plan"
+            else:
+                await self.act(sub)
+                if sub.status == "done":
+                    self.results.append((step, sub.result))
+            self.subtasks.append(sub)
+            planned.append(sub)
+        return planned
+
+    async def act(self, sub: Subtask) -> None:
+        """Work one sub-task; failures end up in `sub.status` / `sub.result`, never raised."""
+        opts = self.run.options
+        sub.ctx = actx = _role_context(self.ctx)
+        messages = [{"role": "system", "content": opts.actor_system_prompt},
+                    {"role": "user", "content": actor_prompt(self.task, sub.step, self.results)}]
+        sub.conv = conv = await actx.conversation(messages, tools=self.tools.schemas or None)
+        failure: str | None = None
+        try:
+            while True:
+                before = len(conv.messages)
+                sub.finish = await actx.generate(conv, engine=self.run.actor_engine, session=self.ctx.uid,
+                                                 **opts.actor_sampling_params)
+                if len(conv.messages) == before:
+                    sub.stop_reason, failure = "max_tokens", "no tokens left for another turn"
+                    break
+                sub.actor_turns += 1
+                if sub.finish != "stop":
+                    sub.stop_reason, failure = sub.finish, f"its reply was cut ({sub.finish})"
+                    break
+                calls = parse_tool_calls(conv.messages[-1]["content"])
+                if not calls:
+                    sub.stop_reason = "answer"
+                    break
+                if sub.actor_turns >= opts.max_actor_turns:
+                    sub.stop_reason, failure = "max_actor_turns", f"no answer within {opts.max_actor_turns} turns"
+                    break
+                outcomes = await self.session.run(calls)
+                sub.tool_calls += [{"turn": sub.actor_turns, "name": o.name, "arguments": o.arguments,
+                                    **({"error": o.error} if o.error else {})} for o in outcomes]
+                await conv.aadd_messages([o.message() for o in outcomes])
+        except EngineError as e:
+            sub.stop_reason, failure = "engine_error", f"engine error: {e}"
+        if failure is None:
+            sub.status = "done"
+            reply = split_reasoning(conv.messages[-1]["content"])[1].strip() or "(an empty reply)"
+            sub.result = truncate_response(reply, opts.max_report_length)
         else:
-            await _act(ctx, run, tools, session, task, sub, earlier)
-            if sub.status == "done":
-                earlier.append((step, sub.result))
-        subtasks.append(sub)
-    return subtasks
+            sub.status, sub.result = "failed", f"the actor failed: {failure}"
 
 
 async def _room_for_reply(ctx: RolloutContext, conv: Conversation, text: str) -> bool:
@@ -210,12 +221,10 @@ async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> list[dict[st
     opts = run.options
     tools = await run.tools()
     messages = task_messages(item, opts.planner_system_prompt.replace("{tools}", tool_list(tools.schemas)))
-    task = task_text(messages)
     pctx = _role_context(ctx)
     planner = await pctx.conversation(messages)
     session = ToolSession(tools, f"{ctx.uid}:actor", opts.limits(), _tools_kwargs(item))
-    subtasks: list[Subtask] = []
-    earlier: list[tuple[str, str]] = []
+    episode = Episode(ctx, run, tools, session, task_text(messages))
     answer: str | None = None
     stop_reason, finish, turn, planner_turns = "max_turns", "stop", 0, 0
     try:
@@ -237,8 +246,7 @@ async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> list[dict[st
             if turn + 1 == opts.max_turns:
                 break
             if parsed.steps:
-                done = await _run_plan(ctx, run, tools, session, task, parsed.steps, turn, len(subtasks), earlier)
-                subtasks += done
+                done = await episode.run_plan(parsed.steps, turn)
                 observation = render_reports([s.report() for s in done], turn + 2 == opts.max_turns)
             else:
                 observation = INVALID_PLAN_HINT
@@ -256,9 +264,9 @@ async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> list[dict[st
     records = [await pctx.trajectory(
         planner, reward * w_planner, finish, agent_id="planner", turn=turn, subtask_index=None,
         reward_weight=w_planner, **shared, **reference, answer=answer, stop_reason=stop_reason,
-        planner_turns=planner_turns, subtasks=[s.summary() for s in subtasks],
+        planner_turns=planner_turns, subtasks=[s.summary() for s in episode.subtasks],
     )]
-    for sub in subtasks:
+    for sub in episode.subtasks:
         if sub.has_sample() and sub.ctx is not None and sub.conv is not None:
             records.append(await sub.ctx.trajectory(
                 sub.conv, reward * w_actor, sub.finish, agent_id="actor", turn=sub.turn, subtask_index=sub.index,

@@ -198,16 +198,17 @@ def search_reward(answer: str | None, golden: list[str], well_formed: bool, form
 
 def _run_state(ctx: RolloutContext) -> tuple[SearchConfig, SearchClient]:
     """The run's options and its one search client, made by the first trajectory."""
-    state = ctx.run.shared.get(_SHARED_KEY)
-    if state is None:
+    shared = ctx.run.shared
+    if _SHARED_KEY not in shared:
         config = SearchConfig.from_run(ctx.config)
-        client = SearchClient(
+        shared[f"{_SHARED_KEY}.config"] = config
+        # Kept on its own so the runner closes it (it closes shared values that have aclose()).
+        shared[_SHARED_KEY] = SearchClient(
             config.search_url, topk=config.topk, concurrency=config.search_concurrency,
             timeout_s=config.search_timeout_s, retries=config.search_retries,
             cache_size=config.search_cache_size, cache_ttl_s=config.search_cache_ttl_s,
         )
-        state = ctx.run.shared[_SHARED_KEY] = (config, client)
-    return state
+    return shared[f"{_SHARED_KEY}.config"], shared[_SHARED_KEY]
 
 
 def _stops(run_stop: str | list[str] | None) -> list[str]:

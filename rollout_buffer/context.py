@@ -26,7 +26,8 @@ class RunResources:
     max_tokens: int | None
     sanity_check: str = "strict"
     chat_template_kwargs: dict[str, Any] | None = None
-    # Per-run objects generators create once (tool clients, caches), keyed by the generator's choice.
+    # Per-run objects generators create once (tool clients, caches), keyed by the generator's choice;
+    # values with an async `aclose()` are closed when the run ends.
     shared: dict[str, Any] = field(default_factory=dict)
 
 

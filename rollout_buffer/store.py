@@ -349,8 +349,9 @@ class Store:
                 "SELECT instance_id, epoch FROM groups WHERE run_id=? AND state!='open'", (run_id,)
             ).fetchall())
             partial: dict[tuple[str, int], set[str]] = {}
+            # A trajectory's uid is its episode id (multi-agent records are `uid-k` with episode_id `uid`).
             for i, e, uid in conn.execute(
-                "SELECT t.instance_id, t.epoch, t.uid FROM trajectories t JOIN groups g ON "
+                "SELECT t.instance_id, t.epoch, t.episode FROM trajectories t JOIN groups g ON "
                 "g.run_id=t.run_id AND g.instance_id=t.instance_id AND g.epoch=t.epoch AND g.part=t.part "
                 "WHERE t.run_id=? AND g.state='open'",
                 (run_id,),
