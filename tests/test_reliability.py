@@ -160,7 +160,7 @@ def test_hung_up_long_poll_takes_nothing(tmp_path: Path) -> None:
 def test_engine_faults_end_in_completed_or_failed_with_reason(tmp_path: Path, qwen_tokenizer_path: str) -> None:
     inp = write_jsonl(tmp_path / "math.jsonl", math_rows(12))
     eport, bport = free_port(), free_port()
-    engine_args = ["sim-engine", "--port", str(eport), "--tokenizer", qwen_tokenizer_path, "--error-rate", "0.25",
+    engine_args = ["sim-engine", "--port", str(eport), "--tokenizer", qwen_tokenizer_path, "--error-rate", "0.5",
                    "--abort-rate", "0.1", "--error-kinds", "http_500,reset,truncated_json,hang", "--hang-s", "30",
                    "--seed", "7"]
     with running(engine_args, "/health", eport, tmp_path / "sim.log") as eng, buffer(tmp_path, bport).start() as srv:
@@ -174,12 +174,20 @@ def test_engine_faults_end_in_completed_or_failed_with_reason(tmp_path: Path, qw
             assert httpx.get(f"{srv.url}/healthz").status_code == 200, "the buffer keeps serving"
             time.sleep(0.2)
         faults = httpx.get(f"{eng.url}/sim/stats").json()["faults"]
+        exposition = httpx.get(f"{srv.url}/metrics").text
         failed = [httpx.get(f"{srv.url}/trajectories/{status['run']['run_id']}:m{i}:0:{k}").json()
                   for i in range(12) for k in range(4)]
     progress = status["run"]["progress"]
     assert sum(faults.values()) > 0
     assert progress["done"] + progress["failed"] == 48, "every trajectory ends completed or failed"
+    assert progress["done"] > 0 and progress["failed"] > 0, "retries absorb most faults, not all"
     assert status["records"].get("failed", 0) == progress["failed"] == sum(progress["failures"].values())
+    from prometheus_client.parser import text_string_to_metric_families
+
+    by_reason = {s.labels["reason"]: s.value for fam in text_string_to_metric_families(exposition)
+                 if fam.name == "rollout_buffer_trajectories_failed" for s in fam.samples
+                 if s.name.endswith("_total")}
+    assert {k: v for k, v in by_reason.items() if v} == {k: float(v) for k, v in progress["failures"].items()}
     for rec in failed:
         assert rec["status"] in ("completed", "failed", "aborted")
         if rec["status"] == "failed":
