@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import logging
 import multiprocessing as mp
+import socket
 import statistics
 import threading
 from collections.abc import Iterator
@@ -105,7 +106,10 @@ class ProcessPerTrajectoryGenerator:
         for w in self.workers:
             w.start()
         threading.Thread(target=self._feed, name="feeder", daemon=True).start()
-        with httpx.Client(base_url=self.buffer_url, timeout=60.0) as client:
+        # TCP_NODELAY, as the original's `requests` sets: without it the separate header and body writes of a
+        # sync client wait out delayed ACKs. Keep-alive on (the original opened a connection per record).
+        transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+        with httpx.Client(base_url=self.buffer_url, timeout=60.0, transport=transport) as client:
             for record in iter(self.done.get, None):
                 client.post("/buffer/write", content=orjson.dumps(record),
                             headers={"Content-Type": "application/json"})

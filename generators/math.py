@@ -8,6 +8,7 @@ Groups use the buffer's defaults: slime's validity rule (non-empty responses) an
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Any
 
@@ -37,10 +38,16 @@ def final_answer_text(response: str) -> str:
     return response.rsplit("</think>", 1)[-1]
 
 
+@functools.lru_cache(maxsize=4096)
+def _gold(label: str) -> list:
+    # Parsing the label is most of a reward's cost and is the same for every repeat of a group.
+    gold_text = label if label.strip().startswith(("$", "\\(", "\\[")) else f"${label}$"
+    return parse(gold_text, parsing_timeout=None)
+
+
 def math_reward(response: str, label: str) -> float:
     """1.0 when the response's final answer is mathematically equal to the label, else 0.0."""
-    gold_text = label if label.strip().startswith(("$", "\\(", "\\[")) else f"${label}$"
-    gold = parse(gold_text, parsing_timeout=None)
+    gold = _gold(label)
     pred = parse(final_answer_text(response), parsing_timeout=None)
     if not gold or not pred:
         return 0.0

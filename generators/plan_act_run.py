@@ -10,8 +10,9 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, field_validator
 
+from generators.options import RunOptions
 from generators.plan_act_format import ACTOR_SYSTEM_PROMPT, PLANNER_SYSTEM_PROMPT
 from generators.search import SearchConfig, format_documents
 from generators.search_client import SearchClient
@@ -19,6 +20,7 @@ from generators.tool_call import default_tool_config
 from generators.tools import BaseTool, CallLimits, ToolRegistry, TruncateSide, load_tool_config
 from rollout_buffer.context import RolloutContext
 from rollout_buffer.engine import EngineClient
+from rollout_buffer.schemas import check_http_urls
 
 _SHARED_KEY = "plan_act"
 # EngineClient options a run payload may set; per-role clients take the same ones as the run's own.
@@ -28,10 +30,10 @@ ActorTools = Literal["function", "search"]
 Scorer = Literal["auto", "math", "em"]
 
 
-class PlanActOptions(BaseModel):
+class PlanActOptions(RunOptions):
     """Run options of the plan/act generator (extra keys of `/start_rollout`)."""
 
-    model_config = ConfigDict(extra="ignore")
+    error_prefix: ClassVar[str] = "plan_act run options"
 
     max_turns: int = Field(default=4, ge=1, le=64, description="planner turns (planning rounds) at most")
     max_subtasks_per_turn: int = Field(default=4, ge=1, le=64, description="steps of one plan given to the actor")
@@ -57,22 +59,8 @@ class PlanActOptions(BaseModel):
     @field_validator("planner_engine_url", "actor_engine_url")
     @classmethod
     def _urls(cls, v: str | list[str] | None) -> str | list[str] | None:
-        urls = [v] if isinstance(v, str) else (v or [])
-        if isinstance(v, list) and not v:
-            raise ValueError("needs at least one engine URL")
-        for url in urls:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"engine URL {url!r} must start with http:// or https://")
+        check_http_urls(v)
         return v
-
-    @classmethod
-    def from_run(cls, config: dict[str, Any]) -> PlanActOptions:
-        """The options of a run's payload; ValueError names the bad ones."""
-        try:
-            return cls.model_validate(config)
-        except ValidationError as e:
-            # Not pydantic's error: the runner would read that as a bad trajectory record.
-            raise ValueError(f"plan_act run options: {e}") from None
 
     def limits(self) -> CallLimits:
         """How the actor's tool calls run."""

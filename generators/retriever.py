@@ -38,6 +38,8 @@ from fastapi import FastAPI
 from pydantic import BaseModel, Field
 from starlette.responses import Response
 
+from rollout_buffer.inputs import iter_json_objects
+
 log = logging.getLogger(__name__)
 
 Document = dict[str, Any]
@@ -58,24 +60,18 @@ def default_index_dir() -> Path:
 
 
 def corpus_documents(path: Path) -> Iterator[Document]:
-    """The corpus rows as documents with an `id` (the row number when absent) and Search-R1's `contents`."""
-    with path.open("rb") as f:
-        for lineno, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                row = orjson.loads(line)
-            except orjson.JSONDecodeError as e:
-                raise ValueError(f"{path} line {lineno + 1}: not JSON: {e}") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path} line {lineno + 1}: not a JSON object")
-            if isinstance(row.get("contents"), str):
-                contents = row["contents"]
-            elif isinstance(row.get("text"), str):
-                contents = f'"{row.get("title") or ""}"\n{row["text"]}'
-            else:
-                raise ValueError(f"{path} line {lineno + 1}: needs 'contents', or 'title' and 'text'")
-            yield {**row, "id": str(row.get("id", lineno)), "contents": contents}
+    """The corpus rows as documents with an `id` (the row number when absent) and Search-R1's `contents`.
+
+    A bad row raises ValueError naming the file and the line.
+    """
+    for lineno, row in iter_json_objects(path, "corpus"):
+        if isinstance(row.get("contents"), str):
+            contents = row["contents"]
+        elif isinstance(row.get("text"), str):
+            contents = f'"{row.get("title") or ""}"\n{row["text"]}'
+        else:
+            raise ValueError(f"corpus: {path} line {lineno}: needs 'contents', or 'title' and 'text'")
+        yield {**row, "id": str(row.get("id", lineno - 1)), "contents": contents}
 
 
 def index_key(corpus: Path) -> str:

@@ -22,12 +22,14 @@ import os
 import re
 import string
 from collections import Counter
-from typing import Any
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, field_validator
 
+from generators.options import RunOptions
 from generators.search_client import Document, SearchClient, SearchError
 from rollout_buffer.context import RolloutContext
+from rollout_buffer.schemas import check_http_urls
 
 TASK_TYPE = "search"
 REQUIRED_FIELDS = ("question", ("golden_answers", "answer"))
@@ -74,10 +76,10 @@ _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
 
 
-class SearchConfig(BaseModel):
+class SearchConfig(RunOptions):
     """Run options of the search generator (extra keys of `/start_rollout`); defaults are Search-R1's."""
 
-    model_config = ConfigDict(extra="ignore")
+    error_prefix: ClassVar[str] = "bad search run options"
 
     max_turns: int = Field(default=2, ge=1, le=100, description="assistant turns at most")
     topk: int = Field(default=3, ge=1, le=100, description="documents per search")
@@ -101,17 +103,8 @@ class SearchConfig(BaseModel):
     @field_validator("search_url")
     @classmethod
     def _http_url(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")):
-            raise ValueError(f"search_url {v!r} must start with http:// or https://")
+        check_http_urls(v, "search_url")
         return v
-
-    @classmethod
-    def from_run(cls, config: dict[str, Any]) -> SearchConfig:
-        """The options of a run's payload; ValueError names the bad ones."""
-        try:
-            return cls.model_validate(config)
-        except ValidationError as e:
-            raise ValueError(f"bad search run options: {e}") from None
 
 
 # ------------------------------------------------------------------------------------ task text

@@ -29,11 +29,12 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
 from generators.math import prompt_messages, score
+from generators.options import RunOptions
 from generators.tools import (
     CallLimits,
     ToolRegistry,
@@ -55,10 +56,10 @@ def default_tool_config() -> str:
     return str(resources.files("generators") / "data" / "tools.yaml")
 
 
-class ToolCallOptions(BaseModel):
+class ToolCallOptions(RunOptions):
     """The generator's options, read from the run's `/start_rollout` payload."""
 
-    model_config = ConfigDict(extra="ignore")
+    error_prefix: ClassVar[str] = "tool_call run options"
 
     tool_config_path: str | None = None
     system_prompt: str | None = None
@@ -86,11 +87,7 @@ class RunTools:
 
 def load_run_tools(config: dict[str, Any]) -> RunTools:
     """Validate the run options and load the tool config (blocking: imports and file reads)."""
-    try:
-        options = ToolCallOptions.model_validate(config)
-    except ValidationError as e:
-        # Not pydantic's error: the runner reads that as a bad trajectory record.
-        raise ValueError(f"tool_call run options: {e}") from None
+    options = ToolCallOptions.from_run(config)
     registry = load_tool_config(options.tool_config_path or default_tool_config())
     if not len(registry):
         raise ValueError(f"tool config {options.tool_config_path} lists no tools")

@@ -47,18 +47,32 @@ def resolve_input_path(raw: str, roots: Sequence[Path]) -> Path:
     return resolved
 
 
-def iter_items(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield (line number, item) for every non-blank line; `instance_id` defaults to the line number."""
+def iter_json_objects(path: Path, label: str = "input_file") -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield (line number, object) for every non-blank line of a JSONL file.
+
+    A line that is not a JSON object raises InputFileError naming `label`, the file and the line.
+    """
     with path.open("rb") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            item = _parse(path, lineno, line)
-            if item.get("instance_id") is None:
-                item["instance_id"] = str(lineno - 1)
-            else:
-                item["instance_id"] = str(item["instance_id"])
+            try:
+                item = orjson.loads(line)
+            except orjson.JSONDecodeError as e:
+                raise InputFileError(f"{label}: {path} line {lineno}: not valid JSON ({e})") from None
+            if not isinstance(item, dict):
+                raise InputFileError(f"{label}: {path} line {lineno}: expected a JSON object")
             yield lineno, item
+
+
+def iter_items(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield (line number, item) for every non-blank line; `instance_id` defaults to the line number."""
+    for lineno, item in iter_json_objects(path):
+        if item.get("instance_id") is None:
+            item["instance_id"] = str(lineno - 1)
+        else:
+            item["instance_id"] = str(item["instance_id"])
+        yield lineno, item
 
 
 def validate_file(path: Path, required: Sequence[RequiredField] = ()) -> InputSummary:
@@ -84,13 +98,3 @@ def validate_file(path: Path, required: Sequence[RequiredField] = ()) -> InputSu
     if count == 0:
         raise InputFileError(f"input_file: {path} has no tasks")
     return InputSummary(path, count)
-
-
-def _parse(path: Path, lineno: int, line: bytes) -> dict[str, Any]:
-    try:
-        item = orjson.loads(line)
-    except orjson.JSONDecodeError as e:
-        raise InputFileError(f"input_file: {path} line {lineno}: not valid JSON ({e})") from None
-    if not isinstance(item, dict):
-        raise InputFileError(f"input_file: {path} line {lineno}: expected a JSON object")
-    return item

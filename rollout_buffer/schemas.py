@@ -10,6 +10,16 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 TrajectoryStatus = Literal["completed", "truncated", "aborted", "failed"]
 
 
+def check_http_urls(value: str | list[str] | None, what: str = "engine URL") -> None:
+    """Raise ValueError unless `value` is None, an http(s) URL or a non-empty list of them; `what` names it."""
+    urls = [value] if isinstance(value, str) else (value or [])
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"{what} {url!r} must start with http:// or https://")
+    if isinstance(value, list) and not value:
+        raise ValueError(f"needs at least one {what}")
+
+
 class TrajectoryRecord(BaseModel):
     """One finished trajectory, as `/buffer/write` takes it and `/get_rollout_data` returns it.
 
@@ -97,12 +107,7 @@ class StartRolloutRequest(BaseModel):
     @field_validator("remote_engine_url")
     @classmethod
     def _urls(cls, v: str | list[str] | None) -> str | list[str] | None:
-        urls = [v] if isinstance(v, str) else (v or [])
-        for u in urls:
-            if not u.startswith(("http://", "https://")):
-                raise ValueError(f"engine URL {u!r} must start with http:// or https://")
-        if isinstance(v, list) and not v:
-            raise ValueError("needs at least one engine URL")
+        check_http_urls(v)
         return v
 
     def engine_urls(self) -> list[str]:

@@ -485,14 +485,19 @@ class SimEngine:
                 f"({self.config.context_length} tokens)."
             )
 
-    async def generate(self, body: GenerateRequest) -> Response:
-        """`POST /generate` in SGLang's native shape."""
+    async def _admit(self, stream: bool) -> tuple[str | None, Response | None]:
+        """(this request's fault, the response that replaces generation: the fault's, or a refused stream)."""
         fault = self._next_fault()
         replaced = await self._fault_response(fault)
-        if replaced is not None:
-            return replaced
-        if body.stream:
-            return _error(400, "streaming is not simulated")
+        if replaced is None and stream:
+            replaced = _error(400, "streaming is not simulated")
+        return fault, replaced
+
+    async def generate(self, body: GenerateRequest) -> Response:
+        """`POST /generate` in SGLang's native shape."""
+        fault, refused = await self._admit(body.stream)
+        if refused is not None:
+            return refused
         try:
             sampling = Sampling.parse(body.sampling_params)
             if body.input_ids is not None:
@@ -529,12 +534,9 @@ class SimEngine:
 
     async def chat(self, body: ChatRequest) -> Response:
         """`POST /v1/chat/completions` in OpenAI's shape (no streaming, no tool-call parsing)."""
-        fault = self._next_fault()
-        replaced = await self._fault_response(fault)
-        if replaced is not None:
-            return replaced
-        if body.stream:
-            return _error(400, "streaming is not simulated")
+        fault, refused = await self._admit(body.stream)
+        if refused is not None:
+            return refused
         extra = body.model_extra or {}
         params = {k: extra[k] for k in _CHAT_SAMPLING_KEYS if k in extra}
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

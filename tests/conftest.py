@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from servers import Server, free_port, running
 
 from rollout_buffer.tokenizer import bundled_tokenizer_path
+
+SEARCH_CORPUS = Path(str(resources.files("generators") / "data" / "search_corpus.jsonl"))
 
 
 @pytest.fixture(scope="session")
@@ -34,4 +37,14 @@ def buffer_server(tmp_path: Path) -> Iterator[Server]:
     port = free_port()
     args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--group-size", "4"]
     with running(args, "/healthz", port, tmp_path / "buffer.log") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def retriever(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A `rollout-buffer retriever` subprocess over the bundled search corpus, its index in a temporary dir."""
+    tmp = tmp_path_factory.mktemp("retriever")
+    port = free_port()
+    args = ["retriever", "--corpus", str(SEARCH_CORPUS), "--port", str(port), "--index-dir", str(tmp / "index")]
+    with running(args, "/health", port, tmp / "retriever.log") as srv:
         yield srv

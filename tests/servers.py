@@ -38,6 +38,17 @@ def wait_http(url: str, timeout_s: float = 30.0, proc: subprocess.Popen | None =
     raise TimeoutError(f"{url} did not answer within {timeout_s}s: {last}")
 
 
+def stop_process(proc: subprocess.Popen | None) -> None:
+    """SIGTERM the process group of a still running `proc`; SIGKILL it if it has not exited within 10 s."""
+    if proc and proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
 class Server:
     """A CLI subcommand of `rollout-buffer` running as a subprocess."""
 
@@ -82,12 +93,7 @@ class Server:
             self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill9()
+        stop_process(self.proc)
 
 
 @contextlib.contextmanager

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from servers import free_port, wait_http
+from servers import free_port, stop_process, wait_http
 
 
 class SimEngineProcess:
@@ -57,13 +55,7 @@ class SimEngineProcess:
         httpx.post(self.url + "/sim/faults", json={"next": list(kinds)}, timeout=5).raise_for_status()
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        stop_process(self.proc)
 
 
 @contextlib.contextmanager

@@ -6,19 +6,17 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
-import subprocess
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
-from servers import Server, free_port, running
+from demo_cli import run_demo
+from servers import Server, free_port
 
 from generators.math import math_reward
 from generators.plan_act_format import parse_planner_turn, split_reasoning
@@ -31,7 +29,6 @@ from rollout_buffer.sim_policy import reported_value
 from slime_adapter import add_arguments, generate_rollout
 from slime_adapter.data_buffer import DataBuffer
 
-CORPUS = Path(str(resources.files("generators") / "data" / "search_corpus.jsonl"))
 BOXED_VALUE = re.compile(r"\\boxed\{(.+?)\}")
 
 
@@ -361,15 +358,6 @@ def test_chat_mode_without_tokenizer(tmp_path: Path, engine: Server) -> None:
         assert second["messages"][3]["content"] == str(int(reported) - 785)
 
 
-@pytest.fixture(scope="module")
-def retriever(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("retriever")
-    port = free_port()
-    args = ["retriever", "--corpus", str(CORPUS), "--port", str(port), "--index-dir", str(tmp / "index")]
-    with running(args, "/health", port, tmp / "retriever.log") as srv:
-        yield srv
-
-
 def test_question_answered_through_the_search_tool_scored_by_exact_match(
         tmp_path: Path, engine: Server, qwen_tokenizer: Any, qwen_tokenizer_path: str, retriever: Server) -> None:
     lines = bundled_dataset("search").read_bytes().splitlines()
@@ -442,17 +430,8 @@ def test_slime_adapter_returns_each_group_whole_with_its_episodes(
 
 
 def test_demo_runs_plan_act(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "rollout_buffer.cli", "demo", "--task", "plan_act", "--num-repeat", "2",
-         "--batch-groups", "8", "--latency-ms", "1"],
-        capture_output=True, text=True, timeout=240, cwd=tmp_path,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    rows = {}
-    for line in out.stdout.splitlines():
-        cells = [c.strip() for c in line.strip("│┃ ").split("│")]
-        if len(cells) == 2:
-            rows[cells[0]] = cells[1]
+    rows = run_demo("--task", "plan_act", "--num-repeat", "2", "--batch-groups", "8", "--latency-ms", "1",
+                    cwd=tmp_path)
     assert rows["groups"] == "8" and rows["failed trajectories"] == "0"
     assert int(rows["samples"]) > 16, "an episode is a planner sample and actor samples"
     assert 0.0 < float(rows["mean reward (raw)"]) < 1.0

@@ -5,14 +5,13 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
 import httpx
 import orjson
 import pytest
-from servers import Server, free_port, running
+from servers import Server, free_port
 
 from generators.retriever import BM25Index, corpus_documents
 from generators.search_client import SearchClient, SearchError, hit_documents, retrieve_url
@@ -23,15 +22,6 @@ DEMO = Path(str(resources.files("generators") / "data" / "search_demo.jsonl"))
 
 def title(doc: dict) -> str:
     return doc["contents"].split("\n", 1)[0].strip('"')
-
-
-@pytest.fixture(scope="module")
-def retriever(tmp_path_factory) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("retriever")
-    port = free_port()
-    args = ["retriever", "--corpus", str(CORPUS), "--port", str(port), "--index-dir", str(tmp / "index")]
-    with running(args, "/health", port, tmp / "retriever.log") as srv:
-        yield srv
 
 
 def retrieve(srv: Server, **body) -> dict:

@@ -4,8 +4,6 @@ SGLang engine + BM25 retrieval server, real Qwen3 tokenizer)."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from importlib import resources
@@ -14,7 +12,8 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from servers import Server, free_port, running
+from demo_cli import run_demo
+from servers import Server, free_port
 
 from generators.search import (
     INVALID_ACTION_HINT,
@@ -31,7 +30,6 @@ from generators.search import (
 )
 
 DATA = Path(str(resources.files("generators") / "data"))
-CORPUS = DATA / "search_corpus.jsonl"
 ROWS = [
     {"question": "Who discovered penicillin", "golden_answers": ["Alexander Fleming", "Fleming"]},
     {"question": "What is the capital city of Kenya?", "answer": "Nairobi", "metadata": {"source": "test"}},
@@ -104,15 +102,6 @@ def test_rows_and_run_options():
 
 
 # ------------------------------------------------------------------------------------ whole runs
-
-
-@pytest.fixture(scope="module")
-def retriever(tmp_path_factory) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("retriever")
-    port = free_port()
-    args = ["retriever", "--corpus", str(CORPUS), "--port", str(port), "--index-dir", str(tmp / "index")]
-    with running(args, "/health", port, tmp / "retriever.log") as srv:
-        yield srv
 
 
 def sim_engine(tmp: Path, tokenizer: str, *extra: str) -> Server:
@@ -283,16 +272,7 @@ def test_demo_search_task_runs_end_to_end(tmp_path):
     """`rollout-buffer demo --task search` starts the retriever itself (on a few bundled questions here)."""
     questions = tmp_path / "few.jsonl"
     questions.write_bytes(b"".join((DATA / "search_demo.jsonl").read_bytes().splitlines(keepends=True)[:6]))
-    out = subprocess.run(
-        [sys.executable, "-m", "rollout_buffer.cli", "demo", "--task", "search", "--num-repeat", "4",
-         "--batch-groups", "3", "--latency-ms", "1", "--input", str(questions)],
-        capture_output=True, text=True, timeout=240,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    rows = {}
-    for line in out.stdout.splitlines():
-        cells = [c.strip() for c in line.strip("│┃ ").split("│")]
-        if len(cells) == 2:
-            rows[cells[0]] = cells[1]
+    rows = run_demo("--task", "search", "--num-repeat", "4", "--batch-groups", "3", "--latency-ms", "1",
+                    "--input", str(questions))
     assert rows["groups"] == "6" and rows["samples"] == "24" and rows["failed trajectories"] == "0"
     assert 0.2 < float(rows["mean reward (raw)"]) < 1.0

@@ -101,7 +101,23 @@ class Tool(Protocol):
     async def release(self, instance_id: str, **kwargs: Any) -> None: ...
 
 
-class BaseTool:
+class SchemaHolder:
+    """`name` and `schema` of a tool that keeps its validated OpenAI schema in `_schema`."""
+
+    _schema: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        """The function name the model calls."""
+        return str(self._schema["function"]["name"])
+
+    @property
+    def schema(self) -> dict[str, Any]:
+        """The OpenAI schema put into the chat template."""
+        return self._schema
+
+
+class BaseTool(SchemaHolder):
     """A tool with per-trajectory state: subclass it, override `execute` (and `create` / `release`).
 
     The YAML config builds one object per run with `config` (the entry's `config` mapping) and
@@ -118,16 +134,6 @@ class BaseTool:
             raise ValueError(f"{type(self).__name__} needs a tool_schema (in the config or as default_schema)")
         self.config: dict[str, Any] = dict(config or {})
         self._schema = validate_schema(schema)
-
-    @property
-    def name(self) -> str:
-        """The function name the model calls."""
-        return str(self._schema["function"]["name"])
-
-    @property
-    def schema(self) -> dict[str, Any]:
-        """The OpenAI schema put into the chat template."""
-        return self._schema
 
     async def create(self, instance_id: str | None = None, **kwargs: Any) -> str:
         """Set up one trajectory's state; returns the instance id later calls use."""

@@ -15,7 +15,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from generators.tools.base import as_result, validate_schema
+from generators.tools.base import SchemaHolder, as_result, validate_schema
 
 
 def infer_schema(fn: Callable[..., Any], name: str | None = None) -> dict[str, Any]:
@@ -38,7 +38,7 @@ def infer_schema(fn: Callable[..., Any], name: str | None = None) -> dict[str, A
     return validate_schema(schema)
 
 
-class FunctionTool:
+class FunctionTool(SchemaHolder):
     """A function registered as a tool; calling the object still calls the function."""
 
     def __init__(self, fn: Callable[..., Any], name: str | None = None,
@@ -55,16 +55,6 @@ class FunctionTool:
 
     def __repr__(self) -> str:
         return f"FunctionTool({self.name!r}, {self.fn.__module__}.{self.fn.__qualname__})"
-
-    @property
-    def name(self) -> str:
-        """The function name the model calls."""
-        return str(self._schema["function"]["name"])
-
-    @property
-    def schema(self) -> dict[str, Any]:
-        """The OpenAI schema put into the chat template."""
-        return self._schema
 
     def renamed(self, name: str) -> FunctionTool:
         """The same function under another tool name."""

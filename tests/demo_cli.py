@@ -1,0 +1,22 @@
+"""Run `rollout-buffer demo` as a subprocess and read the summary table it prints."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_demo(*args: str, cwd: Path | None = None) -> dict[str, str]:
+    """`rollout-buffer demo <args>` run to the end (asserted successful); its table as {label: value}."""
+    out = subprocess.run(
+        [sys.executable, "-m", "rollout_buffer.cli", "demo", *args],
+        capture_output=True, text=True, timeout=240, cwd=cwd,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = {}
+    for line in out.stdout.splitlines():
+        cells = [c.strip() for c in line.strip("│┃ ").split("│")]
+        if len(cells) == 2:
+            rows[cells[0]] = cells[1]
+    return rows
