@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +13,7 @@ import httpx
 import pytest
 from ops_helpers import drain, math_rows, scrape, start_run, value, wait_finished, write_jsonl
 from prometheus_client.parser import text_string_to_metric_families
-from servers import Server, free_port, running
+from servers import Server, free_port, running, stop_process
 
 pytest.importorskip("sglang_router")
 
@@ -58,12 +56,7 @@ def sglang_router(workers: list[str], log_path: Path) -> Iterator[tuple[str, str
             time.sleep(0.1)
         yield url, f"http://127.0.0.1:{metrics_port}/metrics"
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        stop_process(proc)
 
 
 def generate_count(engine: Server) -> int:
