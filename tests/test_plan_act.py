@@ -16,6 +16,7 @@ import httpx
 import orjson
 import pytest
 from demo_cli import run_demo
+from masks import spans
 from servers import Server, free_port
 
 from generators.math import math_reward
@@ -116,18 +117,6 @@ def episodes(records: list[dict]) -> dict[str, tuple[dict, list[dict]]]:
             actors[info["episode_id"]].append(r)
     assert set(actors) <= set(planners)
     return {ep: (p, sorted(actors[ep], key=lambda a: a["extra_info"]["subtask_index"])) for ep, p in planners.items()}
-
-
-def spans(mask: list[int], value: int) -> list[tuple[int, int]]:
-    """[start, end) runs of `value` in `mask`."""
-    out, start = [], None
-    for i, m in enumerate([*mask, None]):
-        if m == value and start is None:
-            start = i
-        elif m != value and start is not None:
-            out.append((start, i))
-            start = None
-    return out
 
 
 def assert_exact_tokens(record: dict, tokenizer: Any) -> None:

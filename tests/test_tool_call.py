@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from masks import spans
 from servers import Server, free_port, running
 
 from generators.math import math_reward
@@ -90,18 +91,6 @@ def run_to_end(url: str, engine: str, input_file: Path, tokenizer: str, **option
         records += out["data"]["data"]
         httpx.post(f"{url}/ack", json={"batch_id": out["data"]["meta_info"]["batch_id"]}).raise_for_status()
     raise AssertionError("delivery did not end")
-
-
-def spans(mask: list[int], value: int) -> list[tuple[int, int]]:
-    """[start, end) runs of `value` in `mask`."""
-    out, start = [], None
-    for i, m in enumerate([*mask, None]):
-        if m == value and start is None:
-            start = i
-        elif m != value and start is not None:
-            out.append((start, i))
-            start = None
-    return out
 
 
 def expression_of(prompt: str) -> str:
