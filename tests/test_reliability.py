@@ -1,7 +1,7 @@
 """Reliability: kill -9 mid-rollout, lost responses, engine faults, fuzzed API, path confinement, full store.
 
-The longest variants are marked `slow`; CI runs the short form (`pytest -m "not slow"` is not needed: the
-default sizes here are the short form, `RB_LONG=1` makes them long).
+The default sizes are the short form CI runs; `RB_LONG=1` selects the long variants (more items and SIGKILLs,
+more fuzzing examples).
 """
 
 from __future__ import annotations
