@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 WRITE_BODY: TypeAdapter[TrajectoryRecord | list[TrajectoryRecord]] = TypeAdapter(
     TrajectoryRecord | list[TrajectoryRecord]
 )
+GET_BODY: TypeAdapter[GetRolloutDataRequest] = TypeAdapter(GetRolloutDataRequest)
 
 
 # Payload fields naming server-side files: confined to --data-root like input_file (a tool config imports code).
@@ -139,10 +140,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             "application/json": {"schema": WRITE_BODY.json_schema()}}}},
     )
     async def buffer_write(request: Request) -> Response:
-        try:
-            body = WRITE_BODY.validate_python(_parse_body(await request.body()))
-        except ValidationError as e:
-            raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+        body = _validated(WRITE_BODY, _parse_body(await request.body()))
         # A list is one transaction: how a multi-agent episode (records sharing extra_info.episode_id) must
         # arrive, so its group cannot complete with only part of the episode stored.
         records = body if isinstance(body, list) else [body]
@@ -171,10 +169,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         # slime's original client may send an empty body: treat it as {}.
         raw = await request.body()
         body = _parse_body(raw) if raw.strip() else {}
-        try:
-            req = GetRolloutDataRequest.model_validate(body)
-        except ValidationError as e:
-            raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+        req = _validated(GET_BODY, body)
         buffer: RolloutBuffer = request.app.state.buffer
         d = await buffer.deliver(req.max_groups, req.wait_s, req.lease_s, req.ack, request.is_disconnected)
         message = f"{d.meta_info['num_groups']} groups" if d.success else "no complete group is ready"
@@ -226,6 +221,14 @@ def create_app(config: ServerConfig) -> FastAPI:
         return Response(body, media_type=content_type)
 
     return app
+
+
+def _validated(adapter: TypeAdapter[Any], body: Any) -> Any:
+    """Validate a hand-parsed body; errors surface as FastAPI's 422 with `body.<field>` locations."""
+    try:
+        return adapter.validate_python(body)
+    except ValidationError as e:
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
 
 
 def _parse_body(raw: bytes) -> Any:
