@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,29 +34,6 @@ def start_run(url: str, engine: str | list[str], input_file: Path, tokenizer: st
     return resp.json()["run_id"]
 
 
-def wait_finished(url: str, headers: dict[str, str] | None = None, timeout_s: float = 60) -> dict[str, Any]:
-    """Poll /status until the latest run is finished or failed."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = httpx.get(f"{url}/status", headers=headers, timeout=10).json()
-        if status["run"] and status["run"]["state"] in ("finished", "failed"):
-            return status
-        time.sleep(0.05)
-    raise TimeoutError(f"run did not finish: {httpx.get(f'{url}/status', headers=headers).json()}")
-
-
-def drain(url: str, headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    """Take every ready group with a lease and ack it, as the slime adapter does."""
-    out: list[dict[str, Any]] = []
-    for _ in range(1000):
-        body = {"lease_s": 60, "wait_s": 0.2}
-        resp = httpx.post(f"{url}/get_rollout_data", json=body, headers=headers, timeout=30).json()
-        if not resp["success"]:
-            return out
-        out += resp["data"]["data"]
-        ack = {"batch_id": resp["data"]["meta_info"]["batch_id"]}
-        httpx.post(f"{url}/ack", json=ack, headers=headers, timeout=30).raise_for_status()
-    raise AssertionError("drain did not end")
 
 
 def scrape(url: str, headers: dict[str, str] | None = None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

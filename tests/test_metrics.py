@@ -8,9 +8,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ops_helpers import delta, drain, math_rows, scrape, start_run, value, wait_finished, write_jsonl
+from ops_helpers import delta, math_rows, scrape, start_run, value, write_jsonl
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from runs import drain, wait_finished
 from servers import Server, free_port, running
 
 from rollout_buffer import metrics

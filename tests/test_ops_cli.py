@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from ops_helpers import math_rows, start_run, wait_finished, write_jsonl
+from ops_helpers import math_rows, start_run, write_jsonl
+from runs import wait_finished
 from servers import Server, free_port, running
 
 from rollout_buffer import export, status_cli

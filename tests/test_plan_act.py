@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
-import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ import orjson
 import pytest
 from demo_cli import run_demo
 from masks import spans
+from runs import drain_batches, wait_finished
 from servers import Server, free_port
 
 from generators.math import math_reward
@@ -85,22 +85,8 @@ def run_to_end(url: str, engine: str | list[str], input_file: Path, tokenizer: s
     }
     resp = httpx.post(f"{url}/start_rollout", json=payload, timeout=30)
     assert resp.status_code == 200, resp.text
-    deadline = time.monotonic() + 90
-    while True:
-        status = httpx.get(f"{url}/status").json()
-        if status["run"] and status["run"]["state"] in ("finished", "failed"):
-            break
-        assert time.monotonic() < deadline, f"run did not finish: {status}"
-        time.sleep(0.1)
-    batches: list[list[dict]] = []
-    for _ in range(100):
-        out = httpx.post(f"{url}/get_rollout_data", json={"lease_s": 60, "wait_s": 0.2, "max_groups": 1},
-                         timeout=30).json()
-        if not out["success"]:
-            return status, batches
-        batches.append(out["data"]["data"])
-        httpx.post(f"{url}/ack", json={"batch_id": out["data"]["meta_info"]["batch_id"]}).raise_for_status()
-    raise AssertionError("delivery did not end")
+    status = wait_finished(url, timeout_s=90)
+    return status, drain_batches(url, max_groups=1, wait_s=0.2)
 
 
 def episodes(records: list[dict]) -> dict[str, tuple[dict, list[dict]]]:

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ops_helpers import drain, math_rows, scrape, start_run, value, wait_finished, write_jsonl
+from ops_helpers import math_rows, scrape, start_run, value, write_jsonl
 from prometheus_client.parser import text_string_to_metric_families
+from runs import drain, wait_finished
 from servers import Server, free_port, running, stop_process
 
 pytest.importorskip("sglang_router")

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
+from runs import drain, wait_finished
 from servers import Server, free_port, running
 
 from generators.math import math_reward
@@ -55,27 +56,6 @@ def start(url: str, engine: str | list[str], input_file: Path, tokenizer: str | 
     resp = httpx.post(f"{url}/start_rollout", json=payload, timeout=30)
     assert resp.status_code == 200, resp.text
     return resp.json()["run_id"]
-
-
-def wait_finished(url: str, timeout_s: float = 60) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = httpx.get(f"{url}/status").json()
-        if status["run"] and status["run"]["state"] in ("finished", "failed"):
-            return status
-        time.sleep(0.1)
-    raise TimeoutError(f"run did not finish: {httpx.get(f'{url}/status').json()}")
-
-
-def drain(url: str) -> list[dict]:
-    out: list[dict] = []
-    for _ in range(1000):
-        resp = httpx.post(f"{url}/get_rollout_data", json={"lease_s": 60, "wait_s": 0.5}, timeout=30).json()
-        if not resp["success"]:
-            return out
-        out += resp["data"]["data"]
-        httpx.post(f"{url}/ack", json={"batch_id": resp["data"]["meta_info"]["batch_id"]}).raise_for_status()
-    raise AssertionError("drain did not end")
 
 
 def test_math_run_token_mode_delivers_every_group_once(tmp_path, sim_engine, qwen_tokenizer, qwen_tokenizer_path):
@@ -264,7 +244,7 @@ def test_restart_resumes_without_regenerating_complete_groups(tmp_path, qwen_tok
         before = httpx.get(f"{eng.url}/sim/stats").json()["by_endpoint"]["/generate"]
         srv = buffer(tmp_path).start()
         try:
-            status = wait_finished(srv.url, 90)
+            status = wait_finished(srv.url, timeout_s=90)
             records = drain(srv.url)
         finally:
             srv.stop()

@@ -4,7 +4,6 @@ SGLang engine + BM25 retrieval server, real Qwen3 tokenizer)."""
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
@@ -13,6 +12,7 @@ import httpx
 import orjson
 import pytest
 from demo_cli import run_demo
+from runs import drain, wait_finished
 from servers import Server, free_port
 
 from generators.search import (
@@ -136,20 +136,10 @@ def run(buffer: Server, engine: Server, tmp: Path, tokenizer: str | None, rows=R
     }
     resp = httpx.post(f"{buffer.url}/start_rollout", json=payload, timeout=30)
     assert resp.status_code == 200, resp.text
-    deadline = time.monotonic() + 60
-    while (state := httpx.get(f"{buffer.url}/status").json()["run"]["state"]) not in ("finished", "failed"):
-        assert time.monotonic() < deadline, "run did not finish"
-        time.sleep(0.1)
-    assert state == "finished"
-    records: list[dict] = []
-    for _ in range(100):
-        got = httpx.post(f"{buffer.url}/get_rollout_data", json={"lease_s": 60, "wait_s": 0.2}, timeout=30).json()
-        if not got["success"]:
-            assert len(records) == 4 * len(rows), [r.get("extra_info", {}).get("error") for r in records]
-            return records
-        records += got["data"]["data"]
-        httpx.post(f"{buffer.url}/ack", json={"batch_id": got["data"]["meta_info"]["batch_id"]}).raise_for_status()
-    raise AssertionError("drain did not end")
+    assert wait_finished(buffer.url)["run"]["state"] == "finished"
+    records = drain(buffer.url, wait_s=0.2)
+    assert len(records) == 4 * len(rows), [r.get("extra_info", {}).get("error") for r in records]
+    return records
 
 
 def model_runs(tokens: list[int], mask: list[int]) -> list[tuple[int, int]]:

@@ -4,7 +4,6 @@ and the simulated engine's tool-call policy."""
 from __future__ import annotations
 
 import re
-import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +13,7 @@ import httpx
 import orjson
 import pytest
 from masks import spans
+from runs import drain, wait_finished
 from servers import Server, free_port, running
 
 from generators.math import math_reward
@@ -76,21 +76,8 @@ def run_to_end(url: str, engine: str, input_file: Path, tokenizer: str, **option
     }
     resp = httpx.post(f"{url}/start_rollout", json=payload, timeout=30)
     assert resp.status_code == 200, resp.text
-    deadline = time.monotonic() + 60
-    while True:
-        status = httpx.get(f"{url}/status").json()
-        if status["run"] and status["run"]["state"] in ("finished", "failed"):
-            break
-        assert time.monotonic() < deadline, f"run did not finish: {status}"
-        time.sleep(0.1)
-    records: list[dict] = []
-    for _ in range(100):
-        out = httpx.post(f"{url}/get_rollout_data", json={"lease_s": 60, "wait_s": 0.2}, timeout=30).json()
-        if not out["success"]:
-            return status, records
-        records += out["data"]["data"]
-        httpx.post(f"{url}/ack", json={"batch_id": out["data"]["meta_info"]["batch_id"]}).raise_for_status()
-    raise AssertionError("delivery did not end")
+    status = wait_finished(url, timeout_s=60)
+    return status, drain(url, wait_s=0.2)
 
 
 def expression_of(prompt: str) -> str:
