@@ -105,3 +105,12 @@ def running(args: list[str], health_path: str, port: int, log_path: Path, env: d
         yield srv
     finally:
         srv.stop()
+
+
+@contextlib.contextmanager
+def sim_engine(log_dir: Path, tokenizer: str, *extra: str) -> Iterator[Server]:
+    """A `rollout-buffer sim-engine` subprocess on a free port with the given extra flags."""
+    port = free_port()
+    args = ["sim-engine", "--port", str(port), "--tokenizer", tokenizer, *extra]
+    with running(args, "/health", port, log_dir / f"sim-{port}.log") as srv:
+        yield srv

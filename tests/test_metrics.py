@@ -13,6 +13,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from runs import drain, wait_finished
 from servers import Server, free_port, running
+from servers import sim_engine as start_sim_engine
 
 from rollout_buffer import metrics
 
@@ -40,10 +41,7 @@ REQUIRED_FAMILIES = {
 def sim_engine(tmp_path_factory, qwen_tokenizer_path: str) -> Iterator[Server]:
     # 100 ms per request and 4 trajectories in flight: a 20-trajectory run takes about half a second,
     # long enough to scrape it while it proceeds.
-    port = free_port()
-    log = tmp_path_factory.mktemp("sim") / "sim.log"
-    args = ["sim-engine", "--port", str(port), "--tokenizer", qwen_tokenizer_path, "--latency-ms", "100"]
-    with running(args, "/health", port, log) as srv:
+    with start_sim_engine(tmp_path_factory.mktemp("sim"), qwen_tokenizer_path, "--latency-ms", "100") as srv:
         yield srv
 
 

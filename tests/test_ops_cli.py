@@ -16,6 +16,7 @@ import pytest
 from ops_helpers import math_rows, start_run, write_jsonl
 from runs import wait_finished
 from servers import Server, free_port, running
+from servers import sim_engine as start_sim_engine
 
 from rollout_buffer import export, status_cli
 from rollout_buffer.config import AUTH_TOKEN_ENV
@@ -27,10 +28,7 @@ CLI = [sys.executable, "-m", "rollout_buffer.cli"]
 
 @pytest.fixture(scope="module")
 def sim_engine(tmp_path_factory, qwen_tokenizer_path: str) -> Iterator[Server]:
-    port = free_port()
-    log = tmp_path_factory.mktemp("sim") / "sim.log"
-    args = ["sim-engine", "--port", str(port), "--tokenizer", qwen_tokenizer_path, "--latency-ms", "20"]
-    with running(args, "/health", port, log) as srv:
+    with start_sim_engine(tmp_path_factory.mktemp("sim"), qwen_tokenizer_path, "--latency-ms", "20") as srv:
         yield srv
 
 

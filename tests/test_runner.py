@@ -12,6 +12,7 @@ import orjson
 import pytest
 from runs import drain, wait_finished
 from servers import Server, free_port, running
+from servers import sim_engine as start_sim_engine
 
 from generators.math import math_reward
 
@@ -20,11 +21,8 @@ PLUGINS = Path(__file__).parent / "plugins"
 
 @pytest.fixture(scope="module")
 def sim_engine(tmp_path_factory, qwen_tokenizer_path: str) -> Iterator[Server]:
-    port = free_port()
-    log = tmp_path_factory.mktemp("sim") / "sim.log"
-    args = ["sim-engine", "--port", str(port), "--tokenizer", qwen_tokenizer_path, "--correct-rate", "0.5",
-            "--latency-ms", "5"]
-    with running(args, "/health", port, log) as srv:
+    with start_sim_engine(tmp_path_factory.mktemp("sim"), qwen_tokenizer_path, "--correct-rate", "0.5",
+                    "--latency-ms", "5") as srv:
         yield srv
 
 
