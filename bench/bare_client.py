@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -38,7 +39,8 @@ def request_bodies(mode: str, n: int = 256) -> tuple[str, list[bytes]]:
     return "/generate", bodies
 
 
-async def _run(url: str, mode: str, concurrency: int, warmup_s: float, window_s: float) -> dict[str, Any]:
+async def _run(url: str, mode: str, concurrency: int, warmup_s: float, window_s: float,
+               on_window: Callable[[], None]) -> dict[str, Any]:
     path, bodies = request_bodies(mode)
     done_at: list[float] = []
     stop = asyncio.Event()
@@ -58,6 +60,7 @@ async def _run(url: str, mode: str, concurrency: int, warmup_s: float, window_s:
 
         workers = [asyncio.create_task(one(k)) for k in range(concurrency)]
         await asyncio.sleep(warmup_s)
+        on_window()
         start = time.monotonic()
         await asyncio.sleep(window_s)
         end = time.monotonic()
@@ -67,6 +70,8 @@ async def _run(url: str, mode: str, concurrency: int, warmup_s: float, window_s:
     return {"requests": n, "window_s": end - start, "rate": n / (end - start)}
 
 
-def measure(url: str, mode: str, concurrency: int, warmup_s: float, window_s: float) -> dict[str, Any]:
-    """Requests per second the engine answers a bare client with `concurrency` requests in flight."""
-    return asyncio.run(_run(url, mode, concurrency, warmup_s, window_s))
+def measure(url: str, mode: str, concurrency: int, warmup_s: float, window_s: float,
+            on_window: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """Requests per second the engine answers a bare client with `concurrency` requests in flight;
+    `on_window` is called as the measured window opens (to mark CPU meters)."""
+    return asyncio.run(_run(url, mode, concurrency, warmup_s, window_s, on_window))

@@ -114,6 +114,25 @@ class Usage:
     processes: int
 
 
+class MachineCpu:
+    """Cores the whole machine kept busy between `mark()` and `busy_cores()` (every process, not one tree)."""
+
+    def __init__(self) -> None:
+        self._at_mark = (time.monotonic(), _busy_cpu_s())
+
+    def mark(self) -> None:
+        self._at_mark = (time.monotonic(), _busy_cpu_s())
+
+    def busy_cores(self) -> float:
+        start, busy = self._at_mark
+        return (_busy_cpu_s() - busy) / max(time.monotonic() - start, 1e-9)
+
+
+def _busy_cpu_s() -> float:
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+
 class Meter:
     """Samples a process and its children in a thread: CPU time between marks, peak PSS.
 

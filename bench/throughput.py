@@ -10,7 +10,9 @@ math task with groups of 8, in token mode and chat mode, it measures in one run:
   token mode), CPU time and peak PSS summed over its process tree.
 
 The ceiling is the lower of in-flight ÷ latency and the bare client's rate (on 2 cores the engine stand-in
-costs CPU too). Rates are taken over a window after the first deliveries, so start-up is not counted.
+costs CPU too). Every row also reports the engine's CPU per request and the cores the whole machine kept
+busy, so a shortfall can be told apart: CPU-bound (the machine is full) or not. Rates are taken over a
+window after the first deliveries, so start-up is not counted.
 
     python -m bench.throughput            # the full matrix (about 25 minutes on 2 cores)
     python -m bench.throughput --quick    # the two target points and one middle point (about 5 minutes)
@@ -32,7 +34,7 @@ from rich.table import Table
 
 from bench import bare_client, profiler
 from bench.consumer import PollingConsumer
-from bench.harness import REPO, Meter, Service, free_port, rollout_buffer, sim_engine
+from bench.harness import REPO, MachineCpu, Meter, Service, free_port, rollout_buffer, sim_engine
 from bench.workload import GROUP_SIZE, start_payload, write_tasks
 
 log = logging.getLogger(__name__)
@@ -52,10 +54,16 @@ class Result:
     pss_mb: float | None = None
     processes: int | None = None
     note: str = ""
+    engine_cores: float | None = None
+    machine_cores: float | None = None
 
     @property
     def cpu_ms_per_sample(self) -> float | None:
         return None if self.cpu_cores is None or not self.rate else 1000 * self.cpu_cores / self.rate
+
+    @property
+    def engine_ms_per_sample(self) -> float | None:
+        return None if self.engine_cores is None or not self.rate else 1000 * self.engine_cores / self.rate
 
 
 @dataclass(frozen=True)
@@ -89,12 +97,25 @@ def _task_count(expected_rate: float, in_flight: int, timing: Timing, startup_s:
     return max(64, math.ceil(samples / GROUP_SIZE))
 
 
+def measure_bare(engine: Service, latency_ms: float, in_flight: int, mode: str, timing: Timing) -> Result:
+    """The bare client straight at the engine: the engine-side ceiling, with the engine's CPU."""
+    machine = MachineCpu()
+    with Meter(engine.pid) as engine_meter:
+        bare = bare_client.measure(engine.url, mode, in_flight, timing.settle_s, timing.window_s,
+                                   on_window=lambda: (engine_meter.mark(), machine.mark()))
+        engine_s, busy = engine_meter.usage().cpu_s, machine.busy_cores()
+    return Result(latency_ms, in_flight, mode, "bare", bare["rate"], engine_cores=engine_s / bare["window_s"],
+                  machine_cores=busy)
+
+
 def measure_buffer(workdir: Path, engine: Service, latency_ms: float, in_flight: int, mode: str,
                    timing: Timing, expected_rate: float, profile: bool) -> Result:
     """The rollout buffer on the math task; samples/s at a slime-like consumer."""
     tasks = write_tasks(workdir / f"tasks-{mode}-{in_flight}.jsonl",
                         _task_count(expected_rate, in_flight, timing, 5 + 2 * latency_ms / 1000))
-    with rollout_buffer(workdir) as buf, Meter(buf.pid) as meter, PollingConsumer(buf.url) as consumer:
+    machine = MachineCpu()
+    with rollout_buffer(workdir) as buf, Meter(buf.pid) as meter, Meter(engine.pid) as engine_meter, \
+            PollingConsumer(buf.url) as consumer:
         resp = httpx.post(f"{buf.url}/start_rollout", json=start_payload(tasks, engine.url, in_flight, mode),
                           timeout=60)
         resp.raise_for_status()
@@ -104,11 +125,12 @@ def measure_buffer(workdir: Path, engine: Service, latency_ms: float, in_flight:
         if profile:
             out = workdir / f"profile-{latency_ms:g}ms-{in_flight}-{mode}.txt"
             spy = (profiler.record(buf.pid, timing.window_s, out), out)
-        meter.mark()
+        for m in (meter, engine_meter, machine):
+            m.mark()
         start = time.monotonic()
         time.sleep(timing.window_s)
         end = time.monotonic()
-        usage = meter.usage()
+        usage, engine_usage, busy = meter.usage(), engine_meter.usage(), machine.busy_cores()
         samples = consumer.arrivals.samples_between(start, end)
         progress = httpx.get(f"{buf.url}/status", timeout=30).json()["run"]["progress"]
     note = f"{progress['failed']} failed" if progress.get("failed") else ""
@@ -119,7 +141,7 @@ def measure_buffer(workdir: Path, engine: Service, latency_ms: float, in_flight:
         _print_profile(spy[1], f"buffer, {latency_ms:g} ms, {in_flight} in flight, {mode} mode")
     window = end - start
     return Result(latency_ms, in_flight, mode, "buffer", samples / window, usage.cpu_s / window,
-                  usage.peak_pss_mb, usage.processes, note)
+                  usage.peak_pss_mb, usage.processes, note, engine_usage.cpu_s / window, busy)
 
 
 def measure_baseline(workdir: Path, engine: Service, latency_ms: float, in_flight: int, timing: Timing,
@@ -131,7 +153,8 @@ def measure_baseline(workdir: Path, engine: Service, latency_ms: float, in_fligh
     service = Service("bench.baseline_buffer", ["--port", str(port)], port, "/healthz",
                       workdir / f"baseline-{port}.log")
     interval = 0.5 if in_flight <= 128 else 2.0  # reading every worker's smaps is itself costly
-    with service, Meter(service.pid, interval_s=interval) as meter, \
+    machine = MachineCpu()
+    with service, Meter(service.pid, interval_s=interval) as meter, Meter(engine.pid) as engine_meter, \
             PollingConsumer(service.url, wait_s=0, lease_s=None, idle_s=0.2) as consumer:
         payload = start_payload(tasks, engine.url, in_flight, "chat")
         started = time.monotonic()
@@ -143,15 +166,17 @@ def measure_baseline(workdir: Path, engine: Service, latency_ms: float, in_fligh
         startup_s = time.monotonic() - started
         _wait_first(consumer, service, 300)
         time.sleep(timing.settle_s)
-        meter.mark()
+        for m in (meter, engine_meter, machine):
+            m.mark()
         start = time.monotonic()
         time.sleep(timing.window_s)
         end = time.monotonic()
-        usage = meter.usage()
+        usage, engine_usage, busy = meter.usage(), engine_meter.usage(), machine.busy_cores()
         samples = consumer.arrivals.samples_between(start, end)
     window = end - start
     return Result(latency_ms, in_flight, "chat", "baseline", samples / window, usage.cpu_s / window,
-                  usage.peak_pss_mb, usage.processes, f"{startup_s:.0f} s to fork the workers")
+                  usage.peak_pss_mb, usage.processes, f"{startup_s:.0f} s to fork the workers",
+                  engine_usage.cpu_s / window, busy)
 
 
 def _print_profile(raw: Path, title: str) -> None:
@@ -182,7 +207,8 @@ def print_results(results: list[Result]) -> None:
     for name, justify in (("latency", "right"), ("in flight", "right"), ("mode", "left"), ("system", "left"),
                           ("samples/s", "right"), ("ceiling", "right"), ("% of ceiling", "right"),
                           ("× baseline", "right"), ("CPU cores", "right"), ("CPU ms/sample", "right"),
-                          ("peak PSS MB", "right"), ("procs", "right"), ("note", "left")):
+                          ("peak PSS MB", "right"), ("procs", "right"), ("engine ms/sample", "right"),
+                          ("machine busy cores", "right"), ("note", "left")):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for r in results:
         ceiling = ceiling_of(results, r.latency_ms, r.in_flight, r.mode)
@@ -192,7 +218,8 @@ def print_results(results: list[Result]) -> None:
         table.add_row(f"{r.latency_ms:g} ms", str(r.in_flight), r.mode, r.system, f"{r.rate:.0f}" if ran else "—",
                       _fmt(ceiling, ".0f"), _fmt(100 * r.rate / ceiling if ceiling and ran else None, ".0f"),
                       _fmt(ratio, ".1f"), _fmt(r.cpu_cores, ".2f"), _fmt(r.cpu_ms_per_sample, ".2f"),
-                      _fmt(r.pss_mb, ".0f"), _fmt(r.processes, "d"), r.note)
+                      _fmt(r.pss_mb, ".0f"), _fmt(r.processes, "d"), _fmt(r.engine_ms_per_sample, ".2f"),
+                      _fmt(r.machine_cores, ".2f"), r.note)
     console.print(table)
 
 
@@ -262,11 +289,10 @@ def main(argv: list[str] | None = None) -> None:
                 timing = Timing.for_point(latency, n, args.quick)
                 for mode in modes:
                     console.print(f"[dim]{latency:g} ms, {n} in flight, {mode}: bare client…[/]")
-                    bare = bare_client.measure(engine.url, mode, n, timing.settle_s, timing.window_s)
-                    results.append(Result(latency, n, mode, "bare", bare["rate"]))
+                    results.append(measure_bare(engine, latency, n, mode, timing))
                     time.sleep(latency / 1000 + 0.5)  # let the engine finish what was cut off
                     console.print(f"[dim]{latency:g} ms, {n} in flight, {mode}: buffer…[/]")
-                    expected = min(n / (latency / 1000), bare["rate"])
+                    expected = min(n / (latency / 1000), results[-1].rate)
                     results.append(measure_buffer(workdir, engine, latency, n, mode, timing, expected, args.profile))
                     time.sleep(latency / 1000 + 0.5)
                 if not args.no_baseline and "chat" in modes:

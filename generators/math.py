@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections import OrderedDict
 from typing import Any
 
+import math_verify.parser
 from math_verify import parse, verify
 
 from rollout_buffer.context import RolloutContext
@@ -22,6 +24,12 @@ REQUIRED_FIELDS = ("prompt", "label")
 log = logging.getLogger(__name__)
 # math-verify warns on every call that its signal-based timeout is off; we bound it with asyncio instead.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
+# math-verify memoizes LaTeX → sympy for only the last 20 answers; the repeats of a group and the groups in
+# flight beside it give the same few answers over and over, and that parse is ~90% of a reward's cost.
+# math-verify looks the function up by name at call time, so a larger cache of the same function applies.
+math_verify.parser.parse_latex_cached = functools.lru_cache(maxsize=8192)(
+    math_verify.parser.parse_latex_cached.__wrapped__
+)
 
 
 def prompt_messages(item: dict[str, Any], system_prompt: str | None = None) -> list[dict[str, Any]]:
@@ -54,13 +62,28 @@ def math_reward(response: str, label: str) -> float:
     return 1.0 if verify(gold, pred, timeout_seconds=None) else 0.0
 
 
+# Rewards of recent (final answer, label) pairs: the repeats of a group often end with the very same answer
+# text, and a hit answers on the event loop, without a hop to a worker thread and back.
+_RECENT: OrderedDict[tuple[str, str], float] = OrderedDict()
+_RECENT_MAX = 4096
+
+
 async def score(response: str, label: str, timeout_s: float = 10.0) -> float:
     """math_reward in a worker thread (sympy is CPU-heavy), 0.0 when it takes longer than timeout_s."""
+    key = (final_answer_text(response), label)
+    known = _RECENT.get(key)
+    if known is not None:
+        _RECENT.move_to_end(key)
+        return known
     try:
-        return await asyncio.wait_for(asyncio.to_thread(math_reward, response, label), timeout_s)
+        reward = await asyncio.wait_for(asyncio.to_thread(math_reward, *key), timeout_s)
     except TimeoutError:
         log.warning("math-verify took over %.0fs; reward 0", timeout_s)
         return 0.0
+    _RECENT[key] = reward
+    if len(_RECENT) > _RECENT_MAX:
+        _RECENT.popitem(last=False)
+    return reward
 
 
 async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import orjson
 
 from rollout_buffer import metrics
@@ -27,9 +28,17 @@ class RecordError(ValueError):
 
 
 def encode_record(record: TrajectoryRecord) -> bytes:
-    """The record as stored JSON; raises RecordError naming the uid when JSON cannot hold it."""
+    """The record as stored JSON; raises RecordError naming the uid when JSON cannot hold it.
+
+    Log-probs are kept at float32 precision, in their shortest float32 form: SGLang computes them in
+    float32 and slime trains on float32 tensors, and the float64 digits beyond that are nearly half of the
+    JSON of a long trajectory (which every consumer then has to parse).
+    """
+    data = record.model_dump(mode="json")
+    if data.get("rollout_log_probs"):
+        data["rollout_log_probs"] = np.asarray(data["rollout_log_probs"], dtype=np.float32)
     try:
-        return orjson.dumps(record.model_dump(mode="json"))
+        return orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY)
     except TypeError as e:
         raise RecordError(f"record {record.uid!r} cannot be stored as JSON: {e}") from None
 

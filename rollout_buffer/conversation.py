@@ -109,7 +109,17 @@ def _prompt(tokenizer: Any, messages_json: bytes, tools_json: bytes, options_jso
         orjson.loads(messages_json), tools=orjson.loads(tools_json), add_generation_prompt=True, tokenize=False,
         **orjson.loads(options_json),
     )
-    return text, tuple(tokenizer.encode(text, add_special_tokens=False))
+    return text, tuple(encode(tokenizer, text))
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """`tokenizer.encode(text, add_special_tokens=False)`, through the Rust tokenizer directly when there is one:
+    same ids without the ~30% Python wrapping of transformers, and `encode_batch` lets go of the GIL while
+    it works (this runs for every trajectory, in worker threads for long ones)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return backend.encode_batch([text], add_special_tokens=False)[0].ids
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 class Conversation:
@@ -335,7 +345,7 @@ class Conversation:
         )
 
     def _encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False)
+        return encode(self._tokenizer, text)
 
     def _append(self, ids: list[int] | tuple[int, ...], loss: int, log_probs: list[float] | None = None
                 ) -> None:

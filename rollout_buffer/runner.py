@@ -179,6 +179,8 @@ class Run:
         done_groups, partial = await self.buffer.store.stored_work(self.run_id)
         skip = Counter(req.skip_instance_ids or [])
         sem = asyncio.Semaphore(req.num_process)
+        # Finished trajectories waiting for the store: bounded too, so a slow disk slows generation down.
+        writing = asyncio.Semaphore(req.num_process)
         tasks: set[asyncio.Task[None]] = set()
         reporter = asyncio.create_task(self._report_loop())
         try:
@@ -200,7 +202,7 @@ class Run:
                         continue
                     await sem.acquire()
                     ctx = RolloutContext(resources, iid, epoch, repeat, uid)
-                    t = asyncio.create_task(self._one(item, ctx, sem))
+                    t = asyncio.create_task(self._one(item, ctx, sem, writing))
                     tasks.add(t)
                     t.add_done_callback(tasks.discard)
             if tasks:
@@ -221,18 +223,24 @@ class Run:
             for i in order:
                 yield epoch, i
 
-    async def _one(self, item: dict[str, Any], ctx: RolloutContext, sem: asyncio.Semaphore) -> None:
+    async def _one(self, item: dict[str, Any], ctx: RolloutContext, generating: asyncio.Semaphore,
+                   writing: asyncio.Semaphore) -> None:
+        # `num_process` bounds the trajectories talking to the engine: a finished one hands its slot to the
+        # next as soon as it holds a write slot, not after its SQLite commit.
         self.progress.in_flight += 1
         try:
             records = await self._generate(item, ctx)
-            try:
-                await self._write(records)
-            except RecordError as e:
-                await self._write([self._failed(item, ctx, "bad_record", str(e))])
+            await writing.acquire()
         finally:
             ctx.engine.release(ctx.uid)
             self.progress.in_flight -= 1
-            sem.release()
+            generating.release()
+        try:
+            await self._write(records)
+        except RecordError as e:
+            await self._write([self._failed(item, ctx, "bad_record", str(e))])
+        finally:
+            writing.release()
 
     async def _generate(self, item: dict[str, Any], ctx: RolloutContext) -> list[TrajectoryRecord]:
         try:

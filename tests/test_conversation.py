@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from rollout_buffer.conversation import Conversation
+from rollout_buffer.conversation import Conversation, encode
 from rollout_buffer.schemas import TrajectoryRecord
 from rollout_buffer.tokenizer import end_of_turn_ids, load_tokenizer
 
@@ -361,3 +361,14 @@ def test_load_tokenizer_is_cached_and_local_only(qwen_tokenizer_path, tmp_path):
         load_tokenizer("Qwen/Qwen3-8B")
     with pytest.raises(ValueError, match=str(tmp_path)):
         load_tokenizer(str(tmp_path))
+
+
+def test_fast_encode_gives_the_tokenizers_ids(qwen_tokenizer):
+    texts = [
+        render(qwen_tokenizer, PROMPT, generation_prompt=True),
+        "<think>\nI carry the one.\n</think>\n\n  The answer is \\boxed{\\frac{3}{4}}.<|im_end|>\n",
+        "naïve café — 数学 🙂\n\n\n\t x",
+        "",
+    ]
+    for text in texts:
+        assert encode(qwen_tokenizer, text) == qwen_tokenizer.encode(text, add_special_tokens=False)

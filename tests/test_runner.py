@@ -249,8 +249,9 @@ def test_restart_resumes_without_regenerating_complete_groups(tmp_path, qwen_tok
         after = httpx.get(f"{eng.url}/sim/stats").json()["by_endpoint"]["/generate"]
     assert status["run"]["state"] == "finished"
     assert len(records) == 96 and len({r["uid"] for r in records}) == 96
-    # Only trajectories that were not stored before the crash were generated again.
-    assert after - 96 <= 8, f"{after - 96} extra generations: complete groups were regenerated"
+    # Only trajectories that were not stored before the crash were generated again: at most num_process
+    # generating and num_process finished ones waiting for their commit.
+    assert after - 96 <= 16, f"{after - 96} extra generations: complete groups were regenerated"
     assert before >= 16
 
 
@@ -267,3 +268,17 @@ def test_multi_agent_episodes_are_the_unit_of_a_group(tmp_path, sim_engine):
     for r in records:
         sign = 1 if r["extra_info"]["episode_reward"] == 1.0 else -1
         assert r["reward"] == pytest.approx(sign * adv * r["extra_info"]["reward_weight"])
+
+
+def test_num_process_bounds_the_requests_at_the_engine(tmp_path, qwen_tokenizer_path):
+    port = free_port()
+    inp = write_jsonl(tmp_path / "math.jsonl", math_rows(8))
+    args = ["sim-engine", "--port", str(port), "--tokenizer", qwen_tokenizer_path, "--latency-ms", "40"]
+    with running(args, "/health", port, tmp_path / "sim.log") as eng, buffer(tmp_path).start() as srv:
+        start(srv.url, eng.url, inp, qwen_tokenizer_path, num_process=4)
+        status = wait_finished(srv.url, timeout_s=60)
+        records = drain(srv.url)
+        stats = httpx.get(f"{eng.url}/sim/stats").json()
+    assert status["run"]["state"] == "finished" and len(records) == 32
+    # Trajectories hand their slot on when generation ends, so the engine sees exactly num_process at once.
+    assert stats["max_in_flight"] == 4

@@ -1,0 +1,55 @@
+"""How records are stored and read back: float32 log-probs in their shortest form, a GC-paused decode."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import orjson
+import pytest
+
+from rollout_buffer.buffer import encode_record
+from rollout_buffer.schemas import TrajectoryRecord
+from slime_adapter.client import decode_json
+
+
+def _record(log_probs: list[float]) -> TrajectoryRecord:
+    n = len(log_probs)
+    return TrajectoryRecord.model_validate({
+        "uid": "u", "instance_id": "i", "reward": 1.0, "extra_info": {},
+        "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+        "tokens": list(range(10, 12 + n)), "loss_mask": [0, 0] + [1] * n, "rollout_log_probs": log_probs,
+        "response_length": n,
+    })
+
+
+def test_log_probs_are_kept_at_float32_precision_in_their_shortest_form() -> None:
+    # What SGLang sends: float32 values widened to Python floats (17 significant digits).
+    sent = [float(np.float32(v)) for v in (-0.1234567, -2.5, -1e-7, -13.75390625, 0.0)]
+    stored = encode_record(_record(sent))
+    assert b"-0.1234567," in stored and b"-0.12345670163631439" not in stored
+    back = orjson.loads(stored)["rollout_log_probs"]
+    assert np.array_equal(np.asarray(back, dtype=np.float32), np.asarray(sent, dtype=np.float32))
+    assert all(isinstance(v, float) for v in back)
+    # Everything else is stored as it came.
+    assert orjson.loads(stored)["tokens"] == _record(sent).tokens
+
+
+def test_records_without_log_probs_are_stored_unchanged() -> None:
+    rec = _record([-0.5])
+    rec.rollout_log_probs = None
+    assert orjson.loads(encode_record(rec))["rollout_log_probs"] is None
+
+
+def test_decoding_pauses_the_gc_and_restores_it() -> None:
+    assert decode_json(b'{"a": [1, 2.5]}') == {"a": [1, 2.5]}
+    assert gc.isenabled()
+    with pytest.raises(orjson.JSONDecodeError):
+        decode_json(b"{not json")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        decode_json(b"[]")
+        assert not gc.isenabled()  # a caller that had it off keeps it off
+    finally:
+        gc.enable()
