@@ -74,11 +74,18 @@ class RolloutBuffer:
         self._since_read = ReadCounters()
         self._policies: dict[str, GroupPolicy] = {}
         self._default_run_lock = asyncio.Lock()
+        # The writer run, remembered until a run is created (runs are only created through this object), so
+        # a burst of first writes does not queue one store round trip each behind the lock.
+        self._writer_run_row: dict[str, Any] | None = None
+        self._runs_created = 0
 
     # ---- runs ------------------------------------------------------------------------------------
     async def create_run(self, config: dict[str, Any], group_size: int) -> str:
         """Record a new run (it replaces the running one) and return its id."""
+        self._runs_created += 1
+        self._writer_run_row = None
         run_id = await self.store.create_run(config, group_size)
+        self._writer_run_row = None  # a writer may have read the replaced run while the insert ran
         log.info("run %s started: task_type=%s group_size=%d", run_id, config.get("task_type"), group_size)
         return run_id
 
@@ -101,15 +108,20 @@ class RolloutBuffer:
     async def _writer_run(self) -> dict[str, Any]:
         """The run `/buffer/write` records belong to: the latest one (so a group never straddles runs
         because its run finished mid-group), or a default run when there is none yet."""
-        run = await self.store.latest_run()
-        if run is not None:
-            return run
+        if self._writer_run_row is not None:
+            return self._writer_run_row
         async with self._default_run_lock:
+            if self._writer_run_row is not None:
+                return self._writer_run_row
+            created = self._runs_created
             run = await self.store.latest_run()
             if run is None:
                 run_id = await self.create_run({"task_type": None, "source": "buffer_write"}, self.config.group_size)
+                created = self._runs_created
                 run = await self.store.get_run(run_id)
             assert run is not None
+            if created == self._runs_created:  # no other run was created meanwhile
+                self._writer_run_row = run
             return run
 
     # ---- writes ----------------------------------------------------------------------------------

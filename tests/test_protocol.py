@@ -246,3 +246,35 @@ def test_groups_endpoint_lists_groups_by_state(buffer_server: Server) -> None:
     assert len(httpx.get(f"{url}/groups").json()["groups"]) == 2
     resp = httpx.get(f"{url}/groups", params={"state": "bogus"})
     assert resp.status_code == 422 and "state" in resp.json()["message"]
+
+
+def test_writes_follow_the_latest_run(tmp_path) -> None:
+    port = free_port()
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "d"), "--group-size", "4"]
+    with running(args, "/healthz", port, tmp_path / "log") as srv:
+        # A burst of first writes with no run yet: every one lands in the one default run.
+        def first(i: int) -> int:
+            return httpx.post(f"{srv.url}/buffer/write", json=record(f"b{i}", f"burst{i % 8}", 1.0),
+                              timeout=30).status_code
+
+        threads, codes = [], []
+        for i in range(32):
+            threads.append(threading.Thread(target=lambda i=i: codes.append(first(i))))
+            threads[-1].start()
+        for t in threads:
+            t.join(30)
+        assert codes == [200] * 32
+        groups = httpx.get(f"{srv.url}/groups").json()["groups"]
+        assert len({g["run_id"] for g in groups}) == 1 and len(groups) == 8
+
+        # After /start_rollout, writes belong to the new run.
+        inp = tmp_path / "math.jsonl"
+        inp.write_text('{"prompt": "What is 1 + 1?", "label": "2"}\n')
+        started = httpx.post(f"{srv.url}/start_rollout", timeout=30, json={
+            "task_type": "math", "input_file": str(inp), "num_repeat_per_sample": 4, "num_process": 1,
+            "remote_engine_url": f"http://127.0.0.1:{free_port()}", "max_retries": 0, "backoff_s": 0.01})
+        assert started.status_code == 200, started.text
+        run_id = started.json()["run_id"]
+        assert httpx.post(f"{srv.url}/buffer/write", json=record("late", "late", 1.0)).status_code == 200
+        late = httpx.get(f"{srv.url}/groups", params={"run_id": run_id}).json()["groups"]
+        assert "late" in {g["instance_id"] for g in late}
