@@ -109,15 +109,15 @@ def measure_bare(engine: Service, latency_ms: float, in_flight: int, mode: str, 
 
 
 def measure_buffer(workdir: Path, engine: Service, latency_ms: float, in_flight: int, mode: str,
-                   timing: Timing, expected_rate: float, profile: bool) -> Result:
+                   timing: Timing, expected_rate: float, profile: bool, sanity_check: str = "strict") -> Result:
     """The rollout buffer on the math task; samples/s at a slime-like consumer."""
     tasks = write_tasks(workdir / f"tasks-{mode}-{in_flight}.jsonl",
                         _task_count(expected_rate, in_flight, timing, 5 + 2 * latency_ms / 1000))
     machine = MachineCpu()
     with rollout_buffer(workdir) as buf, Meter(buf.pid) as meter, Meter(engine.pid) as engine_meter, \
             PollingConsumer(buf.url) as consumer:
-        resp = httpx.post(f"{buf.url}/start_rollout", json=start_payload(tasks, engine.url, in_flight, mode),
-                          timeout=60)
+        payload = start_payload(tasks, engine.url, in_flight, mode, sanity_check)
+        resp = httpx.post(f"{buf.url}/start_rollout", json=payload, timeout=60)
         resp.raise_for_status()
         _wait_first(consumer, buf, 120)
         time.sleep(timing.settle_s)
@@ -271,6 +271,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="largest in-flight count the baseline runs at (one process each)")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--profile", action="store_true", help="py-spy the buffer during each measured window")
+    p.add_argument("--sanity-check", choices=("strict", "ignore_strippable", "disable"), default="strict",
+                   help="tokenization_sanity_check_mode of the buffer's runs (token mode)")
     p.add_argument("--workdir", type=Path, default=None, help="keep logs and profiles here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -293,7 +295,8 @@ def main(argv: list[str] | None = None) -> None:
                     time.sleep(latency / 1000 + 0.5)  # let the engine finish what was cut off
                     console.print(f"[dim]{latency:g} ms, {n} in flight, {mode}: buffer…[/]")
                     expected = min(n / (latency / 1000), results[-1].rate)
-                    results.append(measure_buffer(workdir, engine, latency, n, mode, timing, expected, args.profile))
+                    results.append(measure_buffer(workdir, engine, latency, n, mode, timing, expected, args.profile,
+                                                  args.sanity_check))
                     time.sleep(latency / 1000 + 0.5)
                 if not args.no_baseline and "chat" in modes:
                     if n > args.baseline_max_procs:

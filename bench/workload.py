@@ -32,7 +32,8 @@ def write_tasks(path: Path, n: int) -> Path:
     return path
 
 
-def start_payload(input_file: Path, engine_url: str, num_process: int, mode: str) -> dict[str, Any]:
+def start_payload(input_file: Path, engine_url: str, num_process: int, mode: str,
+                  sanity_check: str = "strict") -> dict[str, Any]:
     """slime's `/start_rollout` payload for a math run in `mode` ("token": exact tokens, "chat": messages)."""
     return {
         "task_type": "math",
@@ -45,5 +46,6 @@ def start_payload(input_file: Path, engine_url: str, num_process: int, mode: str
         "sampling_params": dict(SAMPLING),
         "tokenizer_path": bundled_tokenizer_path(),
         "engine_mode": mode,
+        "tokenization_sanity_check_mode": sanity_check,
         "shuffle": False,
     }

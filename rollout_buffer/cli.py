@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import sys
 from pathlib import Path
@@ -49,6 +50,12 @@ def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from rollout_buffer.api import create_app
+
+    # One process holds thousands of trajectories in flight (messages, token lists). With the default
+    # thresholds a collection runs every 700 container allocations and the full ones walk every in-flight
+    # object: at 4 096 in flight that was over half of the buffer's CPU. Trajectories form no reference
+    # cycles of their own, so collecting rarely costs little memory (bench: 2.06 → 0.94 ms CPU per sample).
+    gc.set_threshold(50_000, 20, 100)
 
     config = ServerConfig.with_env(
         host=args.host,
