@@ -136,8 +136,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         summary="Persist one trajectory, or a list written together (idempotent on uid)",
         # Parsed by hand with orjson: FastAPI's body handling (stdlib json, dependency solving) cost more
         # CPU than storing the record. The schema is documented all the same.
-        openapi_extra={"requestBody": {"required": True, "content": {
-            "application/json": {"schema": WRITE_BODY.json_schema()}}}},
+        openapi_extra=_documented_body(WRITE_BODY.json_schema(), required=True),
     )
     async def buffer_write(request: Request) -> Response:
         body = _validated(WRITE_BODY, _parse_body(await request.body()))
@@ -162,8 +161,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         "/get_rollout_data",
         summary="Whole ready groups, oldest first (long-poll, lease/ack)",
         # The body is parsed by hand (slime may send none at all); document its schema anyway.
-        openapi_extra={"requestBody": {"required": False, "content": {
-            "application/json": {"schema": GetRolloutDataRequest.model_json_schema()}}}},
+        openapi_extra=_documented_body(GetRolloutDataRequest.model_json_schema(), required=False),
     )
     async def get_rollout_data(request: Request) -> Response:
         # slime's original client may send an empty body: treat it as {}.
@@ -221,6 +219,11 @@ def create_app(config: ServerConfig) -> FastAPI:
         return Response(body, media_type=content_type)
 
     return app
+
+
+def _documented_body(schema: dict[str, Any], required: bool) -> dict[str, Any]:
+    """OpenAPI for a JSON body that the route parses by hand (so FastAPI would not list it)."""
+    return {"requestBody": {"required": required, "content": {"application/json": {"schema": schema}}}}
 
 
 def _validated(adapter: TypeAdapter[Any], body: Any) -> Any:

@@ -85,7 +85,6 @@ class RolloutBuffer:
         self._runs_created += 1
         self._writer_run_row = None
         run_id = await self.store.create_run(config, group_size)
-        self._writer_run_row = None  # a writer may have read the replaced run while the insert ran
         log.info("run %s started: task_type=%s group_size=%d", run_id, config.get("task_type"), group_size)
         return run_id
 
@@ -120,7 +119,7 @@ class RolloutBuffer:
                 created = self._runs_created
                 run = await self.store.get_run(run_id)
             assert run is not None
-            if created == self._runs_created:  # no other run was created meanwhile
+            if created == self._runs_created:  # a run created meanwhile may be newer than what was read
                 self._writer_run_row = run
             return run
 
