@@ -122,10 +122,12 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.store_write", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--writers", type=int, default=1000, help="concurrent writers")
+    p.add_argument("--records", type=int, default=None, help="records of the group-commit part (20 000; quick 5 000)")
+    p.add_argument("--window-s", type=float, default=None, help="measured window of the HTTP part (15 s; quick 5 s)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    total = 5000 if args.quick else 20000
-    window = 5.0 if args.quick else 15.0
+    total = args.records or (5000 if args.quick else 20000)
+    window = args.window_s or (5.0 if args.quick else 15.0)
     workdir = Path(tempfile.mkdtemp(prefix="bench-store-"))
 
     grouped = asyncio.run(_in_process(workdir / "grouped", total, args.writers))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 from collections import OrderedDict
 from typing import Any
 
@@ -53,13 +54,37 @@ def _gold(label: str) -> list:
     return parse(gold_text, parsing_timeout=None)
 
 
-def math_reward(response: str, label: str) -> float:
-    """1.0 when the response's final answer is mathematically equal to the label, else 0.0."""
+_INTEGER = re.compile(r"\s*(-?\d+)\s*", re.ASCII)
+_BOXED_INTEGER = re.compile(r"\\boxed\{\s*(-?\d+)\s*\}", re.ASCII)
+
+
+def integer_reward(final_answer: str, label: str) -> float | None:
+    """math-verify's verdict, without sympy, when the label is a plain integer and the final answer boxes
+    exactly one plain integer (GSM8K- and DAPO-Math-style data): the two compare as integers. None when
+    anything else is written, for math-verify to decide (a parse costs ~2 ms of CPU on first sight)."""
+    gold = _INTEGER.fullmatch(label)
+    if gold is None or final_answer.count("\\boxed") != 1 or "\\fbox" in final_answer:
+        return None
+    pred = _BOXED_INTEGER.search(final_answer)
+    if pred is None:
+        return None
+    return 1.0 if int(pred.group(1)) == int(gold.group(1)) else 0.0
+
+
+def verified_reward(final_answer: str, label: str) -> float:
+    """math-verify's verdict on a final answer (the text after the reasoning) against the label."""
     gold = _gold(label)
-    pred = parse(final_answer_text(response), parsing_timeout=None)
+    pred = parse(final_answer, parsing_timeout=None)
     if not gold or not pred:
         return 0.0
     return 1.0 if verify(gold, pred, timeout_seconds=None) else 0.0
+
+
+def math_reward(response: str, label: str) -> float:
+    """1.0 when the response's final answer is mathematically equal to the label, else 0.0."""
+    final = final_answer_text(response)
+    quick = integer_reward(final, label)
+    return quick if quick is not None else verified_reward(final, label)
 
 
 # Rewards of recent (final answer, label) pairs: the repeats of a group often end with the very same answer
@@ -71,6 +96,9 @@ _RECENT_MAX = 4096
 async def score(response: str, label: str, timeout_s: float = 10.0) -> float:
     """math_reward in a worker thread (sympy is CPU-heavy), 0.0 when it takes longer than timeout_s."""
     key = (final_answer_text(response), label)
+    quick = integer_reward(*key)
+    if quick is not None:
+        return quick
     known = _RECENT.get(key)
     if known is not None:
         _RECENT.move_to_end(key)

@@ -66,6 +66,8 @@ class _Frame:
     closing_text: str  # after an assistant reply's content: end-of-turn token and what follows it
     closing_ids: tuple[int, ...]
     end_of_turn: frozenset[int]
+    # Added tokens the tokenizer's encoding provably restarts after (see `_restart_tokens`), by id.
+    restart_tokens: dict[int, str]
 
 
 @functools.lru_cache(maxsize=256)
@@ -94,7 +96,26 @@ def _frame(tokenizer: Any, tools_json: bytes, options_json: bytes) -> _Frame:
         closing_text=closing,
         closing_ids=tuple(closing_ids),
         end_of_turn=frozenset(eot),
+        restart_tokens=_restart_tokens(tokenizer),
     )
+
+
+def _restart_tokens(tokenizer: Any) -> dict[int, str]:
+    """Added tokens (`<|im_start|>`, ...) at whose end the fast tokenizer's encoding starts afresh.
+
+    A fast tokenizer cuts the text at added tokens before anything else, so the ids of `a + b` are the ids of
+    `a` and of `b` when `a` ends with such a token, provided the token strips no whitespace next to it, is
+    matched on the raw text, and is not part of a longer added token (which could match across the cut).
+    """
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        return {}
+    added = dict(getattr(tokenizer, "added_tokens_decoder", None) or {})
+    contents = [t.content for t in added.values()]
+    return {
+        i: t.content for i, t in added.items()
+        if not (t.lstrip or t.rstrip or t.single_word or t.normalized)
+        and t.content and not any(t.content != other and t.content in other for other in contents)
+    }
 
 
 # The repeats of one task (a GRPO group) open with the same prompt, usually back to back: render it once.
@@ -102,14 +123,40 @@ def _frame(tokenizer: Any, tools_json: bytes, options_json: bytes) -> _Frame:
 _PROMPT_CACHE_MAX_BYTES = 8192
 
 
+@dataclass(frozen=True)
+class _Prompt:
+    """A rendered prompt, its ids, and the part of both up to its last restart token (when verified)."""
+
+    text: str
+    ids: tuple[int, ...]
+    head: tuple[str, tuple[int, ...]] | None
+
+
 @functools.lru_cache(maxsize=256)
-def _prompt(tokenizer: Any, messages_json: bytes, tools_json: bytes, options_json: bytes
-            ) -> tuple[str, tuple[int, ...]]:
+def _prompt(tokenizer: Any, messages_json: bytes, tools_json: bytes, options_json: bytes) -> _Prompt:
     text = tokenizer.apply_chat_template(
         orjson.loads(messages_json), tools=orjson.loads(tools_json), add_generation_prompt=True, tokenize=False,
         **orjson.loads(options_json),
     )
-    return text, tuple(encode(tokenizer, text))
+    ids = tuple(encode(tokenizer, text))
+    return _Prompt(text, ids, _head(tokenizer, _frame(tokenizer, tools_json, options_json), text, ids))
+
+
+def _head(tokenizer: Any, frame: _Frame, text: str, ids: tuple[int, ...]) -> tuple[str, tuple[int, ...]] | None:
+    """`text` and `ids` up to the last restart token, when encoding the two halves apart gives `ids` again.
+
+    Every sequence that starts with this head then encodes as the head's ids followed by the encoding of the
+    rest: the tokenization check encodes only what follows the prompt's last `<|im_start|>`. Computed once
+    per prompt (the cache above), so the two verifying encodes are shared by the whole group.
+    """
+    k = next((k for k in range(len(ids) - 1, -1, -1) if ids[k] in frame.restart_tokens), None)
+    if k is None:
+        return None
+    cut = text.rfind(frame.restart_tokens[ids[k]]) + len(frame.restart_tokens[ids[k]])
+    head_text, head_ids = text[:cut], ids[:k + 1]
+    if tuple(encode(tokenizer, head_text)) != head_ids or tuple(encode(tokenizer, text[cut:])) != ids[k + 1:]:
+        return None
+    return head_text, head_ids
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
@@ -174,6 +221,7 @@ class Conversation:
         self._env_messages_start = 0
         self._env_tokens_start = 0
         self._env_text = ""
+        self._prompt_head: tuple[str, tuple[int, ...]] | None = None
         if self.token_mode:
             self._template_key = (orjson.dumps(tools), orjson.dumps(self._options, option=orjson.OPT_SORT_KEYS))
             self._frame = _frame(tokenizer, *self._template_key)
@@ -323,7 +371,7 @@ class Conversation:
         try:
             expected = self._full_render()
             if self.sanity_check == "strict":
-                return self._compare_tokens(self._encode(expected))
+                return self._compare_tokens(self._expected_ids(expected))
             return self._compare_text(expected)
         except Exception as e:  # the check diagnoses; it must not fail a finished trajectory
             return {"mode": self.sanity_check, "error": f"{type(e).__name__}: {e}"}
@@ -347,6 +395,14 @@ class Conversation:
     def _encode(self, text: str) -> list[int]:
         return encode(self._tokenizer, text)
 
+    def _expected_ids(self, expected: str) -> list[int]:
+        """`encode(expected)`, reusing the prompt's ids up to its last restart token when `expected` starts
+        with them (the full render of a conversation usually does): same ids, a fraction of the work."""
+        head = self._prompt_head
+        if head is not None and expected.startswith(head[0]):
+            return [*head[1], *self._encode(expected[len(head[0]):])]
+        return self._encode(expected)
+
     def _append(self, ids: list[int] | tuple[int, ...], loss: int, log_probs: list[float] | None = None
                 ) -> None:
         self.token_ids.extend(ids)
@@ -362,8 +418,10 @@ class Conversation:
         except TypeError:  # not JSON (a caller's own objects): rendered without the cache
             key = None
         ids: tuple[int, ...] | list[int]
+        head = None
         if key is not None and len(key) <= _PROMPT_CACHE_MAX_BYTES:
-            text, ids = _prompt(self._tokenizer, key, *self._template_key)
+            prompt = _prompt(self._tokenizer, key, *self._template_key)
+            text, ids, head = prompt.text, prompt.ids, prompt.head
         else:
             text = self._render(messages, True)
             ids = self._encode(text)
@@ -373,6 +431,7 @@ class Conversation:
         self._truncate_to(0)
         self._append(ids, 0)
         self.prompt_length = len(ids)
+        self._prompt_head = head
         self._env_text = text
         self._open = True
 

@@ -7,6 +7,8 @@ import importlib.util
 import os
 from typing import Any
 
+from rollout_buffer.template_sandbox import memoize_attribute_checks
+
 # A user turn and an assistant reply: enough history for any chat template to render an assistant turn.
 _PROBE_REPLY = "rollout-buffer probe reply"
 _PROBE_HISTORY = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": _PROBE_REPLY}]
@@ -34,6 +36,7 @@ def _load(folder: str) -> Any:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except Exception as e:  # OSError, ValueError, KeyError...: depends on what the folder lacks
         raise ValueError(f"cannot load a tokenizer from {folder!r}: {e}") from e
+    memoize_attribute_checks(tokenizer)
     return tokenizer
 
 

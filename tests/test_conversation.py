@@ -372,3 +372,46 @@ def test_fast_encode_gives_the_tokenizers_ids(qwen_tokenizer):
     ]
     for text in texts:
         assert encode(qwen_tokenizer, text) == qwen_tokenizer.encode(text, add_special_tokens=False)
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def test_strict_check_agrees_with_encoding_the_whole_render(qwen_tokenizer, im_end, monkeypatch):
+    """The check reuses the prompt's ids up to its last `<|im_start|>` and encodes only the rest: its verdict
+    and the position it reports are those of encoding the template's whole rendering, boundary merges too."""
+    tok = qwen_tokenizer
+    hello = tok.encode("Hello", add_special_tokens=False)
+    split_hello = [i for part in ("Hel", "lo") for i in tok.encode(part, add_special_tokens=False)]
+    assert split_hello != hello  # a non-canonical tokenization of the same text
+    cases = {
+        "canonical": ("<think>\nEasy.\n</think>\n\n17 * 23 = 391.", None),
+        # The generation prompt ends with "\n"; the canonical encoding merges it with the reply's "\n\n".
+        "merge at the prompt boundary": ("\n\n17 * 23 = 391.", None),
+        "non-canonical ids": ("Hello there.", split_hello + tok.encode(" there.", add_special_tokens=False)),
+    }
+    conversations = {"three turns": three_turns(tok, im_end)[0]}
+    for name, (text, ids) in cases.items():
+        conv = Conversation(PROMPT, tok, tools=[CALC_TOOL])
+        ids = (ids or tok.encode(text, add_special_tokens=False)) + [im_end]
+        conv.add_assistant(ids, [0.0] * len(ids), text)
+        conversations[name] = conv
+
+    encoded: list[str] = []
+    real_encode = encode
+    monkeypatch.setattr("rollout_buffer.conversation.encode",
+                        lambda t, text: encoded.append(text) or real_encode(t, text))
+    verdicts = {}
+    for name, conv in conversations.items():
+        whole = tok.encode(render(tok, conv.messages, tools=conv.tools))
+        encoded.clear()
+        report = conv.check()
+        verdicts[name] = report is None
+        assert (report is None) == (conv.token_ids == whole), name
+        if report is not None:
+            assert report["position"] == _first_difference(conv.token_ids, whole), name
+            assert report["expected_length"] == len(whole), name
+        assert encoded and not any(PROMPT[1]["content"] in text for text in encoded), name
+    assert verdicts == {"three turns": False, "canonical": True, "merge at the prompt boundary": False,
+                        "non-canonical ids": False}

@@ -1,0 +1,61 @@
+"""The benchmarks run end to end (tiny sizes, short windows): each prints its tables and its SUMMARY line.
+
+They are run by hand for their numbers (README "Performance"); this only keeps them working. Nothing here
+asserts a speed: the rows must exist and count real deliveries, whatever the machine does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+NUMBER = r"(\d+(?:\.\d+)?)"
+
+
+def run_bench(module: str, *args: str, timeout_s: float = 240) -> str:
+    """Run `python -m bench.<module> args...` from the repository; its output, after checking it succeeded."""
+    done = subprocess.run([sys.executable, "-m", f"bench.{module}", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout_s, env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def summary_line(output: str) -> str:
+    lines = [line for line in output.splitlines() if line.startswith("SUMMARY ")]
+    assert len(lines) == 1, output[-3000:]
+    return lines[0]
+
+
+def test_throughput_measures_buffer_bare_client_and_baseline(tmp_path: Path) -> None:
+    out = run_bench("throughput", "--quick", "--latency-ms", "20", "--in-flight", "16", "--modes", "token,chat",
+                    "--workdir", str(tmp_path))
+    line = summary_line(out)
+    token = re.search(rf"16@20ms/token {NUMBER}% {NUMBER}MB", line)
+    chat = re.search(rf"16@20ms/chat {NUMBER}% {NUMBER}×base {NUMBER}MB", line)
+    assert token and chat, line
+    assert float(token.group(1)) > 0 and float(chat.group(1)) > 0 and float(chat.group(2)) > 0
+    for system in ("bare", "buffer", "baseline"):
+        assert re.search(rf"│ {system} +│ +\d+ ", out), f"no {system} row:\n{out[-3000:]}"
+    assert list(tmp_path.glob("buffer-*.log"))
+
+
+def test_conversion_compares_exact_tokens_with_retokenizing() -> None:
+    line = summary_line(run_bench("conversion", "--samples", "16", "--tokens", "512"))
+    assert re.search(rf"exact tokens {NUMBER}× faster than re-tokenizing", line), line
+
+
+def test_store_write_measures_group_commit_and_http_writers() -> None:
+    line = summary_line(run_bench("store_write", "--writers", "20", "--records", "400", "--window-s", "2"))
+    rate = re.search(rf"/buffer/write with 20 writers: {NUMBER} records/s", line)
+    assert rate and float(rate.group(1)) > 0, line
+
+
+def test_trainer_wait_measures_both_fetch_loops() -> None:
+    out = run_bench("trainer_wait", "--duration-s", "8", "--latency-ms", "20", "--in-flight", "16",
+                    "--batch-groups", "2", "--train-s", "0.1")
+    line = summary_line(out)
+    assert re.search(rf"long-poll median {NUMBER} ms, p99 {NUMBER} ms; .* polling median {NUMBER} ms", line), line
