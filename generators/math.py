@@ -94,7 +94,8 @@ _RECENT_MAX = 4096
 
 
 async def score(response: str, label: str, timeout_s: float = 10.0) -> float:
-    """math_reward in a worker thread (sympy is CPU-heavy), 0.0 when it takes longer than timeout_s."""
+    """`math_reward`, with math-verify in a worker thread (sympy is CPU-heavy); 0.0 when that takes longer
+    than timeout_s."""
     key = (final_answer_text(response), label)
     quick = integer_reward(*key)
     if quick is not None:
@@ -104,7 +105,7 @@ async def score(response: str, label: str, timeout_s: float = 10.0) -> float:
         _RECENT.move_to_end(key)
         return known
     try:
-        reward = await asyncio.wait_for(asyncio.to_thread(math_reward, *key), timeout_s)
+        reward = await asyncio.wait_for(asyncio.to_thread(verified_reward, *key), timeout_s)
     except TimeoutError:
         log.warning("math-verify took over %.0fs; reward 0", timeout_s)
         return 0.0

@@ -22,12 +22,13 @@ def test_equal_answers_in_other_forms_score_one() -> None:
 
 def test_a_repeated_answer_is_scored_once(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
+    verified = math_gen.verified_reward
 
     def counting(response: str, label: str) -> float:
         calls.append(threading.current_thread().name)
-        return math_reward(response, label)
+        return verified(response, label)
 
-    monkeypatch.setattr(math_gen, "math_reward", counting)
+    monkeypatch.setattr(math_gen, "verified_reward", counting)
     monkeypatch.setattr(math_gen, "_RECENT", type(math_gen._RECENT)())
 
     async def scores() -> list[float]:
@@ -43,7 +44,7 @@ def test_a_reward_past_its_timeout_is_zero_and_not_remembered(monkeypatch: pytes
         time.sleep(0.3)
         return 1.0
 
-    monkeypatch.setattr(math_gen, "math_reward", slow)
+    monkeypatch.setattr(math_gen, "verified_reward", slow)
     monkeypatch.setattr(math_gen, "_RECENT", type(math_gen._RECENT)())
     assert asyncio.run(score("\\boxed{3/2}", "1.5", timeout_s=0.05)) == 0.0
     assert asyncio.run(score("\\boxed{3/2}", "1.5", timeout_s=5)) == 1.0
