@@ -97,6 +97,23 @@ def _task_count(expected_rate: float, in_flight: int, timing: Timing, startup_s:
     return max(64, math.ceil(samples / GROUP_SIZE))
 
 
+def _measure_window(seconds: float, meter: Meter, engine_meter: Meter, consumer: PollingConsumer,
+                    latency_ms: float, in_flight: int, mode: str, system: str) -> Result:
+    """Sleep through the measured window; the point's Result: samples/s at the consumer, the system's and the
+    engine's CPU, the machine's busy cores (`note` is left to the caller)."""
+    machine = MachineCpu()
+    for m in (meter, engine_meter, machine):
+        m.mark()
+    start = time.monotonic()
+    time.sleep(seconds)
+    end = time.monotonic()
+    usage, engine_usage, busy = meter.usage(), engine_meter.usage(), machine.busy_cores()
+    window = end - start
+    return Result(latency_ms, in_flight, mode, system, consumer.arrivals.samples_between(start, end) / window,
+                  cpu_cores=usage.cpu_s / window, pss_mb=usage.peak_pss_mb, processes=usage.processes,
+                  engine_cores=engine_usage.cpu_s / window, machine_cores=busy)
+
+
 def measure_bare(engine: Service, latency_ms: float, in_flight: int, mode: str, timing: Timing) -> Result:
     """The bare client straight at the engine: the engine-side ceiling, with the engine's CPU."""
     machine = MachineCpu()
@@ -113,7 +130,6 @@ def measure_buffer(workdir: Path, engine: Service, latency_ms: float, in_flight:
     """The rollout buffer on the math task; samples/s at a slime-like consumer."""
     tasks = write_tasks(workdir / f"tasks-{mode}-{in_flight}.jsonl",
                         _task_count(expected_rate, in_flight, timing, 5 + 2 * latency_ms / 1000))
-    machine = MachineCpu()
     with rollout_buffer(workdir) as buf, Meter(buf.pid) as meter, Meter(engine.pid) as engine_meter, \
             PollingConsumer(buf.url) as consumer:
         payload = start_payload(tasks, engine.url, in_flight, mode, sanity_check)
@@ -125,23 +141,17 @@ def measure_buffer(workdir: Path, engine: Service, latency_ms: float, in_flight:
         if profile:
             out = workdir / f"profile-{latency_ms:g}ms-{in_flight}-{mode}.txt"
             spy = (profiler.record(buf.pid, timing.window_s, out), out)
-        for m in (meter, engine_meter, machine):
-            m.mark()
-        start = time.monotonic()
-        time.sleep(timing.window_s)
-        end = time.monotonic()
-        usage, engine_usage, busy = meter.usage(), engine_meter.usage(), machine.busy_cores()
-        samples = consumer.arrivals.samples_between(start, end)
+        result = _measure_window(timing.window_s, meter, engine_meter, consumer, latency_ms, in_flight, mode,
+                                 "buffer")
         progress = httpx.get(f"{buf.url}/status", timeout=30).json()["run"]["progress"]
-    note = f"{progress['failed']} failed" if progress.get("failed") else ""
+    notes = [f"{progress['failed']} failed"] if progress.get("failed") else []
     if progress.get("state") == "finished":
-        note = (note + "; " if note else "") + "ran out of tasks"
+        notes.append("ran out of tasks")
+    result.note = "; ".join(notes)
     if spy is not None:
         spy[0].wait(timing.window_s + 30)
         _print_profile(spy[1], f"buffer, {latency_ms:g} ms, {in_flight} in flight, {mode} mode")
-    window = end - start
-    return Result(latency_ms, in_flight, mode, "buffer", samples / window, usage.cpu_s / window,
-                  usage.peak_pss_mb, usage.processes, note, engine_usage.cpu_s / window, busy)
+    return result
 
 
 def measure_baseline(workdir: Path, engine: Service, latency_ms: float, in_flight: int, timing: Timing,
@@ -153,7 +163,6 @@ def measure_baseline(workdir: Path, engine: Service, latency_ms: float, in_fligh
     service = Service("bench.baseline_buffer", ["--port", str(port)], port, "/healthz",
                       workdir / f"baseline-{port}.log")
     interval = 0.5 if in_flight <= 128 else 2.0  # reading every worker's smaps is itself costly
-    machine = MachineCpu()
     with service, Meter(service.pid, interval_s=interval) as meter, Meter(engine.pid) as engine_meter, \
             PollingConsumer(service.url, wait_s=0, lease_s=None, idle_s=0.2) as consumer:
         payload = start_payload(tasks, engine.url, in_flight, "chat")
@@ -166,17 +175,10 @@ def measure_baseline(workdir: Path, engine: Service, latency_ms: float, in_fligh
         startup_s = time.monotonic() - started
         _wait_first(consumer, service, 300)
         time.sleep(timing.settle_s)
-        for m in (meter, engine_meter, machine):
-            m.mark()
-        start = time.monotonic()
-        time.sleep(timing.window_s)
-        end = time.monotonic()
-        usage, engine_usage, busy = meter.usage(), engine_meter.usage(), machine.busy_cores()
-        samples = consumer.arrivals.samples_between(start, end)
-    window = end - start
-    return Result(latency_ms, in_flight, "chat", "baseline", samples / window, usage.cpu_s / window,
-                  usage.peak_pss_mb, usage.processes, f"{startup_s:.0f} s to fork the workers",
-                  engine_usage.cpu_s / window, busy)
+        result = _measure_window(timing.window_s, meter, engine_meter, consumer, latency_ms, in_flight, "chat",
+                                 "baseline")
+    result.note = f"{startup_s:.0f} s to fork the workers"
+    return result
 
 
 def _print_profile(raw: Path, title: str) -> None:

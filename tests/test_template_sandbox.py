@@ -21,7 +21,7 @@ TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add.",
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
 
 
-def test_decisions_are_the_sandboxs_own(qwen_tokenizer):
+def test_decisions_are_the_sandboxs_own():
     env = ImmutableSandboxedEnvironment()
     memo = _MemoizedSafety(env.is_safe_attribute)
     probes = [([], "append"), ({}, "update"), ({}, "get"), ("", "split"), ("", "__class__"),
