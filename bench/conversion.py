@@ -28,12 +28,12 @@ from rich.table import Table
 
 from bench.harness import Service, free_port
 from bench.long_records import long_records
-from rollout_buffer.api import json_response
-from rollout_buffer.buffer import RolloutBuffer, encode_record
 from rollout_buffer.config import ServerConfig
+from rollout_buffer.delivery.buffer import RolloutBuffer, encode_record
+from rollout_buffer.delivery.store import Store
+from rollout_buffer.generation.tokenizer import bundled_tokenizer_path, load_tokenizer
 from rollout_buffer.schemas import TrajectoryRecord
-from rollout_buffer.store import Store
-from rollout_buffer.tokenizer import bundled_tokenizer_path, load_tokenizer
+from rollout_buffer.server.bodies import json_response
 from slime_adapter.client import BufferClient, decode_json
 from slime_adapter.records import SampleBuilder
 

@@ -27,10 +27,10 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.harness import Meter, Service, free_port
-from rollout_buffer.buffer import RolloutBuffer
 from rollout_buffer.config import ServerConfig
+from rollout_buffer.delivery.buffer import RolloutBuffer
+from rollout_buffer.delivery.store import Store
 from rollout_buffer.schemas import TrajectoryRecord
-from rollout_buffer.store import Store
 
 console = Console(width=160)
 GROUP = 8

@@ -45,9 +45,9 @@ from generators.plan_act_format import (
 from generators.plan_act_run import PlanActOptions, PlanActRun, plan_act_run
 from generators.search import exact_match, golden_answers
 from generators.tools import ToolRegistry, ToolSession, parse_tool_calls, truncate_response
-from rollout_buffer.context import RolloutContext
-from rollout_buffer.conversation import INLINE_CHARS, Conversation
-from rollout_buffer.engine import EngineError
+from rollout_buffer.generation.context import RolloutContext
+from rollout_buffer.generation.conversation import INLINE_CHARS, Conversation
+from rollout_buffer.generation.engine import EngineError
 
 TASK_TYPE = "plan_act"
 REQUIRED_FIELDS = (("prompt", "question"), ("label", "golden_answers", "answer"))

@@ -18,8 +18,8 @@ from generators.search import SearchConfig, format_documents
 from generators.search_client import SearchClient
 from generators.tool_call import default_tool_config
 from generators.tools import BaseTool, CallLimits, ToolRegistry, TruncateSide, load_tool_config
-from rollout_buffer.context import RolloutContext
-from rollout_buffer.engine import EngineClient
+from rollout_buffer.generation.context import RolloutContext
+from rollout_buffer.generation.engine import EngineClient
 from rollout_buffer.schemas import check_http_urls
 
 _SHARED_KEY = "plan_act"

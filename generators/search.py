@@ -28,7 +28,7 @@ from pydantic import Field, field_validator
 
 from generators.options import RunOptions
 from generators.search_client import Document, SearchClient, SearchError
-from rollout_buffer.context import RolloutContext
+from rollout_buffer.generation.context import RolloutContext
 from rollout_buffer.schemas import check_http_urls
 
 TASK_TYPE = "search"

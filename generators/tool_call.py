@@ -43,7 +43,7 @@ from generators.tools import (
     load_tool_config,
     parse_tool_calls,
 )
-from rollout_buffer.context import RolloutContext
+from rollout_buffer.generation.context import RolloutContext
 
 TASK_TYPE = "tool_call"
 REQUIRED_FIELDS = ("prompt",)

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from rollout_buffer.conversation import Conversation, encode
+from rollout_buffer.generation.conversation import Conversation, encode
+from rollout_buffer.generation.tokenizer import end_of_turn_ids, load_tokenizer
 from rollout_buffer.schemas import TrajectoryRecord
-from rollout_buffer.tokenizer import end_of_turn_ids, load_tokenizer
 
 PROMPT = [
     {"role": "system", "content": "You are a careful math assistant."},
@@ -400,7 +400,7 @@ def test_strict_check_agrees_with_encoding_the_whole_render(qwen_tokenizer, im_e
 
     encoded: list[str] = []
     real_encode = encode
-    monkeypatch.setattr("rollout_buffer.conversation.encode",
+    monkeypatch.setattr("rollout_buffer.generation.conversation.encode",
                         lambda t, text: encoded.append(text) or real_encode(t, text))
     verdicts = {}
     for name, conv in conversations.items():

@@ -11,9 +11,9 @@ import pytest
 from servers import free_port
 from sim_engine_process import SimEngineProcess, sim_engines
 
-from rollout_buffer.engine import EngineClient, EngineError, to_sglang_sampling_params
-from rollout_buffer.sim_engine import token_logprob
-from rollout_buffer.sim_policy import Draw, scripted_reply
+from rollout_buffer.generation.engine import EngineClient, EngineError, to_sglang_sampling_params
+from rollout_buffer.sim.engine import token_logprob
+from rollout_buffer.sim.policy import Draw, scripted_reply
 
 RIGHT = Draw(correct=True, offset=1, invalid=False)
 FAST = {"backoff_s": 0.01, "max_backoff_s": 0.05}

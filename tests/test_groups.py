@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_buffer.groups import GroupPolicy
+from rollout_buffer.delivery.groups import GroupPolicy
 
 
 def rec(uid: str, reward: float, content: str = "answer", **extra) -> dict:

@@ -15,7 +15,7 @@ from runs import drain, wait_finished
 from servers import Server, free_port, running
 from servers import sim_engine as start_sim_engine
 
-from rollout_buffer import metrics
+from rollout_buffer.observability import metrics
 
 PLUGINS = Path(__file__).parent / "plugins"
 # What the issue asks to be measured, by metric family name.

@@ -18,9 +18,10 @@ from runs import wait_finished
 from servers import Server, free_port, running
 from servers import sim_engine as start_sim_engine
 
-from rollout_buffer import export, status_cli
 from rollout_buffer.config import AUTH_TOKEN_ENV
 from rollout_buffer.schemas import TrajectoryRecord
+from rollout_buffer.tools import export
+from rollout_buffer.tools import status as status_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "rollout_buffer.cli"]
@@ -217,5 +218,5 @@ def test_json_log_lines(tmp_path) -> None:
         httpx.post(f"{srv.url}/buffer/write", json=bad).raise_for_status()
     lines = [line for line in srv.log().splitlines() if line.startswith("{")]
     entries = [orjson.loads(line) for line in lines]
-    assert any(e["logger"] == "rollout_buffer.api" and "ready" in e["message"] for e in entries)
+    assert any(e["logger"] == "rollout_buffer.server.app" and "ready" in e["message"] for e in entries)
     assert all({"time", "level", "logger", "message"} <= set(e) for e in entries)

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from servers import free_port, running
 
-from rollout_buffer.plugins import PluginError, discover
+from rollout_buffer.generation.plugins import PluginError, discover
 
 PLUGINS = Path(__file__).parent / "plugins"
 
@@ -60,7 +60,7 @@ def test_entry_point_generator_is_served(tmp_path: Path) -> None:
     site.mkdir()
     _install_entry_point(site)
     listing = subprocess.run(
-        [sys.executable, "-c", "from rollout_buffer.plugins import discover; print(sorted(discover()))"],
+        [sys.executable, "-c", "from rollout_buffer.generation.plugins import discover; print(sorted(discover()))"],
         env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, check=True,
     )
     assert "from_entry_point" in listing.stdout and "math" in listing.stdout

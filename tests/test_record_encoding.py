@@ -8,7 +8,7 @@ import numpy as np
 import orjson
 import pytest
 
-from rollout_buffer.buffer import encode_record
+from rollout_buffer.delivery.buffer import encode_record
 from rollout_buffer.schemas import TrajectoryRecord
 from slime_adapter.client import decode_json
 

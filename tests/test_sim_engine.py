@@ -19,8 +19,9 @@ import pytest
 from servers import free_port
 from sim_engine_process import SimEngineProcess, sim_engines
 
-from rollout_buffer.sim_engine import build_parser, token_logprob
-from rollout_buffer.sim_policy import Draw, scripted_reply
+from rollout_buffer.sim.engine import token_logprob
+from rollout_buffer.sim.policy import Draw, scripted_reply
+from rollout_buffer.sim.server import build_parser
 
 RIGHT = Draw(correct=True, offset=1, invalid=False)
 SEARCH_INSTRUCTIONS = (

@@ -7,7 +7,7 @@ from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from transformers import AutoTokenizer
 
-from rollout_buffer.template_sandbox import _MemoizedSafety, memoize_attribute_checks
+from rollout_buffer.generation.template_sandbox import _MemoizedSafety, memoize_attribute_checks
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2 + 2?"}],

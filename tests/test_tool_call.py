@@ -19,7 +19,7 @@ from servers import Server, free_port, running
 from generators.math import math_reward
 from generators.tools import ToolCall, parse_tool_calls
 from rollout_buffer.demo import bundled_dataset
-from rollout_buffer.sim_policy import Draw, choose_policy, scripted_reply
+from rollout_buffer.sim.policy import Draw, choose_policy, scripted_reply
 
 FIXTURES = Path(__file__).parent / "tool_fixtures.py"
 RIGHT = Draw(correct=True, offset=2, invalid=False)

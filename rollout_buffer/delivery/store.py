@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import orjson
 
-from rollout_buffer.groups import GroupOutcome, Record
+from rollout_buffer.delivery.groups import GroupOutcome, Record
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -20,15 +20,15 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from rollout_buffer import metrics
-from rollout_buffer.buffer import RecordError, RolloutBuffer
 from rollout_buffer.config import ServerConfig
-from rollout_buffer.context import RolloutContext, RunResources, stamp
-from rollout_buffer.engine import EngineClient, EngineError
-from rollout_buffer.inputs import InputFileError
-from rollout_buffer.plugins import Generator
+from rollout_buffer.delivery.buffer import RecordError, RolloutBuffer
+from rollout_buffer.generation.context import RolloutContext, RunResources, stamp
+from rollout_buffer.generation.engine import EngineClient, EngineError
+from rollout_buffer.generation.inputs import InputFileError
+from rollout_buffer.generation.plugins import Generator
+from rollout_buffer.generation.tokenizer import load_tokenizer
+from rollout_buffer.observability import metrics
 from rollout_buffer.schemas import StartRolloutRequest, TrajectoryRecord
-from rollout_buffer.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import orjson
 
-from rollout_buffer.tokenizer import end_of_turn_ids
+from rollout_buffer.generation.tokenizer import end_of_turn_ids
 
 SanityCheckMode = Literal["strict", "ignore_strippable", "disable"]
 

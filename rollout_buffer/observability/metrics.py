@@ -7,7 +7,7 @@ can never drift from `/status`. Counters start at zero when the process starts, 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -19,10 +19,6 @@ from prometheus_client import (
     disable_created_metrics,
 )
 from prometheus_client.exposition import choose_encoder
-
-if TYPE_CHECKING:
-    from rollout_buffer.runner import RunManager
-    from rollout_buffer.store import Store, WriteResult
 
 # `_created` series double every counter's output and no dashboard reads them.
 disable_created_metrics()
@@ -148,12 +144,13 @@ def filter_reason(reason: str) -> str:
     return reason.split(":", 1)[0].strip() or "unknown"
 
 
-def count_write(result: WriteResult) -> None:
-    """Count what one committed store write did: records by status, duplicates, completed groups."""
-    for status, n in result.inserted_by_status.items():
+def count_write(inserted_by_status: dict[str, int], duplicates: int, drop_reasons: list[str | None]) -> None:
+    """Count what one committed store write did: records by status, duplicates, and the groups it completed
+    (one entry each: None when the group became ready, else why it was dropped)."""
+    for status, n in inserted_by_status.items():
         RECORDS_WRITTEN.labels(status).inc(n)
-    RECORDS_DUPLICATE.inc(result.duplicates)
-    for _, reason in result.completed:  # a reason means the complete group was dropped
+    RECORDS_DUPLICATE.inc(duplicates)
+    for reason in drop_reasons:
         GROUPS_COMPLETED.inc()
         if reason is not None:
             GROUPS_FILTERED.labels(filter_reason(reason)).inc()
@@ -194,11 +191,12 @@ def _set_run(run: dict[str, Any] | None, live: dict[str, Any] | None) -> None:
     TRAJECTORIES_IN_FLIGHT.set(in_flight)
 
 
-async def scrape(store: Store, runs: RunManager, accept: str = "") -> tuple[bytes, str]:
-    """Refresh the state gauges and render every metric; returns (body, content type) for `accept`."""
-    groups = await store.group_counts()
+def render(groups: dict[str, int], run: dict[str, Any] | None, live: dict[str, Any] | None,
+           accept: str = "") -> tuple[bytes, str]:
+    """Set the state gauges from what the caller read (group counts by state, the latest stored run, the live
+    progress of the run being generated) and render every metric; returns (body, content type) for `accept`."""
     READY_GROUPS.set(groups.get("ready", 0))
     LEASED_GROUPS.set(groups.get("leased", 0))
-    _set_run(await store.latest_run(), runs.progress())
+    _set_run(run, live)
     encoder, content_type = choose_encoder(accept)
     return encoder(REGISTRY), content_type

