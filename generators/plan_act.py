@@ -4,10 +4,10 @@ One episode per trajectory. The planner gets the task and writes a plan (`genera
 documents the format); each step goes, in order, to the actor in a conversation of its own (system prompt,
 then the task, the results of the episode's earlier sub-tasks and the sub-task, with the run's tools in the
 chat template), which calls tools (hermes `<tool_call>`s or OpenAI `tool_calls`, as in the tool-calling
-generator) until it replies
-without a call, for at most `max_actor_turns` turns. The planner then reads one `<report>` per step and
-revises the plan or answers, for at most `max_turns` planner turns. A sub-task that fails (engine error after
-its retries, a cut reply, no answer in time) is reported to the planner as `failed`: the episode goes on.
+generator) until it replies without a call, for at most `max_actor_turns` turns. The planner then reads one
+`<report>` per step and revises the plan or answers, for at most `max_turns` planner turns. A sub-task that
+fails (engine error after its retries, a cut reply, no answer in time) is reported to the planner as `failed`:
+the episode goes on.
 
 Both roles share the run's engine unless `planner_engine_url` / `actor_engine_url` name others. Every call of
 an episode uses the episode's uid as session id, so each engine client keeps the episode on one engine (both
