@@ -3,10 +3,11 @@
 One episode per trajectory. The planner gets the task and writes a plan (`generators.plan_act_format`
 documents the format); each step goes, in order, to the actor in a conversation of its own (system prompt,
 then the task, the results of the episode's earlier sub-tasks and the sub-task, with the run's tools in the
-chat template), which calls tools (hermes `<tool_call>`s, as in the tool-calling generator) until it replies
-without a call, for at most `max_actor_turns` turns. The planner then reads one `<report>` per step and
-revises the plan or answers, for at most `max_turns` planner turns. A sub-task that fails (engine error after
-its retries, a cut reply, no answer in time) is reported to the planner as `failed`: the episode goes on.
+chat template), which calls tools (hermes `<tool_call>`s or OpenAI `tool_calls`, as in the tool-calling
+generator) until it replies without a call, for at most `max_actor_turns` turns. The planner then reads one
+`<report>` per step and revises the plan or answers, for at most `max_turns` planner turns. A sub-task that
+fails (engine error after its retries, a cut reply, no answer in time) is reported to the planner as `failed`:
+the episode goes on.
 
 Both roles share the run's engine unless `planner_engine_url` / `actor_engine_url` name others. Every call of
 an episode uses the episode's uid as session id, so each engine client keeps the episode on one engine (both
@@ -44,7 +45,7 @@ from generators.plan_act_format import (
 )
 from generators.plan_act_run import PlanActOptions, PlanActRun, plan_act_run
 from generators.search import exact_match, golden_answers
-from generators.tools import ToolRegistry, ToolSession, parse_tool_calls, truncate_response
+from generators.tools import ToolRegistry, ToolSession, message_tool_calls, truncate_response
 from rollout_buffer.generation.context import RolloutContext
 from rollout_buffer.generation.conversation import INLINE_CHARS, Conversation
 from rollout_buffer.generation.engine import EngineError
@@ -162,7 +163,7 @@ class Episode:
                 if sub.finish != "stop":
                     sub.stop_reason, failure = sub.finish, f"its reply was cut ({sub.finish})"
                     break
-                calls = parse_tool_calls(conv.messages[-1]["content"])
+                calls = message_tool_calls(conv.messages[-1])
                 if not calls:
                     sub.stop_reason = "answer"
                     break

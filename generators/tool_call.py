@@ -1,15 +1,17 @@
-"""Tool calling: the model calls OpenAI-style function tools (hermes format) until it answers.
+"""Tool calling: the model calls OpenAI-style function tools until it answers.
 
 Input rows: `prompt` (a string or OpenAI messages); `label` (the reference answer, optional: without it
 only tool rewards count); `tools_kwargs` (optional, verl's per-tool `create_kwargs` / `execute_kwargs` /
 `release_kwargs`, also read from `extra_info.tools_kwargs`).
 
-The loop, as verl's ToolAgentLoop: the tool schemas go into the chat template; each assistant turn is
-parsed for `<tool_call>` blocks (after any `</think>`); a turn without calls is the answer and ends the
-trajectory; otherwise the calls run (the first `max_parallel_calls` concurrently, the rest answered with
-an error), their responses are cut to `max_tool_response_length` characters and appended as tool
-messages (loss 0), and the model goes on. `max_assistant_turns` and `max_user_turns` (tool rounds)
-bound the loop, as does the run's `max_tokens` budget.
+The loop, as verl's ToolAgentLoop: the tool schemas go into the chat template; each assistant turn's calls
+are read (`generators.tools.calls`: hermes `<tool_call>` blocks after any `</think>`, or in chat mode
+against SGLang with a `--tool-call-parser` the message's OpenAI `tool_calls`); a turn without calls is the
+answer and ends the trajectory; otherwise the calls run (the first `max_parallel_calls` concurrently, the
+rest answered with an error), their responses are cut to `max_tool_response_length` characters and
+appended as tool messages (loss 0; with the call's `tool_call_id` when it had one), and the model goes on.
+`max_assistant_turns` and `max_user_turns` (tool rounds) bound the loop, as does the run's `max_tokens`
+budget.
 
 Reward = answer reward + tool reward. The answer reward is `generators.math.math_reward` of the final
 turn against `label` (1 or 0), counted only when the trajectory ended with an answer, never on a turn
@@ -41,7 +43,7 @@ from generators.tools import (
     ToolSession,
     TruncateSide,
     load_tool_config,
-    parse_tool_calls,
+    message_tool_calls,
 )
 from rollout_buffer.generation.context import RolloutContext
 
@@ -126,7 +128,7 @@ async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> dict[str, An
             if finish != "stop":
                 stop_reason = finish
                 break
-            calls = parse_tool_calls(conv.messages[-1]["content"])
+            calls = message_tool_calls(conv.messages[-1])
             if not calls:
                 stop_reason = "answer"
                 break

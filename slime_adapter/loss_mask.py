@@ -15,6 +15,7 @@ from typing import Any
 Message = dict[str, Any]
 
 LOSS_MASK_TYPES = ("qwen", "qwen3", "distill_qwen")
+ROLES = frozenset({"system", "user", "assistant", "tool"})
 # Probe strings of slime's algorithm; the exact text matters only in that it tokenizes the same way.
 _PROBE_TEXT = "FOR TESTING ONLY"
 _PREFIX_MESSAGE: Message = {"role": "user", "content": "FOR CALCULATING LOSS MASK ONLY"}
@@ -25,6 +26,32 @@ _DISTILL_MARKER = "<｜Assistant｜>"
 def get_response_lengths(loss_masks: Sequence[Sequence[int]]) -> list[int]:
     """Length of each mask from its first 1 to its end (0 when the mask has no 1), as slime counts it."""
     return [len(mask) - list(mask).index(1) if 1 in mask else 0 for mask in loss_masks]
+
+
+def unrenderable_reason(messages: Any) -> str | None:
+    """Why a conversation cannot become `(token_ids, loss_mask)`, or None when it can.
+
+    Chat templates skip what they do not know without a word (Qwen's renders nothing for an unknown role),
+    so a bad record would silently train on a different conversation; these are refused instead: an empty
+    conversation, a message that is not an object with a known role, and a tool message that answers no
+    call (the assistant turn before it has neither `tool_calls` nor a `<tool_call>` in its text).
+    """
+    if not isinstance(messages, list) or not messages:
+        return "messages must be a non-empty list"
+    last_turn: Message | None = None  # the latest message that is not a tool message
+    for k, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in ROLES:
+            return f"messages[{k}] has role {role!r}; the loss mask knows {sorted(ROLES)}"
+        if role != "tool":
+            last_turn = message
+            continue
+        content = last_turn.get("content") if last_turn is not None else None
+        called = last_turn is not None and last_turn["role"] == "assistant" and (
+            bool(last_turn.get("tool_calls")) or (isinstance(content, str) and "<tool_call>" in content))
+        if not called:
+            return f"messages[{k}] is a tool message without a tool call before it"
+    return None
 
 
 def _ids(encoded: Any) -> list[int]:
@@ -47,7 +74,10 @@ class LossMaskGenerator:
             raise ValueError(f"unsupported loss mask type {tokenizer_type!r}; use one of {LOSS_MASK_TYPES}")
         self.tokenizer = tokenizer
         self.tokenizer_type = tokenizer_type
-        self.system_message_length, self.gen_token_length = self.get_system_message_length()
+        # As slime: only the per-message algorithms need the probe (a distill template may not render it).
+        self.system_message_length, self.gen_token_length = 0, 0
+        if tokenizer_type in ("qwen", "qwen3"):
+            self.system_message_length, self.gen_token_length = self.get_system_message_length()
 
     def get_response_lengths(self, loss_masks: Sequence[Sequence[int]]) -> list[int]:
         """See the module function `get_response_lengths`."""
@@ -98,20 +128,28 @@ class LossMaskGenerator:
         """Each message rendered after (or, for the first, before) a fixed user turn that is then cut off.
 
         The neighbouring user turn makes Qwen3's template treat each assistant message as the answer to
-        the latest query, so its `<think>` block is kept.
+        the latest query, so its `<think>` block is kept. A run of consecutive tool messages is rendered
+        as one piece, because Qwen's templates put all of them into one user turn.
         """
         prefix_ids = self._template_ids([_PREFIX_MESSAGE])
         token_ids: list[int] = []
         loss_mask: list[int] = []
-        for i, message in enumerate(messages):
+        i = 0
+        while i < len(messages):
+            end = i + 1
+            if messages[i]["role"] == "tool":
+                while end < len(messages) and messages[end]["role"] == "tool":
+                    end += 1
+            piece, first = messages[i:end], messages[i]
             if i == 0:
-                ids = self._template_ids([message, _PREFIX_MESSAGE], tools=tools)[: -len(prefix_ids)]
+                ids = self._template_ids([*piece, _PREFIX_MESSAGE], tools=tools)[: -len(prefix_ids)]
             else:
-                ids = self._template_ids([_PREFIX_MESSAGE, message])[len(prefix_ids) :]
-                if message["role"] != "system":
+                ids = self._template_ids([_PREFIX_MESSAGE, *piece])[len(prefix_ids) :]
+                if first["role"] != "system":
                     ids = ids[self.system_message_length :]
             token_ids += ids
-            loss_mask += self._mask_for(message, ids)
+            loss_mask += self._mask_for(first, ids)
+            i = end
         return token_ids, loss_mask
 
     def gen_multi_turn_loss_mask_distill_qwen(

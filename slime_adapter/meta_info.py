@@ -20,8 +20,8 @@ PREFIX = "rollout/"
 _SUMMED = ("tokenization_mismatches", "redelivered_groups")
 _AVERAGED = ("avg_reward", "avg_normalized_reward")
 _NOT_METRICS = frozenset(
-    {"total_samples", "num_groups", "avg_group_size", "finished_groups", "filtered_groups", "batch_id",
-     "run_id", "acked_groups", *_SUMMED, *_AVERAGED}
+    {"total_samples", "num_groups", "avg_group_size", "finished_groups", "finished_groups_count", "filtered_groups",
+     "batch_id", "run_id", "acked_groups", *_SUMMED, *_AVERAGED}
 )
 
 
@@ -32,7 +32,7 @@ def _number(value: Any) -> float | None:
 
 
 def _count(value: Any) -> int:
-    # slime's original buffer listed finished instance ids; this one counts them.
+    # `finished_groups` lists instance ids (one per group), as slime's buffer sends it.
     if isinstance(value, list | tuple | set):
         return len(value)
     number = _number(value)
@@ -105,9 +105,16 @@ def _send_to_trackers(args: Any, metrics: dict[str, float], step: int) -> None:
         _TensorboardAdapter(args).log(metrics, step)
 
 
-def log_raw_info(args: Any, all_meta_info: list[dict[str, Any]], rollout_id: int) -> dict[str, float]:
-    """Aggregate and log one rollout's meta_info; returns the metrics logged (with `rollout/step`)."""
+def log_raw_info(args: Any, all_meta_info: list[dict[str, Any]], rollout_id: int,
+                 adapter_counts: dict[str, int] | None = None) -> dict[str, float]:
+    """Aggregate and log one rollout's meta_info; returns the metrics logged (with `rollout/step`).
+
+    `adapter_counts` are the adapter's own counts of the rollout (e.g. groups it dropped because a record
+    could not become a sample), logged under `rollout/adapter/`.
+    """
     metrics = aggregate_meta_info(all_meta_info)
+    for key, value in (adapter_counts or {}).items():
+        metrics[f"{PREFIX}adapter/{key}"] = value
     step = rollout_step(args, rollout_id)
     metrics[f"{PREFIX}step"] = step
     log.info("rollout %d buffer stats: %s", rollout_id, metrics)

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from slime_adapter.loss_mask import MultiTurnLossMaskGenerator, get_response_lengths
+from slime_adapter.loss_mask import MultiTurnLossMaskGenerator, get_response_lengths, unrenderable_reason
 from slime_adapter.sample import Sample, sample_fields, status_member
 
 log = logging.getLogger(__name__)
@@ -93,9 +93,17 @@ class SampleBuilder:
         self._generator: Any = None
 
     def _masked_tokens(self, record: Record) -> tuple[list[int], int, list[int]]:
+        uid = record.get("uid")
+        reason = unrenderable_reason(record.get("messages"))
+        if reason is not None:
+            raise RecordError(f"record {uid}: {reason}")
         if self._generator is None:
             self._generator = MultiTurnLossMaskGenerator(self._tokenizer_loader(), self.loss_mask_type)
-        tokens, mask = self._generator.get_loss_mask(record["messages"], tools=record.get("tools"))
+        try:
+            tokens, mask = self._generator.get_loss_mask(record["messages"], tools=record.get("tools"))
+        except Exception as e:  # the chat template refused the conversation
+            raise RecordError(f"record {uid}: the loss mask generator cannot render it: {type(e).__name__}: {e}"
+                              ) from e
         length = get_response_lengths([mask])[0]
         return tokens, length, mask[len(mask) - length :]
 

@@ -68,6 +68,8 @@ class GroupCollector:
         self.n = n_samples_per_prompt
         self.rollout_id = rollout_id
         self.meta_infos: list[dict[str, Any]] = []
+        # Groups dropped at commit because records of theirs cannot become samples, and those records.
+        self.dropped = {"dropped_groups": 0, "unusable_records": 0}
         self._pending: list[_Fetched] = []
         self._arrivals = 0
 
@@ -124,11 +126,19 @@ class GroupCollector:
         regular: list[SampleGroup] = []
         irregular: list[SampleGroup] = []
         for group in groups:
-            try:
-                samples = [self.builder.build(r) for r in group.records]
-            except RecordError as e:
-                # Acked with the rest: delivered again it would fail again and stall training for good.
-                log.error("dropping group %s (epoch %d): %s", group.instance_id, group.epoch, e)
+            samples, errors = [], []
+            for record in group.records:
+                try:
+                    samples.append(self.builder.build(record))
+                except RecordError as e:
+                    errors.append(str(e))
+            if errors:
+                # A group short of a sample cannot be trained as a group. It is acked with the rest:
+                # delivered again it would fail again and stall training for good. `fill` fetches another.
+                self.dropped["dropped_groups"] += 1
+                self.dropped["unusable_records"] += len(errors)
+                log.error("dropping group %s (epoch %d), %d of its %d records cannot become samples: %s",
+                          group.instance_id, group.epoch, len(errors), len(group.records), "; ".join(errors))
                 continue
             (regular if len(samples) == self.n else irregular).append(samples)
         if regular:
@@ -201,6 +211,6 @@ def generate_rollout(
         ensure_rollout_started(client, args, settings, data_buffer.get_metadata())
         collector = GroupCollector(client, settings, builder, data_buffer, n, rollout_id)
         collector.fill(batch_size)
-    if collector.meta_infos:
-        log_raw_info(args, collector.meta_infos, rollout_id)
+    if collector.meta_infos or collector.dropped["dropped_groups"]:
+        log_raw_info(args, collector.meta_infos, rollout_id, collector.dropped)
     return take_batch(data_buffer, batch_size)

@@ -23,12 +23,13 @@ _LIVE_STATES = frozenset({"running", "finished"})
 
 
 def consumed_instance_ids(metadata: dict[str, Any]) -> list[str]:
-    """Instance ids recorded in the data buffer's metadata (rollout id → ids), for `skip_instance_ids`."""
-    ids: list[str] = []
-    for value in metadata.values():
-        if isinstance(value, list | tuple):
-            ids.extend(str(i) for i in value)
-    return list(dict.fromkeys(ids))
+    """Instance ids recorded in the data buffer's metadata (rollout id → ids), for `skip_instance_ids`.
+
+    One id per consumed group, repeats kept, exactly as slime's own client flattens the metadata: the
+    buffer (like slime's generator) skips one group of an instance per occurrence, so an instance whose
+    groups of two epochs were trained on appears twice and both epochs are skipped.
+    """
+    return [str(i) for value in metadata.values() if isinstance(value, list | tuple) for i in value]
 
 
 def start_payload(args: Any, settings: AdapterSettings, skip_instance_ids: list[str]) -> dict[str, Any]:

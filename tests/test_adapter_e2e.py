@@ -8,6 +8,7 @@ it keeps its run open (so written records join it) until the test stops the serv
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ import httpx
 import pytest
 from servers import Server, free_port, running
 
+import slime_adapter.rollout as rollout_module
 from slime_adapter import add_arguments, generate_rollout
 from slime_adapter.client import RolloutBufferError, RolloutBufferUnavailable
 from slime_adapter.data_buffer import DataBuffer
@@ -224,6 +226,36 @@ def test_crash_between_fetch_and_ack_loses_no_group(
     assert time.monotonic() - began < 15
     after = httpx.post(f"{url}/get_rollout_data", json={"wait_s": 1.5}, timeout=10).json()
     assert after["success"] is False  # acked this time: not delivered again
+
+
+def test_a_record_the_mask_generator_cannot_render_drops_its_group_not_the_call(
+    serve: Callable[..., Server], workdir: Path, qwen_tokenizer: Any, qwen_tokenizer_path: str,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    url = serve().url
+    logged: list[dict[str, float]] = []
+    original = rollout_module.log_raw_info
+    monkeypatch.setattr(rollout_module, "log_raw_info",
+                        lambda *a, **kw: logged.append(original(*a, **kw)) or logged[-1])
+    # Group 30 holds one messages-only record with a tool message that answers no call (it ends with an
+    # assistant answer, so the buffer's own validity filter lets the group through).
+    bad = [token_record(qwen_tokenizer, "30", k, 1.0, k % 2) for k in range(4)]
+    bad[2] = {"uid": "30-bad", "instance_id": "30", "reward": 0.0, "extra_info": {"epoch": 0},
+              "messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "391"},
+                           {"role": "assistant", "content": "391"}]}
+    args = slime_args(url, workdir, qwen_tokenizer_path)
+    with caplog.at_level(logging.ERROR, logger="slime_adapter.rollout"), ThreadPoolExecutor(1) as pool:
+        call = pool.submit(generate_rollout, args, 0, DataBuffer(4))
+        wait_for_run(url, "external_writes")
+        write(url, bad)
+        write_group(url, qwen_tokenizer, "31", 2.0)
+        time.sleep(0.5)  # the call has fetched 30 and 31 and dropped 30: it waits for one more group
+        write_group(url, qwen_tokenizer, "32", 3.0)
+        batch = call.result(timeout=60)
+    assert sorted(g[0].index for g in batch) == [31, 32], "the trainer still gets a full batch"
+    assert "30-bad" in caplog.text and "tool message without a tool call" in caplog.text
+    assert logged[-1]["rollout/adapter/dropped_groups"] == 1 and logged[-1]["rollout/adapter/unusable_records"] == 1
+    assert httpx.post(f"{url}/get_rollout_data", json={}, timeout=10).json()["success"] is False  # 30 was acked
 
 
 def test_retry_limit_is_honoured_when_the_buffer_is_down(workdir: Path, qwen_tokenizer_path: str) -> None:

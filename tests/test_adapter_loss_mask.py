@@ -99,6 +99,32 @@ def test_qwen3_keeps_think_blocks_and_masks_tool_turns(qwen_tokenizer: Any) -> N
     )
 
 
+def test_qwen3_puts_consecutive_tool_messages_into_one_user_turn(qwen_tokenizer: Any) -> None:
+    # Parallel calls as a tool-call parser returns them (OpenAI tool_calls, JSON-string arguments).
+    calls = [{"id": f"call_{k}", "type": "function",
+              "function": {"name": "calculator", "arguments": json.dumps({"expression": e})}}
+             for k, e in enumerate(("17 * 23", "17 + 23"))]
+    messages = [
+        {"role": "user", "content": "What is 17 * 23?"},
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "call_0", "content": "391"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "40"},
+        {"role": "assistant", "content": "391"},
+    ]
+    hermes = "\n".join(
+        '<tool_call>\n{"name": "calculator", "arguments": ' + c["function"]["arguments"] + "}\n</tool_call>"
+        for c in calls)
+    expected = (
+        Expected(qwen_tokenizer)
+        .context(USER_TURN)
+        .assistant("<think>\n\n</think>\n\n" + hermes + "<|im_end|>\n")
+        .context("<|im_start|>user\n<tool_response>\n391\n</tool_response>\n<tool_response>\n40\n</tool_response>"
+                 "<|im_end|>\n")
+        .assistant("<think>\n\n</think>\n\n391<|im_end|>\n")
+    )
+    assert LossMaskGenerator(qwen_tokenizer, "qwen3").get_loss_mask(messages) == (expected.ids, expected.mask)
+
+
 def test_qwen3_without_reasoning_gets_an_empty_think_block(qwen_tokenizer: Any) -> None:
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     expected = (

@@ -20,18 +20,19 @@ without_slime = pytest.mark.skipif(importlib.util.find_spec("slime") is not None
 BATCHES: list[dict[str, Any]] = [
     {
         "total_samples": 8, "num_groups": 2, "avg_group_size": 4.0, "avg_reward": 1.0,
-        "avg_normalized_reward": 0.0, "finished_groups": 3, "filtered_groups": {"zero_variance": 1},
+        "avg_normalized_reward": 0.0, "finished_groups": ["1", "2", "2"], "finished_groups_count": 3,
+        "filtered_groups": {"zero_variance": 1},
         "filtered_zero_variance": 1, "tokenization_mismatches": 1, "redelivered_groups": 0,
         "batch_id": "b1", "acked_groups": 0, "pass_rate": 0.5,
     },
     {
         "total_samples": 24, "num_groups": 3, "avg_group_size": 8.0, "avg_reward": 0.0,
-        "avg_normalized_reward": 0.0, "finished_groups": 0,
+        "avg_normalized_reward": 0.0, "finished_groups": [], "finished_groups_count": 0,
         "filtered_groups": {"zero_variance": 2, "is_valid_group_error: ValueError: bad": 1},
         "tokenization_mismatches": 0, "redelivered_groups": 2, "batch_id": "b2", "pass_rate": 0.25,
     },
-    # An empty long-poll answer still reports what was filtered since the last read.
-    {"total_samples": 0, "num_groups": 0, "avg_reward": 0.0, "finished_groups": 1,
+    # A batch of groups that were all dropped by the adapter still reports what the buffer finished and filtered.
+    {"total_samples": 0, "num_groups": 0, "avg_reward": 0.0, "finished_groups": ["9"], "finished_groups_count": 1,
      "filtered_groups": {"empty_response": 4}, "batch_id": None},
 ]
 
@@ -54,9 +55,17 @@ def test_values_are_weighted_by_samples_and_counts_summed() -> None:
     assert not any("batch_id" in k or "filtered_zero_variance" in k for k in m)
 
 
-def test_slimes_original_finished_groups_list_is_counted() -> None:
-    m = aggregate_meta_info([{"total_samples": 4, "avg_reward": 0.5, "finished_groups": ["7", "9"]}])
+def test_finished_groups_lists_are_counted_and_not_logged_as_metrics() -> None:
+    m = aggregate_meta_info([{"total_samples": 4, "avg_reward": 0.5, "finished_groups": ["7", "9"],
+                              "finished_groups_count": 2}])
     assert m["rollout/finished_groups"] == 2 and m["rollout/no_filter/avg_reward"] == 0.5
+    assert not any("finished_groups_count" in k for k in m)
+
+
+def test_adapter_counts_are_logged_under_their_own_prefix() -> None:
+    args = Namespace(use_wandb=False, use_tensorboard=False)
+    m = log_raw_info(args, [{"total_samples": 4, "avg_reward": 0.5}], 3, {"dropped_groups": 1})
+    assert m["rollout/adapter/dropped_groups"] == 1 and m["rollout/step"] == 3
 
 
 def test_no_batches_logs_zero_samples() -> None:

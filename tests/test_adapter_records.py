@@ -132,3 +132,33 @@ def test_engine_log_probs_are_dropped_when_the_record_is_retokenized(qwen_tokeni
     rec = {"uid": "u2", "instance_id": "1", "messages": MESSAGES, "reward": 0.0, "extra_info": {},
            "rollout_log_probs": [-0.1, -0.2]}
     assert builder(qwen_tokenizer).build(rec).rollout_log_probs is None
+
+
+@pytest.mark.parametrize(
+    ("messages", "reason"),
+    [
+        ([{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}], r"messages\[1\] has role 'robot'"),
+        ([{"role": "user", "content": "hi"}, {"role": "tool", "content": "391"}],
+         r"messages\[1\] is a tool message without a tool call"),
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "no call here"},
+          {"role": "tool", "content": "391"}], r"messages\[2\] is a tool message without a tool call"),
+        ([], "non-empty list"),
+        # Qwen3's template cannot render an assistant message whose content is not text.
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}], "cannot render it"),
+    ],
+)
+def test_unrenderable_messages_fail_the_record_by_uid(qwen_tokenizer: Any, messages: list, reason: str) -> None:
+    rec = {"uid": "run:9:0:3", "instance_id": "9", "messages": messages, "reward": 0.0, "extra_info": {}}
+    with pytest.raises(RecordError, match=rf"record run:9:0:3: .*{reason}"):
+        builder(qwen_tokenizer).build(rec)
+
+
+def test_tool_messages_answering_hermes_or_structured_calls_render(qwen_tokenizer: Any) -> None:
+    structured = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_0", "type": "function", "function": {"name": "calc", "arguments": '{"x": 1}'}}]}
+    hermes = {"role": "assistant", "content": '<tool_call>\n{"name": "calc", "arguments": {"x": 1}}\n</tool_call>'}
+    for call_turn in (structured, hermes):
+        messages = [{"role": "user", "content": "hi"}, call_turn, {"role": "tool", "content": "1"},
+                    {"role": "tool", "content": "2"}, {"role": "assistant", "content": "3"}]
+        rec = {"uid": "u", "instance_id": "1", "messages": messages, "reward": 0.0, "extra_info": {}}
+        assert builder(qwen_tokenizer).build(rec).response_length > 0

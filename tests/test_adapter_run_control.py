@@ -42,9 +42,10 @@ def test_payload_uses_slimes_keys_and_values() -> None:
     }
 
 
-def test_resumed_training_skips_every_consumed_instance_once() -> None:
+def test_resumed_training_skips_one_group_per_consumed_id_like_slimes_client() -> None:
+    # Instance 2 was trained on in two epochs: both of its groups are skipped, as slime's client asks.
     metadata = {"0": ["1", "2"], "1": [2, "3"], "note": "not a list"}
-    assert consumed_instance_ids(metadata) == ["1", "2", "3"]
+    assert consumed_instance_ids(metadata) == ["1", "2", "2", "3"]
 
 
 TASKS = "/data/tasks.jsonl"

@@ -269,6 +269,26 @@ def test_consecutive_tool_messages_share_one_block(qwen_tokenizer, im_end):
     assert two_calls.check() is None
 
 
+@pytest.mark.parametrize("split", [(3,), (1, 1, 1), (2, 1), (1, 2)], ids=["one_call", "one_by_one", "2+1", "1+2"])
+def test_parallel_tool_results_render_as_the_template_however_they_are_appended(qwen_tokenizer, im_end, split):
+    tok = qwen_tokenizer
+    calls = "\n".join(f'<tool_call>\n{{"name": "calc", "arguments": {{"expr": "{e}"}}}}\n</tool_call>'
+                      for e in ("17*23", "17+23", "17-23"))
+    turn_1 = "Three at once.\n" + calls  # no reasoning: the follow-up would make Qwen3's template drop it
+    results = [{"role": "tool", "tool_call_id": f"call_{k}", "content": c} for k, c in enumerate(("391", "40", "-6"))]
+    conv = Conversation(PROMPT, tok, tools=[CALC_TOOL])
+    conv.add_assistant(*engine_output(tok, turn_1, im_end), turn_1)
+    start = 0
+    for n in split:
+        conv.add_messages(results[start:start + n])
+        start += n
+    conv.add_messages([FOLLOW_UP])  # a user turn after the tool results: a block of its own
+    conv.add_assistant(*engine_output(tok, TURN_3, im_end), TURN_3)
+    assert conv.check() is None, "strict: token for token the template's rendering"
+    assert conv.token_ids == tok.encode(render(tok, conv.messages, tools=[CALC_TOOL]))
+    assert tok.decode(conv.token_ids).count("<|im_start|>user\n<tool_response>") == 1
+
+
 def test_messages_before_the_first_turn_join_the_prompt(qwen_tokenizer):
     conv = Conversation(PROMPT[:1], qwen_tokenizer)
     conv.add_messages(PROMPT[1:])

@@ -322,6 +322,24 @@ def test_chat_mode_without_tokenizer(tmp_path: Path, engine: Server) -> None:
     inp = write_jsonl(tmp_path / "in.jsonl", demo_rows("plan-001"))
     with buffer(tmp_path).start() as srv:
         status, batches = run_to_end(srv.url, engine.url, inp, None, num_repeat_per_sample=2)
+    check_chat_episodes(status, batches)
+
+
+def test_chat_mode_with_a_tool_call_parser(tmp_path: Path, qwen_tokenizer_path: str) -> None:
+    inp = write_jsonl(tmp_path / "in.jsonl", demo_rows("plan-001"))
+    with sim_engine(tmp_path, qwen_tokenizer_path, "--tool-call-parser", "qwen").start() as parsing, \
+            buffer(tmp_path).start() as srv:
+        status, batches = run_to_end(srv.url, parsing.url, inp, None, num_repeat_per_sample=2)
+    for _planner, actors in check_chat_episodes(status, batches).values():
+        for actor in actors:
+            call_turn, tool = actor["messages"][2:4]
+            [call] = call_turn["tool_calls"]
+            assert "<tool_call>" not in call_turn["content"] and call["function"]["name"] == "calculator"
+            assert tool["tool_call_id"] == call["id"] and actor["tools"][0]["function"]["name"] == "calculator"
+
+
+def check_chat_episodes(status: dict, batches: list[list[dict]]) -> dict[str, tuple[dict, list[dict]]]:
+    """Two answered episodes of plan-001 in chat mode, each actor computing its step with the calculator."""
     eps = episodes(batches[0])
     assert len(eps) == 2 and status["run"]["progress"]["failed"] == 0
     for planner, actors in eps.values():
@@ -331,6 +349,7 @@ def test_chat_mode_without_tokenizer(tmp_path: Path, engine: Server) -> None:
         assert [a["extra_info"]["step"] for a in actors] == ["Compute 24 * 36.", f"Compute {reported} - 785."]
         assert first["messages"][3]["content"] == "864"
         assert second["messages"][3]["content"] == str(int(reported) - 785)
+    return eps
 
 
 def test_question_answered_through_the_search_tool_scored_by_exact_match(

@@ -46,7 +46,7 @@ def test_slime_client_round_trip(buffer_server: Server) -> None:
     assert {r["instance_id"] for r in data} == {"b"}
     assert meta["total_samples"] == 4 and meta["num_groups"] == 1 and meta["avg_group_size"] == 4
     assert meta["avg_reward"] == pytest.approx(0.5)
-    assert meta["finished_groups"] == 1
+    assert meta["finished_groups"] == ["b"] and meta["finished_groups_count"] == 1
     for r in data:
         assert set(r) >= {"uid", "instance_id", "messages", "reward", "raw_reward", "extra_info"}
     # Without lease_s delivery is consumption (slime's original client).
@@ -58,16 +58,17 @@ def test_raw_body_and_empty_body_accepted(buffer_server: Server) -> None:
     assert resp.status_code == 200 and resp.json()["success"] is False
 
 
-def test_groups_are_per_epoch_and_oldest_first(buffer_server: Server) -> None:
+def test_groups_are_per_epoch_and_oldest_first_one_per_instance(buffer_server: Server) -> None:
     url = buffer_server.url
     write_group(url, "x", [1, 0, 0, 0], epoch=1)
     write_group(url, "x", [1, 1, 1, 0], epoch=0)
     write_group(url, "y", [0, 0, 0, 1], epoch=0)
+    # slime's client groups an answer by instance_id: x's second epoch waits for the next read.
     out = get(url, {"max_groups": 2})
     groups = [(r["instance_id"], r["extra_info"]["epoch"]) for r in out["data"]["data"]]
-    assert groups[:4] == [("x", 1)] * 4 and groups[4:] == [("x", 0)] * 4
+    assert groups == [("x", 1)] * 4 + [("y", 0)] * 4
     rest = get(url)["data"]["data"]
-    assert [(r["instance_id"], r["extra_info"]["epoch"]) for r in rest] == [("y", 0)] * 4
+    assert [(r["instance_id"], r["extra_info"]["epoch"]) for r in rest] == [("x", 0)] * 4
 
 
 def test_grpo_normalization_and_raw_reward(buffer_server: Server) -> None:

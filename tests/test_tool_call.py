@@ -19,7 +19,9 @@ from servers import Server, free_port, running
 from generators.math import math_reward
 from generators.tools import ToolCall, parse_tool_calls
 from rollout_buffer.demo import bundled_dataset
+from rollout_buffer.sim import tool_calls as sim_tool_calls
 from rollout_buffer.sim.policy import Draw, choose_policy, scripted_reply
+from slime_adapter.loss_mask import LossMaskGenerator
 
 FIXTURES = Path(__file__).parent / "tool_fixtures.py"
 RIGHT = Draw(correct=True, offset=2, invalid=False)
@@ -48,6 +50,16 @@ def invalid_engine(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_path
     port = free_port()
     log = tmp_path_factory.mktemp("sim") / "sim.log"
     with running(sim_engine_args(port, qwen_tokenizer_path, "--invalid-rate", "1.0"), "/health", port, log) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def parser_engine(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_path: str) -> Iterator[Server]:
+    """A simulated model that is always right, served like SGLang with `--tool-call-parser qwen`."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("sim") / "sim.log"
+    args = sim_engine_args(port, qwen_tokenizer_path, "--correct-rate", "1.0", "--tool-call-parser", "qwen")
+    with running(args, "/health", port, log) as srv:
         yield srv
 
 
@@ -199,6 +211,86 @@ def test_unreadable_tool_config_fails_trajectories_with_the_reason(tmp_path, sim
     assert rec["status"] == "failed" and f"cannot read tool config {missing}" in rec["extra_info"]["error"]
 
 
+PARALLEL_ROWS = [{"instance_id": f"par-{i}", "prompt": f"Compute {a} * {b} and {a} + {b} with the calculator.",
+                  "label": str(a + b)} for i, (a, b) in enumerate(((17, 23), (120, 7)))]
+
+
+def test_parallel_calls_in_token_and_chat_mode_give_the_same_sequence(
+        tmp_path, parser_engine, qwen_tokenizer, qwen_tokenizer_path):
+    """Token mode keeps the hermes text and answers both calls in one user turn (strict check); chat mode against a
+    tool-call parser stores OpenAI tool_calls and tool_call_ids, which the loss-mask generator renders back into the
+    very tokens token mode recorded."""
+    inp = write_jsonl(tmp_path / "in.jsonl", PARALLEL_ROWS)
+    options = {"max_parallel_calls": 2, "num_repeat_per_sample": 2}
+    with buffer(tmp_path).start() as srv:
+        _, token_records = run_to_end(srv.url, parser_engine.url, inp, qwen_tokenizer_path, **options)
+        _, chat_records = run_to_end(srv.url, parser_engine.url, inp, qwen_tokenizer_path, engine_mode="chat",
+                                     **options)
+    assert len(token_records) == len(chat_records) == 4
+    im_end = qwen_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    generator = LossMaskGenerator(qwen_tokenizer, "qwen3")
+    tokens_of = {r["instance_id"]: r["tokens"] for r in token_records}
+    for r in token_records:
+        assert [m["role"] for m in r["messages"]] == ["user", "assistant", "tool", "tool", "assistant"]
+        assert len(parse_tool_calls(r["messages"][1]["content"])) == 2
+        assert "tokenization_mismatch" not in r["extra_info"], "strict check: one user turn for both results"
+        assert qwen_tokenizer.decode(r["tokens"]).count("<tool_response>") == 2
+    for r in chat_records:
+        call_turn, first, second = r["messages"][1:4]
+        assert "<tool_call>" not in call_turn["content"] and r["tokens"] is None
+        assert [c["function"]["name"] for c in call_turn["tool_calls"]] == ["calculator", "calculator"]
+        assert all(c["id"].startswith("call_") and isinstance(c["function"]["arguments"], str)
+                   for c in call_turn["tool_calls"])
+        assert [first["tool_call_id"], second["tool_call_id"]] == [c["id"] for c in call_turn["tool_calls"]]
+        assert r["extra_info"]["stop_reason"] == "answer" and r["raw_reward"] == 1.0
+        ids, mask = generator.get_loss_mask(r["messages"], tools=r["tools"])
+        assert ids == tokens_of[r["instance_id"]]
+        token_mask = next(t["loss_mask"] for t in token_records if t["instance_id"] == r["instance_id"])
+        # The generator also trains the newline after each <|im_end|>; the exact sequence leaves it out.
+        assert all(ids[i - 1] == im_end for i, (a, b) in enumerate(zip(mask, token_mask, strict=True)) if a != b)
+
+
+CALCULATOR_SCHEMA = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+
+
+def chat(url: str, **body: Any) -> httpx.Response:
+    return httpx.post(f"{url}/v1/chat/completions", json={"model": "m", **body}, timeout=10)
+
+
+def test_sim_engine_answers_tool_calls_in_sglangs_shape(parser_engine) -> None:
+    question = [{"role": "user", "content": "Compute 6 * 7 and 6 + 7."}]
+    choice = chat(parser_engine.url, messages=question, tools=[CALCULATOR_SCHEMA]).json()["choices"][0]
+    message = choice["message"]
+    assert message["content"] == "<think>\nI will use the calculator for 6 * 7 and 6 + 7.\n</think>"
+    assert choice["finish_reason"] == "tool_calls" and choice["matched_stop"] is None
+    assert [(c["index"], c["type"], c["function"]) for c in message["tool_calls"]] == [
+        (0, "function", {"name": "calculator", "arguments": '{"expression": "6 * 7"}'}),
+        (0, "function", {"name": "calculator", "arguments": '{"expression": "6 + 7"}'}),
+    ]
+    assert all(re.fullmatch(r"call_[0-9a-f]{24}", c["id"]) for c in message["tool_calls"])
+    # tool_choice "none": the text comes back as generated.
+    plain = chat(parser_engine.url, messages=question, tools=[CALCULATOR_SCHEMA], tool_choice="none").json()
+    assert plain["choices"][0]["message"]["tool_calls"] is None and plain["choices"][0]["finish_reason"] == "stop"
+    assert plain["choices"][0]["message"]["content"].count("<tool_call>") == 2
+    # History: string arguments are parsed before the template renders them; a non-object is refused.
+    history = [*question, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": "[1, 2]"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"}]
+    refused = chat(parser_engine.url, messages=history, tools=[CALCULATOR_SCHEMA])
+    assert refused.status_code == 400 and "must be a JSON object" in refused.text
+
+
+def test_sim_tool_call_parser_drops_what_sglang_drops() -> None:
+    text = ('Before.\n<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>\n<tool_call>\n{bad json}\n'
+            '</tool_call>\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "π * 2"}}\n</tool_call>')
+    content, calls = sim_tool_calls.parse_tool_calls(text, [CALCULATOR_SCHEMA])
+    assert content == "Before." and [c["function"] for c in calls] == [
+        {"name": "calculator", "arguments": '{"expression": "π * 2"}'}]
+    assert sim_tool_calls.parse_tool_calls("no call here", [CALCULATOR_SCHEMA]) is None
+
+
 # ------------------------------------------------------------------ the simulated engine's tool-call policy
 
 
@@ -220,6 +312,12 @@ def test_policy_calls_the_calculator_on_the_question() -> None:
     name, reply = scripted_reply(TOOLS_PROMPT, WRONG)
     assert name == "tool_call"
     assert parse_tool_calls(reply) == [ToolCall("calculator", {"expression": "245 * 5 + 410 * 2"})]
+
+
+def test_policy_calls_in_parallel_for_several_expressions() -> None:
+    prompt = TOOLS_PROMPT.replace("what is 245 * 5 + 410 * 2?", "compute 6 * 7 and 12 - 5.")
+    assert parse_tool_calls(scripted_reply(prompt, RIGHT)[1]) == [
+        ToolCall("calculator", {"expression": "6 * 7"}), ToolCall("calculator", {"expression": "12 - 5"})]
 
 
 def test_policy_boxes_the_tool_value_right_or_off_by_the_offset() -> None:

@@ -1,10 +1,12 @@
-"""Tools for the tool-calling generator: schemas, lifecycle, YAML config, hermes parsing, truncation.
+"""Tools for the tool-calling generator: schemas, lifecycle, YAML config, call parsing (hermes tags or
+OpenAI `tool_calls`), truncation.
 
 Kept light to import (the server imports this package at start): transformers is loaded only when a
 function's schema is inferred, and the bundled calculator only when a config names it.
 """
 
 from generators.tools.base import BaseTool, Tool, ToolResult, as_result, validate_schema
+from generators.tools.calls import message_tool_calls
 from generators.tools.config import ToolConfigError, load_tool_config, resolve_reference
 from generators.tools.function import FunctionTool, function_tool, infer_schema
 from generators.tools.hermes import ToolCall, parse_tool_calls
@@ -29,6 +31,7 @@ __all__ = [
     "function_tool",
     "infer_schema",
     "load_tool_config",
+    "message_tool_calls",
     "parse_tool_calls",
     "resolve_reference",
     "truncate_response",

@@ -19,11 +19,16 @@ _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One call the model made; `error` says why it cannot run when it is malformed."""
+    """One call the model made; `error` says why it cannot run when it is malformed.
+
+    `id` is the call's OpenAI id when it came as a structured `tool_calls` entry (see `generators.tools.calls`);
+    hermes tags carry none.
+    """
 
     name: str
     arguments: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    id: str | None = None
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
@@ -37,14 +42,20 @@ def _parse_one(body: str) -> ToolCall:
         call = orjson.loads(body.strip())
     except orjson.JSONDecodeError as e:
         return ToolCall("", error=f"the tool call is not valid JSON ({e})")
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+    if not isinstance(call, dict):
         return ToolCall("", error='the tool call needs a "name" string')
-    name, arguments = call["name"], call.get("arguments", {})
+    return tool_call(call.get("name"), call.get("arguments", {}))
+
+
+def tool_call(name: Any, arguments: Any, call_id: str | None = None) -> ToolCall:
+    """A call from its name and arguments (an object, or a JSON string of one), or one with the `error`."""
+    if not isinstance(name, str) or not name:
+        return ToolCall("", error='the tool call needs a "name" string', id=call_id)
     if isinstance(arguments, str):
         try:
             arguments = orjson.loads(arguments) if arguments.strip() else {}
         except orjson.JSONDecodeError as e:
-            return ToolCall(name, error=f"the arguments of {name} are not valid JSON ({e})")
+            return ToolCall(name, error=f"the arguments of {name} are not valid JSON ({e})", id=call_id)
     if not isinstance(arguments, dict):
-        return ToolCall(name, error=f'the "arguments" of {name} must be a JSON object')
-    return ToolCall(name, arguments)
+        return ToolCall(name, error=f'the "arguments" of {name} must be a JSON object', id=call_id)
+    return ToolCall(name, arguments, id=call_id)

@@ -40,10 +40,14 @@ class ToolOutcome:
     reward: float = 0.0
     metrics: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    call_id: str | None = None  # the structured call's id, answered as `tool_call_id`
 
     def message(self) -> dict[str, Any]:
         """The OpenAI tool message the model reads next."""
-        return {"role": "tool", "name": self.name, "content": self.text}
+        message = {"role": "tool", "name": self.name, "content": self.text}
+        if self.call_id is not None:
+            message["tool_call_id"] = self.call_id
+        return message
 
 
 class ToolSession:
@@ -115,7 +119,7 @@ class ToolSession:
             log.debug("tool %s failed on %s", call.name, self.instance_id, exc_info=True)
             return self._error(call, f"{type(e).__name__}: {e}")
         text = truncate_response(result.text, self.limits.max_response_length, self.limits.truncate_side)
-        return ToolOutcome(call.name, call.arguments, text, result.reward, result.metrics)
+        return ToolOutcome(call.name, call.arguments, text, result.reward, result.metrics, call_id=call.id)
 
     async def _instance(self, name: str) -> str:
         created = self._instances.get(name)
@@ -133,4 +137,5 @@ class ToolSession:
 
     def _error(self, call: ToolCall, text: str) -> ToolOutcome:
         return ToolOutcome(call.name, call.arguments, truncate_response(
-            f"Error: {text}", self.limits.max_response_length, self.limits.truncate_side), error=text)
+            f"Error: {text}", self.limits.max_response_length, self.limits.truncate_side), error=text,
+            call_id=call.id)

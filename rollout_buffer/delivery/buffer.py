@@ -62,9 +62,10 @@ class Delivery:
 
 @dataclass
 class ReadCounters:
-    """Counts since the last read, reported in meta_info as slime's `finished_groups`."""
+    """What happened since the last answer that delivered groups: the instance ids of the groups that became
+    ready, in order (slime's `finished_groups`, one id per group), and dropped groups by reason."""
 
-    finished: int = 0
+    finished: list[str] = field(default_factory=list)
     filtered: Counter[str] = field(default_factory=Counter)
 
 
@@ -143,7 +144,7 @@ class RolloutBuffer:
         if result.completed:
             for _key, reason in result.completed:
                 if reason is None:
-                    self._since_read.finished += 1
+                    self._since_read.finished.append(_key[1])
                 else:
                     self._since_read.filtered[reason] += 1
                     log.info("group %s/%s epoch %s dropped: %s", _key[0], _key[1], _key[2], reason)
@@ -165,8 +166,8 @@ class RolloutBuffer:
     ) -> Delivery:
         """Whole ready groups, oldest first; waits up to `wait_s` for the first one to be ready.
 
-        A long-polling client that hung up gets nothing taken for it: without a lease those groups would
-        count as consumed and be lost.
+        An answer holds at most one group per instance id (see `Store.take`). A long-polling client that
+        hung up gets nothing taken for it: without a lease those groups would count as consumed and be lost.
         """
         acked = await self.ack(ack) if ack else 0
         deadline = time.monotonic() + wait_s
@@ -203,7 +204,11 @@ class RolloutBuffer:
     ) -> dict[str, Any]:
         records = [r for g in groups for r in g]
         n = len(records)
-        since, self._since_read = self._since_read, ReadCounters()
+        # Only an answer that delivers groups reports (and so consumes) what happened since the last one:
+        # slime's client ignores unsuccessful answers, so ids reported there would never reach its metadata.
+        since = ReadCounters()
+        if groups:
+            since, self._since_read = self._since_read, ReadCounters()
         raw = [r.raw_reward for r in records]
         meta: dict[str, Any] = {
             "total_samples": n,
@@ -212,6 +217,7 @@ class RolloutBuffer:
             "avg_reward": sum(raw) / n if n else 0.0,
             "avg_normalized_reward": sum(r.reward for r in records) / n if n else 0.0,
             "finished_groups": since.finished,
+            "finished_groups_count": len(since.finished),
             "filtered_groups": dict(since.filtered),
             "batch_id": batch_id,
             "acked_groups": acked,

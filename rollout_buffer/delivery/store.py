@@ -305,7 +305,8 @@ class Store:
 
     # ---- reads -----------------------------------------------------------------------------------
     async def take(self, max_groups: int | None, lease_s: float | None, now: float | None = None) -> Batch:
-        """Hand out the oldest ready groups: leased for `lease_s`, or consumed when lease_s is None."""
+        """Hand out the oldest ready groups, at most one per instance id: leased for `lease_s`, or consumed
+        when lease_s is None."""
         return await self.call(lambda conn: _take(conn, max_groups, lease_s, now or time.time()))
 
     async def ack(self, batch_id: str) -> int:
@@ -526,17 +527,37 @@ def _stored(blob: bytes, summary: bytes | None) -> StoredRecord:
     return StoredRecord(blob, float(reward), float(raw), task_type, bool(mismatch))
 
 
+def _one_per_instance(rows: Iterable[tuple], max_groups: int | None) -> list[tuple]:
+    """The first `max_groups` rows (all when None) whose instance id no earlier row has.
+
+    slime's client (`select_rollout_data`) groups an answer's records by `instance_id` alone, so two groups
+    of one instance (two epochs, or two runs) in one answer would become one group of twice the size; the
+    later group waits for the next read instead. The cursor is read lazily, so this stops at `max_groups`.
+    """
+    taken: list[tuple] = []
+    seen: set[str] = set()
+    for row in rows:
+        if max_groups is not None and len(taken) >= max_groups:
+            break
+        if row[1] not in seen:
+            seen.add(row[1])
+            taken.append(row)
+    return taken
+
+
 def _take(conn: sqlite3.Connection, max_groups: int | None, lease_s: float | None, now: float) -> Batch:
     expired = conn.execute(
         "UPDATE groups SET state='ready', lease_expires=NULL WHERE state='leased' AND lease_expires <= ?", (now,)
     ).rowcount
     if expired:
         log.info("%d leased groups were not acked in time and are deliverable again", expired)
-    rows = conn.execute(
-        "SELECT run_id, instance_id, epoch, part, batch_id FROM groups WHERE state='ready' "
-        "ORDER BY ready_seq LIMIT ?",
-        (max_groups if max_groups is not None else -1,),
-    ).fetchall()
+    ready = conn.execute(
+        "SELECT run_id, instance_id, epoch, part, batch_id FROM groups WHERE state='ready' ORDER BY ready_seq"
+    )
+    try:
+        rows = _one_per_instance(ready, max_groups)
+    finally:
+        ready.close()
     groups: list[list[StoredRecord]] = []
     batch_id: str | None = None
     redelivered = 0

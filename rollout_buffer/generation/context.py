@@ -102,7 +102,8 @@ class RolloutContext:
             chat_params["max_tokens"] = per_turn
         chat = await engine.chat(conv.messages, chat_params, session_id=session, tools=conv.tools)
         self._count_turn(chat.engine_url, 0)
-        conv.add_assistant_text(chat.text, finish_reason=chat.finish_reason)
+        conv.add_assistant_text(chat.text, finish_reason=chat.finish_reason, tool_calls=chat.tool_calls,
+                                reasoning_content=chat.reasoning_content)
         return chat.finish_reason
 
     def _count_turn(self, engine_url: str, resumed: int) -> None:
@@ -114,7 +115,8 @@ class RolloutContext:
 
     async def trajectory(self, conv: Conversation, reward: float, finish_reason: str = "stop",
                          **extra_info: Any) -> dict[str, Any]:
-        """Build the record of a finished conversation (exact tokens included in token mode)."""
+        """Build the record of a finished conversation: exact tokens in token mode; in chat mode the tool
+        schemas the engine saw (`tools`), which the trainer's loss-mask generator needs to render the prompt."""
         info: dict[str, Any] = {"finish_reason": finish_reason, **self.engine_stats, **extra_info}
         fields: dict[str, Any] = {}
         if conv.token_mode:
@@ -123,6 +125,8 @@ class RolloutContext:
                 info["tokenization_mismatch"] = mismatch
                 metrics.TOKENIZATION_MISMATCHES.inc()
             fields = conv.record_fields()
+        elif conv.tools:
+            fields = {"tools": conv.tools}
         return {
             "messages": conv.messages,
             "reward": float(reward),

@@ -329,14 +329,21 @@ class Conversation:
 
     # -- both modes -------------------------------------------------------------------------------
 
-    def add_assistant_text(self, text: str, finish_reason: str = "stop") -> None:
-        """Chat mode: append an assistant message the engine produced from `messages`."""
+    def add_assistant_text(self, text: str, finish_reason: str = "stop", *,
+                           tool_calls: list[dict[str, Any]] | None = None,
+                           reasoning_content: str | None = None) -> None:
+        """Chat mode: append an assistant message the engine produced from `messages`.
+
+        `tool_calls` (OpenAI shape: `id`, `type`, `function` with `name` and JSON-string `arguments`), as a
+        server with a tool-call parser answers them, and a separated `reasoning_content` are kept in the
+        message, so the chat template renders the turn as the model wrote it.
+        """
         if self.token_mode:
             raise RuntimeError("token mode keeps the engine's output ids: use add_assistant")
         self._require_not_truncated()
         if finish_reason in _CUT:
             self.truncated = True
-        self._end_assistant_turn(text, finish_reason)
+        self._end_assistant_turn(text, finish_reason, tool_calls, reasoning_content)
 
     def add_messages(self, new: list[dict[str, Any]]) -> None:
         """Append user or tool messages; in token mode their template text follows at loss 0."""
@@ -454,8 +461,14 @@ class Conversation:
         self._env_text = delta
         self._open = False
 
-    def _end_assistant_turn(self, text: str, finish_reason: str) -> None:
-        self.messages.append({"role": "assistant", "content": text})
+    def _end_assistant_turn(self, text: str, finish_reason: str, tool_calls: list[dict[str, Any]] | None = None,
+                            reasoning_content: str | None = None) -> None:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if reasoning_content:
+            message["reasoning_content"] = reasoning_content
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        self.messages.append(message)
         self.finish_reason = finish_reason
         self._assistant_turns += 1
         self._env_messages_start = len(self.messages)

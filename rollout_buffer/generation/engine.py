@@ -12,6 +12,7 @@ than aiohttp against the same server), and the buffer must not become the bottle
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import time
@@ -115,13 +116,20 @@ class GenerateResult:
 
 @dataclass
 class ChatResult:
-    """Output of one `/v1/chat/completions` call."""
+    """Output of one `/v1/chat/completions` call.
+
+    With a tool-call parser (`--tool-call-parser`) SGLang answers the calls as OpenAI `message.tool_calls`
+    (`text` is then the content without the call tags) and finish reason `tool_calls`; that reason is
+    reported here as `stop`, what `/generate` says for the same turn, so generators read both modes alike.
+    """
 
     text: str
     finish_reason: str
     engine_url: str
     attempts: int
     raw: dict[str, Any]
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI shape: {"id", "type", "function": {"name", "arguments"}}
+    reasoning_content: str | None = None  # set when the server separates reasoning (`--reasoning-parser`)
 
 
 class EngineError(Exception):
@@ -216,6 +224,24 @@ def _parse_generate(body: Any, want_logprobs: bool) -> _Chunk:
         return _Chunk(ids, log_probs, text, kind, None if version is None else str(version))
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
         raise _AttemptError("bad_response", f"unexpected /generate response: {e}") from None
+
+
+def _tool_calls(calls: Any) -> list[dict[str, Any]] | None:
+    """`message.tool_calls` of a chat answer in the OpenAI request shape (what goes back into `messages`):
+    `id`, `type` and `function` with its `name` and `arguments` as a JSON string; None when there are none.
+    ValueError when they are not that shape."""
+    if not calls:
+        return None
+    out = []
+    for call in calls:
+        function = call["function"]
+        name, arguments = function["name"], function.get("arguments")
+        if not isinstance(name, str):
+            raise ValueError(f"tool call name {name!r} is not a string")
+        if not isinstance(arguments, str):  # some servers send an object: written as SGLang's parser writes it
+            arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
+        out.append({"id": call.get("id"), "type": "function", "function": {"name": name, "arguments": arguments}})
+    return out
 
 
 class EngineClient:
@@ -397,7 +423,7 @@ class EngineClient:
 
     async def chat(self, messages: list[dict[str, Any]], sampling_params: dict[str, Any], *, session_id: str,
                    tools: list[dict[str, Any]] | None = None) -> ChatResult:
-        """OpenAI chat completion (text in, text out); no abort resumption in this mode."""
+        """OpenAI chat completion (messages in, message out); no abort resumption in this mode."""
         payload: dict[str, Any] = {"model": "default", **_chat_params(sampling_params), "messages": messages}
         if tools:
             payload["tools"] = tools
@@ -405,11 +431,15 @@ class EngineClient:
         def check(body: Any) -> ChatResult:
             try:
                 choice = body["choices"][0]
-                text = choice["message"].get("content") or ""
+                message = choice["message"]
+                text = message.get("content") or ""
                 finish = str(choice.get("finish_reason") or "stop")
-            except (KeyError, TypeError, IndexError, AttributeError) as e:
+                calls = _tool_calls(message.get("tool_calls"))
+            except (KeyError, TypeError, IndexError, AttributeError, ValueError) as e:
                 raise _AttemptError("bad_response", f"unexpected chat response: {e}") from None
-            return ChatResult(text=text, finish_reason=finish, engine_url="", attempts=0, raw=body)
+            return ChatResult(text=text, finish_reason="stop" if finish == "tool_calls" else finish, engine_url="",
+                              attempts=0, raw=body, tool_calls=calls,
+                              reasoning_content=message.get("reasoning_content") or None)
 
         result, url, attempts = await self._post("/v1/chat/completions", payload, session_id, check)
         result.engine_url, result.attempts = url, attempts

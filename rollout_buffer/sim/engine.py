@@ -43,6 +43,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from rollout_buffer.sim.policy import Draw, make_draw, scripted_reply
+from rollout_buffer.sim.tool_calls import normalize_history, parse_tool_calls
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class SimConfig:
     weight_version: str = "default"
     hang_s: float = 3600.0
     context_length: int = 32768
+    tool_call_parser: str | None = None  # SGLang's --tool-call-parser (`sim.tool_calls.TOOL_CALL_PARSERS`)
 
 
 @dataclass(frozen=True)
@@ -502,7 +504,8 @@ class SimEngine:
         return self._finish_response(payload, fault)
 
     async def chat(self, body: ChatRequest) -> Response:
-        """`POST /v1/chat/completions` in OpenAI's shape (no streaming, no tool-call parsing)."""
+        """`POST /v1/chat/completions` in OpenAI's shape (no streaming); tool calls parsed as SGLang's
+        `--tool-call-parser` does when the engine has one (`sim.tool_calls`)."""
         fault, refused = await self._admit(body.stream)
         if refused is not None:
             return refused
@@ -513,6 +516,7 @@ class SimEngine:
             params["max_new_tokens"] = limit
         try:
             sampling = Sampling.parse(params)
+            normalize_history(body.messages)
             text = await asyncio.to_thread(
                 self.tokenizer.apply_chat_template,
                 body.messages,
@@ -539,13 +543,18 @@ class SimEngine:
                     for i, t in enumerate(turn.output_ids)
                 ]
             }
+        content, calls, finish = self.output_text(turn, sampling), None, turn.finish["type"]
         matched = turn.finish.get("matched")
+        if self.config.tool_call_parser and body.tools and extra.get("tool_choice", "auto") != "none":
+            parsed = parse_tool_calls(content, body.tools)
+            if parsed is not None:
+                (content, calls), finish = parsed, "tool_calls" if finish == "stop" else finish
+                matched = None if finish == "tool_calls" else matched
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": self.output_text(turn, sampling), "tool_calls": None,
-                        "reasoning_content": None},
+            "message": {"role": "assistant", "content": content, "tool_calls": calls, "reasoning_content": None},
             "logprobs": logprobs,
-            "finish_reason": turn.finish["type"],
+            "finish_reason": finish,
             "matched_stop": matched,
         }
         n_in, n_out = len(ids), len(turn.output_ids)
@@ -598,6 +607,7 @@ class SimEngine:
             "max_total_num_tokens": self.config.context_length * 8,
             "max_running_requests": None,
             "version": "simulated",
+            "tool_call_parser": self.config.tool_call_parser,
             "weight_version": self.weight_version,
             "simulated": True,
             "internal_states": [{"avg_spec_accept_length": None, "last_gen_throughput": 0.0}],

@@ -122,6 +122,16 @@ def find_arithmetic(text: str) -> Arithmetic | None:
     return None
 
 
+def all_arithmetic(text: str) -> list[Arithmetic]:
+    """Every distinct arithmetic expression of `text`, in order."""
+    found: dict[str, Arithmetic] = {}
+    for match in _EXPR.finditer(text):
+        parsed = _parse(match.group(0))
+        if parsed is not None:
+            found.setdefault(parsed.expr, parsed)
+    return list(found.values())
+
+
 def format_number(value: Fraction) -> str:
     """An integer as digits, anything else as a LaTeX fraction."""
     if value.denominator == 1:
@@ -241,9 +251,10 @@ def _offers_calculator(text: str) -> bool:
 
 
 def _tool_call_reply(text: str, draw: Draw) -> str:
-    """Call the calculator on the question's arithmetic; once it answered, box its value (off when wrong).
+    """Call the calculator on the question's arithmetic, in parallel when it has several expressions; once it
+    answered, box the last value (off when wrong).
 
-    An invalid draw writes a malformed call; a tool error is answered with a new call.
+    An invalid draw writes malformed calls; a tool error is answered with new calls.
     """
     start = text.find("<|im_start|>assistant")
     responses = _TOOL_RESPONSE.findall(text[start:]) if start >= 0 else []
@@ -252,12 +263,15 @@ def _tool_call_reply(text: str, draw: Draw) -> str:
         shown = value.group(0) if draw.correct else format_number(Fraction(value.group(0)) + draw.offset)
         return (f"<think>\nThe calculator returned {value.group(0)}.\n</think>\n\n"
                 f"The answer is \\boxed{{{shown}}}.")
-    problem = find_arithmetic(first_user_turn(text))
-    if problem is None:
+    problems = all_arithmetic(first_user_turn(text))
+    if not problems:
         return _guess_reply(text, draw)
-    arguments = '{"expression": }' if draw.invalid else json.dumps({"expression": problem.expr})
-    return (f"<think>\nI will use the calculator for {problem.expr}.\n</think>\n\n"
-            f'<tool_call>\n{{"name": "{CALCULATOR_TOOL}", "arguments": {arguments}}}\n</tool_call>')
+    calls = []
+    for problem in problems:
+        arguments = '{"expression": }' if draw.invalid else json.dumps({"expression": problem.expr})
+        calls.append(f'<tool_call>\n{{"name": "{CALCULATOR_TOOL}", "arguments": {arguments}}}\n</tool_call>')
+    exprs = " and ".join(p.expr for p in problems)
+    return f"<think>\nI will use the calculator for {exprs}.\n</think>\n\n" + "\n".join(calls)
 
 
 # ---------------------------------------------------------------- plan / act (generators/plan_act.py)

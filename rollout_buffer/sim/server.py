@@ -29,6 +29,7 @@ from rollout_buffer.sim.engine import (
     error_response,
     json_response,
 )
+from rollout_buffer.sim.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-version", default="default")
     p.add_argument("--hang-s", type=float, default=3600.0, help="how long a 'hang' fault stalls")
     p.add_argument("--context-length", type=int, default=32768)
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="answer hermes tool calls as OpenAI message.tool_calls in /v1/chat/completions, as "
+                   "SGLang's flag of the same name does (qwen: Qwen 2.5 / Qwen3)")
     return p
 
 

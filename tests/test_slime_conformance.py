@@ -1,0 +1,302 @@
+"""Conformance with slime's own code, run when `SLIME_SRC` points at a slime checkout (skipped otherwise).
+
+- slime's agent client, `slime_plugins/rollout_buffer/rollout_buffer_example.generate_rollout`, unchanged,
+  against a live `rollout-buffer serve` and a simulated engine over HTTP, with slime's own data buffer
+  (`slime.rollout.data_source.RolloutDataSourceWithBuffer`, the default of `--data-source-path`): two
+  rollouts, a restart of the trainer side (the client module imported afresh, the data buffer rebuilt and
+  loaded from its own checkpoint), two more; the resumed run skips exactly the instance ids slime stored.
+- slime's `MultiTurnLossMaskGenerator` against the adapter's `LossMaskGenerator` (qwen, qwen3, distill_qwen,
+  real Qwen3 tokenizer) on the conversations below and on chat-mode tool-call records of a live run.
+
+slime's sources import with torch (CPU) and Pillow installed; `wandb` is replaced by a bare module when it is
+not installed. Everything slime adds to `sys.path` / `sys.modules` is removed again after this module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import types
+from argparse import Namespace
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from runs import drain, wait_finished
+from servers import free_port, running, sim_engine
+
+from slime_adapter.loss_mask import LossMaskGenerator
+
+SLIME_SRC = os.environ.get("SLIME_SRC")
+pytestmark = pytest.mark.skipif(not SLIME_SRC, reason="SLIME_SRC is not set (a checkout of THUDM/slime)")
+
+CLIENT = "slime_plugins.rollout_buffer.rollout_buffer_example"
+N_SAMPLES, NUM_EPOCH, INSTANCES, BATCH = 2, 2, 8, 2
+
+
+@pytest.fixture(scope="module")
+def slime() -> Iterator[types.SimpleNamespace]:
+    """slime's modules, imported from SLIME_SRC; slime leaves sys.path and sys.modules afterwards."""
+    pytest.importorskip("torch", reason="slime's sources need torch (the CPU build is enough)")
+    pytest.importorskip("PIL", reason="slime's data source imports Pillow")
+    assert SLIME_SRC is not None
+    saved_path = list(sys.path)
+    sys.path.insert(0, SLIME_SRC)
+    stub_wandb = importlib.util.find_spec("wandb") is None
+    if stub_wandb:
+        sys.modules["wandb"] = types.ModuleType("wandb")  # slime's client imports it; nothing here logs to it
+    try:
+        data_source = importlib.import_module("slime.rollout.data_source")
+        mask_utils = importlib.import_module("slime.utils.mask_utils")
+        slime_types = importlib.import_module("slime.utils.types")
+        yield types.SimpleNamespace(DataSource=data_source.RolloutDataSourceWithBuffer,
+                                    MaskGenerator=mask_utils.MultiTurnLossMaskGenerator,
+                                    Sample=slime_types.Sample)
+    finally:
+        sys.path[:] = saved_path
+        for name in [m for m in sys.modules if m.split(".")[0] in ("slime", "slime_plugins")]:
+            del sys.modules[name]
+        if stub_wandb:
+            del sys.modules["wandb"]
+
+
+def fresh_client() -> types.ModuleType:
+    """slime's client module imported anew: its globals (`START_ROLLOUT`) as a restarted trainer has them."""
+    sys.modules.pop(CLIENT, None)
+    return importlib.import_module(CLIENT)
+
+
+# ------------------------------------------------------------------ slime's client against the buffer
+
+
+def slime_args(tmp_path: Path, data: Path, buffer_url: str, engine_url: str, tokenizer: str) -> Namespace:
+    """The slime arguments the client and the data buffer read."""
+    host, port = engine_url.removeprefix("http://").split(":")
+    return Namespace(
+        # rollout_buffer_example.py
+        rollout_buffer_url=buffer_url, sglang_router_ip=host, sglang_router_port=int(port),
+        rollout_task_type="math", prompt_data=str(data), n_samples_per_prompt=N_SAMPLES, num_epoch=NUM_EPOCH,
+        rollout_num_process=4, rollout_max_response_len=256, rollout_temperature=1.0, rollout_top_p=1.0,
+        hf_checkpoint=tokenizer, rollout_batch_size=BATCH, fetch_trajectory_retry_times=3,
+        loss_mask_type="qwen3", use_wandb=False,
+        # slime.rollout.data_source, with its checkpoint (`save` / `load`) in tmp_path
+        rollout_global_dataset=True, dump_details=None, rollout_max_prompt_len=None, input_key="prompt",
+        multimodal_keys=None, label_key="label", metadata_key="metadata", tool_key=None,
+        apply_chat_template=False, apply_chat_template_kwargs=None, rollout_seed=42, rollout_shuffle=False,
+        buffer_filter_path=None, save=str(tmp_path / "ckpt"), load=str(tmp_path / "ckpt"),
+    )
+
+
+def groups_of(url: str, run_id: str) -> list[dict[str, Any]]:
+    return httpx.get(f"{url}/groups", params={"run_id": run_id, "limit": 1000}, timeout=10).json()["groups"]
+
+
+def check_batch(slime: types.SimpleNamespace, batch: list[list[Any]]) -> list[str]:
+    """A batch as slime's trainer gets it: `BATCH` groups of `N_SAMPLES` samples of one instance each."""
+    assert len(batch) == BATCH
+    for group in batch:
+        assert len(group) == N_SAMPLES and len({s.index for s in group}) == 1
+        for sample in group:
+            assert isinstance(sample, slime.Sample)
+            assert sample.status == slime.Sample.Status.COMPLETED
+            assert len(sample.loss_mask) == sample.response_length > 0 and len(sample.tokens) > sample.response_length
+            assert isinstance(sample.reward, float) and "finish_reason" in sample.metadata
+    return [str(group[0].index) for group in batch]
+
+
+def test_slimes_client_runs_unchanged_and_a_restarted_trainer_skips_the_finished_ids(
+    slime: types.SimpleNamespace, tmp_path: Path, qwen_tokenizer_path: str
+) -> None:
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps({"instance_id": i, "prompt": f"What is {i} + {i + 5}? Box it.",
+                                        "label": str(2 * i + 5)}) + "\n" for i in range(INSTANCES)))
+    port = free_port()
+    # 4 trajectories in flight at 2 s each: about one group a second, so generation outlasts the first
+    # two rollouts (slime's client waits 5 s before each fetch) and the restarted run has work left.
+    with sim_engine(tmp_path, qwen_tokenizer_path, "--latency-ms", "2000", "--correct-rate", "0.5") as engine, \
+            running(["serve", "--port", str(port), "--data-dir", str(tmp_path / "data")], "/healthz", port,
+                    tmp_path / "buffer.log") as buffer:
+        args = slime_args(tmp_path, data, buffer.url, engine.url, qwen_tokenizer_path)
+        client, data_buffer = fresh_client(), slime.DataSource(args)
+        delivered: list[str] = []
+        for rollout_id in (0, 1):
+            delivered += check_batch(slime, client.generate_rollout(args, rollout_id, data_buffer))
+            data_buffer.save(rollout_id)
+        stored = data_buffer.get_metadata()
+        first_run = httpx.get(f"{buffer.url}/status", timeout=10).json()["run"]["run_id"]
+
+        # The trainer restarts: slime's client starts afresh and its data buffer comes back from the checkpoint.
+        client, data_buffer = fresh_client(), slime.DataSource(args)
+        data_buffer.load(1)
+        assert data_buffer.get_metadata() == stored
+        for rollout_id in (2, 3):
+            check_batch(slime, client.generate_rollout(args, rollout_id, data_buffer))
+        status = wait_finished(buffer.url, timeout_s=120)
+        old_groups, new_groups = groups_of(buffer.url, first_run), groups_of(buffer.url, status["run"]["run_id"])
+
+    # slime stored, per rollout, the instance ids of the groups finished since its last read (strings, one per
+    # group): every group it trained on is among them, and each one is a group the first run completed.
+    assert set(stored) == {"0", "1"} and all(isinstance(i, str) for ids in stored.values() for i in ids)
+    finished = Counter(i for ids in stored.values() for i in ids)
+    assert not Counter(delivered) - finished
+    assert not finished - Counter(g["instance_id"] for g in old_groups if g["state"] in ("ready", "delivered"))
+    total = INSTANCES * NUM_EPOCH
+    assert 0 < finished.total() < total, "the restart must come while the first run still has work"
+    # The restarted client sent them as skip_instance_ids: the new run skipped exactly one group per id (the
+    # earliest epochs of each instance, as slime's generator does) and generated every other group.
+    run = status["run"]
+    assert run["state"] == "finished" and run["run_id"] != first_run
+    assert Counter(run["config"]["skip_instance_ids"]) == finished
+    assert run["progress"]["skipped"] == N_SAMPLES * finished.total()
+    expected = {(str(i), e) for i in range(INSTANCES) for e in range(NUM_EPOCH) if e >= finished[str(i)]}
+    assert {(g["instance_id"], g["epoch"]) for g in new_groups} == expected
+    assert len(new_groups) == total - finished.total()
+
+
+# ------------------------------------------------------------------ loss masks: slime's class against the adapter's
+
+
+TOOL = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+SEARCH = {"type": "function", "function": {
+    "name": "search", "description": "Search the web.",
+    "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}
+
+
+def call(name: str, arguments: dict[str, Any], k: int, as_string: bool = True) -> dict[str, Any]:
+    args: Any = json.dumps(arguments, ensure_ascii=False) if as_string else arguments
+    return {"id": f"call_{k}", "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def hermes(name: str, arguments: dict[str, Any]) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
+
+
+def conversations() -> list[tuple[str, list[dict[str, Any]], list[dict[str, Any]] | None]]:
+    """(name, messages, tools): plain, reasoning, empty and unicode turns; hermes and structured tool calls,
+    single, parallel and consecutive; separated reasoning; masked steps."""
+    sys_msg = {"role": "system", "content": "You are a careful assistant."}
+    user = {"role": "user", "content": "What is 17 * 23?"}
+    think = "<think>\nI should multiply.\n</think>\n\n"
+    out: list[tuple[str, list[dict[str, Any]], list[dict[str, Any]] | None]] = []
+    for flavour, answer in (("plain", "391"), ("reasoning", think + "17 * 23 = 391."), ("empty", ""),
+                            ("empty_think", "<think>\n\n</think>\n\n391"),
+                            ("unicode", "答案是 391 ✓ — naïve façade 🚀 مرحبا")):
+        out.append((f"single_{flavour}", [user, {"role": "assistant", "content": answer}], None))
+        out.append((f"system_{flavour}", [sys_msg, user, {"role": "assistant", "content": answer}], None))
+        out.append((f"follow_up_{flavour}", [user, {"role": "assistant", "content": answer},
+                                             {"role": "user", "content": "And plus 9?"},
+                                             {"role": "assistant", "content": think + "400"}], None))
+    unicode_user = {"role": "user", "content": "计算 2×3，然后 🚀 再 ÷ 2 ?"}
+    out.append(("unicode_user", [sys_msg, unicode_user, {"role": "assistant", "content": "答案：3"}], None))
+    out.append(("separated_reasoning", [user, {"role": "assistant", "content": "391",
+                                               "reasoning_content": "Multiply 17 by 23."}], None))
+    out.append(("step_loss_mask", [user, {"role": "assistant", "content": "draft", "step_loss_mask": 0},
+                                   {"role": "user", "content": "Again."},
+                                   {"role": "assistant", "content": "391"}], None))
+
+    expr = {"expression": "17 * 23"}
+    final = {"role": "assistant", "content": "<think>\nThe tool says 391.\n</think>\n\nThe answer is 391."}
+    for as_string in (True, False):
+        kind = "string" if as_string else "object"
+        out.append((f"structured_call_{kind}", [sys_msg, user, {
+            "role": "assistant", "content": "", "tool_calls": [call("calculator", expr, 0, as_string)]},
+            {"role": "tool", "tool_call_id": "call_0", "name": "calculator", "content": "391"}, final], [TOOL]))
+        out.append((f"structured_parallel_{kind}", [user, {
+            "role": "assistant", "content": think.rstrip("\n"),
+            "tool_calls": [call("calculator", expr, 0, as_string), call("search", {"query": "17×23"}, 1, as_string)]},
+            {"role": "tool", "tool_call_id": "call_0", "content": "391"},
+            {"role": "tool", "tool_call_id": "call_1", "content": "Résultat : 391 ✓"}, final], [TOOL, SEARCH]))
+    out.append(("hermes_call", [user, {"role": "assistant", "content": think + hermes("calculator", expr)},
+                                {"role": "tool", "content": "391"}, final], [TOOL]))
+    out.append(("hermes_parallel_three", [sys_msg, user, {
+        "role": "assistant", "content": "Three at once.\n" + "\n".join(
+            hermes("calculator", {"expression": e}) for e in ("1 + 1", "2 * 3", "10 / 4"))},
+        {"role": "tool", "content": "2"}, {"role": "tool", "content": "6"}, {"role": "tool", "content": "2.5"},
+        final], [TOOL]))
+    out.append(("consecutive_calls", [sys_msg, user,
+                                      {"role": "assistant", "content": "", "tool_calls": [call("calculator", expr, 0)]},
+                                      {"role": "tool", "tool_call_id": "call_0", "content": "391"},
+                                      {"role": "assistant", "content": think.rstrip("\n"),
+                                       "tool_calls": [call("calculator", {"expression": "391 + 9"}, 1)]},
+                                      {"role": "tool", "tool_call_id": "call_1", "content": "400"}, final], [TOOL]))
+    out.append(("parallel_then_user", [user, {"role": "assistant", "content": "",
+                                              "tool_calls": [call("calculator", expr, 0), call("calculator", expr, 1)]},
+                                       {"role": "tool", "content": "391"}, {"role": "tool", "content": "391"},
+                                       {"role": "user", "content": "Both agree?"},
+                                       {"role": "assistant", "content": "Yes."}], [TOOL]))
+    out.append(("ends_on_tools", [user, {"role": "assistant", "content": hermes("calculator", expr)},
+                                  {"role": "tool", "content": "391"}, {"role": "tool", "content": "多 行\n结果"}],
+                [TOOL]))
+    out.append(("structured_unicode_arguments", [user, {
+        "role": "assistant", "content": "", "tool_calls": [call("search", {"query": "北京 天气 ☀ «quote»"}, 0)]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "晴，25°C"}, final], [SEARCH]))
+    out.append(("empty_tool_response", [user, {"role": "assistant", "content": hermes("calculator", expr)},
+                                        {"role": "tool", "content": ""}, final], [TOOL]))
+    out.append(("long_multiline", [sys_msg, {"role": "user", "content": "Write code.\n\n```py\nx = 1\n```"},
+                                   {"role": "assistant", "content": think + "```python\n" + "\n".join(
+                                       f"print({k})  # line {k}" for k in range(40)) + "\n```\n\nDone."}], None))
+    out.append(("system_in_the_middle", [user, {"role": "assistant", "content": "391"},
+                                         {"role": "system", "content": "Be brief."},
+                                         {"role": "user", "content": "Again?"},
+                                         {"role": "assistant", "content": "391"}], None))
+    out.append(("whitespace_edges", [{"role": "user", "content": "  spaced  \n"},
+                                     {"role": "assistant", "content": "\n\n  answer with edges \n"}], None))
+    out.append(("tool_response_user", [user, {"role": "assistant", "content": "Let me see."},
+                                       {"role": "user", "content": "<tool_response>\n391\n</tool_response>"},
+                                       {"role": "assistant", "content": "391"}], None))
+    return out
+
+
+CONVERSATIONS = conversations()
+
+
+@pytest.fixture(scope="module")
+def mask_generators(slime: types.SimpleNamespace, qwen_tokenizer: Any) -> dict[str, tuple[Any, Any]]:
+    return {t: (slime.MaskGenerator(qwen_tokenizer, tokenizer_type=t), LossMaskGenerator(qwen_tokenizer, t))
+            for t in ("qwen", "qwen3", "distill_qwen")}
+
+
+def test_the_corpus_is_large_enough() -> None:
+    assert len(CONVERSATIONS) >= 30 and len({name for name, _, _ in CONVERSATIONS}) == len(CONVERSATIONS)
+
+
+@pytest.mark.parametrize("mask_type", ["qwen", "qwen3", "distill_qwen"])
+@pytest.mark.parametrize(("name", "messages", "tools"), CONVERSATIONS, ids=[c[0] for c in CONVERSATIONS])
+def test_loss_masks_equal_slimes(mask_generators: dict[str, tuple[Any, Any]], mask_type: str, name: str,
+                                 messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None:
+    theirs, ours = mask_generators[mask_type]
+    expected = theirs.get_loss_mask(json.loads(json.dumps(messages)), tools=tools)
+    assert ours.get_loss_mask(messages, tools=tools) == tuple(expected)
+
+
+def test_chat_mode_tool_call_records_mask_as_slime_masks_them(
+    mask_generators: dict[str, tuple[Any, Any]], tmp_path: Path, qwen_tokenizer_path: str
+) -> None:
+    rows = [{"instance_id": f"p{i}", "prompt": f"Compute {a} * {b} and {a} + {b} with the calculator.",
+             "label": str(a + b)} for i, (a, b) in enumerate(((17, 23), (120, 7), (9, 99)))]
+    data = tmp_path / "calls.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    port = free_port()
+    with sim_engine(tmp_path, qwen_tokenizer_path, "--tool-call-parser", "qwen") as engine, \
+            running(["serve", "--port", str(port), "--data-dir", str(tmp_path / "data")], "/healthz", port,
+                    tmp_path / "buffer.log") as buffer:
+        start = {"task_type": "tool_call", "input_file": str(data), "num_repeat_per_sample": 2,
+                 "remote_engine_url": engine.url, "max_tokens": 1024, "max_parallel_calls": 2}
+        httpx.post(f"{buffer.url}/start_rollout", json=start, timeout=30).raise_for_status()
+        wait_finished(buffer.url, timeout_s=60)
+        records = drain(buffer.url)
+    assert len(records) == 6
+    for record in records:
+        assert [m["role"] for m in record["messages"]] == ["user", "assistant", "tool", "tool", "assistant"]
+        assert len(record["messages"][1]["tool_calls"]) == 2
+        for mask_type, (theirs, ours) in mask_generators.items():
+            expected = theirs.get_loss_mask(record["messages"], tools=record["tools"])
+            assert ours.get_loss_mask(record["messages"], tools=record["tools"]) == tuple(expected), mask_type
