@@ -107,10 +107,13 @@ class GenerateResult:
     log_probs: list[float]  # one per output id when log-probs were requested, else empty
     text: str
     finish_reason: str  # "stop" | "length" | "abort"
-    weight_version: str | None
+    weight_version: str | None  # of the last segment
     engine_url: str
     attempts: int  # HTTP requests sent, over all resumes
     resumed: int  # abort resumes done
+    # (output tokens, weight_version) of each engine answer in order: an abort resume that crosses a weight
+    # update continues with another version than the part before it.
+    segments: list[tuple[int, str | None]] = field(default_factory=list)
 
 
 @dataclass
@@ -122,6 +125,7 @@ class ChatResult:
     engine_url: str
     attempts: int
     raw: dict[str, Any]
+    weight_version: str | None = None  # SGLang's `metadata.weight_version`, when the answer has it
 
 
 class EngineError(Exception):
@@ -360,6 +364,7 @@ class EngineClient:
         out_ids: list[int] = []
         log_probs: list[float] = []
         texts: list[str] = []
+        segments: list[tuple[int, str | None]] = []
         attempts = resumed = 0
         version: str | None = None
         while True:
@@ -375,6 +380,7 @@ class EngineClient:
             log_probs += chunk.log_probs
             texts.append(chunk.text)
             version = chunk.weight_version or version
+            segments.append((len(chunk.output_ids), chunk.weight_version))
             if chunk.finish_reason != "abort" or resumed >= self.max_abort_resumes:
                 break
             resumed += 1
@@ -393,6 +399,7 @@ class EngineClient:
             engine_url=url,
             attempts=attempts,
             resumed=resumed,
+            segments=segments,
         )
 
     async def chat(self, messages: list[dict[str, Any]], sampling_params: dict[str, Any], *, session_id: str,
@@ -407,9 +414,11 @@ class EngineClient:
                 choice = body["choices"][0]
                 text = choice["message"].get("content") or ""
                 finish = str(choice.get("finish_reason") or "stop")
+                version = (body.get("metadata") or {}).get("weight_version")
             except (KeyError, TypeError, IndexError, AttributeError) as e:
                 raise _AttemptError("bad_response", f"unexpected chat response: {e}") from None
-            return ChatResult(text=text, finish_reason=finish, engine_url="", attempts=0, raw=body)
+            return ChatResult(text=text, finish_reason=finish, engine_url="", attempts=0, raw=body,
+                              weight_version=None if version is None else str(version))
 
         result, url, attempts = await self._post("/v1/chat/completions", payload, session_id, check)
         result.engine_url, result.attempts = url, attempts
