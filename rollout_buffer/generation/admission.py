@@ -8,7 +8,8 @@ The staleness bound is AReaL's rule for `max_head_offpolicyness` (η), counted i
 so whatever is in flight or ready when the trainer takes it is at most η versions behind. k counts both
 ways the trainer moves on — a fetch (consumption) and a reported version (`current_version`,
 `POST /trainer_version`) — so either releases generation at once. Dropped groups (filtered, stale) give their
-place back. `max_ready_groups` separately pauses while that many complete groups wait for the trainer.
+place back. `max_ready_groups` separately caps the groups ahead of the trainer (being generated, or complete
+and waiting for it): memory, whatever the trainer's version.
 
 A group is admitted whole, before its first trajectory starts, so a pause never leaves a group half-started:
 its trajectories keep their generation slots and finish. The counts come from the run's ledger
@@ -96,7 +97,7 @@ class AdmissionController:
         if capacity is not None and capacity < 1:
             return AdmissionState.PAUSED_STALENESS
         cap = self.policy.max_ready_groups
-        if cap is not None and self.ledger.tally.ready >= cap:
+        if cap is not None and self.groups_ahead() >= cap:
             return AdmissionState.PAUSED_CAP
         return AdmissionState.RUNNING
 
@@ -110,6 +111,11 @@ class AdmissionController:
                 self.started += 1
                 return
             await changed.wait()
+
+    def give_back(self) -> None:
+        """A group admitted but never started returns its place."""
+        self.started -= 1
+        self.ledger.notify()
 
     async def _enter(self, state: AdmissionState) -> None:
         if state is self.state:

@@ -223,14 +223,13 @@ class Run:
         reporter = asyncio.create_task(self._report_loop())
         try:
             for epoch, i in self._schedule(len(index.offsets)):
-                await self._start_regenerations(index, resources)
                 item = index.read(i)
                 iid = item["instance_id"]
                 if skip[iid] > 0:
                     skip[iid] -= 1
                     self.progress.skipped += req.num_repeat_per_sample
                     continue
-                await self._start_scheduled(item, epoch, work, resources)
+                await self._start_scheduled(item, epoch, work, index, resources)
             await self._finish_in_flight(index, resources)
         finally:
             for t in self._tasks:
@@ -251,18 +250,47 @@ class Run:
             log.info("run %s: admission control %s", self.run_id, controller.snapshot())
         return controller
 
-    async def _start_scheduled(self, item: dict[str, Any], epoch: int, work: StoredWork,
+    async def _start_scheduled(self, item: dict[str, Any], epoch: int, work: StoredWork, index: LineIndex,
                                resources: RunResources) -> None:
         """Start what a scheduled group still lacks; a group the store has nothing of is admitted first."""
-        assert self.admission is not None
         key = (item["instance_id"], epoch)
         if key in work.done:
             self.progress.skipped += self.req.num_repeat_per_sample
             return
         part, have = work.open.get(key, (0, set()))
         if key not in work.open:
-            await self.admission.admit()
+            await self._admit(index, resources)
         await self._start_group(item, epoch, part, have, resources)
+
+    async def _admit(self, index: LineIndex, resources: RunResources) -> None:
+        """Wait for an admission for the schedule's next group; stale groups queued for generation again take
+        the admissions first (they are older data the trainer is missing)."""
+        assert self.admission is not None
+        while True:
+            await self.admission.admit()
+            queued = await self._next_regeneration(index)
+            if queued is None:
+                return
+            await self._start_regeneration(*queued, resources)
+
+    async def _next_regeneration(self, index: LineIndex) -> tuple[dict[str, Any], int, int] | None:
+        """The next queued stale group as (item, epoch, part), or None."""
+        while self._regenerate:
+            iid, epoch, part = self._regenerate.popleft()
+            item = await asyncio.to_thread(index.find, iid)
+            if item is not None:
+                return item, epoch, part
+            log.error("run %s: cannot generate group %s epoch %d again: no such instance_id in %s",
+                      self.run_id, iid, epoch, self.input_path)
+        self._regenerate_added.clear()
+        return None
+
+    async def _start_regeneration(self, item: dict[str, Any], epoch: int, part: int,
+                                  resources: RunResources) -> None:
+        self.progress.regenerated += 1
+        log.info("run %s: generating stale group %s epoch %d again (part %d)", self.run_id, item["instance_id"],
+                 epoch, part)
+        await self._start_group(item, epoch, part, set(), resources)
 
     async def _start_group(self, item: dict[str, Any], epoch: int, part: int, have: set[str],
                            resources: RunResources) -> None:
@@ -278,29 +306,21 @@ class Run:
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
 
-    async def _start_regenerations(self, index: LineIndex, resources: RunResources) -> None:
-        """Admit and start the stale groups queued for generation again."""
-        assert self.admission is not None
-        while self._regenerate:
-            iid, epoch, part = self._regenerate.popleft()
-            item = await asyncio.to_thread(index.find, iid)
-            if item is None:
-                log.error("run %s: cannot generate group %s epoch %d again: no such instance_id in %s",
-                          self.run_id, iid, epoch, self.input_path)
-                continue
-            await self.admission.admit()
-            self.progress.regenerated += 1
-            log.info("run %s: generating stale group %s epoch %d again (part %d)", self.run_id, iid, epoch, part)
-            await self._start_group(item, epoch, part, set(), resources)
-        self._regenerate_added.clear()
-
     async def _finish_in_flight(self, index: LineIndex, resources: RunResources) -> None:
         """Wait for the trajectories in flight, starting regenerations as they come; a failed task fails the run."""
+        assert self.admission is not None
         while True:
-            await self._start_regenerations(index, resources)
+            while self._regenerate:
+                await self.admission.admit()
+                queued = await self._next_regeneration(index)
+                if queued is None:  # admitted for nothing
+                    self.admission.give_back()
+                    break
+                await self._start_regeneration(*queued, resources)
             if not self._tasks and not self._regenerate:
                 self.accepting = False  # decided with no await since the check: nothing slips in between
                 return
+            self._regenerate_added.clear()
             added = asyncio.ensure_future(self._regenerate_added.wait())
             try:
                 done, _ = await asyncio.wait({*self._tasks, added}, return_when=asyncio.FIRST_COMPLETED)
@@ -448,6 +468,8 @@ class RunManager:
         cfg["input_file"] = str(input_path)
         cfg["num_items"] = num_items
         run_id = await self.buffer.create_run(cfg, req.num_repeat_per_sample)
+        if req.current_version is not None:  # the trainer's version when the run begins: its base
+            await self.buffer.report_version(req.current_version)
         self._launch(run_id, req, input_path)
         return run_id
 
