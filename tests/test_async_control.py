@@ -4,6 +4,8 @@ fetches slowly and bumps the engines' weight version (`/pause_generation`, `/upd
 
 from __future__ import annotations
 
+import argparse
+import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +19,9 @@ from servers import sim_engine as start_sim_engine
 from test_runner import math_rows, start, write_jsonl
 
 from rollout_buffer.delivery.versions import engine_version
+from slime_adapter import add_arguments, generate_rollout
+from slime_adapter.data_buffer import DataBuffer
+from slime_adapter.run_control import trainer_version
 
 
 @pytest.fixture(scope="module")
@@ -324,3 +329,31 @@ def test_delivery_order_oldest_or_newest(buffer) -> None:
         httpx.post(f"{buffer.url}/buffer/write", json=group(iid)).raise_for_status()
     take = lambda order: {r["instance_id"] for r in fetch(buffer.url, max_groups=1, order=order)["data"]}  # noqa: E731
     assert (take("newest"), take("oldest"), take("newest")) == ({"c"}, {"a"}, {"b"})
+
+
+def test_slime_adapter_drives_a_bounded_run(tmp_path, engine, buffer, qwen_tokenizer_path, caplog) -> None:
+    """slime's loop through the adapter: the start payload carries the bound, every fetch the rollout's version,
+    and the engines move to the next version after each training step."""
+    inp = write_jsonl(tmp_path / "math.jsonl", math_rows(40))
+    host, port = engine.url.removeprefix("http://").split(":")
+    cli = ["--agent-rollout-buffer-url", buffer.url, "--rollout-task-type", "math", "--rollout-max-staleness", "1",
+           "--rollout-buffer-wait-s", "10", "--rollout-buffer-lease-s", "30", "--rollout-num-process", "8"]
+    args = add_arguments(argparse.ArgumentParser()).parse_args(cli)
+    slime = {"rollout_batch_size": 2, "n_samples_per_prompt": 2, "prompt_data": str(inp), "sglang_router_ip": host,
+             "sglang_router_port": int(port), "rollout_max_response_len": 256, "hf_checkpoint": qwen_tokenizer_path,
+             "num_epoch": 1, "use_wandb": False, "use_tensorboard": False}
+    for key, value in slime.items():
+        setattr(args, key, value)
+    bump_engine(engine.url, 0)
+    data_buffer = DataBuffer(2)
+    with caplog.at_level(logging.INFO, logger="slime_adapter.meta_info"):
+        for rollout_id in range(3):
+            batch = generate_rollout(args, rollout_id, data_buffer)
+            assert len(batch) == 2 and data_buffer.get_buffer_length() == 0  # no surplus held by the trainer
+            assert all(rollout_id - engine_version(s.weight_versions[0]) <= 1 for g in batch for s in g)
+            bump_engine(engine.url, trainer_version(args, rollout_id + 1))  # slime's weight update
+    s = status(buffer.url)
+    assert {k: s["run"]["config"][k] for k in ("max_staleness", "rollout_batch_size", "current_version")} == {
+        "max_staleness": 1, "rollout_batch_size": 2, "current_version": 0}
+    assert (s["control"]["trainer_version"], s["control"]["base_version"]) == (2, 0)
+    assert "rollout/staleness/max_version_lag" in caplog.text and "rollout/staleness/admission_" in caplog.text
