@@ -42,6 +42,12 @@ def trainer_version(args: Any, rollout_id: int) -> int:
     return 0 if rollout_id <= 0 else 1 + (rollout_id - 1) // interval
 
 
+def groups_per_version(args: Any) -> int:
+    """Groups slime trains on per weight version: its batch times the steps between weight updates (the
+    `rollout_batch_size` of the buffer's staleness bound, which counts versions)."""
+    return int(args.rollout_batch_size) * max(1, int(getattr(args, "update_weights_interval", None) or 1))
+
+
 def start_payload(args: Any, settings: AdapterSettings, skip_instance_ids: list[str],
                   current_version: int | None = None) -> dict[str, Any]:
     """slime's `/start_rollout` payload, from slime's flag names (and the trainer's version, when given)."""
@@ -65,7 +71,7 @@ def start_payload(args: Any, settings: AdapterSettings, skip_instance_ids: list[
         "skip_instance_ids": skip_instance_ids,
         # Fully asynchronous control: omitted unless asked for, so the run behaves as slime's original.
         "max_staleness": settings.max_staleness,
-        "rollout_batch_size": getattr(args, "rollout_batch_size", None) if settings.max_staleness is not None else None,
+        "rollout_batch_size": groups_per_version(args) if settings.max_staleness is not None else None,
         "max_ready_groups": settings.max_ready_groups,
         "regenerate_stale": settings.regenerate_stale or None,
         "mask_offpolicy_in_partial_rollout": settings.mask_offpolicy or None,

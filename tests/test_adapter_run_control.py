@@ -46,12 +46,13 @@ def test_staleness_flags_and_the_trainers_version_go_into_the_payload() -> None:
     cli = ["--rollout-buffer-url", "http://buf:8889", "--rollout-max-staleness", "2", "--rollout-regenerate-stale",
            "--rollout-max-ready-groups", "64", "--mask-offpolicy-in-partial-rollout"]
     a = add_arguments(argparse.ArgumentParser()).parse_args(cli)
-    for key, value in {"prompt_data": "/d.jsonl", "n_samples_per_prompt": 4, "rollout_batch_size": 16,
-                       "sglang_router_ip": "h", "sglang_router_port": 1}.items():
+    for key, value in {"prompt_data": "/d.jsonl", "n_samples_per_prompt": 4, "rollout_batch_size": 8,
+                       "update_weights_interval": 2, "sglang_router_ip": "h", "sglang_router_port": 1}.items():
         setattr(a, key, value)
     payload = start_payload(a, AdapterSettings.from_args(a), [], current_version=5)
     assert {k: payload[k] for k in ("max_staleness", "rollout_batch_size", "max_ready_groups", "regenerate_stale",
                                     "mask_offpolicy_in_partial_rollout", "current_version")} == {
+        # rollout_batch_size: 8 groups × 2 steps per weight version
         "max_staleness": 2, "rollout_batch_size": 16, "max_ready_groups": 64, "regenerate_stale": True,
         "mask_offpolicy_in_partial_rollout": True, "current_version": 5}
     with pytest.raises(ValueError, match="--rollout-max-staleness"):

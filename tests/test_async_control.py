@@ -19,6 +19,7 @@ from servers import sim_engine as start_sim_engine
 from test_runner import math_rows, start, write_jsonl
 
 from rollout_buffer.delivery.versions import engine_version
+from rollout_buffer.tools import status as status_cli
 from slime_adapter import add_arguments, generate_rollout
 from slime_adapter.data_buffer import DataBuffer
 from slime_adapter.run_control import trainer_version
@@ -94,7 +95,7 @@ def total_groups(url: str) -> int:
     return sum(status(url)["groups"].values())
 
 
-def test_admission_pauses_and_resumes_with_exact_counts(tmp_path, engine, buffer) -> None:
+def test_admission_pauses_and_resumes_with_exact_counts(tmp_path, engine, buffer, capsys, monkeypatch) -> None:
     inp = write_jsonl(tmp_path / "math.jsonl", math_rows(40))
     start(buffer.url, engine.url, inp, None, num_repeat_per_sample=2, max_staleness=1,
           rollout_batch_size=2, current_version=0)
@@ -105,25 +106,33 @@ def test_admission_pauses_and_resumes_with_exact_counts(tmp_path, engine, buffer
     time.sleep(0.3)
     assert total_groups(buffer.url) == 4
 
-    # The trainer takes one batch: one step, two more groups.
+    # The trainer takes a batch and trains on it with version 0: nothing more may start yet.
     data = fetch(buffer.url, max_groups=2, current_version=0)
     assert data["meta_info"]["num_groups"] == 2 and data["meta_info"]["admission_state"] == "paused_staleness"
     assert data["meta_info"]["trainer_version"] == 0 and data["meta_info"]["max_version_lag"] == 0
-    s = wait_for(paused_with(buffer.url, ready=4))
-    assert (s["control"]["admission"]["started_groups"], s["control"]["admission"]["groups_ahead"]) == (6, 4)
+    time.sleep(0.3)
+    assert admission(buffer.url)["started_groups"] == 4
+    # A second batch without a new version: consumption alone counts one step, two more groups.
+    fetch(buffer.url, max_groups=2, current_version=0)
+    s = wait_for(paused_with(buffer.url, ready=2))
+    assert (s["control"]["admission"]["started_groups"], s["control"]["admission"]["groups_ahead"]) == (6, 2)
 
-    # A version report the consumption already accounts for releases nothing; two versions more do.
+    # A version the consumption already accounts for releases nothing; two versions more do.
     assert httpx.post(f"{buffer.url}/trainer_version", json={"current_version": 1}).json()["trainer_version"] == 1
     time.sleep(0.3)
     assert admission(buffer.url)["started_groups"] == 6
     httpx.post(f"{buffer.url}/trainer_version", json={"current_version": "3"}).raise_for_status()
-    s = wait_for(paused_with(buffer.url, ready=8))
+    s = wait_for(paused_with(buffer.url, ready=6))
     adm = s["control"]["admission"]
-    assert (adm["started_groups"], adm["groups_ahead"], adm["trainer_steps"]) == (10, 8, 3)
+    assert (adm["started_groups"], adm["groups_ahead"], adm["trainer_steps"]) == (10, 6, 3)
     assert s["control"]["trainer_version"] == 3 and s["control"]["base_version"] == 0
     scrape = httpx.get(f"{buffer.url}/metrics").text
     assert 'rollout_buffer_admission_state{state="paused_staleness"} 1.0' in scrape
-    assert "rollout_buffer_groups_ahead 8.0" in scrape and "rollout_buffer_trainer_version 3.0" in scrape
+    assert "rollout_buffer_groups_ahead 6.0" in scrape and "rollout_buffer_trainer_version 3.0" in scrape
+    monkeypatch.setenv("COLUMNS", "160")
+    status_cli.main(["--url", buffer.url])
+    out = capsys.readouterr().out
+    assert "trainer 3  engines " in out and "admission paused_staleness  6 groups ahead (η 1, capacity 0)" in out
 
 
 def test_ready_cap_pauses_generation_until_the_trainer_takes_groups(tmp_path, engine, buffer) -> None:
@@ -266,7 +275,7 @@ def test_kill9_while_paused_resumes_in_the_same_state(tmp_path, engine) -> None:
         assert (after["trainer_version"], after["base_version"]) == (4, 4)
         time.sleep(0.3)
         assert total_groups(srv.url) == 2
-        fetch(srv.url, max_groups=2, current_version=4)  # the trainer takes the batch: generation resumes
+        fetch(srv.url, max_groups=2, current_version=5)  # the trainer moved on: generation resumes
         s = wait_for(paused_with(srv.url, ready=2))
         assert s["control"]["admission"]["started_groups"] == 4
     finally:

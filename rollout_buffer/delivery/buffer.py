@@ -156,11 +156,12 @@ class RolloutBuffer:
             return None
         ledger = await self.ledger(run["run_id"])
         before = ledger.version
+        if before.current == version:  # every fetch repeats it: nothing to write
+            return run["run_id"], before
         now = await self.store.report_trainer_version(run["run_id"], version, rewind)
         ledger.trainer_reported(now)
-        if now.current != before.current:
-            log.info("run %s: trainer version %s%s", run["run_id"], now.current, " (rewound)" if rewind else "")
-            self._warn_if_far_ahead(ledger, StalenessRule.of_run(run["config"]))
+        log.info("run %s: trainer version %s%s", run["run_id"], now.current, " (rewound)" if rewind else "")
+        self._warn_if_far_ahead(ledger, StalenessRule.of_run(run["config"]))
         self._notify()  # a long-poll waiting for data re-checks staleness against the new version
         return run["run_id"], now
 
@@ -234,7 +235,7 @@ class RolloutBuffer:
                 return Delivery([], {})  # nobody is listening; keep the counters for the next reader
             trainer = await self._trainer_version()
             batch = await self.store.take(max_groups, lease_s, order=order, current_version=trainer.current)
-            await self._account(batch)
+            self._account(batch)
             stale += batch.stale
             remaining = deadline - time.monotonic()
             if batch.groups or remaining <= 0:
@@ -257,7 +258,7 @@ class RolloutBuffer:
         run = await self.store.latest_run()
         return (await self.ledger(run["run_id"])).version if run is not None else TrainerVersion()
 
-    async def _account(self, batch: Batch) -> None:
+    def _account(self, batch: Batch) -> None:
         """Move the ledgers by what one take did; count and log stale drops and hand regenerations on."""
         taken = Counter(batch.run_ids)
         stale_by_run = Counter(g.key[0] for g in batch.stale)

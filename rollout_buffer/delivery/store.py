@@ -658,31 +658,31 @@ def _drop_stale(
     current: int,
     rule_of: Callable[[sqlite3.Connection, str], tuple[StalenessRule | None, bool]],
 ) -> list[StaleGroup]:
-    rows = conn.execute(
-        "SELECT run_id, instance_id, epoch, part, version_min, size FROM groups "
-        "WHERE state='ready' AND version_min IS NOT NULL AND version_min < ?",
-        (current,),
-    ).fetchall()
-    rules: dict[str, tuple[StalenessRule | None, bool]] = {}
     stale: list[StaleGroup] = []
-    for run_id, instance_id, epoch, part, version_min, size in rows:
-        if run_id not in rules:
-            rules[run_id] = rule_of(conn, run_id)
-        rule, can_generate = rules[run_id]
-        if rule is None or not rule.is_stale(version_min, current):
+    runs = conn.execute("SELECT DISTINCT run_id FROM groups WHERE state='ready' AND version_min < ?",
+                        (current,)).fetchall()
+    for (run_id,) in runs:
+        rule, can_generate = rule_of(conn, run_id)
+        if rule is None:
             continue
-        key = (run_id, instance_id, epoch, part)
-        conn.execute("UPDATE groups SET state='filtered', reason='stale' "
-                     "WHERE run_id=? AND instance_id=? AND epoch=? AND part=?", key)
-        new_part = None
-        if rule.regenerate and can_generate:
-            last = conn.execute("SELECT max(part) FROM groups WHERE run_id=? AND instance_id=? AND epoch=?",
-                                key[:3]).fetchone()[0]
-            new_part = last + 1
-            # An empty open part: the runner generates it (a restarted one finds it in `stored_work`).
-            conn.execute("INSERT INTO groups(run_id, instance_id, epoch, part, size, n, state) "
-                         "VALUES (?,?,?,?,?,0,'open')", (*key[:3], new_part, size))
-        stale.append(StaleGroup(key, version_min, current - version_min, new_part))
+        rows = conn.execute(
+            "SELECT instance_id, epoch, part, version_min, size FROM groups "
+            "WHERE run_id=? AND state='ready' AND version_min < ?",
+            (run_id, current - rule.max_staleness),
+        ).fetchall()
+        for instance_id, epoch, part, version_min, size in rows:
+            key = (run_id, instance_id, epoch, part)
+            conn.execute("UPDATE groups SET state='filtered', reason='stale' "
+                         "WHERE run_id=? AND instance_id=? AND epoch=? AND part=?", key)
+            new_part = None
+            if rule.regenerate and can_generate:
+                last = conn.execute("SELECT max(part) FROM groups WHERE run_id=? AND instance_id=? AND epoch=?",
+                                    key[:3]).fetchone()[0]
+                new_part = last + 1
+                # An empty open part: the runner generates it (a restarted one finds it in `stored_work`).
+                conn.execute("INSERT INTO groups(run_id, instance_id, epoch, part, size, n, state) "
+                             "VALUES (?,?,?,?,?,0,'open')", (*key[:3], new_part, size))
+            stale.append(StaleGroup(key, version_min, current - version_min, new_part))
     return stale
 
 

@@ -133,7 +133,3 @@ class StalenessRule:
         if eta is None:
             return None
         return cls(int(eta), bool(config.get("regenerate_stale", False)))
-
-    def is_stale(self, oldest: int | None, current: int | None) -> bool:
-        """True when data whose oldest turn has version `oldest` is more than η behind `current`."""
-        return oldest is not None and current is not None and current - oldest > self.max_staleness

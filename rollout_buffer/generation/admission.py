@@ -1,15 +1,20 @@
 """Admission control: whether the runner may start another group, under a staleness bound and a memory cap.
 
 The staleness bound is AReaL's rule for `max_head_offpolicyness` (η), counted in groups. With
-`rollout_batch_size` B groups per trainer step, a run may have started (and not dropped) at most
+`rollout_batch_size` B groups per trainer step (per weight version), a run may have started (and not dropped)
+at most
 
-    (η + 1 + k) × B  groups,   k = max(groups consumed ÷ B, versions the trainer advanced since the run began)
+    (η + 1 + k) × B  groups,   k = the trainer's steps since the run began
 
-so whatever is in flight or ready when the trainer takes it is at most η versions behind. k counts both
-ways the trainer moves on — a fetch (consumption) and a reported version (`current_version`,
-`POST /trainer_version`) — so either releases generation at once. Dropped groups (filtered, stale) give their
-place back. `max_ready_groups` separately caps the groups ahead of the trainer (being generated, or complete
-and waiting for it): memory, whatever the trainer's version.
+so whatever is in flight or ready when the trainer takes it is at most η versions behind. k is the larger
+of two signals, so either releases generation at once: the versions the trainer reported since the run began
+(`current_version` on a fetch, `POST /trainer_version`), and the batches it consumed. A trainer that reports
+versions trains the batch in its hands with the version it reported, so its consumption counts one batch less
+(consumed ÷ B − 1): with it, a fetch followed by training and a weight update is exactly AReaL's rule, and
+η = 0 is synchronous. A trainer that never reports a version (slime's original client) has only its fetches:
+consumed ÷ B, as in "at most (η + 1) × B groups started ahead of what the trainer has consumed". Dropped
+groups (filtered, stale) give their place back. `max_ready_groups` separately caps the groups ahead of the
+trainer (being generated, or complete and waiting for it): memory, whatever the trainer's version.
 
 A group is admitted whole, before its first trajectory starts, so a pause never leaves a group half-started:
 its trajectories keep their generation slots and finish. The counts come from the run's ledger
@@ -73,8 +78,13 @@ class AdmissionController:
         self._persist = persist
 
     def steps(self) -> int:
-        """Trainer steps since the run began: consumed batches or reported versions, whichever is more."""
-        return max(self.ledger.tally.consumed // self.policy.rollout_batch_size, self.ledger.version.steps)
+        """Trainer steps since the run began: reported versions or consumed batches, whichever is more (the
+        batch being trained on does not count when the trainer reports versions; see the module doc)."""
+        batches = self.ledger.tally.consumed // self.policy.rollout_batch_size
+        version = self.ledger.version
+        if version.current is None:
+            return batches
+        return max(version.steps, batches - 1)
 
     def capacity(self) -> int | None:
         """Groups that may still start under the staleness bound (None: unbounded; may be negative)."""

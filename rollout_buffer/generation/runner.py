@@ -505,8 +505,10 @@ class RunManager:
         run = await self.buffer.store.latest_run()
         if run is None or not run["config"].get("task_type"):
             return
-        if run["state"] == "finished" and (await self.buffer.store.group_counts(run["run_id"])).get("open"):
-            await self.buffer.store.reopen_run(run["run_id"])
+        gen = self.generators.get(run["config"]["task_type"])
+        if (run["state"] == "finished" and gen is not None and gen.native
+                and (await self.buffer.store.group_counts(run["run_id"])).get("open")):
+            await self.buffer.store.reopen_run(run["run_id"])  # stale groups queued to be generated again
         elif run["state"] != "running":
             return
         cfg = run["config"]
