@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 TrajectoryStatus = Literal["completed", "truncated", "aborted", "failed"]
+
+
+def _no_bool(value: Any) -> Any:
+    # pydantic takes true/false as 1/0 for an int field; a version or a bound given as a boolean is a mistake.
+    if isinstance(value, bool):
+        raise ValueError("must be an integer, not a boolean")
+    return value
+
+
+# A count or version that must be a non-negative integer; numeric strings ("3", as slime sends numbers) pass.
+NonNegativeInt = Annotated[int, BeforeValidator(_no_bool), Field(ge=0)]
+PositiveInt = Annotated[int, BeforeValidator(_no_bool), Field(ge=1)]
 
 
 def check_http_urls(value: str | list[str] | None, what: str = "engine URL") -> None:
@@ -96,6 +108,14 @@ class StartRolloutRequest(BaseModel):
     normalize_rewards: bool = True
     shuffle: bool = True
     seed: int = 42
+    # Fully asynchronous control (README "Staleness and weight versions").
+    max_staleness: NonNegativeInt | None = None
+    rollout_batch_size: PositiveInt | None = None
+    max_ready_groups: PositiveInt | None = None
+    regenerate_stale: bool = False
+    mask_offpolicy_in_partial_rollout: bool = False
+    max_abort_requeues: NonNegativeInt = 8
+    current_version: NonNegativeInt | None = None
 
     @field_validator("skip_instance_ids", mode="before")
     @classmethod
@@ -109,6 +129,12 @@ class StartRolloutRequest(BaseModel):
     def _urls(cls, v: str | list[str] | None) -> str | list[str] | None:
         check_http_urls(v)
         return v
+
+    @model_validator(mode="after")
+    def _staleness_needs_batch(self) -> StartRolloutRequest:
+        if self.max_staleness is not None and self.rollout_batch_size is None:
+            raise ValueError("rollout_batch_size: required with max_staleness (groups the trainer takes per step)")
+        return self
 
     def engine_urls(self) -> list[str]:
         """The engine URLs as a list (one router, or several engines)."""
@@ -125,6 +151,17 @@ class GetRolloutDataRequest(BaseModel):
     wait_s: float = Field(default=0.0, ge=0.0, le=600.0)
     lease_s: float | None = Field(default=None, gt=0.0, le=86_400.0)
     ack: str | None = None
+    # The trainer's weight version now (slime: its rollout id); numeric strings accepted.
+    current_version: NonNegativeInt | None = None
+    order: Literal["oldest", "newest"] = "oldest"
+
+
+class TrainerVersionRequest(BaseModel):
+    """Body of `/trainer_version`: the trainer updated its weights without fetching."""
+
+    current_version: NonNegativeInt
+    # A trainer restarted from an older checkpoint reports an older version on purpose.
+    rewind: bool = False
 
 
 class AckRequest(BaseModel):

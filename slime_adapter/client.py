@@ -117,15 +117,15 @@ class BufferClient:
         wait_s: float = 0.0,
         lease_s: float | None = None,
         ack: str | None = None,
+        current_version: int | None = None,
     ) -> Delivery:
-        """`POST /get_rollout_data`: ready groups (oldest first), waiting up to `wait_s` for the first."""
+        """`POST /get_rollout_data`: ready groups (oldest first), waiting up to `wait_s` for the first;
+        `current_version` tells the buffer the trainer's weight version."""
         body: dict[str, Any] = {"wait_s": wait_s}
-        if max_groups is not None:
-            body["max_groups"] = max_groups
-        if lease_s is not None:
-            body["lease_s"] = lease_s
-        if ack is not None:
-            body["ack"] = ack
+        for key, value in (("max_groups", max_groups), ("lease_s", lease_s), ("ack", ack),
+                           ("current_version", current_version)):
+            if value is not None:
+                body[key] = value
         answer = self._call("POST", "/get_rollout_data", body, read_timeout=wait_s + _LONG_POLL_GRACE_S)
         data = answer.get("data")
         # slime's original buffer sent a bare list of records; this one wraps them with meta_info.
@@ -140,6 +140,10 @@ class BufferClient:
             if missing:
                 raise RolloutBufferError(f"record {record.get('uid')!r} lacks {sorted(missing)}")
         return Delivery(records, meta_info)
+
+    def trainer_version(self, version: int, rewind: bool = False) -> dict[str, Any]:
+        """`POST /trainer_version`: the trainer's weight version (`rewind` when it restarted from an older one)."""
+        return self._call("POST", "/trainer_version", {"current_version": version, "rewind": rewind})
 
     def ack(self, batch_id: str) -> int:
         """`POST /ack`: mark a leased batch consumed; returns how many groups it acked."""

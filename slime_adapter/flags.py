@@ -64,6 +64,28 @@ ADAPTER_FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
         ("--rollout-buffer-token",),
         {"type": str, "default": None, "help": f"Bearer token of the buffer (default: ${AUTH_TOKEN_ENV})"},
     ),
+    (
+        ("--rollout-max-staleness",),
+        {"type": int, "default": None,
+         "help": "Bound the version lag of training data (AReaL's max_head_offpolicyness): the buffer starts at "
+                 "most (η+1) rollout batches ahead of the trainer and drops data more than η versions old"},
+    ),
+    (
+        ("--rollout-max-ready-groups",),
+        {"type": int, "default": None,
+         "help": "Pause generation while this many complete groups wait for the trainer (memory cap)"},
+    ),
+    (
+        ("--rollout-regenerate-stale",),
+        {"action": "store_true", "default": False,
+         "help": "Generate groups dropped as stale again instead of only counting them"},
+    ),
+    (
+        # slime's own flag (slime/utils/arguments.py); registered here only when slime's parser lacks it.
+        ("--mask-offpolicy-in-partial-rollout",),
+        {"action": "store_true", "default": False,
+         "help": "Loss 0 on tokens generated with older weights than the trajectory's newest"},
+    ),
 )
 
 
@@ -89,6 +111,10 @@ class AdapterSettings:
     loss_mask_type: str
     task_type: str
     num_process: int
+    max_staleness: int | None = None
+    max_ready_groups: int | None = None
+    regenerate_stale: bool = False
+    mask_offpolicy: bool = False
 
     @classmethod
     def from_args(cls, args: Any) -> AdapterSettings:
@@ -101,6 +127,9 @@ class AdapterSettings:
         if not 0 <= wait_s <= MAX_WAIT_S:
             raise ValueError(f"--rollout-buffer-wait-s must be between 0 and {MAX_WAIT_S:g}")
         retries = getattr(args, "fetch_trajectory_retry_times", -1)
+        max_staleness = getattr(args, "rollout_max_staleness", None)
+        if max_staleness is not None and int(max_staleness) < 0:
+            raise ValueError("--rollout-max-staleness must be 0 or more")
         return cls(
             buffer_url=url,
             retry=RetryPolicy(
@@ -113,4 +142,8 @@ class AdapterSettings:
             loss_mask_type=getattr(args, "loss_mask_type", None) or "qwen",
             task_type=getattr(args, "rollout_task_type", None) or DEFAULT_TASK_TYPE,
             num_process=int(getattr(args, "rollout_num_process", None) or DEFAULT_NUM_PROCESS),
+            max_staleness=None if max_staleness is None else int(max_staleness),
+            max_ready_groups=getattr(args, "rollout_max_ready_groups", None),
+            regenerate_stale=bool(getattr(args, "rollout_regenerate_stale", False)),
+            mask_offpolicy=bool(getattr(args, "mask_offpolicy_in_partial_rollout", False)),
         )

@@ -17,11 +17,17 @@ log = logging.getLogger(__name__)
 
 PREFIX = "rollout/"
 # Keys with a meaning of their own; any other numeric key is averaged by samples under rollout/meta/.
-_SUMMED = ("tokenization_mismatches", "redelivered_groups")
+_SUMMED = ("tokenization_mismatches", "redelivered_groups", "stale_groups", "regenerated_groups")
 _AVERAGED = ("avg_reward", "avg_normalized_reward")
+# The version lag of the delivered data (averaged by samples under rollout/staleness/, its max the max).
+_LAG = "avg_version_lag"
+_MAX_LAG = "max_version_lag"
+# State at the time of the rollout's last fetch.
+_LATEST = ("trainer_version", "groups_ahead")
+_ADMISSION = "admission_state"
 _NOT_METRICS = frozenset(
     {"total_samples", "num_groups", "avg_group_size", "finished_groups", "finished_groups_count", "filtered_groups",
-     "batch_id", "run_id", "acked_groups", *_SUMMED, *_AVERAGED}
+     "batch_id", "run_id", "acked_groups", _LAG, _MAX_LAG, _ADMISSION, *_LATEST, *_SUMMED, *_AVERAGED}
 )
 
 
@@ -71,12 +77,32 @@ def aggregate_meta_info(all_meta_info: Iterable[dict[str, Any]]) -> dict[str, fl
         metrics[f"{PREFIX}filtered_groups/{reason}"] = n
     for key in _SUMMED:
         metrics[f"{PREFIX}{key}"] = sum(_count(m.get(key)) for m in metas)
+    metrics.update(_staleness_metrics(metas, weighted))
 
     extra_keys = {k for m in metas for k in m if k not in _NOT_METRICS and not k.startswith("filtered_")}
     for key in sorted(extra_keys):
         if (value := weighted(key)) is not None:
             metrics[f"{PREFIX}meta/{key}"] = value
     return metrics
+
+
+def _staleness_metrics(metas: list[dict[str, Any]], weighted: Any) -> dict[str, float]:
+    """rollout/staleness/: the lag of the rollout's data, and where the trainer and admission stood last."""
+    out: dict[str, float] = {}
+    if (lag := weighted(_LAG)) is not None:
+        out[f"{PREFIX}staleness/avg_version_lag"] = lag
+    lags = [v for m in metas if (v := _number(m.get(_MAX_LAG))) is not None]
+    if lags:
+        out[f"{PREFIX}staleness/max_version_lag"] = max(lags)
+    for key in _LATEST:
+        values = [v for m in metas if (v := _number(m.get(key))) is not None]
+        if values:
+            out[f"{PREFIX}staleness/{key}"] = values[-1]
+    states = [m[_ADMISSION] for m in metas if isinstance(m.get(_ADMISSION), str)]
+    if states:  # one-hot, so a dashboard can plot how often generation was paused
+        for state in ("running", "paused_staleness", "paused_cap"):
+            out[f"{PREFIX}staleness/admission_{state}"] = float(states[-1] == state)
+    return out
 
 
 def rollout_step(args: Any, rollout_id: int) -> int:

@@ -32,7 +32,7 @@ from slime_adapter.flags import AdapterSettings
 from slime_adapter.groups import RecordGroup, newest_first, split_groups
 from slime_adapter.meta_info import log_raw_info
 from slime_adapter.records import RecordError, SampleBuilder, load_tokenizer
-from slime_adapter.run_control import ensure_rollout_started
+from slime_adapter.run_control import ensure_rollout_started, trainer_version
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +60,14 @@ class GroupCollector:
     """Fetches groups for one call and commits them to the data buffer before acking them."""
 
     def __init__(self, client: BufferClient, settings: AdapterSettings, builder: SampleBuilder,
-                 data_buffer: Any, n_samples_per_prompt: int, rollout_id: int):
+                 data_buffer: Any, n_samples_per_prompt: int, rollout_id: int, current_version: int | None = None):
         self.client = client
         self.settings = settings
         self.builder = builder
         self.data_buffer = data_buffer
         self.n = n_samples_per_prompt
         self.rollout_id = rollout_id
+        self.current_version = current_version
         self.meta_infos: list[dict[str, Any]] = []
         # Groups dropped at commit because records of theirs cannot become samples, and those records.
         self.dropped = {"dropped_groups": 0, "unusable_records": 0}
@@ -89,7 +90,12 @@ class GroupCollector:
         last_report = time.monotonic()
         while got < num_groups:
             wait_s = self._wait_before_fetch()
-            delivery = self.client.get_rollout_data(wait_s=wait_s, lease_s=self.settings.lease_s)
+            # Under a staleness bound take only what this batch needs: surplus held by the trainer ages
+            # where the buffer cannot see it, and its consumption would release generation too early.
+            bounded = self.settings.max_staleness is not None
+            delivery = self.client.get_rollout_data(wait_s=wait_s, lease_s=self.settings.lease_s,
+                                                    max_groups=num_groups - got if bounded else None,
+                                                    current_version=self.current_version)
             if delivery.meta_info:
                 self.meta_infos.append(delivery.meta_info)
             if not delivery.records:
@@ -207,9 +213,10 @@ def generate_rollout(
         return load_tokenizer(tokenizer_path)
 
     builder = SampleBuilder(tokenizer, settings.loss_mask_type)
+    version = trainer_version(args, rollout_id)
     with BufferClient(settings.buffer_url, settings.token, settings.retry) as client:
-        ensure_rollout_started(client, args, settings, data_buffer.get_metadata())
-        collector = GroupCollector(client, settings, builder, data_buffer, n, rollout_id)
+        ensure_rollout_started(client, args, settings, data_buffer.get_metadata(), version)
+        collector = GroupCollector(client, settings, builder, data_buffer, n, rollout_id, version)
         collector.fill(batch_size)
     if collector.meta_infos or collector.dropped["dropped_groups"]:
         log_raw_info(args, collector.meta_infos, rollout_id, collector.dropped)

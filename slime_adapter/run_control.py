@@ -32,8 +32,26 @@ def consumed_instance_ids(metadata: dict[str, Any]) -> list[str]:
     return [str(i) for value in metadata.values() if isinstance(value, list | tuple) for i in value]
 
 
-def start_payload(args: Any, settings: AdapterSettings, skip_instance_ids: list[str]) -> dict[str, Any]:
-    """slime's `/start_rollout` payload, from slime's flag names."""
+def trainer_version(args: Any, rollout_id: int) -> int:
+    """The weight version slime has pushed to the engines when it asks for rollout `rollout_id`.
+
+    slime numbers weight updates from 1 (the first push of the initial weights) and stamps the engines with
+    that count as `weight_version`; train_async.py asks for rollout R while version 1 + (R-1) // k is
+    on the engines (k = --update-weights-interval), which is R itself with the default interval of 1.
+    """
+    interval = max(1, int(getattr(args, "update_weights_interval", None) or 1))
+    return 0 if rollout_id <= 0 else 1 + (rollout_id - 1) // interval
+
+
+def groups_per_version(args: Any) -> int:
+    """Groups slime trains on per weight version: its batch times the steps between weight updates (the
+    `rollout_batch_size` of the buffer's staleness bound, which counts versions)."""
+    return int(args.rollout_batch_size) * max(1, int(getattr(args, "update_weights_interval", None) or 1))
+
+
+def start_payload(args: Any, settings: AdapterSettings, skip_instance_ids: list[str],
+                  current_version: int | None = None) -> dict[str, Any]:
+    """slime's `/start_rollout` payload, from slime's flag names (and the trainer's version, when given)."""
     max_tokens = getattr(args, "rollout_max_response_len", None)
     sampling = {
         "max_tokens": max_tokens,
@@ -52,6 +70,13 @@ def start_payload(args: Any, settings: AdapterSettings, skip_instance_ids: list[
         "sampling_params": {k: v for k, v in sampling.items() if v is not None},
         "tokenizer_path": getattr(args, "hf_checkpoint", None),
         "skip_instance_ids": skip_instance_ids,
+        # Fully asynchronous control: omitted unless asked for, so the run behaves as slime's original.
+        "max_staleness": settings.max_staleness,
+        "rollout_batch_size": groups_per_version(args) if settings.max_staleness is not None else None,
+        "max_ready_groups": settings.max_ready_groups,
+        "regenerate_stale": settings.regenerate_stale or None,
+        "mask_offpolicy_in_partial_rollout": settings.mask_offpolicy or None,
+        "current_version": current_version,
     }
     return {k: v for k, v in payload.items() if v is not None}
 
@@ -76,16 +101,26 @@ def reason_to_start(run: dict[str, Any] | None, payload: dict[str, Any]) -> str 
     return None
 
 
+# Buffers this process already told its version: a trainer process that finds a run serving on its first call
+# may be a restart from an older checkpoint, so it rewinds the run's trainer version once.
+_versioned_buffers: set[str] = set()
+
+
 def ensure_rollout_started(
-    client: BufferClient, args: Any, settings: AdapterSettings, metadata: dict[str, Any]
+    client: BufferClient, args: Any, settings: AdapterSettings, metadata: dict[str, Any],
+    current_version: int | None = None,
 ) -> str | None:
     """Start the rollout unless the buffer's run already produces it; returns the serving run's id."""
     run = client.status().get("run")
-    payload = start_payload(args, settings, consumed_instance_ids(metadata))
+    payload = start_payload(args, settings, consumed_instance_ids(metadata), current_version)
     why = reason_to_start(run, payload)
+    first_call = settings.buffer_url not in _versioned_buffers
+    _versioned_buffers.add(settings.buffer_url)
     if why is None:
         assert run is not None
         log.info("rollout buffer run %s is %s; not restarting it", run.get("run_id"), run.get("state"))
+        if first_call and current_version is not None and run.get("task_type") is not None:
+            client.trainer_version(current_version, rewind=True)
         return run.get("run_id")
     log.info("starting a rollout run (%s), skipping %d instance ids", why, len(payload["skip_instance_ids"]))
     answer = client.start_rollout(payload)

@@ -68,6 +68,21 @@ def test_adapter_counts_are_logged_under_their_own_prefix() -> None:
     assert m["rollout/adapter/dropped_groups"] == 1 and m["rollout/step"] == 3
 
 
+def test_version_lag_and_admission_are_logged_under_staleness() -> None:
+    m = aggregate_meta_info([
+        {"total_samples": 8, "avg_version_lag": 1.0, "max_version_lag": 2, "stale_groups": 1, "regenerated_groups": 1,
+         "trainer_version": 4, "groups_ahead": 6, "admission_state": "paused_staleness"},
+        {"total_samples": 24, "avg_version_lag": 0.0, "max_version_lag": 0, "stale_groups": 2,
+         "trainer_version": 5, "groups_ahead": 3, "admission_state": "running"},
+    ])
+    assert m["rollout/staleness/avg_version_lag"] == pytest.approx(8 / 32)
+    assert m["rollout/staleness/max_version_lag"] == 2
+    assert (m["rollout/stale_groups"], m["rollout/regenerated_groups"]) == (3, 1)
+    assert (m["rollout/staleness/trainer_version"], m["rollout/staleness/groups_ahead"]) == (5, 3)
+    assert (m["rollout/staleness/admission_running"], m["rollout/staleness/admission_paused_staleness"]) == (1.0, 0.0)
+    assert not any(k.startswith("rollout/meta/") for k in m)
+
+
 def test_no_batches_logs_zero_samples() -> None:
     assert aggregate_meta_info([])["rollout/no_filter/total_samples"] == 0
 

@@ -9,7 +9,7 @@ import pytest
 
 from slime_adapter import add_arguments
 from slime_adapter.flags import AdapterSettings
-from slime_adapter.run_control import consumed_instance_ids, reason_to_start, start_payload
+from slime_adapter.run_control import consumed_instance_ids, reason_to_start, start_payload, trainer_version
 
 
 def args(**overrides: Any) -> argparse.Namespace:
@@ -40,6 +40,31 @@ def test_payload_uses_slimes_keys_and_values() -> None:
         "tokenizer_path": "/models/qwen3",
         "skip_instance_ids": ["3"],
     }
+
+
+def test_staleness_flags_and_the_trainers_version_go_into_the_payload() -> None:
+    cli = ["--rollout-buffer-url", "http://buf:8889", "--rollout-max-staleness", "2", "--rollout-regenerate-stale",
+           "--rollout-max-ready-groups", "64", "--mask-offpolicy-in-partial-rollout"]
+    a = add_arguments(argparse.ArgumentParser()).parse_args(cli)
+    for key, value in {"prompt_data": "/d.jsonl", "n_samples_per_prompt": 4, "rollout_batch_size": 8,
+                       "update_weights_interval": 2, "sglang_router_ip": "h", "sglang_router_port": 1}.items():
+        setattr(a, key, value)
+    payload = start_payload(a, AdapterSettings.from_args(a), [], current_version=5)
+    assert {k: payload[k] for k in ("max_staleness", "rollout_batch_size", "max_ready_groups", "regenerate_stale",
+                                    "mask_offpolicy_in_partial_rollout", "current_version")} == {
+        # rollout_batch_size: 8 groups × 2 steps per weight version
+        "max_staleness": 2, "rollout_batch_size": 16, "max_ready_groups": 64, "regenerate_stale": True,
+        "mask_offpolicy_in_partial_rollout": True, "current_version": 5}
+    with pytest.raises(ValueError, match="--rollout-max-staleness"):
+        AdapterSettings.from_args(add_arguments(argparse.ArgumentParser()).parse_args(
+            ["--rollout-buffer-url", "http://b", "--rollout-max-staleness", "-1"]))
+
+
+@pytest.mark.parametrize(("interval", "versions"), [(1, [0, 1, 2, 3, 4]), (2, [0, 1, 1, 2, 2])])
+def test_trainer_version_is_the_weight_version_slime_pushed_when_it_asks(interval: int, versions: list[int]) -> None:
+    # train_async.py: the initial push is version 1; rollout R is asked for while 1 + (R - 1) // k is on the engines.
+    a = argparse.Namespace(update_weights_interval=interval)
+    assert [trainer_version(a, r) for r in range(5)] == versions
 
 
 def test_resumed_training_skips_one_group_per_consumed_id_like_slimes_client() -> None:

@@ -61,3 +61,15 @@ def test_trainer_wait_measures_both_fetch_loops() -> None:
     line = summary_line(out)
     assert re.search(rf"long-poll median {NUMBER} ms, p99 {NUMBER} ms; 5 s polling \(original\) median {NUMBER} ms",
                      line), line
+
+
+def test_staleness_measures_throughput_and_lag_per_bound() -> None:
+    # Generation (8 in flight × 50 ms) and a 0.2 s trainer step, three steps per bound: only the rows count here.
+    out = run_bench("staleness", "--steps", "3", "--train-s", "0.2", "--latency-ms", "50", "--in-flight", "8",
+                    "--batch-groups", "2", "--group-size", "2", "--etas", "1,inf")
+    line = summary_line(out)
+    bounded = re.search(rf"η=1 {NUMBER}/s {NUMBER}% lag mean {NUMBER} max (\d+)", line)
+    unbounded = re.search(rf"η=∞ {NUMBER}/s 100% lag mean {NUMBER} max (\d+)", line)
+    assert bounded and unbounded, line
+    assert float(bounded.group(1)) > 0 and int(bounded.group(4)) <= 1
+    assert "Lag distribution" in out

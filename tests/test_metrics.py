@@ -34,6 +34,15 @@ REQUIRED_FAMILIES = {
     "rollout_buffer_tokenization_mismatches": "counter",
     "rollout_buffer_ready_groups": "gauge",
     "rollout_buffer_run_progress_ratio": "gauge",
+    # fully asynchronous control (issue 16)
+    "rollout_buffer_delivered_lag_versions": "histogram",
+    "rollout_buffer_groups_stale": "counter",
+    "rollout_buffer_groups_regenerated": "counter",
+    "rollout_buffer_trajectories_requeued": "counter",
+    "rollout_buffer_trainer_version": "gauge",
+    "rollout_buffer_engine_version": "gauge",
+    "rollout_buffer_admission_state": "gauge",
+    "rollout_buffer_groups_ahead": "gauge",
 }
 
 
@@ -69,7 +78,7 @@ def test_names_follow_prometheus_conventions() -> None:
         if family.type == "counter":
             assert all(s.name == f"{name}_total" for s in family.samples), name
         if family.type == "histogram":
-            assert name.endswith("_seconds"), name
+            assert name.endswith(("_seconds", "_versions")), name  # the unit, as Prometheus names it
         if family.type == "gauge":
             assert not name.endswith("_total"), name
 

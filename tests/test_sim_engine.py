@@ -289,6 +289,64 @@ def test_update_weight_version(engines: dict[str, SimEngineProcess], qwen_tokeni
     assert httpx.get(engine.url + "/model_info", timeout=5).json()["weight_version"] == "step-7"
 
 
+def test_pause_generation_aborts_or_holds_and_new_requests_wait(
+    engines: dict[str, SimEngineProcess], qwen_tokenizer: Any
+) -> None:
+    """SGLang's /pause_generation modes and /continue_generation on the 1 s engine, in SGLang's answer shapes."""
+    slow = engines["slow"]
+    ids = prompt_ids(qwen_tokenizer, "What is 6 + 7?")
+
+    async def running(client: httpx.AsyncClient, n: int) -> None:
+        for _ in range(200):  # bounded: 200 x 10 ms
+            if (await client.get(slow.url + "/get_load")).json()[0]["num_reqs"] == n:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"{n} requests never ran")
+
+    async def control(client: httpx.AsyncClient, path: str, body: dict | None = None) -> dict:
+        r = await client.post(slow.url + path, json=body or {})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            post = lambda: asyncio.create_task(client.post(slow.url + "/generate", json={"input_ids": ids}))  # noqa: E731
+            try:
+                # abort: the running request answers at once with its partial output and the old version.
+                first = post()
+                await running(client, 1)
+                await asyncio.sleep(0.3)
+                assert await control(client, "/pause_generation", {"mode": "abort"}) == {
+                    "message": "Generation paused successfully.", "status": "ok"}
+                aborted = (await first).json()
+                assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
+                assert 0 < len(aborted["output_ids"]) and aborted["meta_info"]["weight_version"] == "default"
+                # A request sent while paused waits; it runs with the weights set before generation continues.
+                waiting = post()
+                await asyncio.sleep(0.3)
+                assert not waiting.done()
+                await control(client, "/update_weight_version", {"new_version": "9"})
+                assert (await control(client, "/continue_generation")) == {
+                    "message": "Generation continued successfully.", "status": "ok"}
+                done = (await waiting).json()
+                assert done["meta_info"]["finish_reason"]["type"] == "stop"
+                assert done["meta_info"]["weight_version"] == "9"
+                # in_place: the running request is held (its time stands still) and finishes after continue.
+                held = post()
+                await running(client, 1)
+                await control(client, "/pause_generation", {"mode": "in_place"})
+                await asyncio.sleep(1.2)  # longer than the engine's 1 s latency
+                assert not held.done()
+                await control(client, "/continue_generation")
+                assert (await held).json()["meta_info"]["finish_reason"]["type"] == "stop"
+                bad = await client.post(slow.url + "/pause_generation", json={"mode": "sideways"})
+                assert bad.status_code == 400 and "mode" in bad.json()["message"]
+            finally:
+                await client.post(slow.url + "/continue_generation", json={})
+
+    asyncio.run(run())
+
+
 def test_stats_count_requests_by_endpoint(engines: dict[str, SimEngineProcess], qwen_tokenizer: Any) -> None:
     engine = engines["wrong"]
     before = engine.stats()

@@ -15,7 +15,9 @@ import orjson
 
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.groups import GroupPolicy
-from rollout_buffer.delivery.store import NewRecord, Store, StoredRecord, WriteResult
+from rollout_buffer.delivery.ledger import GroupTally, RunLedger
+from rollout_buffer.delivery.store import Batch, NewRecord, Order, StaleGroup, Store, StoredRecord, WriteResult
+from rollout_buffer.delivery.versions import StalenessRule, TrainerVersion, version_range
 from rollout_buffer.observability import metrics
 from rollout_buffer.schemas import TrajectoryRecord
 
@@ -84,6 +86,10 @@ class RolloutBuffer:
         # a burst of first writes does not queue one store round trip each behind the lock.
         self._writer_run_row: dict[str, Any] | None = None
         self._runs_created = 0
+        self._ledgers: dict[str, RunLedger] = {}
+        self._ledger_lock = asyncio.Lock()
+        # Called with every stale group queued for generation again (the run manager sets it).
+        self.regenerate: Callable[[StaleGroup], None] | None = None
 
     # ---- runs ------------------------------------------------------------------------------------
     async def create_run(self, config: dict[str, Any], group_size: int) -> str:
@@ -129,7 +135,46 @@ class RolloutBuffer:
                 self._writer_run_row = run
             return run
 
-    # ---- writes ----------------------------------------------------------------------------------
+    # ---- run ledgers and the trainer's version --------------------------------------------------
+    async def ledger(self, run_id: str) -> RunLedger:
+        """The run's ledger, loaded from the store on first use and kept in step from then on."""
+        ledger = self._ledgers.get(run_id)
+        if ledger is not None:
+            return ledger
+        async with self._ledger_lock:
+            if run_id not in self._ledgers:
+                # One store operation: the events of later operations are applied on top of it, those of
+                # earlier ones were dropped (no ledger yet) but are in what it read.
+                counts, version = await self.store.run_state(run_id)
+                self._ledgers[run_id] = RunLedger(run_id, GroupTally.from_states(counts), version)
+            return self._ledgers[run_id]
+
+    async def report_version(self, version: int, rewind: bool = False) -> tuple[str, TrainerVersion] | None:
+        """Record the trainer's version for the latest run; None when there is no run. Raises
+        `VersionConflict` when it goes back without `rewind`."""
+        run = await self.store.latest_run()
+        if run is None:
+            return None
+        ledger = await self.ledger(run["run_id"])
+        before = ledger.version
+        if before.current == version:  # every fetch repeats it: nothing to write
+            return run["run_id"], before
+        now = await self.store.report_trainer_version(run["run_id"], version, rewind)
+        ledger.trainer_reported(now)
+        log.info("run %s: trainer version %s%s", run["run_id"], now.current, " (rewound)" if rewind else "")
+        self._warn_if_far_ahead(ledger, StalenessRule.of_run(run["config"]))
+        self._notify()  # a long-poll waiting for data re-checks staleness against the new version
+        return run["run_id"], now
+
+    @staticmethod
+    def _warn_if_far_ahead(ledger: RunLedger, rule: StalenessRule | None) -> None:
+        lead = ledger.trainer_lead
+        limit = rule.max_staleness if rule is not None else 1
+        if lead is not None and lead > limit:
+            log.warning("run %s: the trainer (version %s) is %d versions ahead of the newest engine version seen "
+                        "(%s); are the engines getting the weight updates?", ledger.run_id, ledger.version.current,
+                        lead, ledger.engine_version)
+
     async def write(self, records: Iterable[TrajectoryRecord], run: dict[str, Any] | None = None) -> WriteResult:
         """Persist records of a run (the writer run by default); completed groups become deliverable."""
         run = run or await self._writer_run()
@@ -141,8 +186,15 @@ class RolloutBuffer:
             result = await self.store.write_records(run["run_id"], run["group_size"], items,
                                                     self.policy_for(run).finalize)
         metrics.count_write(result.inserted_by_status, result.duplicates, [r for _, r in result.completed])
+        ledger = self._ledgers.get(run["run_id"])
+        if ledger is not None:
+            for r in records:
+                seen = version_range({"extra_info": r.extra_info, "weight_versions": r.weight_versions})
+                ledger.engine_seen(seen[1] if seen else None)
         if result.completed:
             for _key, reason in result.completed:
+                if ledger is not None:
+                    ledger.completed(dropped=reason is not None)
                 if reason is None:
                     self._since_read.finished.append(_key[1])
                 else:
@@ -163,19 +215,30 @@ class RolloutBuffer:
         lease_s: float | None,
         ack: str | None = None,
         client_gone: Callable[[], Awaitable[bool]] | None = None,
+        order: Order = "oldest",
+        current_version: int | None = None,
     ) -> Delivery:
-        """Whole ready groups, oldest first; waits up to `wait_s` for the first one to be ready.
+        """Whole ready groups, oldest (or newest) first; waits up to `wait_s` for the first one to be ready.
 
-        An answer holds at most one group per instance id (see `Store.take`). A long-polling client that
-        hung up gets nothing taken for it: without a lease those groups would count as consumed and be lost.
+        An answer holds at most one group per instance id (see `Store.take`). `current_version` is the
+        trainer's version (recorded first; `VersionConflict` when it goes back). Against it (or the last
+        version the trainer reported), groups of runs with `max_staleness` that lag by more than η are dropped
+        as `stale` before anything is taken. A long-polling client that hung up gets nothing taken for it:
+        without a lease those groups would count as consumed and be lost.
         """
+        if current_version is not None:
+            await self.report_version(current_version)
         acked = await self.ack(ack) if ack else 0
         deadline = time.monotonic() + wait_s
+        stale: list[StaleGroup] = []
         while True:
             changed = self._changed
             if client_gone is not None and await client_gone():
                 return Delivery([], {})  # nobody is listening; keep the counters for the next reader
-            batch = await self.store.take(max_groups, lease_s)
+            trainer = await self._trainer_version()
+            batch = await self.store.take(max_groups, lease_s, order=order, current_version=trainer.current)
+            self._account(batch)
+            stale += batch.stale
             remaining = deadline - time.monotonic()
             if batch.groups or remaining <= 0:
                 break
@@ -187,9 +250,34 @@ class RolloutBuffer:
             except TimeoutError:
                 pass
         records = [r for g in batch.groups for r in g]
-        metrics.count_delivery(batch.groups, batch.redelivered)
+        lags = [trainer.lag(v) for v in batch.versions]
+        metrics.count_delivery(batch.groups, batch.redelivered, [lag for lag in lags if lag is not None])
         meta = self._meta_info(batch.groups, batch.batch_id, acked, batch.redelivered)
+        meta.update(_version_meta(trainer, lags, stale))
         return Delivery(records, meta)
+
+    async def _trainer_version(self) -> TrainerVersion:
+        run = await self.store.latest_run()
+        return (await self.ledger(run["run_id"])).version if run is not None else TrainerVersion()
+
+    def _account(self, batch: Batch) -> None:
+        """Move the ledgers by what one take did; count and log stale drops and hand regenerations on."""
+        taken = Counter(batch.run_ids)
+        stale_by_run = Counter(g.key[0] for g in batch.stale)
+        for run_id in {*taken, *stale_by_run, *batch.expired_by_run}:
+            ledger = self._ledgers.get(run_id)
+            if ledger is not None:
+                ledger.taken(taken[run_id], batch.expired_by_run.get(run_id, 0), stale_by_run[run_id])
+        for group in batch.stale:
+            run_id, instance_id, epoch, part = group.key
+            self._since_read.filtered["stale"] += 1
+            regenerated = group.regenerate_part is not None
+            metrics.count_stale(regenerated)
+            log.info("group %s/%s epoch %s part %s dropped: stale (version %d, %d behind the trainer)%s", run_id,
+                     instance_id, epoch, part, group.version_min, group.lag,
+                     f"; generating it again as part {group.regenerate_part}" if regenerated else "")
+            if regenerated and self.regenerate is not None:
+                self.regenerate(group)
 
     async def ack(self, batch_id: str) -> int:
         """Mark a leased batch consumed."""
@@ -263,6 +351,11 @@ class RolloutBuffer:
             "all_groups": await self.store.group_counts(),
         }
 
+    async def control(self, run_id: str) -> dict[str, Any]:
+        """The run's ledger and its admission state as last persisted (the runner's live view replaces it)."""
+        ledger = await self.ledger(run_id)
+        return {**ledger.snapshot(), "admission": {"state": await self.store.admission(run_id)}}
+
 
 def _public_run(run: dict[str, Any]) -> dict[str, Any]:
     cfg = run["config"]
@@ -278,3 +371,17 @@ def _public_run(run: dict[str, Any]) -> dict[str, Any]:
         "progress": run["progress"],
         "error": run["error"],
     }
+
+
+def _version_meta(trainer: TrainerVersion, lags: list[int | None], stale: list[StaleGroup]) -> dict[str, Any]:
+    """meta_info about versions: the trainer's, the lag of the delivered groups, stale drops and regenerations."""
+    known = [lag for lag in lags if lag is not None]
+    meta: dict[str, Any] = {
+        "trainer_version": trainer.current,
+        "stale_groups": len(stale),
+        "regenerated_groups": sum(g.regenerate_part is not None for g in stale),
+    }
+    if known:
+        meta["avg_version_lag"] = sum(known) / len(known)
+        meta["max_version_lag"] = max(known)
+    return meta

@@ -18,11 +18,12 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import orjson
 
 from rollout_buffer.delivery.groups import GroupOutcome, Record
+from rollout_buffer.delivery.versions import StalenessRule, TrainerVersion, group_version_range
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -73,9 +74,19 @@ CREATE TABLE IF NOT EXISTS batches (
     num_groups INTEGER NOT NULL
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS run_control (
+    run_id TEXT PRIMARY KEY,
+    base_version INTEGER,         -- the trainer's version when the run began (the first one it heard of)
+    trainer_version INTEGER,      -- the newest version the trainer reported
+    admission TEXT,               -- running | paused_staleness | paused_cap, as the runner last decided
+    updated_at REAL
+);
 """
 
 GroupKey = tuple[str, str, int, int]  # run_id, instance_id, epoch, part
+Order = Literal["oldest", "newest"]
+# Delivery order: by completion, oldest or most recent first.
+_ORDER_SQL = {"oldest": "ready_seq", "newest": "ready_seq DESC"}
 
 
 class StoreError(RuntimeError):
@@ -120,14 +131,36 @@ class StoredRecord:
         return orjson.loads(self.blob)
 
 
+@dataclass(frozen=True)
+class StaleGroup:
+    """A ready group dropped at delivery because its oldest turn lagged the trainer by more than η."""
+
+    key: GroupKey
+    version_min: int
+    lag: int
+    regenerate_part: int | None  # the new (empty, open) part it is generated again into, when asked
+
+
 @dataclass
 class Batch:
-    """Groups handed to one consumer call."""
+    """Groups handed to one consumer call, and what the call changed besides."""
 
     batch_id: str | None
     groups: list[list[StoredRecord]]
     next_lease_expiry: float | None
     redelivered: int = 0
+    run_ids: list[str] = field(default_factory=list)  # per group
+    versions: list[int | None] = field(default_factory=list)  # per group: its oldest known weight version
+    stale: list[StaleGroup] = field(default_factory=list)
+    expired_by_run: dict[str, int] = field(default_factory=dict)  # leases that ran out: ready again
+
+
+@dataclass
+class StoredWork:
+    """What a (resumed) run already has in the store."""
+
+    done: set[tuple[str, int]]  # (instance_id, epoch) with no open part left
+    open: dict[tuple[str, int], tuple[int, set[str]]]  # (instance_id, epoch) → (open part, episode uids in it)
 
 
 class Store:
@@ -170,6 +203,10 @@ class Store:
             # What delivery reads of a completed record, so it can send the stored JSON without parsing it;
             # stores written before this column summarise their records at delivery instead.
             conn.execute("ALTER TABLE trajectories ADD COLUMN summary BLOB")
+        group_columns = {row[1] for row in conn.execute("PRAGMA table_info(groups)")}
+        for column in ("version_min", "version_max"):
+            if column not in group_columns:  # stores written before version-aware delivery
+                conn.execute(f"ALTER TABLE groups ADD COLUMN {column} INTEGER")
         if self.max_bytes is not None:
             page_size = conn.execute("PRAGMA page_size").fetchone()[0]
             conn.execute(f"PRAGMA max_page_count={max(1, self.max_bytes // page_size)}")
@@ -304,10 +341,30 @@ class Store:
         return await self.call(lambda conn: _write(conn, run_id, group_size, items, finalize))
 
     # ---- reads -----------------------------------------------------------------------------------
-    async def take(self, max_groups: int | None, lease_s: float | None, now: float | None = None) -> Batch:
-        """Hand out the oldest ready groups, at most one per instance id: leased for `lease_s`, or consumed
-        when lease_s is None."""
-        return await self.call(lambda conn: _take(conn, max_groups, lease_s, now or time.time()))
+    async def take(self, max_groups: int | None, lease_s: float | None, now: float | None = None,
+                   order: Order = "oldest", current_version: int | None = None) -> Batch:
+        """Hand out ready groups (oldest or newest first), at most one per instance id: leased for `lease_s`,
+        or consumed when lease_s is None. With the trainer's `current_version`, ready groups of runs with
+        `max_staleness` whose oldest turn lags it by more than η are dropped first (reason `stale`), and queued
+        again as a new open part when their run asked for `regenerate_stale` and can still generate."""
+
+        def op(conn: sqlite3.Connection) -> Batch:
+            when = now or time.time()
+            expired = _expire_leases(conn, when)
+            stale = _drop_stale(conn, current_version, self._staleness_rule) if current_version is not None else []
+            batch = _take(conn, max_groups, lease_s, when, order)
+            batch.expired_by_run, batch.stale = expired, stale
+            return batch
+
+        return await self.call(op)
+
+    def _staleness_rule(self, conn: sqlite3.Connection, run_id: str) -> tuple[StalenessRule | None, bool]:
+        """(the run's staleness rule, whether the run can still generate); store thread only."""
+        row = conn.execute("SELECT config, state FROM runs WHERE run_id=?", (run_id,)).fetchone()
+        if row is None:
+            return None, False
+        cfg = orjson.loads(row[0])
+        return StalenessRule.of_run(cfg), row[1] in ("running", "finished") and bool(cfg.get("task_type"))
 
     async def ack(self, batch_id: str) -> int:
         """Mark a leased batch consumed; returns how many groups it covered (0 for an unknown batch)."""
@@ -342,23 +399,92 @@ class Store:
         sql, args = (sql + " AND run_id=?", (run_id,)) if run_id is not None else (sql, ())
         return await self.call(lambda conn: dict(conn.execute(f"{sql} GROUP BY {column}", args).fetchall()))
 
-    async def stored_work(self, run_id: str) -> tuple[set[tuple[str, int]], dict[tuple[str, int], set[str]]]:
-        """What a resumed run already has: its finished groups, and the uids stored in unfinished ones."""
+    async def stored_work(self, run_id: str) -> StoredWork:
+        """What a resumed run already has: groups with nothing left open, and the open part (with the uids
+        already stored in it) of every other group."""
 
-        def op(conn: sqlite3.Connection) -> tuple[set[tuple[str, int]], dict[tuple[str, int], set[str]]]:
+        def op(conn: sqlite3.Connection) -> StoredWork:
             done = set(conn.execute(
-                "SELECT instance_id, epoch FROM groups WHERE run_id=? AND state!='open'", (run_id,)
+                "SELECT instance_id, epoch FROM groups WHERE run_id=? GROUP BY instance_id, epoch "
+                "HAVING sum(state='open')=0",
+                (run_id,),
             ).fetchall())
-            partial: dict[tuple[str, int], set[str]] = {}
+            open_parts: dict[tuple[str, int], tuple[int, set[str]]] = {
+                (i, e): (part, set()) for i, e, part in conn.execute(
+                    "SELECT instance_id, epoch, min(part) FROM groups WHERE run_id=? AND state='open' "
+                    "GROUP BY instance_id, epoch",
+                    (run_id,),
+                )
+            }
             # A trajectory's uid is its episode id (multi-agent records are `uid-k` with episode_id `uid`).
-            for i, e, uid in conn.execute(
-                "SELECT t.instance_id, t.epoch, t.episode FROM trajectories t JOIN groups g ON "
+            for i, e, part, uid in conn.execute(
+                "SELECT t.instance_id, t.epoch, t.part, t.episode FROM trajectories t JOIN groups g ON "
                 "g.run_id=t.run_id AND g.instance_id=t.instance_id AND g.epoch=t.epoch AND g.part=t.part "
                 "WHERE t.run_id=? AND g.state='open'",
                 (run_id,),
             ):
-                partial.setdefault((i, e), set()).add(uid)
-            return done, partial
+                if open_parts[(i, e)][0] == part:
+                    open_parts[(i, e)][1].add(uid)
+            return StoredWork(done, open_parts)
+
+        return await self.call(op)
+
+    # ---- run control: the trainer's version and the admission state --------------------------------
+    async def run_state(self, run_id: str) -> tuple[dict[str, int], TrainerVersion]:
+        """The run's groups by state and its trainer version bookkeeping, read together."""
+
+        def op(conn: sqlite3.Connection) -> tuple[dict[str, int], TrainerVersion]:
+            counts = dict(conn.execute("SELECT state, count(*) FROM groups WHERE run_id=? GROUP BY state",
+                                       (run_id,)).fetchall())
+            row = conn.execute("SELECT base_version, trainer_version FROM run_control WHERE run_id=?",
+                               (run_id,)).fetchone()
+            return counts, TrainerVersion(*row) if row else TrainerVersion()
+
+        return await self.call(op)
+
+    async def report_trainer_version(self, run_id: str, version: int, rewind: bool = False) -> TrainerVersion:
+        """Record a version the trainer reported; raises `VersionConflict` (nothing written) when it goes back
+        without `rewind`."""
+
+        def op(conn: sqlite3.Connection) -> TrainerVersion:
+            row = conn.execute("SELECT base_version, trainer_version FROM run_control WHERE run_id=?",
+                               (run_id,)).fetchone()
+            now = (TrainerVersion(*row) if row else TrainerVersion()).advanced(version, rewind)
+            conn.execute(
+                "INSERT INTO run_control(run_id, base_version, trainer_version, updated_at) VALUES (?,?,?,?) "
+                "ON CONFLICT(run_id) DO UPDATE SET base_version=excluded.base_version, "
+                "trainer_version=excluded.trainer_version, updated_at=excluded.updated_at",
+                (run_id, now.base, now.current, time.time()),
+            )
+            return now
+
+        return await self.call(op)
+
+    async def set_admission(self, run_id: str, state: str) -> None:
+        """Persist the runner's admission state, so a restarted buffer shows (and resumes) it."""
+        await self.call(lambda c: c.execute(
+            "INSERT INTO run_control(run_id, admission, updated_at) VALUES (?,?,?) "
+            "ON CONFLICT(run_id) DO UPDATE SET admission=excluded.admission, updated_at=excluded.updated_at",
+            (run_id, state, time.time()),
+        ))
+
+    async def admission(self, run_id: str) -> str | None:
+        """The admission state last persisted for the run."""
+        row = await self.call(
+            lambda c: c.execute("SELECT admission FROM run_control WHERE run_id=?", (run_id,)).fetchone()
+        )
+        return row[0] if row else None
+
+    async def reopen_run(self, run_id: str) -> bool:
+        """Mark a finished run running again (it has groups to generate anew); False when it is not the
+        latest run or not finished."""
+
+        def op(conn: sqlite3.Connection) -> bool:
+            latest = conn.execute("SELECT run_id FROM runs ORDER BY created_at DESC, rowid DESC LIMIT 1").fetchone()
+            if latest is None or latest[0] != run_id:
+                return False
+            return conn.execute("UPDATE runs SET state='running', error=NULL WHERE run_id=? AND state='finished'",
+                                (run_id,)).rowcount == 1
 
         return await self.call(op)
 
@@ -508,9 +634,9 @@ def _complete(
             conn.execute("UPDATE trajectories SET record=?, summary=? WHERE uid=?",
                          (orjson.dumps(rec), _summary(rec), uid))
     conn.execute(
-        "UPDATE groups SET state='ready', ready_seq=?, completed_at=? "
+        "UPDATE groups SET state='ready', ready_seq=?, completed_at=?, version_min=?, version_max=? "
         "WHERE run_id=? AND instance_id=? AND epoch=? AND part=?",
-        (_next_seq(conn), now, *key),
+        (_next_seq(conn), now, *group_version_range(outcome.records), *key),
     )
     return None
 
@@ -545,43 +671,86 @@ def _one_per_instance(rows: Iterable[tuple], max_groups: int | None) -> list[tup
     return taken
 
 
-def _take(conn: sqlite3.Connection, max_groups: int | None, lease_s: float | None, now: float) -> Batch:
-    expired = conn.execute(
-        "UPDATE groups SET state='ready', lease_expires=NULL WHERE state='leased' AND lease_expires <= ?", (now,)
-    ).rowcount
+def _drop_stale(
+    conn: sqlite3.Connection,
+    current: int,
+    rule_of: Callable[[sqlite3.Connection, str], tuple[StalenessRule | None, bool]],
+) -> list[StaleGroup]:
+    stale: list[StaleGroup] = []
+    runs = conn.execute("SELECT DISTINCT run_id FROM groups WHERE state='ready' AND version_min < ?",
+                        (current,)).fetchall()
+    for (run_id,) in runs:
+        rule, can_generate = rule_of(conn, run_id)
+        if rule is None:
+            continue
+        rows = conn.execute(
+            "SELECT instance_id, epoch, part, version_min, size FROM groups "
+            "WHERE run_id=? AND state='ready' AND version_min < ?",
+            (run_id, current - rule.max_staleness),
+        ).fetchall()
+        for instance_id, epoch, part, version_min, size in rows:
+            key = (run_id, instance_id, epoch, part)
+            conn.execute("UPDATE groups SET state='filtered', reason='stale' "
+                         "WHERE run_id=? AND instance_id=? AND epoch=? AND part=?", key)
+            new_part = None
+            if rule.regenerate and can_generate:
+                last = conn.execute("SELECT max(part) FROM groups WHERE run_id=? AND instance_id=? AND epoch=?",
+                                    key[:3]).fetchone()[0]
+                new_part = last + 1
+                # An empty open part: the runner generates it (a restarted one finds it in `stored_work`).
+                conn.execute("INSERT INTO groups(run_id, instance_id, epoch, part, size, n, state) "
+                             "VALUES (?,?,?,?,?,0,'open')", (*key[:3], new_part, size))
+            stale.append(StaleGroup(key, version_min, current - version_min, new_part))
+    return stale
+
+
+def _expire_leases(conn: sqlite3.Connection, now: float) -> dict[str, int]:
+    """Leased groups whose lease ran out become ready again; how many, per run."""
+    expired: dict[str, int] = {}
+    for (run_id,) in conn.execute(
+        "UPDATE groups SET state='ready', lease_expires=NULL WHERE state='leased' AND lease_expires <= ? "
+        "RETURNING run_id", (now,)
+    ).fetchall():
+        expired[run_id] = expired.get(run_id, 0) + 1
     if expired:
-        log.info("%d leased groups were not acked in time and are deliverable again", expired)
+        log.info("%d leased groups were not acked in time and are deliverable again", sum(expired.values()))
+    return expired
+
+
+def _take(conn: sqlite3.Connection, max_groups: int | None, lease_s: float | None, now: float,
+          order: Order = "oldest") -> Batch:
     ready = conn.execute(
-        "SELECT run_id, instance_id, epoch, part, batch_id FROM groups WHERE state='ready' ORDER BY ready_seq"
+        "SELECT run_id, instance_id, epoch, part, batch_id, version_min FROM groups WHERE state='ready' "
+        f"ORDER BY {_ORDER_SQL[order]}"
     )
     try:
         rows = _one_per_instance(ready, max_groups)
     finally:
         ready.close()
-    groups: list[list[StoredRecord]] = []
-    batch_id: str | None = None
-    redelivered = 0
+    batch = Batch(None, [], None)
     if rows:
-        batch_id = uuid.uuid4().hex
+        batch.batch_id = uuid.uuid4().hex
         expires = now + lease_s if lease_s is not None else None
         state = "leased" if lease_s is not None else "delivered"
         conn.execute(
             "INSERT INTO batches(batch_id, created_at, lease_expires, acked_at, num_groups) VALUES (?,?,?,?,?)",
-            (batch_id, now, expires, None if lease_s is not None else now, len(rows)),
+            (batch.batch_id, now, expires, None if lease_s is not None else now, len(rows)),
         )
-        for run_id, instance_id, epoch, part, old_batch in rows:
-            redelivered += old_batch is not None
+        for run_id, instance_id, epoch, part, old_batch, version_min in rows:
+            batch.redelivered += old_batch is not None
             key = (run_id, instance_id, epoch, part)
             conn.execute(
                 "UPDATE groups SET state=?, batch_id=?, lease_expires=? "
                 "WHERE run_id=? AND instance_id=? AND epoch=? AND part=?",
-                (state, batch_id, expires, *key),
+                (state, batch.batch_id, expires, *key),
             )
             stored = conn.execute(
                 "SELECT record, summary FROM trajectories WHERE run_id=? AND instance_id=? AND epoch=? AND part=? "
                 "ORDER BY rowid",
                 key,
             ).fetchall()
-            groups.append([_stored(blob, summary) for blob, summary in stored])
-    nxt = conn.execute("SELECT min(lease_expires) FROM groups WHERE state='leased'").fetchone()[0]
-    return Batch(batch_id, groups, nxt, redelivered)
+            batch.groups.append([_stored(blob, summary) for blob, summary in stored])
+            batch.run_ids.append(run_id)
+            batch.versions.append(version_min)
+    batch.next_lease_expiry = conn.execute("SELECT min(lease_expires) FROM groups WHERE state='leased'").fetchone()[0]
+    return batch

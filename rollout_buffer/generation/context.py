@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout_buffer.delivery.versions import ordered_versions
 from rollout_buffer.generation.conversation import Conversation
 from rollout_buffer.generation.engine import EngineClient, to_sglang_sampling_params
 from rollout_buffer.observability import metrics
@@ -26,6 +27,8 @@ class RunResources:
     max_tokens: int | None
     sanity_check: str = "strict"
     chat_template_kwargs: dict[str, Any] | None = None
+    # slime's option: loss 0 on tokens generated with older weights than the trajectory's newest.
+    mask_offpolicy: bool = False
     # Per-run objects generators create once (tool clients, caches), keyed by the generator's choice;
     # values with an async `aclose()` are closed when the run ends.
     shared: dict[str, Any] = field(default_factory=dict)
@@ -95,6 +98,7 @@ class RolloutContext:
             await conv.aadd_assistant(
                 result.output_ids, result.log_probs if return_logprob else None, result.text,
                 weight_version=result.weight_version, finish_reason=result.finish_reason,
+                version_segments=result.segments,
             )
             return result.finish_reason
         chat_params = {k: v for k, v in params.items() if k != "max_new_tokens"}
@@ -103,7 +107,7 @@ class RolloutContext:
         chat = await engine.chat(conv.messages, chat_params, session_id=session, tools=conv.tools)
         self._count_turn(chat.engine_url, 0)
         conv.add_assistant_text(chat.text, finish_reason=chat.finish_reason, tool_calls=chat.tool_calls,
-                                reasoning_content=chat.reasoning_content)
+                                reasoning_content=chat.reasoning_content, weight_version=chat.weight_version)
         return chat.finish_reason
 
     def _count_turn(self, engine_url: str, resumed: int) -> None:
@@ -116,15 +120,26 @@ class RolloutContext:
     async def trajectory(self, conv: Conversation, reward: float, finish_reason: str = "stop",
                          **extra_info: Any) -> dict[str, Any]:
         """Build the record of a finished conversation: exact tokens in token mode; in chat mode the tool
-        schemas the engine saw (`tools`), which the trainer's loss-mask generator needs to render the prompt."""
+        schemas the engine saw (`tools`), which the trainer's loss-mask generator needs to render the prompt.
+
+        `extra_info` gets the oldest and newest weight version the conversation was generated with
+        (`weight_version_min` / `weight_version_max`) and, in token mode, `weight_version_spans`:
+        `[start, end, version]` over positions of `tokens`.
+        """
         info: dict[str, Any] = {"finish_reason": finish_reason, **self.engine_stats, **extra_info}
+        known = ordered_versions(conv.weight_versions)
+        if known:
+            info["weight_version_min"], info["weight_version_max"] = known[0][1], known[-1][1]
+        elif conv.weight_versions:  # versions that cannot be ordered: first and last as generated
+            info["weight_version_min"], info["weight_version_max"] = conv.weight_versions[0], conv.weight_versions[-1]
         fields: dict[str, Any] = {}
         if conv.token_mode:
             mismatch = await conv.acheck()
             if mismatch is not None:
                 info["tokenization_mismatch"] = mismatch
                 metrics.TOKENIZATION_MISMATCHES.inc()
-            fields = conv.record_fields()
+            fields = conv.record_fields(mask_offpolicy=self.run.mask_offpolicy)
+            info["weight_version_spans"] = [list(span) for span in conv.version_spans]
         elif conv.tools:
             fields = {"tools": conv.tools}
         return {

@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import orjson
 
+from rollout_buffer.delivery.versions import mask_older_versions
 from rollout_buffer.generation.tokenizer import end_of_turn_ids
 
 SanityCheckMode = Literal["strict", "ignore_strippable", "disable"]
@@ -186,6 +187,8 @@ class Conversation:
     loss_mask: list[int]
     log_probs: list[float]
     weight_versions: list[str]
+    # [start, end, weight_version] over token positions: which weights generated each stretch of output.
+    version_spans: list[list[Any]]
     prompt_length: int
     truncated: bool
     finish_reason: str | None
@@ -208,6 +211,7 @@ class Conversation:
         self.sanity_check = sanity_check
         self.token_mode = tokenizer is not None
         self.token_ids, self.loss_mask, self.log_probs, self.weight_versions = [], [], [], []
+        self.version_spans = []
         self.prompt_length = 0
         self.truncated = False
         self.finish_reason = None
@@ -261,12 +265,15 @@ class Conversation:
         *,
         weight_version: str | None = None,
         finish_reason: str = "stop",
+        version_segments: list[tuple[int, str | None]] | None = None,
     ) -> None:
         """Append one engine turn: its own output ids (loss 1) and log-probs, and `text` as the message.
 
         `text` should be what the ids decode to; it is kept in `messages` and never re-tokenized.
         `finish_reason` is the engine's ("stop", "length", "abort"): an output that neither ends with an
-        end-of-turn token nor stopped cleanly truncates the conversation.
+        end-of-turn token nor stopped cleanly truncates the conversation. `version_segments` lists
+        (tokens, weight_version) of the answers the turn was generated in (abort resumes may cross a weight
+        update); without it the whole turn has `weight_version`.
         """
         self._require_tokens()
         self._require_not_truncated()
@@ -274,6 +281,7 @@ class Conversation:
             raise ValueError(f"{len(log_probs)} log-probs for {len(output_ids)} output ids")
         if not self._open:
             self._append(self._frame.generation_prompt_ids, 0)
+        self._add_version_spans(len(self.token_ids), len(output_ids), weight_version, version_segments)
         self._append(output_ids, 1, log_probs)
         if log_probs is None and output_ids:
             self._log_probs_complete = False
@@ -285,8 +293,6 @@ class Conversation:
             # Stopped on a stop string: the template's closing finishes the turn, but was not generated.
             self._append(self._frame.closing_ids, 0)
         self._end_assistant_turn(text, finish_reason)
-        if weight_version is not None and weight_version not in self.weight_versions:
-            self.weight_versions.append(weight_version)
         self._open = False
         self._env_tokens_start = len(self.token_ids)
 
@@ -298,10 +304,32 @@ class Conversation:
         *,
         weight_version: str | None = None,
         finish_reason: str = "stop",
+        version_segments: list[tuple[int, str | None]] | None = None,
     ) -> None:
         """`add_assistant` for async callers; it renders nothing, so it runs inline."""
         self.add_assistant(output_ids, log_probs, text, weight_version=weight_version,
-                           finish_reason=finish_reason)
+                           finish_reason=finish_reason, version_segments=version_segments)
+
+    def _add_version_spans(self, start: int, count: int, version: str | None,
+                           segments: list[tuple[int, str | None]] | None) -> None:
+        if not segments or sum(n for n, _ in segments) != count:
+            segments = [(count, version)]
+        for n, v in segments:
+            if n <= 0 and len(segments) > 1:
+                continue  # an answer without tokens (aborted at once) generated nothing with its weights
+            self._note_version(v)
+            if n <= 0:
+                continue
+            last = self.version_spans[-1] if self.version_spans else None
+            if last is not None and last[1] == start and last[2] == v:
+                last[1] = start + n
+            else:
+                self.version_spans.append([start, start + n, v])
+            start += n
+
+    def _note_version(self, version: str | None) -> None:
+        if version is not None and version not in self.weight_versions:
+            self.weight_versions.append(version)
 
     def response_tokens_used(self) -> int:
         """Tokens the response will hold once the next assistant turn starts (generation prompt counted)."""
@@ -309,17 +337,21 @@ class Conversation:
         pending = 0 if self._open or self.truncated else len(self._frame.generation_prompt_ids)
         return len(self.token_ids) + pending - self.prompt_length
 
-    def record_fields(self) -> dict[str, Any]:
+    def record_fields(self, mask_offpolicy: bool = False) -> dict[str, Any]:
         """The exact-token fields of the trajectory record; `{}` in chat mode.
 
         `loss_mask` covers every token; `rollout_log_probs` covers the response (0.0 on loss-0 tokens) and
-        is left out when some turn came without log-probs, rather than faked.
+        is left out when some turn came without log-probs, rather than faked. `mask_offpolicy` sets loss 0
+        on tokens generated with an older weight version than the newest one of the conversation.
         """
         if not self.token_mode:
             return {}
+        loss_mask = list(self.loss_mask)
+        if mask_offpolicy:
+            mask_older_versions(loss_mask, self.version_spans)
         fields: dict[str, Any] = {
             "tokens": list(self.token_ids),
-            "loss_mask": list(self.loss_mask),
+            "loss_mask": loss_mask,
             "response_length": len(self.token_ids) - self.prompt_length,
             "weight_versions": list(self.weight_versions),
         }
@@ -331,18 +363,20 @@ class Conversation:
 
     def add_assistant_text(self, text: str, finish_reason: str = "stop", *,
                            tool_calls: list[dict[str, Any]] | None = None,
-                           reasoning_content: str | None = None) -> None:
+                           reasoning_content: str | None = None, weight_version: str | None = None) -> None:
         """Chat mode: append an assistant message the engine produced from `messages`.
 
         `tool_calls` (OpenAI shape: `id`, `type`, `function` with `name` and JSON-string `arguments`), as a
         server with a tool-call parser answers them, and a separated `reasoning_content` are kept in the
-        message, so the chat template renders the turn as the model wrote it.
+        message, so the chat template renders the turn as the model wrote it; `weight_version` is the
+        engine's version for the turn.
         """
         if self.token_mode:
             raise RuntimeError("token mode keeps the engine's output ids: use add_assistant")
         self._require_not_truncated()
         if finish_reason in _CUT:
             self.truncated = True
+        self._note_version(weight_version)
         self._end_assistant_turn(text, finish_reason, tool_calls, reasoning_content)
 
     def add_messages(self, new: list[dict[str, Any]]) -> None:

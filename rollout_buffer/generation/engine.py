@@ -108,10 +108,13 @@ class GenerateResult:
     log_probs: list[float]  # one per output id when log-probs were requested, else empty
     text: str
     finish_reason: str  # "stop" | "length" | "abort"
-    weight_version: str | None
+    weight_version: str | None  # of the last segment
     engine_url: str
     attempts: int  # HTTP requests sent, over all resumes
     resumed: int  # abort resumes done
+    # (output tokens, weight_version) of each engine answer in order: an abort resume that crosses a weight
+    # update continues with another version than the part before it.
+    segments: list[tuple[int, str | None]] = field(default_factory=list)
 
 
 @dataclass
@@ -130,6 +133,7 @@ class ChatResult:
     raw: dict[str, Any]
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI shape: {"id", "type", "function": {"name", "arguments"}}
     reasoning_content: str | None = None  # set when the server separates reasoning (`--reasoning-parser`)
+    weight_version: str | None = None  # SGLang's `metadata.weight_version`, when the answer has it
 
 
 class EngineError(Exception):
@@ -386,6 +390,7 @@ class EngineClient:
         out_ids: list[int] = []
         log_probs: list[float] = []
         texts: list[str] = []
+        segments: list[tuple[int, str | None]] = []
         attempts = resumed = 0
         version: str | None = None
         while True:
@@ -401,6 +406,7 @@ class EngineClient:
             log_probs += chunk.log_probs
             texts.append(chunk.text)
             version = chunk.weight_version or version
+            segments.append((len(chunk.output_ids), chunk.weight_version))
             if chunk.finish_reason != "abort" or resumed >= self.max_abort_resumes:
                 break
             resumed += 1
@@ -419,6 +425,7 @@ class EngineClient:
             engine_url=url,
             attempts=attempts,
             resumed=resumed,
+            segments=segments,
         )
 
     async def chat(self, messages: list[dict[str, Any]], sampling_params: dict[str, Any], *, session_id: str,
@@ -435,11 +442,13 @@ class EngineClient:
                 text = message.get("content") or ""
                 finish = str(choice.get("finish_reason") or "stop")
                 calls = _tool_calls(message.get("tool_calls"))
+                version = (body.get("metadata") or {}).get("weight_version")
             except (KeyError, TypeError, IndexError, AttributeError, ValueError) as e:
                 raise _AttemptError("bad_response", f"unexpected chat response: {e}") from None
             return ChatResult(text=text, finish_reason="stop" if finish == "tool_calls" else finish, engine_url="",
                               attempts=0, raw=body, tool_calls=calls,
-                              reasoning_content=message.get("reasoning_content") or None)
+                              reasoning_content=message.get("reasoning_content") or None,
+                              weight_version=None if version is None else str(version))
 
         result, url, attempts = await self._post("/v1/chat/completions", payload, session_id, check)
         result.engine_url, result.attempts = url, attempts

@@ -2,6 +2,10 @@
 
 Work is created lazily (a semaphore is taken before each trajectory task exists), so a huge input file
 never sits in memory as tasks. Repeats of one instance are scheduled back to back so groups complete early.
+Each group is admitted whole by the run's admission controller (`generation.admission`) before its first
+trajectory starts. A trajectory still aborted after the engine client's resumes goes back to the queue (its
+group waits for it); a group dropped as stale at delivery with `regenerate_stale` is generated again as a
+new part of its (instance, epoch).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import logging
 import random
 import time
 import traceback
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +26,8 @@ from pydantic import ValidationError
 
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.buffer import RecordError, RolloutBuffer
+from rollout_buffer.delivery.store import StaleGroup, StoredWork
+from rollout_buffer.generation.admission import AdmissionController, AdmissionPolicy
 from rollout_buffer.generation.context import RolloutContext, RunResources, stamp
 from rollout_buffer.generation.engine import EngineClient, EngineError
 from rollout_buffer.generation.inputs import InputFileError
@@ -44,6 +50,8 @@ class Progress:
     failed: int = 0
     in_flight: int = 0
     skipped: int = 0
+    requeued: int = 0  # trajectories sent back to the queue after their aborts
+    regenerated: int = 0  # stale groups generated again
     statuses: Counter[str] = field(default_factory=Counter)
     failures: Counter[str] = field(default_factory=Counter)
     state: str = "running"
@@ -61,6 +69,8 @@ class Progress:
             "failed": self.failed,
             "in_flight": self.in_flight,
             "skipped": self.skipped,
+            "requeued": self.requeued,
+            "regenerated": self.regenerated,
             "rate": self.done / elapsed,
             "elapsed_s": elapsed,
             "statuses": dict(self.statuses),
@@ -68,9 +78,11 @@ class Progress:
         }
 
 
-def uid_for(run_id: str, instance_id: str, epoch: int, repeat: int) -> str:
-    """Deterministic uid: a resumed run recognises what it already wrote."""
-    return f"{run_id}:{instance_id}:{epoch}:{repeat}"
+def uid_for(run_id: str, instance_id: str, epoch: int, repeat: int, part: int = 0) -> str:
+    """Deterministic uid: a resumed run recognises what it already wrote. A group generated again (a later
+    part of its instance and epoch) gets new uids."""
+    uid = f"{run_id}:{instance_id}:{epoch}:{repeat}"
+    return f"{uid}:{part}" if part else uid
 
 
 class LineIndex:
@@ -86,6 +98,16 @@ class LineIndex:
                     self.offsets.append(pos)
                 pos += len(line)
         self._fh = path.open("rb")
+        self._positions: dict[str, int] | None = None
+
+    def find(self, instance_id: str) -> dict[str, Any] | None:
+        """The task with `instance_id`, or None (the file is indexed by id on first use)."""
+        if self._positions is None:
+            self._positions = {}
+            for i in range(len(self.offsets)):
+                self._positions.setdefault(self.read(i)["instance_id"], i)
+        i = self._positions.get(instance_id)
+        return None if i is None else self.read(i)
 
     def read(self, i: int) -> dict[str, Any]:
         """The i-th task, with `instance_id` defaulting to its position."""
@@ -113,7 +135,16 @@ class Run:
         self.config = config
         self.progress = Progress(run_id, total=0)
         self.task: asyncio.Task[None] | None = None
+        self.admission: AdmissionController | None = None
         self._run_row: dict[str, Any] | None = None
+        # Stale groups to generate again: (instance_id, epoch, part), while the run accepts them.
+        self._regenerate: deque[tuple[str, int, int]] = deque()
+        self._regenerate_added = asyncio.Event()
+        self.accepting = True
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._slots = asyncio.Semaphore(req.num_process)
+        # Finished trajectories waiting for the store: bounded too, so a slow disk slows generation down.
+        self._writing = asyncio.Semaphore(req.num_process)
 
     def start(self) -> None:
         """Launch the run in the background."""
@@ -147,6 +178,7 @@ class Run:
             log.exception("run %s failed", self.run_id)
             await self.buffer.store.set_run_state(self.run_id, "failed", f"{type(e).__name__}: {e}")
         finally:
+            self.accepting = False
             self.progress.ended_at = time.time()
             await self._save_progress()
 
@@ -155,6 +187,15 @@ class Run:
             await self.buffer.store.set_run_progress(self.run_id, self.progress.snapshot())
         except Exception as e:  # progress is advisory; never let it end a run
             log.warning("could not save progress of %s: %s", self.run_id, e)
+
+    def requeue_group(self, stale: StaleGroup) -> bool:
+        """Generate a stale group again as its new part; False when this run no longer takes work."""
+        if not self.accepting or stale.regenerate_part is None:
+            return False
+        _, instance_id, epoch, _ = stale.key
+        self._regenerate.append((instance_id, epoch, stale.regenerate_part))
+        self._regenerate_added.set()
+        return True
 
     # ---- native generators -----------------------------------------------------------------------
     async def _run_native(self) -> None:
@@ -173,15 +214,12 @@ class Run:
             max_tokens=req.max_tokens or req.sampling_params.get("max_tokens"),
             sanity_check=str(extra.get("tokenization_sanity_check_mode", "strict")),
             chat_template_kwargs=extra.get("chat_template_kwargs"),
+            mask_offpolicy=req.mask_offpolicy_in_partial_rollout,
         )
-        n = req.num_repeat_per_sample
-        self.progress.total = len(index.offsets) * req.num_epoch * n
-        done_groups, partial = await self.buffer.store.stored_work(self.run_id)
+        self.progress.total = len(index.offsets) * req.num_epoch * req.num_repeat_per_sample
+        work = await self.buffer.store.stored_work(self.run_id)
+        self.admission = await self._admission_controller()
         skip = Counter(req.skip_instance_ids or [])
-        sem = asyncio.Semaphore(req.num_process)
-        # Finished trajectories waiting for the store: bounded too, so a slow disk slows generation down.
-        writing = asyncio.Semaphore(req.num_process)
-        tasks: set[asyncio.Task[None]] = set()
         reporter = asyncio.create_task(self._report_loop())
         try:
             for epoch, i in self._schedule(len(index.offsets)):
@@ -189,31 +227,108 @@ class Run:
                 iid = item["instance_id"]
                 if skip[iid] > 0:
                     skip[iid] -= 1
-                    self.progress.skipped += n
+                    self.progress.skipped += req.num_repeat_per_sample
                     continue
-                if (iid, epoch) in done_groups:
-                    self.progress.skipped += n
-                    continue
-                have = partial.get((iid, epoch), set())
-                for repeat in range(n):
-                    uid = uid_for(self.run_id, iid, epoch, repeat)
-                    if uid in have:
-                        self.progress.skipped += 1
-                        continue
-                    await sem.acquire()
-                    ctx = RolloutContext(resources, iid, epoch, repeat, uid)
-                    t = asyncio.create_task(self._one(item, ctx, sem, writing))
-                    tasks.add(t)
-                    t.add_done_callback(tasks.discard)
-            if tasks:
-                await asyncio.gather(*tasks)
+                await self._start_scheduled(item, epoch, work, index, resources)
+            await self._finish_in_flight(index, resources)
         finally:
-            for t in tasks:
+            for t in self._tasks:
                 t.cancel()
             reporter.cancel()
             index.close()
             await _close_shared(resources.shared)
             await engine.aclose()
+
+    async def _admission_controller(self) -> AdmissionController:
+        ledger = await self.buffer.ledger(self.run_id)
+        # Every group part the run has in the store was started (the in-flight ones a crash lost were not:
+        # they are started again as the schedule reaches them).
+        started = sum((await self.buffer.store.group_counts(self.run_id)).values())
+        controller = AdmissionController(AdmissionPolicy.of_config(self.req.model_dump()), ledger, started,
+                                         persist=lambda state: self.buffer.store.set_admission(self.run_id, state))
+        if controller.policy.limits:
+            log.info("run %s: admission control %s", self.run_id, controller.snapshot())
+        return controller
+
+    async def _start_scheduled(self, item: dict[str, Any], epoch: int, work: StoredWork, index: LineIndex,
+                               resources: RunResources) -> None:
+        """Start what a scheduled group still lacks; a group the store has nothing of is admitted first."""
+        key = (item["instance_id"], epoch)
+        if key in work.done:
+            self.progress.skipped += self.req.num_repeat_per_sample
+            return
+        part, have = work.open.get(key, (0, set()))
+        if key not in work.open:
+            await self._admit(index, resources)
+        await self._start_group(item, epoch, part, have, resources)
+
+    async def _admit(self, index: LineIndex, resources: RunResources) -> None:
+        """Wait for an admission for the schedule's next group; stale groups queued for generation again take
+        the admissions first (they are older data the trainer is missing)."""
+        assert self.admission is not None
+        while True:
+            await self.admission.admit()
+            queued = await self._next_regeneration(index)
+            if queued is None:
+                return
+            await self._start_regeneration(*queued, resources)
+
+    async def _next_regeneration(self, index: LineIndex) -> tuple[dict[str, Any], int, int] | None:
+        """The next queued stale group as (item, epoch, part), or None."""
+        while self._regenerate:
+            iid, epoch, part = self._regenerate.popleft()
+            item = await asyncio.to_thread(index.find, iid)
+            if item is not None:
+                return item, epoch, part
+            log.error("run %s: cannot generate group %s epoch %d again: no such instance_id in %s",
+                      self.run_id, iid, epoch, self.input_path)
+        self._regenerate_added.clear()
+        return None
+
+    async def _start_regeneration(self, item: dict[str, Any], epoch: int, part: int,
+                                  resources: RunResources) -> None:
+        self.progress.regenerated += 1
+        log.info("run %s: generating stale group %s epoch %d again (part %d)", self.run_id, item["instance_id"],
+                 epoch, part)
+        await self._start_group(item, epoch, part, set(), resources)
+
+    async def _start_group(self, item: dict[str, Any], epoch: int, part: int, have: set[str],
+                           resources: RunResources) -> None:
+        """Start the group's trajectories not stored yet, back to back, each when a slot is free."""
+        iid = item["instance_id"]
+        for repeat in range(self.req.num_repeat_per_sample):
+            uid = uid_for(self.run_id, iid, epoch, repeat, part)
+            if uid in have:
+                self.progress.skipped += 1
+                continue
+            await self._slots.acquire()
+            t = asyncio.create_task(self._one(item, RolloutContext(resources, iid, epoch, repeat, uid)))
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+
+    async def _finish_in_flight(self, index: LineIndex, resources: RunResources) -> None:
+        """Wait for the trajectories in flight, starting regenerations as they come; a failed task fails the run."""
+        assert self.admission is not None
+        while True:
+            while self._regenerate:
+                await self.admission.admit()
+                queued = await self._next_regeneration(index)
+                if queued is None:  # admitted for nothing
+                    self.admission.give_back()
+                    break
+                await self._start_regeneration(*queued, resources)
+            if not self._tasks and not self._regenerate:
+                self.accepting = False  # decided with no await since the check: nothing slips in between
+                return
+            self._regenerate_added.clear()
+            added = asyncio.ensure_future(self._regenerate_added.wait())
+            try:
+                done, _ = await asyncio.wait({*self._tasks, added}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                added.cancel()
+            for t in done:
+                if t is not added and not t.cancelled() and t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
 
     def _schedule(self, num_items: int) -> Iterator[tuple[int, int]]:
         for epoch in range(self.req.num_epoch):
@@ -223,24 +338,46 @@ class Run:
             for i in order:
                 yield epoch, i
 
-    async def _one(self, item: dict[str, Any], ctx: RolloutContext, generating: asyncio.Semaphore,
-                   writing: asyncio.Semaphore) -> None:
-        # `num_process` bounds the trajectories talking to the engine: a finished one hands its slot to the
-        # next as soon as it holds a write slot, not after its SQLite commit.
-        self.progress.in_flight += 1
-        try:
-            records = await self._generate(item, ctx)
-            await writing.acquire()
-        finally:
-            ctx.engine.release(ctx.uid)
-            self.progress.in_flight -= 1
-            generating.release()
+    async def _one(self, item: dict[str, Any], ctx: RolloutContext) -> None:
+        """Generate one trajectory (the caller took its generation slot) and store it.
+
+        `num_process` bounds the trajectories talking to the engine: a finished one hands its slot to the
+        next as soon as it holds a write slot, not after its SQLite commit. One still aborted after the
+        engine client's resumes (a weight update that outlasted them) gives its slot back and queues again,
+        up to `max_abort_requeues` times; its group waits for it.
+        """
+        requeues = 0
+        while True:
+            self.progress.in_flight += 1
+            try:
+                records = await self._generate(item, ctx)
+                requeue = requeues < self.req.max_abort_requeues and any(r.status == "aborted" for r in records)
+                if not requeue:
+                    await self._writing.acquire()
+            finally:
+                ctx.engine.release(ctx.uid)
+                self.progress.in_flight -= 1
+                self._slots.release()
+            if not requeue:
+                break
+            requeues += 1
+            self.progress.requeued += 1
+            metrics.TRAJECTORIES_REQUEUED.inc()
+            log.info("trajectory %s still aborted after the engine's resumes; back to the queue (%d/%d)",
+                     ctx.uid, requeues, self.req.max_abort_requeues)
+            await asyncio.sleep(self._requeue_delay(requeues))
+            await self._slots.acquire()
+            ctx = RolloutContext(ctx.run, ctx.instance_id, ctx.epoch, ctx.repeat, ctx.uid)
         try:
             await self._write(records)
         except RecordError as e:
             await self._write([self._failed(item, ctx, "bad_record", str(e))])
         finally:
-            writing.release()
+            self._writing.release()
+
+    def _requeue_delay(self, requeues: int) -> float:
+        base = float(_engine_options(self.req).get("backoff_s", 0.5))
+        return min(10.0, base * 2 ** (requeues - 1))
 
     async def _generate(self, item: dict[str, Any], ctx: RolloutContext) -> list[TrajectoryRecord]:
         try:
@@ -321,6 +458,8 @@ class RunManager:
         self.buffer = buffer
         self.generators = generators
         self.current: Run | None = None
+        self._reopening: asyncio.Task[None] | None = None
+        buffer.regenerate = self.regenerate
 
     async def start(self, req: StartRolloutRequest, input_path: Path, num_items: int) -> str:
         """Create a run in the store and launch it; a running run is replaced (its data stays)."""
@@ -329,6 +468,8 @@ class RunManager:
         cfg["input_file"] = str(input_path)
         cfg["num_items"] = num_items
         run_id = await self.buffer.create_run(cfg, req.num_repeat_per_sample)
+        if req.current_version is not None:  # the trainer's version when the run begins: its base
+            await self.buffer.report_version(req.current_version)
         self._launch(run_id, req, input_path)
         return run_id
 
@@ -337,10 +478,38 @@ class RunManager:
         self.current = Run(run_id, req, input_path, gen, self.buffer, self.config)
         self.current.start()
 
+    def regenerate(self, stale: StaleGroup) -> None:
+        """A stale group was queued to be generated again: the current run takes it, or its ended run runs
+        again (generating only what is open)."""
+        run = self.current
+        if run is not None and run.run_id == stale.key[0] and run.requeue_group(stale):
+            return
+        if self._reopening is None or self._reopening.done():
+            self._reopening = asyncio.create_task(self._reopen(stale.key[0]))
+
+    async def _reopen(self, run_id: str) -> None:
+        if self.current is not None and self.current.run_id == run_id and self.current.task is not None:
+            await asyncio.wait({self.current.task})
+        if self.current is not None and self.current.run_id == run_id and self.current.accepting:
+            return  # relaunched meanwhile: it found the open parts itself
+        if await self.buffer.store.reopen_run(run_id):
+            log.info("run %s runs again to generate its stale groups", run_id)
+            await self.resume()
+        else:
+            log.warning("run %s cannot generate its stale groups again: it is no longer the latest run, or it "
+                        "failed", run_id)
+
     async def resume(self) -> None:
-        """After a restart, continue the run that was running (complete groups are not regenerated)."""
+        """After a restart, continue the run that was running (complete groups are not regenerated), or the
+        finished one that has stale groups queued for generation again."""
         run = await self.buffer.store.latest_run()
-        if run is None or run["state"] != "running" or not run["config"].get("task_type"):
+        if run is None or not run["config"].get("task_type"):
+            return
+        gen = self.generators.get(run["config"]["task_type"])
+        if (run["state"] == "finished" and gen is not None and gen.native
+                and (await self.buffer.store.group_counts(run["run_id"])).get("open")):
+            await self.buffer.store.reopen_run(run["run_id"])  # stale groups queued to be generated again
+        elif run["state"] != "running":
             return
         cfg = run["config"]
         try:
@@ -360,6 +529,11 @@ class RunManager:
         """Live progress of the current run."""
         return self.current.progress.snapshot() if self.current else None
 
+    def admission(self) -> dict[str, Any] | None:
+        """Live admission view of the current run (None before its runner has started)."""
+        run = self.current
+        return None if run is None or run.admission is None else {"run_id": run.run_id, **run.admission.snapshot()}
+
     async def _stop_current(self) -> None:
         if self.current is not None:
             log.info("replacing run %s", self.current.run_id)
@@ -368,6 +542,8 @@ class RunManager:
 
     async def shutdown(self) -> None:
         """Stop the current run; it stays `running` in the store and resumes at the next start."""
+        if self._reopening is not None:
+            self._reopening.cancel()
         await self._stop_current()
 
 

@@ -7,6 +7,7 @@ can never drift from `/status`. Counters start at zero when the process starts, 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import (
@@ -31,6 +32,9 @@ PlatformCollector(registry=REGISTRY)
 ENGINE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # A group commit usually lands in a millisecond; seconds mean the disk or the store thread is saturated.
 STORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+# Version lag of delivered data: 0 is on-policy, a bounded run stays at or below its max_staleness.
+LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128)
+ADMISSION_STATES = ("running", "paused_staleness", "paused_cap")
 
 # ---- trajectories ------------------------------------------------------------------------------------
 RECORDS_WRITTEN = Counter(
@@ -82,6 +86,55 @@ READY_GROUPS = Gauge(
 )
 LEASED_GROUPS = Gauge(
     "rollout_buffer_leased_groups", "Groups delivered under a lease and not acknowledged yet", registry=REGISTRY
+)
+
+# ---- versions and admission (fully asynchronous control) --------------------------------------------
+DELIVERED_VERSION_LAG = Histogram(
+    "rollout_buffer_delivered_lag_versions",
+    "Versions the oldest turn of each delivered group was behind the trainer's version",
+    buckets=LAG_BUCKETS,
+    registry=REGISTRY,
+)
+GROUPS_STALE = Counter(
+    "rollout_buffer_groups_stale",
+    "Ready groups dropped at delivery for lagging the trainer by more than max_staleness",
+    registry=REGISTRY,
+)
+GROUPS_REGENERATED = Counter(
+    "rollout_buffer_groups_regenerated",
+    "Stale groups queued to be generated again (regenerate_stale)",
+    registry=REGISTRY,
+)
+TRAJECTORIES_REQUEUED = Counter(
+    "rollout_buffer_trajectories_requeued",
+    "Trajectories still aborted after max_abort_resumes, sent back to the queue to be generated again",
+    registry=REGISTRY,
+)
+TRAINER_VERSION = Gauge(
+    "rollout_buffer_trainer_version", "The trainer's weight version for the latest run (-1: not reported)",
+    registry=REGISTRY,
+)
+ENGINE_VERSION = Gauge(
+    "rollout_buffer_engine_version",
+    "Newest engine weight version seen in the latest run's records (-1: none known)",
+    registry=REGISTRY,
+)
+ADMISSION_STATE = Gauge(
+    "rollout_buffer_admission_state",
+    "Admission state of the latest run: 1 for the current one (running, paused_staleness, paused_cap)",
+    ["state"],
+    registry=REGISTRY,
+)
+ADMISSION_TRANSITIONS = Counter(
+    "rollout_buffer_admission_transitions",
+    "Times admission control entered a state (running, paused_staleness, paused_cap)",
+    ["state"],
+    registry=REGISTRY,
+)
+GROUPS_AHEAD = Gauge(
+    "rollout_buffer_groups_ahead",
+    "Groups started and not dropped that the trainer has not consumed yet (in flight, open or ready)",
+    registry=REGISTRY,
 )
 
 # ---- engine ------------------------------------------------------------------------------------------
@@ -156,11 +209,32 @@ def count_write(inserted_by_status: dict[str, int], duplicates: int, drop_reason
             GROUPS_FILTERED.labels(filter_reason(reason)).inc()
 
 
-def count_delivery(groups: list[list[Any]], redelivered: int) -> None:
-    """Count one `/get_rollout_data` answer."""
+def count_delivery(groups: list[list[Any]], redelivered: int, lags: Iterable[int] = ()) -> None:
+    """Count one `/get_rollout_data` answer, with the version lag of each group whose lag is known."""
     GROUPS_DELIVERED.inc(len(groups))
     GROUPS_REDELIVERED.inc(redelivered)
     RECORDS_DELIVERED.inc(sum(len(g) for g in groups))
+    for lag in lags:
+        DELIVERED_VERSION_LAG.observe(lag)
+
+
+def count_stale(regenerated: bool) -> None:
+    """Count one group dropped as stale at delivery (and queued again when `regenerated`)."""
+    GROUPS_STALE.inc()
+    GROUPS_FILTERED.labels("stale").inc()
+    if regenerated:
+        GROUPS_REGENERATED.inc()
+
+
+def _set_control(control: dict[str, Any] | None) -> None:
+    control = control or {}
+    for gauge, key in ((TRAINER_VERSION, "trainer_version"), (ENGINE_VERSION, "engine_version")):
+        value = control.get(key)
+        gauge.set(-1 if value is None else value)
+    admission = control.get("admission") or {}
+    for state in ADMISSION_STATES:
+        ADMISSION_STATE.labels(state).set(1 if admission.get("state") == state else 0)
+    GROUPS_AHEAD.set(admission.get("groups_ahead") or 0)
 
 
 def chat_tokens(body: Any) -> int:
@@ -192,11 +266,13 @@ def _set_run(run: dict[str, Any] | None, live: dict[str, Any] | None) -> None:
 
 
 def render(groups: dict[str, int], run: dict[str, Any] | None, live: dict[str, Any] | None,
-           accept: str = "") -> tuple[bytes, str]:
+           accept: str = "", control: dict[str, Any] | None = None) -> tuple[bytes, str]:
     """Set the state gauges from what the caller read (group counts by state, the latest stored run, the live
-    progress of the run being generated) and render every metric; returns (body, content type) for `accept`."""
+    progress of the run being generated, the run's control view of `/status`) and render every metric;
+    returns (body, content type) for `accept`."""
     READY_GROUPS.set(groups.get("ready", 0))
     LEASED_GROUPS.set(groups.get("leased", 0))
     _set_run(run, live)
+    _set_control(control)
     encoder, content_type = choose_encoder(accept)
     return encoder(REGISTRY), content_type

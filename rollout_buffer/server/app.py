@@ -1,5 +1,6 @@
 """The HTTP routes: slime's rollout-buffer protocol (`/start_rollout`, `/get_rollout_data`, `/buffer/write`,
-`/ack`) plus inspection (`/status`, `/groups`, `/trajectories`, `/metrics`)."""
+`/ack`), the trainer's version (`/trainer_version`) and inspection (`/status`, `/groups`, `/trajectories`,
+`/metrics`)."""
 
 from __future__ import annotations
 
@@ -19,11 +20,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.buffer import RecordError, RolloutBuffer
 from rollout_buffer.delivery.store import Store, StoreError
+from rollout_buffer.delivery.versions import VersionConflict
 from rollout_buffer.generation.inputs import InputFileError, confined_path, resolve_input_path, validate_file
 from rollout_buffer.generation.plugins import discover
 from rollout_buffer.generation.runner import RunManager
 from rollout_buffer.observability import metrics
-from rollout_buffer.schemas import AckRequest, GetRolloutDataRequest, StartRolloutRequest, TrajectoryRecord
+from rollout_buffer.schemas import (
+    AckRequest,
+    GetRolloutDataRequest,
+    StartRolloutRequest,
+    TrainerVersionRequest,
+    TrajectoryRecord,
+)
 from rollout_buffer.server.bodies import (
     describe_errors,
     documented_body,
@@ -92,6 +100,10 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def _record(_: Request, exc: RecordError) -> Response:
         return error_response(422, str(exc))
 
+    @app.exception_handler(VersionConflict)
+    async def _version(_: Request, exc: VersionConflict) -> Response:
+        return error_response(409, str(exc), {"reported": exc.reported, "trainer_version": exc.current})
+
     @app.exception_handler(StoreError)
     async def _store(_: Request, exc: StoreError) -> Response:
         return error_response(503, f"store unavailable, nothing was written: {exc}")
@@ -105,6 +117,11 @@ def create_app(config: ServerConfig) -> FastAPI:
         gen = generators.get(req.task_type)
         if gen is None:
             raise HTTPException(422, f"task_type: unknown {req.task_type!r}; known: {sorted(generators)}")
+        if not gen.native:
+            for name in ("max_staleness", "max_ready_groups", "regenerate_stale"):
+                if getattr(req, name):
+                    raise HTTPException(422, f"{name}: needs a native generator (run_rollout(item, ctx)); "
+                                             f"{req.task_type!r} posts its own records")
         try:
             path = await asyncio.to_thread(resolve_input_path, req.input_file, config.data_roots)
             required = getattr(gen.module, "REQUIRED_FIELDS", ())
@@ -165,7 +182,11 @@ def create_app(config: ServerConfig) -> FastAPI:
         body = parse_body(raw) if raw.strip() else {}
         req = validated(GET_BODY, body)
         buffer: RolloutBuffer = request.app.state.buffer
-        d = await buffer.deliver(req.max_groups, req.wait_s, req.lease_s, req.ack, request.is_disconnected)
+        runs: RunManager = request.app.state.runs
+        d = await buffer.deliver(req.max_groups, req.wait_s, req.lease_s, req.ack, request.is_disconnected,
+                                 order=req.order, current_version=req.current_version)
+        if d.meta_info and (admission := runs.admission()) is not None:
+            d.meta_info |= {"admission_state": admission["state"], "groups_ahead": admission["groups_ahead"]}
         message = f"{d.meta_info['num_groups']} groups" if d.success else "no complete group is ready"
         return json_response(
             {"success": d.success, "message": message,
@@ -179,7 +200,30 @@ def create_app(config: ServerConfig) -> FastAPI:
         n = await buffer.ack(req.batch_id)
         return json_response({"success": True, "acked_groups": n})
 
-    @app.get("/status", summary="Run, progress and counts")
+    @app.post("/trainer_version", summary="The trainer's weight version (it updated weights without fetching)")
+    async def trainer_version(req: TrainerVersionRequest, request: Request) -> Response:
+        buffer: RolloutBuffer = request.app.state.buffer
+        reported = await buffer.report_version(req.current_version, req.rewind)
+        if reported is None:
+            raise HTTPException(409, "current_version: there is no rollout run yet to version (start one first; "
+                                     "its start payload may carry current_version)")
+        run_id, version = reported
+        return json_response({"success": True, "run_id": run_id, "trainer_version": version.current,
+                              "base_version": version.base})
+
+    async def _control(request: Request, run: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The latest run's versions and admission: the runner's live view, else what the store kept."""
+        if run is None:
+            return None
+        buffer: RolloutBuffer = request.app.state.buffer
+        runs: RunManager = request.app.state.runs
+        control = await buffer.control(run["run_id"])
+        live = runs.admission()
+        if live is not None and live["run_id"] == run["run_id"]:
+            control["admission"] = {k: v for k, v in live.items() if k != "run_id"}
+        return control
+
+    @app.get("/status", summary="Run, progress, counts, trainer version and admission state")
     async def status(request: Request) -> Response:
         buffer: RolloutBuffer = request.app.state.buffer
         runs: RunManager = request.app.state.runs
@@ -187,6 +231,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         live = runs.progress()
         if body["run"] is not None and live is not None and live.get("run_id") == body["run"]["run_id"]:
             body["run"]["progress"] = live
+        body["control"] = await _control(request, body["run"])
         return json_response(body)
 
     @app.get("/trajectories/{uid}", summary="One stored trajectory")
@@ -212,7 +257,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         buffer: RolloutBuffer = request.app.state.buffer
         runs: RunManager = request.app.state.runs
         groups, run = await buffer.store.group_counts(), await buffer.store.latest_run()
-        body, content_type = metrics.render(groups, run, runs.progress(), request.headers.get("accept", ""))
+        control = await _control(request, run)
+        body, content_type = metrics.render(groups, run, runs.progress(), request.headers.get("accept", ""), control)
         return Response(body, media_type=content_type)
 
     return app

@@ -3,7 +3,10 @@
 Token-in-token-out like the real server: the prompt ids are decoded with the real tokenizer, a scripted
 reply is chosen (`sim.policy`), encoded with the same tokenizer and closed with the end-of-turn id.
 Everything a caller relies on is honoured: `max_new_tokens` (finish `length`), stop strings and stop ids,
-log-probs (deterministic negative floats), weight versions, `/abort_request`. The worker endpoints that
+log-probs (deterministic negative floats), weight versions (`/update_weight_version`), `/abort_request`, and
+`/pause_generation` / `/continue_generation` in SGLang's modes: `abort` answers the running requests at once
+with their partial output (finish `abort`), `in_place` and `retract` hold them (their time stands still);
+in every mode new requests wait until generation continues. The worker endpoints that
 sglang-router calls (`/health`, `/server_info`, `/model_info` with `get_` fallbacks, `/get_load`) are served,
 so the real router can sit in front of several sim engines; `model_path` is the tokenizer's absolute local
 path, so nothing is ever downloaded.
@@ -48,6 +51,7 @@ from rollout_buffer.sim.tool_calls import normalize_history, parse_tool_calls
 logger = logging.getLogger(__name__)
 
 SIM_MODEL_NAME = "sim-engine (simulated)"
+PAUSE_MODES = ("abort", "in_place", "retract")
 ERROR_KINDS = ("http_500", "hang", "reset", "truncated_json")
 FAULT_KINDS = ("abort", *ERROR_KINDS)
 _TURN_MEMORY = 8192
@@ -180,6 +184,15 @@ class Turn:
     output_ids: list[int]
     finish: dict[str, Any]
     first_position: int  # position of the first output token inside the assistant turn
+    weight_version: str = ""  # the weights its tokens were generated with
+
+
+@dataclass
+class _Running:
+    """A request being generated: `wake` is set when it is aborted, paused or continued."""
+
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    aborted_with: str | None = None  # the weight version when it was aborted
 
 
 @dataclass
@@ -254,8 +267,9 @@ class SimEngine:
         self._queued_faults: deque[str] = deque()
         self._turns: OrderedDict[bytes, list[list[int]]] = OrderedDict()
         self._turns_lock = threading.Lock()
-        self._running: dict[str, asyncio.Event] = {}
+        self._running: dict[str, _Running] = {}
         self._running_tokens = 0
+        self.paused: str | None = None  # the /pause_generation mode in effect
         self.recent: deque[dict[str, Any]] = deque(maxlen=_RECENT_REQUESTS)
 
     # ------------------------------------------------------------ faults
@@ -377,18 +391,28 @@ class SimEngine:
 
     # ------------------------------------------------------------ request flow
 
-    async def _wait_latency(self, aborted: asyncio.Event) -> float | None:
-        """Sleep the configured latency; the fraction done if `/abort_request` cut it short, else None."""
+    async def _generation_time(self, running: _Running) -> float | None:
+        """Spend the configured latency, standing still while generation is paused; the fraction done if the
+        request was aborted first, else None."""
         latency = self.config.latency_ms / 1000.0
-        if latency <= 0 or aborted.is_set():
-            return 0.0 if aborted.is_set() else None
-        start = time.monotonic()
-        try:
-            async with asyncio.timeout(latency):
-                await aborted.wait()
-            return min((time.monotonic() - start) / latency, 1.0)
-        except TimeoutError:
-            return None
+        elapsed = 0.0
+        while True:
+            if running.aborted_with is not None:
+                return elapsed / latency if latency > 0 else 0.0
+            if self.paused is not None:
+                await running.wake.wait()
+                running.wake.clear()
+                continue
+            if elapsed >= latency:
+                return None
+            start = time.monotonic()
+            try:
+                async with asyncio.timeout(latency - elapsed):
+                    await running.wake.wait()
+            except TimeoutError:
+                pass
+            running.wake.clear()
+            elapsed = min(latency, elapsed + time.monotonic() - start)
 
     def load(self) -> list[dict[str, int]]:
         """SGLang's `/get_load` shape: one entry per data-parallel rank."""
@@ -401,24 +425,44 @@ class SimEngine:
             targets = list(self._running.values())
         else:
             targets = [self._running[rid]] if rid is not None and rid in self._running else []
-        for event in targets:
-            event.set()
+        for running in targets:
+            running.aborted_with = self.weight_version
+            running.wake.set()
         return len(targets)
+
+    def pause(self, mode: str) -> int:
+        """SGLang's `/pause_generation`: `abort` aborts the running requests, `in_place` / `retract` hold them;
+        new requests wait until `resume()`. Returns how many running requests it aborted or held."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        self.paused = mode
+        if mode == "abort":
+            return self.abort(None, abort_all=True)
+        for running in self._running.values():
+            running.wake.set()
+        return len(self._running)
+
+    def resume(self) -> None:
+        """SGLang's `/continue_generation`: held and waiting requests go on."""
+        self.paused = None
+        for running in self._running.values():
+            running.wake.set()
 
     async def run_turn(self, ids: list[int], sampling: Sampling, rid: str, fault: str | None) -> Turn:
         """Generate one turn with latency, abort faults and `/abort_request` applied."""
         draw = make_draw(self._policy_rng, self.config.correct_rate, self.config.invalid_rate)
-        aborted = self._running[rid] = asyncio.Event()
+        running = self._running[rid] = _Running()
         try:
             turn = await asyncio.to_thread(self.plan_turn, ids, sampling, draw)
             tokens = len(ids) + len(turn.output_ids)
             self._running_tokens += tokens
             try:
-                done = await self._wait_latency(aborted)
+                done = await self._generation_time(running)
             finally:
                 self._running_tokens -= tokens
         finally:
             self._running.pop(rid, None)
+        turn.weight_version = running.aborted_with or self.weight_version
         if fault == "abort" or done is not None:
             keep = len(turn.output_ids) // 2 if done is None else int(len(turn.output_ids) * done)
             reason = "simulated abort" if fault == "abort" else "aborted by /abort_request"
@@ -441,7 +485,7 @@ class SimEngine:
                 "finish": turn.finish["type"],
                 "policy": turn.policy,
                 "fault": fault,
-                "weight_version": self.weight_version,
+                "weight_version": turn.weight_version,
             }
         )
 
@@ -488,7 +532,7 @@ class SimEngine:
             "prompt_tokens": len(ids),
             "completion_tokens": len(turn.output_ids),
             "cached_tokens": 0,
-            "weight_version": self.weight_version,
+            "weight_version": turn.weight_version,
             "model": SIM_MODEL_NAME,
         }
         if body.return_logprob:
@@ -565,7 +609,7 @@ class SimEngine:
             "model": SIM_MODEL_NAME,
             "choices": [choice],
             "usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out},
-            "metadata": {"weight_version": self.weight_version},
+            "metadata": {"weight_version": turn.weight_version},
         }
         return self._finish_response(payload, fault)
 
@@ -629,5 +673,6 @@ class SimEngine:
             "max_in_flight": s.max_in_flight,
             "queued_faults": self.queued_faults(),
             "weight_version": self.weight_version,
+            "paused": self.paused,
             "uptime_s": time.time() - self.started,
         }

@@ -143,7 +143,29 @@ def create_app(config: SimConfig) -> FastAPI:
         if body.get("abort_all_requests"):
             engine.abort(None, abort_all=True)
         engine.weight_version = body["new_version"]
-        return json_response({"success": True, "message": f"Weight version updated to {engine.weight_version}"})
+        logger.info("weight version is now %s", engine.weight_version)
+        return json_response({"success": True, "message": f"Weight version updated to {engine.weight_version}",
+                              "new_version": engine.weight_version})
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> Response:
+        return json_response({"weight_version": engine.weight_version})
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> Response:
+        body = orjson.loads(await request.body() or b"{}")
+        try:
+            count = engine.pause(str(body.get("mode", "abort")))
+        except ValueError as e:
+            return error_response(400, str(e))
+        logger.info("generation paused (%s): %d running request(s)", engine.paused, count)
+        return json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> Response:
+        engine.resume()
+        logger.info("generation continued")
+        return json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     @app.get("/sim/stats")
     async def sim_stats() -> Response:

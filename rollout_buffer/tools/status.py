@@ -87,6 +87,8 @@ def render(status: dict[str, Any], url: str) -> RenderableType:
     if progress.get("failures"):
         rows.append(("failures", _counts(progress["failures"])))
     rows.append(("queue", f"ready {queue.get('ready', 0)}  leased {queue.get('leased', 0)}  (all runs)"))
+    if control_line := _control_line(status.get("control") or {}):
+        rows.append(("versions", control_line))
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="dim")
     grid.add_column()
@@ -95,6 +97,22 @@ def render(status: dict[str, Any], url: str) -> RenderableType:
     if run.get("error"):
         grid.add_row("error", Text(str(run["error"]), style="red"))
     return Group(head, bar, grid)
+
+
+def _control_line(control: dict[str, Any]) -> str:
+    """The trainer's version, the engines' and the admission state, when the run has any of them."""
+    admission = control.get("admission") or {}
+    parts = []
+    if control.get("trainer_version") is not None:
+        parts.append(f"trainer {control['trainer_version']}")
+    if control.get("engine_version") is not None:
+        parts.append(f"engines {control['engine_version']}")
+    if admission.get("state"):
+        parts.append(f"admission {admission['state']}")
+    if admission.get("groups_ahead") is not None and admission.get("max_staleness") is not None:
+        parts.append(f"{admission['groups_ahead']} groups ahead (η {admission['max_staleness']}, "
+                     f"capacity {admission.get('capacity')})")
+    return "  ".join(parts)
 
 
 def _progress_line(progress: dict[str, Any], done: int, failed: int, skipped: int) -> str:
