@@ -14,6 +14,7 @@ from pydantic import Field, field_validator
 
 from generators.options import RunOptions
 from generators.plan_act_format import ACTOR_SYSTEM_PROMPT, PLANNER_SYSTEM_PROMPT
+from generators.scoring import Scorer
 from generators.search import SearchConfig, format_documents
 from generators.search_client import SearchClient
 from generators.tool_call import default_tool_config
@@ -27,7 +28,6 @@ _SHARED_KEY = "plan_act"
 _ENGINE_OPTIONS = ("timeout_s", "max_retries", "backoff_s", "max_abort_resumes")
 
 ActorTools = Literal["function", "search"]
-Scorer = Literal["auto", "math", "em"]
 
 
 class PlanActOptions(RunOptions):
