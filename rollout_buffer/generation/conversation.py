@@ -235,6 +235,7 @@ class Conversation:
         self._options = dict(chat_template_kwargs or {})
         self._log_probs_complete = True
         self._open = False  # token_ids ends with the generation prompt
+        self._forked = False  # a fork before its first own turn: the prompt extends to that turn
         self._assistant_turns = 0
         # The run of environment messages since the last assistant turn, re-rendered as a whole when it
         # grows (consecutive tool messages share one block in Qwen's template).
@@ -294,6 +295,8 @@ class Conversation:
             raise ValueError(f"{len(log_probs)} log-probs for {len(output_ids)} output ids")
         if not self._open:
             self._append(self._frame.generation_prompt_ids, 0)
+        if self._forked:
+            self.prompt_length, self._forked = len(self.token_ids), False
         self._append(output_ids, 1, log_probs)
         if log_probs is None and output_ids:
             self._log_probs_complete = False
@@ -326,6 +329,8 @@ class Conversation:
     def response_tokens_used(self) -> int:
         """Tokens the response will hold once the next assistant turn starts (generation prompt counted)."""
         self._require_tokens()
+        if self._forked:
+            return 0
         pending = 0 if self._open or self.truncated else len(self._frame.generation_prompt_ids)
         return len(self.token_ids) + pending - self.prompt_length
 
@@ -415,8 +420,9 @@ class Conversation:
         self._env_messages_start, self._env_tokens_start, self._env_text = mark.messages, mark.tokens, ""
 
     def fork(self, mark: TurnMark) -> Conversation:
-        """A new conversation holding this one as it stood at `mark`: those tokens are its prompt (loss 0), what
-        it generates next is its own response. The original is untouched."""
+        """A new conversation holding this one as it stood at `mark`: those tokens, and the messages added before
+        its first own turn, are its prompt (loss 0); what it generates from then on is its response. The
+        original is untouched."""
         self._require_tokens()
         if mark.truncated:
             raise RuntimeError("cannot continue from a turn that was cut")
@@ -429,7 +435,7 @@ class Conversation:
         other.prompt_length = mark.tokens
         other.finish_reason, other.truncated, other._log_probs_complete = mark.finish_reason, False, True
         other._assistant_turns = mark.assistant_turns
-        other._open = False
+        other._open, other._forked = False, True
         other._env_messages_start, other._env_tokens_start, other._env_text = mark.messages, mark.tokens, ""
         return other
 

@@ -112,7 +112,8 @@ class OpenAIChatAdapter(WireAdapter):
         }
 
     def stream_head(self, req: TurnRequest) -> list[bytes]:
-        return [self.sse(_chunk(req, {"role": "assistant", "content": ""}, None))]
+        # No content yet: a reply that only calls tools keeps `content: null`, as in the JSON answer.
+        return [self.sse(_chunk(req, {"role": "assistant"}, None))]
 
     def stream_ping(self) -> bytes:
         return b": keep-alive\n\n"

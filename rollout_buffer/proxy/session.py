@@ -161,7 +161,7 @@ class Session:
         try:
             if pending.remainder:
                 await _rendered(conv.aadd_context(pending.remainder), req)
-            prompt_tokens = conv.prompt_length + conv.response_tokens_used()
+            prompt_tokens = len(conv.generation_ids())
             overrides = self._sampling(req, prompt_tokens)
             before = len(conv.token_ids)
             finish = await self.ctx.generate(conv, **overrides)
