@@ -8,8 +8,10 @@ followed) under a data root: a client that may start runs cannot make the server
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +42,13 @@ def check_reference(ref: str, data_roots: Sequence[Path], field: str) -> Callabl
     return fn
 
 
-async def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call a sync or async function; a sync one runs in a worker thread (agents block on HTTP)."""
+async def call(fn: Callable[..., Any], *args: Any, executor: Executor | None = None, **kwargs: Any) -> Any:
+    """Call a sync or async function; a sync one runs in a worker thread of `executor` (agents block on HTTP
+    for seconds: they get threads of their own rather than the loop's default pool)."""
     if inspect.iscoroutinefunction(fn):
         return await fn(*args, **kwargs)
-    result = await asyncio.to_thread(fn, *args, **kwargs)
+    loop = asyncio.get_running_loop()
+    result = await loop.run_in_executor(executor, functools.partial(fn, *args, **kwargs))
     return await result if inspect.isawaitable(result) else result
 
 

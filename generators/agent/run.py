@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,13 +38,18 @@ _OUTPUT_IN_RECORD = 2000  # characters of stdout / stderr kept in extra_info
 
 @dataclass
 class AgentRun:
-    """What the rows of one run share: options, the loaded functions, the sandbox."""
+    """What the rows of one run share: options, the loaded functions, the sandbox, the threads of sync agents."""
 
     options: AgentOptions
     agent: Any = None
     scorer: Any = None
     sandbox: Sandbox | None = None
-    user_name: str | None = None
+    threads: ThreadPoolExecutor | None = None
+
+    async def aclose(self) -> None:
+        """The run ended (the runner calls this): agents still running in threads are left to end alone."""
+        if self.threads is not None:
+            self.threads.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass
@@ -64,11 +70,12 @@ async def agent_run(ctx: RolloutContext) -> AgentRun:
         shared = AgentRun(opts)
         if opts.agent is not None:
             shared.agent = await asyncio.to_thread(check_reference, opts.agent, (), "agent")
+            workers = int(ctx.config.get("num_process") or 256)
+            shared.threads = ThreadPoolExecutor(max_workers=min(workers, 1024), thread_name_prefix="agent")
         if opts.hook_scorer:
             shared.scorer = await asyncio.to_thread(check_reference, opts.scorer, (), "scorer")
         if opts.agent_command is not None:
             user = agent_user(opts.agent_user)
-            shared.user_name = user.name
             shared.sandbox = (DockerSandbox(user, opts.agent_image or "") if opts.agent_sandbox == "docker"
                               else LocalSandbox(user))
         ctx.run.shared[_SHARED_KEY] = shared
@@ -104,8 +111,9 @@ async def _run_callable(run: AgentRun, item: dict[str, Any], session: AgentSessi
                "session_id": session.session_id}
     kwargs = accepted(run.agent, offered)
     try:
-        result = await asyncio.wait_for(call(run.agent, item, session.base_url, session.api_key, **kwargs),
-                                        run.options.agent_timeout_s)
+        result = await asyncio.wait_for(
+            call(run.agent, item, session.base_url, session.api_key, executor=run.threads, **kwargs),
+            run.options.agent_timeout_s)
     except TimeoutError:
         raise AgentFailed("agent_timeout", f"the agent did not return within agent_timeout_s="
                           f"{run.options.agent_timeout_s:g}") from None

@@ -1,9 +1,10 @@
 #!/usr/bin/python3
 """A test agent for the subprocess sandbox, standard library only (the system Python runs it as `nobody`).
 
-Reads its row from stdin (and checks it equals $ROLLOUT_ITEM_FILE), reports on stderr who and where it runs and
-which of $PROBE_PORTS on 127.0.0.1 it can reach directly, then by row `mode`: `sleep` (past any time limit),
-`crash` (exit 3), otherwise a calculator tool loop over $OPENAI_BASE_URL writing its answer to result.json.
+Reads its row from stdin (and checks it equals $ROLLOUT_ITEM_FILE), reports on stderr who and where it runs,
+which of $PROBE_PORTS on 127.0.0.1 it can reach directly and what the buffer answers beyond its session; then,
+by row `mode`: `sleep` (past any time limit), `crash` (exit 3), otherwise a calculator tool loop over
+$OPENAI_BASE_URL writing its answer to result.json.
 """
 
 import ast
@@ -12,6 +13,7 @@ import os
 import socket
 import sys
 import time
+import urllib.error
 import urllib.request
 
 
@@ -21,6 +23,15 @@ def reachable(port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def status_of(url: str, key: str) -> int:
+    request = urllib.request.Request(url, headers={"authorization": "Bearer " + key})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as e:
+        return e.code
 
 
 def chat(messages: list, tools: list) -> dict:
@@ -38,8 +49,11 @@ def main() -> int:
     with open(os.environ["ROLLOUT_ITEM_FILE"]) as f:
         assert json.load(f) == item
     ports = [int(p) for p in os.environ.get("PROBE_PORTS", "").split(",") if p]
+    base = os.environ["OPENAI_BASE_URL"]
     report = {"uid": os.getuid(), "cwd": os.getcwd(), "reachable": [p for p in ports if reachable(p)],
-              "env": sorted(os.environ)}
+              "env": sorted(os.environ),
+              "buffer_status": status_of(base.split("/sessions/")[0] + "/status", os.environ["OPENAI_API_KEY"]),
+              "models_with_wrong_key": status_of(base + "/models", "wrong-key")}
     print("REPORT " + json.dumps(report), file=sys.stderr, flush=True)
     if item.get("mode") == "sleep":
         time.sleep(120)
