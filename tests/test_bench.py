@@ -61,3 +61,12 @@ def test_trainer_wait_measures_both_fetch_loops() -> None:
     line = summary_line(out)
     assert re.search(rf"long-poll median {NUMBER} ms, p99 {NUMBER} ms; 5 s polling \(original\) median {NUMBER} ms",
                      line), line
+
+
+def test_proxy_measures_agent_turns_against_the_engine_directly(tmp_path: Path) -> None:
+    out = run_bench("proxy", "--sessions", "8", "--turns", "3", "--latency-ms", "20", "--warmup-s", "1",
+                    "--window-s", "2", "--workdir", str(tmp_path))
+    line = summary_line(out)
+    found = re.search(rf"proxy 8@20ms: {NUMBER} turns/s, {NUMBER}% of direct, {NUMBER} ms buffer CPU per turn", line)
+    assert found and float(found.group(1)) > 0 and float(found.group(3)) > 0, line
+    assert re.search(r"│ direct +│ +\d", out) and re.search(r"│ proxy +│ +\d", out), out[-3000:]
