@@ -25,6 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 AGENTS = REPO / "generators" / "data" / "agents"
 STDLIB_AGENT = REPO / "tests" / "agents" / "stdlib_agent.py"
 SECRET = "ROLLOUT_TEST_SECRET"
+TOKEN = "buffer-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,7 @@ def roots(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def buffer(tmp_path_factory: pytest.TempPathFactory, roots: Path, qwen_tokenizer_path: str) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("agent-buffer")
     port = free_port()
-    args = ["serve", "--port", str(port), "--data-dir", str(tmp / "data"), "--group-size", "2",
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp / "data"), "--group-size", "2", "--auth-token", TOKEN,
             "--data-root", str(REPO), "--data-root", str(roots), "--data-root", qwen_tokenizer_path]
     with running(args, "/healthz", port, tmp / "buffer.log", env={SECRET: "do-not-leak"}) as srv:
         yield srv
@@ -58,7 +60,7 @@ def rows(roots: Path, name: str, items: list[dict[str, Any]]) -> str:
 def start(buffer: Server, engine: Server, tokenizer: str, **payload: Any) -> httpx.Response:
     body = {"task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": tokenizer, "max_tokens": 2048,
             **payload}
-    return httpx.post(f"{buffer.url}/start_rollout", json=body, timeout=60)
+    return httpx.post(f"{buffer.url}/start_rollout", json=body, timeout=60, headers=AUTH)
 
 
 def calculator_rows(n: int) -> list[dict[str, Any]]:
@@ -72,9 +74,9 @@ def test_example_agents_train_through_the_buffer(buffer: Server, engine: Server,
     started = start(buffer, engine, qwen_tokenizer_path, input_file=input_file, agent=f"{AGENTS / agent}:agent",
                     num_repeat_per_sample=2, num_process=6)
     assert started.status_code == 200, started.text
-    status = wait_finished(buffer.url, timeout_s=120)
+    status = wait_finished(buffer.url, timeout_s=120, headers=AUTH)
     assert status["run"]["progress"]["failed"] == 0, status["run"]["progress"]
-    records = drain(buffer.url)
+    records = drain(buffer.url, headers=AUTH)
     assert len(records) == 6 and {r["instance_id"] for r in records} == {"calc-000", "calc-001", "calc-002"}
     for r in records:
         info = r["extra_info"]
@@ -96,11 +98,11 @@ def test_subprocess_agents_run_sandboxed_with_a_time_limit(buffer: Server, engin
                     agent_env={"PROBE_PORTS": f"{buffer.port},{engine.port}"})
     assert started.status_code == 200, started.text
     run_id = started.json()["run_id"]
-    status = wait_finished(buffer.url, timeout_s=60)
+    status = wait_finished(buffer.url, timeout_s=60, headers=AUTH)
     assert status["run"]["progress"]["failures"] == {"agent_timeout": 1, "agent_crash": 1}
 
     def stored(instance: str) -> dict[str, Any]:
-        return httpx.get(f"{buffer.url}/trajectories/{run_id}:{instance}:0:0", timeout=10).json()
+        return httpx.get(f"{buffer.url}/trajectories/{run_id}:{instance}:0:0", timeout=10, headers=AUTH).json()
 
     ok = stored("ok")
     assert ok["status"] == "completed" and ok["raw_reward"] == 1.0 and ok["extra_info"]["scorer"] == "math"
@@ -126,35 +128,42 @@ def test_a_harness_run_groups_by_group_size_and_expires_idle_sessions(buffer: Se
                                                                       qwen_tokenizer_path: str) -> None:
     started = start(buffer, engine, qwen_tokenizer_path, session_ttl_s=1.0)
     assert started.status_code == 200, started.text
-    status = httpx.get(f"{buffer.url}/status", timeout=10).json()
+    status = httpx.get(f"{buffer.url}/status", timeout=10, headers=AUTH).json()
     assert status["run"]["num_repeat_per_sample"] == 2  # --group-size, since the payload named none
-    drain(buffer.url, wait_s=0.1)
+    drain(buffer.url, wait_s=0.1, headers=AUTH)
 
     def one_turn(instance: str) -> dict[str, Any]:
-        opened = httpx.post(f"{buffer.url}/sessions", json={"instance_id": instance}, timeout=60).json()
+        opened = httpx.post(f"{buffer.url}/sessions", json={"instance_id": instance}, timeout=60, headers=AUTH).json()
         openai.OpenAI(base_url=opened["base_url"], api_key=opened["api_key"], max_retries=0).chat.completions.create(
             model="m", messages=[{"role": "user", "content": "What is 3 + 4?"}])
         return opened
 
+    # With --auth-token, managing sessions needs the server's token; a session's API needs its own key.
+    assert httpx.post(f"{buffer.url}/sessions", json={"instance_id": "x"}, timeout=10).status_code == 401
+
     finished = [one_turn("h") for _ in range(2)]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=finished[0]["base_url"], api_key="wrong", max_retries=0).models.list()
     for s in finished:
-        assert httpx.post(f"{buffer.url}/sessions/{s['session_id']}/finish", json={"reward": 1.0}).status_code == 200
-    assert [r["instance_id"] for r in drain(buffer.url)] == ["h", "h"]
+        done = httpx.post(f"{buffer.url}/sessions/{s['session_id']}/finish", json={"reward": 1.0}, headers=AUTH)
+        assert done.status_code == 200
+    assert [r["instance_id"] for r in drain(buffer.url, headers=AUTH)] == ["h", "h"]
 
     idle = one_turn("idle")
     for _ in range(100):
-        if httpx.get(f"{buffer.url}/sessions/{idle['session_id']}", timeout=10).json()["state"] != "open":
+        if httpx.get(f"{buffer.url}/sessions/{idle['session_id']}", timeout=10, headers=AUTH).json()["state"] != "open":
             break
         time.sleep(0.1)
-    closed = httpx.get(f"{buffer.url}/sessions/{idle['session_id']}", timeout=10).json()
+    closed = httpx.get(f"{buffer.url}/sessions/{idle['session_id']}", timeout=10, headers=AUTH).json()
     assert closed["state"] == "expired" and [b["turns"] for b in closed["branches"]] == [1]
     uid = closed["uid"]
-    record = httpx.get(f"{buffer.url}/trajectories/{uid}", timeout=10).json()
+    record = httpx.get(f"{buffer.url}/trajectories/{uid}", timeout=10, headers=AUTH).json()
     assert record["status"] == "failed" and "session_ttl_s=1" in record["extra_info"]["error"]
     with pytest.raises(openai.NotFoundError):
         openai.OpenAI(base_url=idle["base_url"], api_key=idle["api_key"], max_retries=0).chat.completions.create(
             model="m", messages=[{"role": "user", "content": "Still there?"}])
-    late = httpx.post(f"{buffer.url}/sessions/{idle['session_id']}/finish", json={"reward": 1.0}, timeout=10)
+    late = httpx.post(f"{buffer.url}/sessions/{idle['session_id']}/finish", json={"reward": 1.0}, timeout=10,
+                      headers=AUTH)
     assert late.status_code == 409 and "expired" in late.json()["message"]
 
 
@@ -168,7 +177,7 @@ def test_the_start_payload_of_agent_runs_is_checked(buffer: Server, engine: Serv
     outside = tmp_path / "agent.py"
     outside.write_text("def agent(item, base_url, api_key):\n    return 1.0\n")
     input_file = rows(roots, "checks", calculator_rows(1))
-    math = httpx.post(f"{buffer.url}/start_rollout", json={"task_type": "math"}, timeout=10)
+    math = httpx.post(f"{buffer.url}/start_rollout", json={"task_type": "math"}, timeout=10, headers=AUTH)
     assert math.status_code == 422 and "input_file: required" in math.json()["message"]
     assert "not both" in refused(input_file=input_file, agent=f"{AGENTS}/openai_agent.py:agent",
                                  agent_command=["x"])
@@ -176,10 +185,10 @@ def test_the_start_payload_of_agent_runs_is_checked(buffer: Server, engine: Serv
     assert "name a file under a data root" in refused(input_file=input_file, agent="json:loads")
     assert "agent_command" in refused(input_file=input_file, agent_command=["/usr/bin/python3", str(STDLIB_AGENT)])
     assert "input_file: required" in refused(agent=f"{AGENTS}/openai_agent.py:agent")
-    no_tokenizer = httpx.post(f"{buffer.url}/start_rollout", timeout=10, json={"task_type": "agent"})
+    no_tokenizer = httpx.post(f"{buffer.url}/start_rollout", timeout=10, json={"task_type": "agent"}, headers=AUTH)
     assert no_tokenizer.status_code == 422 and "tokenizer_path" in no_tokenizer.json()["message"]
-    math_run = httpx.post(f"{buffer.url}/start_rollout", timeout=30, json={
+    math_run = httpx.post(f"{buffer.url}/start_rollout", timeout=30, headers=AUTH, json={
         "task_type": "math", "input_file": input_file, "num_repeat_per_sample": 1, "remote_engine_url": engine.url})
     assert math_run.status_code == 200, math_run.text
-    not_agent = httpx.post(f"{buffer.url}/sessions", json={"instance_id": "x"}, timeout=10)
+    not_agent = httpx.post(f"{buffer.url}/sessions", json={"instance_id": "x"}, timeout=10, headers=AUTH)
     assert not_agent.status_code == 409 and "run_id" in not_agent.json()["message"]
