@@ -12,7 +12,6 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from generators.options import RunOptions
 from generators.plan_act_format import ACTOR_SYSTEM_PROMPT, PLANNER_SYSTEM_PROMPT
 from generators.scoring import Scorer
 from generators.search import SearchConfig, format_documents
@@ -21,6 +20,7 @@ from generators.tool_call import default_tool_config
 from generators.tools import BaseTool, CallLimits, ToolRegistry, TruncateSide, load_tool_config
 from rollout_buffer.generation.context import RolloutContext
 from rollout_buffer.generation.engine import EngineClient
+from rollout_buffer.generation.options import RunOptions
 from rollout_buffer.schemas import check_http_urls
 
 _SHARED_KEY = "plan_act"

@@ -11,8 +11,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from generators.agent.loading import check_reference
-from generators.options import RunOptions
 from rollout_buffer.generation.inputs import confined_path
+from rollout_buffer.generation.options import RunOptions
 
 MiB = 1024 * 1024
 

@@ -112,7 +112,7 @@ class SessionManager:
         opts = self._options.get(run_id)
         if opts is None:
             try:
-                opts = self._options[run_id] = ProxyOptions.of_run(config)
+                opts = self._options[run_id] = ProxyOptions.from_run(config)
             except ValueError as e:
                 raise SessionError(422, str(e)) from None
         return opts

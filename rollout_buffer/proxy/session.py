@@ -15,14 +15,15 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from jinja2 import TemplateError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
 from rollout_buffer.generation.context import RolloutContext
 from rollout_buffer.generation.conversation import Conversation, TurnMark
 from rollout_buffer.generation.engine import EngineError
+from rollout_buffer.generation.options import RunOptions
 from rollout_buffer.observability import metrics
 from rollout_buffer.proxy.messages import MessageKey, WireError, message_key, tools_key
 from rollout_buffer.proxy.replies import Reply, parse_reply
@@ -36,23 +37,15 @@ FINISH_WAIT_S = 30.0
 _STOP_TAIL_TOKENS = 16
 
 
-class ProxyOptions(BaseModel):
+class ProxyOptions(RunOptions):
     """The run options of agent sessions (extra keys of `/start_rollout`)."""
 
-    model_config = ConfigDict(extra="ignore")
+    error_prefix: ClassVar[str] = "agent session options"
 
     session_ttl_s: float = Field(default=3600.0, gt=0)
     max_context_tokens: int | None = Field(default=None, ge=1)
     model_name: str = Field(default="policy", min_length=1)
     tool_call_parser: Literal["hermes"] = "hermes"
-
-    @classmethod
-    def of_run(cls, config: dict[str, Any]) -> ProxyOptions:
-        """The options of a run's payload; ValueError naming the bad one."""
-        try:
-            return cls.model_validate(config)
-        except ValidationError as e:
-            raise ValueError(f"agent session options: {e}") from None
 
 
 @dataclass
