@@ -171,9 +171,10 @@ class SessionManager:
         session.ctx.engine.release(session.ctx.uid)
         return records
 
-    async def expire(self, session: Session, reason: str, outcome: str = "expired") -> None:
-        """Close a harness session as failed: its branches are stored with `status: failed` and the reason."""
-        await session.stop(outcome)
+    async def expire(self, session: Session, reason: str, outcome: str = "expired", wait_s: float = 0.0) -> None:
+        """Close a harness session as failed: its branches are stored with `status: failed` and the reason
+        (turns in flight are cancelled after `wait_s`)."""
+        await session.stop(outcome, wait_s)
         extra = {"error": reason, "error_kind": f"session_{outcome}"}
         try:
             raw = await session.records(0.0, status="failed", **extra)

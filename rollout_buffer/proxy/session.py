@@ -287,13 +287,13 @@ class Session:
         log.info("session %s discarded: %s", self.session_id, reason)
         self.on_closed(self, "discarded")
 
-    async def stop(self, state: str) -> None:
-        """Take no more requests; wait for turns in flight (cancelling them after FINISH_WAIT_S)."""
+    async def stop(self, state: str, wait_s: float = FINISH_WAIT_S) -> None:
+        """Take no more requests; wait for turns in flight up to `wait_s`, then cancel them."""
         if self.state == "open":
             self.state = state
         tasks = [t for t in self._tasks if not t.done()]
         if tasks:
-            _, late = await asyncio.wait(tasks, timeout=FINISH_WAIT_S)
+            _, late = await asyncio.wait(tasks, timeout=wait_s) if wait_s > 0 else (set(), set(tasks))
             for t in late:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
