@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import orjson
@@ -144,6 +145,10 @@ def test_a_harness_run_groups_by_group_size_and_expires_idle_sessions(buffer: Se
     finished = [one_turn("h") for _ in range(2)]
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=finished[0]["base_url"], api_key="wrong", max_retries=0).models.list()
+    counted = anthropic.Anthropic(base_url=finished[0]["anthropic_base_url"], api_key=finished[0]["api_key"],
+                                  max_retries=0).messages.count_tokens(model="m", messages=[{"role": "user",
+                                                                                             "content": "Hi."}])
+    assert counted.input_tokens > 0  # the Anthropic client sends the key as x-api-key
     for s in finished:
         done = httpx.post(f"{buffer.url}/sessions/{s['session_id']}/finish", json={"reward": 1.0}, headers=AUTH)
         assert done.status_code == 200
@@ -187,8 +192,16 @@ def test_the_start_payload_of_agent_runs_is_checked(buffer: Server, engine: Serv
     assert "input_file: required" in refused(agent=f"{AGENTS}/openai_agent.py:agent")
     no_tokenizer = httpx.post(f"{buffer.url}/start_rollout", timeout=10, json={"task_type": "agent"}, headers=AUTH)
     assert no_tokenizer.status_code == 422 and "tokenizer_path" in no_tokenizer.json()["message"]
+    # A session still open when its run is replaced is closed as failed, with its branch stored.
+    assert start(buffer, engine, qwen_tokenizer_path).status_code == 200
+    opened = httpx.post(f"{buffer.url}/sessions", json={"instance_id": "left-open"}, timeout=60, headers=AUTH).json()
+    openai.OpenAI(base_url=opened["base_url"], api_key=opened["api_key"], max_retries=0).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "What is 1 + 1?"}])
     math_run = httpx.post(f"{buffer.url}/start_rollout", timeout=30, headers=AUTH, json={
         "task_type": "math", "input_file": input_file, "num_repeat_per_sample": 1, "remote_engine_url": engine.url})
     assert math_run.status_code == 200, math_run.text
     not_agent = httpx.post(f"{buffer.url}/sessions", json={"instance_id": "x"}, timeout=10, headers=AUTH)
     assert not_agent.status_code == 409 and "run_id" in not_agent.json()["message"]
+    left = httpx.get(f"{buffer.url}/sessions/{opened['session_id']}", timeout=10, headers=AUTH).json()
+    record = httpx.get(f"{buffer.url}/trajectories/{left['uid']}", timeout=10, headers=AUTH).json()
+    assert left["state"] == "failed" and record["status"] == "failed" and "ended" in record["extra_info"]["error"]
