@@ -205,3 +205,22 @@ def test_the_start_payload_of_agent_runs_is_checked(buffer: Server, engine: Serv
     left = httpx.get(f"{buffer.url}/sessions/{opened['session_id']}", timeout=10, headers=AUTH).json()
     record = httpx.get(f"{buffer.url}/trajectories/{left['uid']}", timeout=10, headers=AUTH).json()
     assert left["state"] == "failed" and record["status"] == "failed" and "ended" in record["extra_info"]["error"]
+
+
+def test_a_scorer_hook_sees_the_row_the_workdir_and_the_transcript(buffer: Server, engine: Server, roots: Path,
+                                                                  qwen_tokenizer_path: str) -> None:
+    hook = roots / "score_hook.py"
+    hook.write_text(
+        "import os\n\n"
+        "def score(item, workdir, transcript):\n"
+        "    assert os.path.isfile(os.path.join(workdir, 'item.json'))\n"
+        "    assert transcript['messages'][-1]['role'] == 'assistant' and transcript['exit_code'] is None\n"
+        "    return 0.25 if item['label'] in transcript['answer'] else -1.0\n")
+    started = start(buffer, engine, qwen_tokenizer_path, input_file=rows(roots, "hooked", calculator_rows(1)),
+                    agent=f"{AGENTS / 'openai_agent.py'}:agent", scorer=f"{hook}:score", num_repeat_per_sample=1)
+    assert started.status_code == 200, started.text
+    wait_finished(buffer.url, timeout_s=60, headers=AUTH)
+    run_id = started.json()["run_id"]
+    record = httpx.get(f"{buffer.url}/trajectories/{run_id}:calc-000:0:0", timeout=10, headers=AUTH).json()
+    assert record["status"] == "completed" and record["extra_info"]["scorer"] == f"{hook}:score"
+    assert record["raw_reward"] in (0.25, -1.0)
