@@ -11,6 +11,9 @@ import subprocess
 from collections import Counter
 from pathlib import Path
 
+from rich.console import Console
+from rich.table import Table
+
 
 def available() -> bool:
     """True when the py-spy binary is on PATH."""
@@ -66,3 +69,22 @@ def by_package(collapsed: Path, top: int = 12) -> list[tuple[str, float]]:
 def samples(collapsed: Path) -> int:
     """Number of samples in a py-spy raw output."""
     return sum(n for _, n in _parse(collapsed))
+
+
+def print_profile(raw: Path, title: str, console: Console) -> None:
+    """Print where a recorded profile's GIL time went: by package, then by project function."""
+    if not raw.exists():
+        console.print(f"[yellow]no profile written for {title} (py-spy needs ptrace permission)[/]")
+        return
+    table = Table(title=f"Profile: {title} ({samples(raw)} GIL samples; {raw})")
+    table.add_column("package (innermost frame)")
+    table.add_column("GIL share", justify="right")
+    for name, share in by_package(raw):
+        table.add_row(name, f"{share:.0%}")
+    console.print(table)
+    table = Table(title="project functions, inclusive")
+    table.add_column("function")
+    table.add_column("GIL share", justify="right")
+    for name, share in by_function(raw, ("rollout_buffer/", "generators/", "slime_adapter/")):
+        table.add_row(name, f"{share:.0%}")
+    console.print(table)

@@ -150,7 +150,7 @@ def measure_buffer(workdir: Path, engine: Service, latency_ms: float, in_flight:
     result.note = "; ".join(notes)
     if spy is not None:
         spy[0].wait(timing.window_s + 30)
-        _print_profile(spy[1], f"buffer, {latency_ms:g} ms, {in_flight} in flight, {mode} mode")
+        profiler.print_profile(spy[1], f"buffer, {latency_ms:g} ms, {in_flight} in flight, {mode} mode", console)
     return result
 
 
@@ -179,24 +179,6 @@ def measure_baseline(workdir: Path, engine: Service, latency_ms: float, in_fligh
                                  "baseline")
     result.note = f"{startup_s:.0f} s to fork the workers"
     return result
-
-
-def _print_profile(raw: Path, title: str) -> None:
-    if not raw.exists():
-        console.print(f"[yellow]no profile written for {title} (py-spy needs ptrace permission)[/]")
-        return
-    table = Table(title=f"Profile: {title} ({profiler.samples(raw)} GIL samples; {raw})")
-    table.add_column("package (innermost frame)")
-    table.add_column("GIL share", justify="right")
-    for name, share in profiler.by_package(raw):
-        table.add_row(name, f"{share:.0%}")
-    console.print(table)
-    table = Table(title="project functions, inclusive")
-    table.add_column("function")
-    table.add_column("GIL share", justify="right")
-    for name, share in profiler.by_function(raw, ("rollout_buffer/", "generators/", "slime_adapter/")):
-        table.add_row(name, f"{share:.0%}")
-    console.print(table)
 
 
 def _fmt(value: float | None, spec: str) -> str:

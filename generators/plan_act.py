@@ -33,7 +33,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from generators.math import prompt_messages, score
+from generators.math import prompt_messages
 from generators.plan_act_format import (
     INVALID_PLAN_HINT,
     Report,
@@ -43,8 +43,8 @@ from generators.plan_act_format import (
     split_reasoning,
     tool_list,
 )
-from generators.plan_act_run import PlanActOptions, PlanActRun, plan_act_run
-from generators.search import exact_match, golden_answers
+from generators.plan_act_run import PlanActRun, plan_act_run
+from generators.scoring import answer_reward
 from generators.tools import ToolRegistry, ToolSession, message_tool_calls, truncate_response
 from rollout_buffer.generation.context import RolloutContext
 from rollout_buffer.generation.conversation import INLINE_CHARS, Conversation
@@ -198,24 +198,6 @@ async def _room_for_reply(ctx: RolloutContext, conv: Conversation, text: str) ->
     return conv.response_tokens_used() + n + _MIN_REPLY_TOKENS <= budget
 
 
-async def _episode_reward(answer: str | None, item: dict[str, Any], opts: PlanActOptions
-                          ) -> tuple[float, str, dict[str, Any]]:
-    """(reward, scorer used, the reference for extra_info)."""
-    scorer = opts.scorer
-    if scorer == "auto":
-        scorer = "math" if item.get("label") is not None else "em"
-    if scorer == "math":
-        if item.get("label") is None:
-            raise ValueError("scorer math needs a `label` in the row")
-        label = str(item["label"])
-        reward = 0.0 if answer is None else await score(answer, label, opts.reward_timeout_s)
-        return reward, scorer, {"label": label}
-    has_golden = item.get("golden_answers") is not None or item.get("answer") is not None
-    golden = golden_answers(item) if has_golden else [str(item["label"])]
-    reward = float(answer is not None and exact_match(answer, golden))
-    return reward, scorer, {"golden_answers": golden}
-
-
 async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> list[dict[str, Any]]:
     """Run one plan/act episode; returns the planner's record, then the actor's, sharing one reward."""
     run = plan_act_run(ctx)
@@ -259,7 +241,7 @@ async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> list[dict[st
         await session.close()
         run.release(ctx.uid)
 
-    reward, scorer, reference = await _episode_reward(answer, item, opts)
+    reward, scorer, reference = await answer_reward(answer, item, opts.scorer, opts.reward_timeout_s)
     shared = {"episode_id": ctx.uid, "episode_reward": reward, "scorer": scorer}
     w_planner, w_actor = opts.planner_reward_weight, opts.actor_reward_weight
     records = [await pctx.trajectory(

@@ -12,14 +12,15 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from generators.options import RunOptions
 from generators.plan_act_format import ACTOR_SYSTEM_PROMPT, PLANNER_SYSTEM_PROMPT
+from generators.scoring import Scorer
 from generators.search import SearchConfig, format_documents
 from generators.search_client import SearchClient
 from generators.tool_call import default_tool_config
 from generators.tools import BaseTool, CallLimits, ToolRegistry, TruncateSide, load_tool_config
 from rollout_buffer.generation.context import RolloutContext
 from rollout_buffer.generation.engine import EngineClient
+from rollout_buffer.generation.options import RunOptions
 from rollout_buffer.schemas import check_http_urls
 
 _SHARED_KEY = "plan_act"
@@ -27,7 +28,6 @@ _SHARED_KEY = "plan_act"
 _ENGINE_OPTIONS = ("timeout_s", "max_retries", "backoff_s", "max_abort_resumes")
 
 ActorTools = Literal["function", "search"]
-Scorer = Literal["auto", "math", "em"]
 
 
 class PlanActOptions(RunOptions):

@@ -36,7 +36,6 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from generators.math import prompt_messages, score
-from generators.options import RunOptions
 from generators.tools import (
     CallLimits,
     ToolRegistry,
@@ -46,6 +45,7 @@ from generators.tools import (
     message_tool_calls,
 )
 from rollout_buffer.generation.context import RolloutContext
+from rollout_buffer.generation.options import RunOptions
 
 TASK_TYPE = "tool_call"
 REQUIRED_FIELDS = ("prompt",)

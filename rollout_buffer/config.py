@@ -30,6 +30,9 @@ class ServerConfig:
     progress_log_s: float = 10.0
     # Cap on the SQLite file; writes past it answer 503 like a full disk. None: only the disk limits it.
     max_db_bytes: int | None = None
+    # A Unix socket the server also listens on that serves only the agent session endpoints, each with its
+    # session's key: how sandboxed agents without network reach the buffer. None: no such socket.
+    agent_socket: Path | None = None
 
     def __post_init__(self) -> None:
         if self.group_size < 1:

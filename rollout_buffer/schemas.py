@@ -93,7 +93,8 @@ class StartRolloutRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     task_type: str = Field(min_length=1)
-    input_file: str = Field(min_length=1)
+    # Required unless the generator runs without input (an `agent` run that only hosts sessions).
+    input_file: str | None = Field(default=None, min_length=1)
     num_repeat_per_sample: int = Field(default=8, ge=1, le=4096)
     num_epoch: int = Field(default=1, ge=1)
     num_process: int = Field(default=256, ge=1, le=1_000_000)
@@ -168,3 +169,30 @@ class AckRequest(BaseModel):
     """Body of `/ack`."""
 
     batch_id: str = Field(min_length=1)
+
+
+class OpenSessionRequest(BaseModel):
+    """Body of `POST /sessions`: a harness opens an agent session in the running agent run."""
+
+    instance_id: str = Field(min_length=1)
+    run_id: str | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("instance_id", mode="before")
+    @classmethod
+    def _instance_id_as_str(cls, v: Any) -> Any:
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+
+class FinishSessionRequest(BaseModel):
+    """Body of `POST /sessions/{session_id}/finish`: the episode's reward, shared by every branch."""
+
+    reward: float
+    extra_info: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("reward")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("must be a finite number (NaN and infinity are refused)")
+        return v

@@ -73,3 +73,12 @@ def test_staleness_measures_throughput_and_lag_per_bound() -> None:
     assert bounded and unbounded, line
     assert float(bounded.group(1)) > 0 and int(bounded.group(4)) <= 1
     assert "Lag distribution" in out
+
+
+def test_proxy_measures_agent_turns_against_the_engine_directly(tmp_path: Path) -> None:
+    out = run_bench("proxy", "--sessions", "8", "--turns", "3", "--latency-ms", "20", "--warmup-s", "1",
+                    "--window-s", "2", "--workdir", str(tmp_path))
+    line = summary_line(out)
+    found = re.search(rf"proxy 8@20ms: {NUMBER} turns/s, {NUMBER}% of direct, {NUMBER} ms buffer CPU per turn", line)
+    assert found and float(found.group(1)) > 0 and float(found.group(3)) > 0, line
+    assert re.search(r"│ direct +│ +\d", out) and re.search(r"│ proxy +│ +\d", out), out[-3000:]

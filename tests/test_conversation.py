@@ -435,3 +435,35 @@ def test_strict_check_agrees_with_encoding_the_whole_render(qwen_tokenizer, im_e
         assert encoded and not any(PROMPT[1]["content"] in text for text in encoded), name
     assert verdicts == {"three turns": False, "canonical": True, "merge at the prompt boundary": False,
                         "non-canonical ids": False}
+
+
+def test_mark_restore_and_fork_for_branches(qwen_tokenizer, im_end):
+    conv = Conversation(PROMPT, qwen_tokenizer, tools=[CALC_TOOL])
+    conv.add_assistant(*engine_output(qwen_tokenizer, TURN_1, im_end), TURN_1)
+    after_first = conv.mark()
+    snapshot = (list(conv.token_ids), list(conv.loss_mask), list(conv.messages))
+    # A turn the client never received is undone exactly.
+    conv.add_messages([TOOL_RESULT])
+    conv.add_assistant(*engine_output(qwen_tokenizer, TURN_2, im_end, base=-1.0), TURN_2)
+    with pytest.raises(RuntimeError, match="right after an assistant turn"):
+        Conversation(PROMPT, qwen_tokenizer).mark()
+    conv.restore(after_first)
+    assert (conv.token_ids, conv.loss_mask, conv.messages) == snapshot
+    # A fork keeps the parent's exact tokens as its prompt (loss 0) up to its own first turn; context messages
+    # may include an assistant message the engine did not generate.
+    conv.add_messages([TOOL_RESULT])
+    conv.add_assistant(*engine_output(qwen_tokenizer, TURN_2, im_end), TURN_2)
+    fork = conv.fork(after_first)
+    foreign = {"role": "assistant", "content": "I was edited."}
+    fork.add_context([{"role": "tool", "content": "392"}, foreign, FOLLOW_UP])
+    ids, log_probs = engine_output(qwen_tokenizer, TURN_3, im_end, base=-2.0)
+    fork.add_assistant(ids, log_probs, TURN_3)
+    fields = fork.record_fields()
+    prompt = len(fork.token_ids) - fields["response_length"]
+    assert fork.token_ids[:after_first.tokens] == snapshot[0] and not any(fork.loss_mask[:prompt])
+    assert fork.token_ids[prompt:prompt + len(ids)] == ids and fields["rollout_log_probs"][:len(ids)] == log_probs
+    assert fork.messages[after_first.messages:] == [{"role": "tool", "content": "392"}, foreign, FOLLOW_UP,
+                                                    {"role": "assistant", "content": TURN_3}]
+    assert len(conv.messages) == 5 and conv.token_ids[:after_first.tokens] == snapshot[0], "the parent is untouched"
+    with pytest.raises(ValueError, match="use add_assistant"):
+        fork.add_messages([foreign])

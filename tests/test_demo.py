@@ -11,3 +11,9 @@ def test_demo_runs_the_whole_pipeline() -> None:
     assert rows["failed trajectories"] == "0"
     assert 0.0 < float(rows["mean reward (raw)"]) < 1.0
     assert int(rows["response tokens"]) > 0 and float(rows["samples/s"]) > 0
+
+
+def test_agent_demo_trains_the_bundled_openai_agent() -> None:
+    rows = run_demo("--task", "agent", "--num-repeat", "2", "--batch-groups", "24", "--latency-ms", "1")
+    assert rows["groups"] == "24" and rows["samples"] == "48" and rows["failed trajectories"] == "0"
+    assert 0.0 < float(rows["mean reward (raw)"]) <= 1.0 and int(rows["response tokens"]) > 0

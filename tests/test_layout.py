@@ -25,7 +25,8 @@ ALLOWED: dict[str, set[str]] = {
     "observability": set(),
     "delivery": {"config", "schemas", "observability"},
     "generation": {"config", "schemas", "observability", "delivery"},
-    "server": {"config", "schemas", "observability", "delivery", "generation"},
+    "proxy": {"config", "schemas", "observability", "delivery", "generation"},
+    "server": {"config", "schemas", "observability", "delivery", "generation", "proxy"},
     "sim": {"generation.tokenizer"},
 }
 TOP = {"tools", "cli", "demo", "tokenizer", "context"}

@@ -145,3 +145,16 @@ def test_draws_follow_the_rates_and_the_seed() -> None:
     assert 0.55 < share < 0.65
     a, b = random.Random(7), random.Random(7)
     assert [make_draw(a, 0.5, 0.1) for _ in range(20)] == [make_draw(b, 0.5, 0.1) for _ in range(20)]
+
+
+def test_a_parallel_calculator_task_calls_every_expression_in_one_turn() -> None:
+    tools = '{"type": "function", "function": {"name": "calculator"}}'
+    task = (f"<|im_start|>system\n<tools>\n{tools}\n</tools><|im_end|>\n"
+            "<|im_start|>user\nCompute 12 * 7 + 3 and 45 - 6 in parallel.<|im_end|>\n<|im_start|>assistant\n")
+    name, reply = scripted_reply(task, WRONG)
+    assert name == "parallel_tool_call"
+    assert re.findall(r'"expression": "([^"]+)"', reply) == ["12 * 7 + 3", "45 - 6"]
+    answered = (task + reply + "<|im_end|>\n<|im_start|>user\n<tool_response>\n87\n</tool_response>\n"
+                "<tool_response>\n39\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert scripted_reply(answered, WRONG)[1].endswith(
+        "The results are: 12 * 7 + 3 = 87, 45 - 6 = 39.")

@@ -9,10 +9,10 @@ from generators.tools.base import BaseTool, Tool, ToolResult, as_result, validat
 from generators.tools.calls import message_tool_calls
 from generators.tools.config import ToolConfigError, load_tool_config, resolve_reference
 from generators.tools.function import FunctionTool, function_tool, infer_schema
-from generators.tools.hermes import ToolCall, parse_tool_calls
 from generators.tools.registry import ToolRegistry
 from generators.tools.session import CallLimits, ToolOutcome, ToolSession
 from generators.tools.truncation import TRUNCATE_SIDES, TruncateSide, truncate_response
+from rollout_buffer.generation.hermes import ToolCall, parse_tool_calls
 
 __all__ = [
     "TRUNCATE_SIDES",

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from generators.tools.base import as_result
-from generators.tools.hermes import ToolCall
 from generators.tools.registry import ToolRegistry
 from generators.tools.truncation import TruncateSide, truncate_response
+from rollout_buffer.generation.hermes import ToolCall
 
 log = logging.getLogger(__name__)
 

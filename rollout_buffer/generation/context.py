@@ -9,6 +9,7 @@ from typing import Any
 from rollout_buffer.delivery.versions import ordered_versions
 from rollout_buffer.generation.conversation import Conversation
 from rollout_buffer.generation.engine import EngineClient, to_sglang_sampling_params
+from rollout_buffer.generation.sessions import AgentSession, SessionHost
 from rollout_buffer.observability import metrics
 
 STATUS_BY_FINISH = {"stop": "completed", "length": "truncated", "abort": "aborted"}
@@ -32,6 +33,8 @@ class RunResources:
     # Per-run objects generators create once (tool clients, caches), keyed by the generator's choice;
     # values with an async `aclose()` are closed when the run ends.
     shared: dict[str, Any] = field(default_factory=dict)
+    # The agent proxy's sessions, when the server has the proxy.
+    sessions: SessionHost | None = None
 
 
 @dataclass
@@ -109,6 +112,12 @@ class RolloutContext:
         conv.add_assistant_text(chat.text, finish_reason=chat.finish_reason, tool_calls=chat.tool_calls,
                                 reasoning_content=chat.reasoning_content, weight_version=chat.weight_version)
         return chat.finish_reason
+
+    async def open_session(self, metadata: dict[str, Any] | None = None) -> AgentSession:
+        """An agent session recording this trajectory: point an OpenAI or Anthropic client at its base URL."""
+        if self.run.sessions is None:
+            raise RuntimeError("agent sessions need the server's agent proxy, which this run does not have")
+        return await self.run.sessions.open(self, metadata)
 
     def _count_turn(self, engine_url: str, resumed: int) -> None:
         stats = self.engine_stats

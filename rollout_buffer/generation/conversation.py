@@ -21,12 +21,19 @@ The sanity check compares the sequence with the template applied to the final me
   message or a wrong delta is still reported.
 - `disable`: no check.
 
+Branches (the agent proxy): `mark()` after an assistant turn remembers where the conversation stood;
+`restore(mark)` undoes what came after it (a turn the client never received), and `fork(mark)` starts a new
+conversation from that point whose earlier tokens are context (loss 0, part of its prompt), for an agent that
+rewrote its history. `add_context` appends messages of any role at loss 0, assistant ones too (turns the
+engine did not generate for this conversation).
+
 Chat mode (no tokenizer) keeps the messages only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import re
 from dataclasses import dataclass
@@ -56,6 +63,19 @@ INLINE_CHARS = 2048
 _PER_MESSAGE_CHARS = 32  # the template's framing of one message
 _SNIPPET_TOKENS = (8, 24)
 _SNIPPET_CHARS = (40, 120)
+
+
+@dataclass(frozen=True)
+class TurnMark:
+    """Where a conversation stood right after one of its assistant turns (`Conversation.mark`)."""
+
+    messages: int
+    tokens: int
+    weight_versions: int
+    assistant_turns: int
+    finish_reason: str | None
+    truncated: bool
+    log_probs_complete: bool
 
 
 @dataclass(frozen=True)
@@ -219,6 +239,7 @@ class Conversation:
         self._options = dict(chat_template_kwargs or {})
         self._log_probs_complete = True
         self._open = False  # token_ids ends with the generation prompt
+        self._forked = False  # a fork before its first own turn: the prompt extends to that turn
         self._assistant_turns = 0
         # The run of environment messages since the last assistant turn, re-rendered as a whole when it
         # grows (consecutive tool messages share one block in Qwen's template).
@@ -282,6 +303,8 @@ class Conversation:
         if not self._open:
             self._append(self._frame.generation_prompt_ids, 0)
         self._add_version_spans(len(self.token_ids), len(output_ids), weight_version, version_segments)
+        if self._forked:
+            self.prompt_length, self._forked = len(self.token_ids), False
         self._append(output_ids, 1, log_probs)
         if log_probs is None and output_ids:
             self._log_probs_complete = False
@@ -334,6 +357,8 @@ class Conversation:
     def response_tokens_used(self) -> int:
         """Tokens the response will hold once the next assistant turn starts (generation prompt counted)."""
         self._require_tokens()
+        if self._forked:
+            return 0
         pending = 0 if self._open or self.truncated else len(self._frame.generation_prompt_ids)
         return len(self.token_ids) + pending - self.prompt_length
 
@@ -381,9 +406,14 @@ class Conversation:
 
     def add_messages(self, new: list[dict[str, Any]]) -> None:
         """Append user or tool messages; in token mode their template text follows at loss 0."""
-        self._require_not_truncated()
         if any(m.get("role") == "assistant" for m in new):
             raise ValueError("assistant turns come from the engine: use add_assistant")
+        self.add_context(new)
+
+    def add_context(self, new: list[dict[str, Any]]) -> None:
+        """Append messages of any role as context (loss 0), assistant messages the engine did not generate
+        for this conversation included; rendered like `add_messages`."""
+        self._require_not_truncated()
         if not new:
             return
         if self.token_mode:
@@ -393,11 +423,62 @@ class Conversation:
 
     async def aadd_messages(self, new: list[dict[str, Any]]) -> None:
         """`add_messages` with the template render in a thread (inline when small)."""
+        if any(m.get("role") == "assistant" for m in new):
+            raise ValueError("assistant turns come from the engine: use add_assistant")
+        await self.aadd_context(new)
+
+    async def aadd_context(self, new: list[dict[str, Any]]) -> None:
+        """`add_context` with the template render in a thread (inline when small)."""
         rendered = self.messages if self._assistant_turns == 0 else self.messages[self._env_messages_start:]
         if self.token_mode and not _light([*rendered, *new], self.tools):
-            await asyncio.to_thread(self.add_messages, new)
+            await asyncio.to_thread(self.add_context, new)
         else:
-            self.add_messages(new)
+            self.add_context(new)
+
+    def mark(self) -> TurnMark:
+        """The state right after the last assistant turn, for `restore` and `fork`.
+
+        Valid for as long as the conversation exists: past its first assistant turn a conversation only grows.
+        Raises RuntimeError before the first assistant turn or while messages follow the last one.
+        """
+        self._require_tokens()
+        if self._assistant_turns == 0 or self._env_messages_start != len(self.messages):
+            raise RuntimeError("a mark is taken right after an assistant turn")
+        return TurnMark(len(self.messages), len(self.token_ids), len(self.weight_versions), self._assistant_turns,
+                        self.finish_reason, self.truncated, self._log_probs_complete)
+
+    def restore(self, mark: TurnMark) -> None:
+        """Undo everything appended after `mark` (taken on this conversation)."""
+        self._require_tokens()
+        if mark.messages > len(self.messages) or mark.tokens > len(self.token_ids):
+            raise ValueError("the mark is past the end of this conversation")
+        del self.messages[mark.messages:], self.weight_versions[mark.weight_versions:]
+        self._truncate_to(mark.tokens)
+        self._assistant_turns = mark.assistant_turns
+        self.finish_reason, self.truncated = mark.finish_reason, mark.truncated
+        self._log_probs_complete = mark.log_probs_complete
+        self._open = False
+        self._env_messages_start, self._env_tokens_start, self._env_text = mark.messages, mark.tokens, ""
+
+    def fork(self, mark: TurnMark) -> Conversation:
+        """A new conversation holding this one as it stood at `mark`: those tokens, and the messages added before
+        its first own turn, are its prompt (loss 0); what it generates from then on is its response. The
+        original is untouched."""
+        self._require_tokens()
+        if mark.truncated:
+            raise RuntimeError("cannot continue from a turn that was cut")
+        other = copy.copy(self)
+        other.messages = self.messages[:mark.messages]
+        other.token_ids = self.token_ids[:mark.tokens]
+        other.loss_mask = [0] * mark.tokens
+        other.log_probs = [0.0] * mark.tokens
+        other.weight_versions = []
+        other.prompt_length = mark.tokens
+        other.finish_reason, other.truncated, other._log_probs_complete = mark.finish_reason, False, True
+        other._assistant_turns = mark.assistant_turns
+        other._open, other._forked = False, True
+        other._env_messages_start, other._env_tokens_start, other._env_text = mark.messages, mark.tokens, ""
+        return other
 
     def check(self) -> dict[str, Any] | None:
         """Compare the sequence with the template's rendering of the final messages (see the module doc).

@@ -32,6 +32,7 @@ from rollout_buffer.generation.context import RolloutContext, RunResources, stam
 from rollout_buffer.generation.engine import EngineClient, EngineError
 from rollout_buffer.generation.inputs import InputFileError
 from rollout_buffer.generation.plugins import Generator
+from rollout_buffer.generation.sessions import SessionHost
 from rollout_buffer.generation.tokenizer import load_tokenizer
 from rollout_buffer.observability import metrics
 from rollout_buffer.schemas import StartRolloutRequest, TrajectoryRecord
@@ -123,19 +124,27 @@ class LineIndex:
 
 
 class Run:
-    """One rollout run: schedules trajectories, records every outcome, ends by itself."""
+    """One rollout run: schedules trajectories, records every outcome, ends by itself.
 
-    def __init__(self, run_id: str, req: StartRolloutRequest, input_path: Path, generator: Generator,
-                 buffer: RolloutBuffer, config: ServerConfig):
+    A run without an input file (an `agent` run that only hosts sessions) generates nothing by itself: it holds
+    its engine, tokenizer and sampling settings for agent sessions until it is replaced or the server stops.
+    """
+
+    def __init__(self, run_id: str, req: StartRolloutRequest, input_path: Path | None, generator: Generator,
+                 buffer: RolloutBuffer, config: ServerConfig, sessions: SessionHost | None = None):
         self.run_id = run_id
         self.req = req
         self.input_path = input_path
         self.generator = generator
         self.buffer = buffer
         self.config = config
+        self.sessions = sessions
         self.progress = Progress(run_id, total=0)
         self.task: asyncio.Task[None] | None = None
         self.admission: AdmissionController | None = None
+        # What trajectories (and agent sessions) of the run share; set once the tokenizer has loaded.
+        self.resources: RunResources | None = None
+        self.ready = asyncio.Event()
         self._run_row: dict[str, Any] | None = None
         # Stale groups to generate again: (instance_id, epoch, part), while the run accepts them.
         self._regenerate: deque[tuple[str, int, int]] = deque()
@@ -162,7 +171,7 @@ class Run:
     async def _main(self) -> None:
         try:
             self._run_row = await self.buffer.store.get_run(self.run_id)
-            if self.generator.native:
+            if self.generator.native or self.input_path is None:
                 await self._run_native()
             else:
                 await self._run_slime_style()
@@ -202,9 +211,8 @@ class Run:
         req = self.req
         tokenizer = await self._load_tokenizer()
         engine = EngineClient(req.engine_urls(), **_engine_options(req))
-        index = await asyncio.to_thread(LineIndex, self.input_path)
         extra = req.model_extra or {}
-        resources = RunResources(
+        resources = self.resources = RunResources(
             run_id=self.run_id,
             task_type=req.task_type,
             config=req.model_dump(mode="json"),
@@ -215,7 +223,24 @@ class Run:
             sanity_check=str(extra.get("tokenization_sanity_check_mode", "strict")),
             chat_template_kwargs=extra.get("chat_template_kwargs"),
             mask_offpolicy=req.mask_offpolicy_in_partial_rollout,
+            sessions=self.sessions,
         )
+        self.ready.set()
+        try:
+            if self.input_path is None:
+                log.info("run %s: no input file; holding the engine and tokenizer for agent sessions", self.run_id)
+                await asyncio.Event().wait()  # until the run is replaced or the server stops
+            else:
+                await self._run_items(self.input_path, resources)
+        finally:
+            if self.sessions is not None:
+                await self.sessions.end_run(self.run_id)
+            await _close_shared(resources.shared)
+            await engine.aclose()
+
+    async def _run_items(self, input_path: Path, resources: RunResources) -> None:
+        req = self.req
+        index = await asyncio.to_thread(LineIndex, input_path)
         self.progress.total = len(index.offsets) * req.num_epoch * req.num_repeat_per_sample
         work = await self.buffer.store.stored_work(self.run_id)
         self.admission = await self._admission_controller()
@@ -236,8 +261,6 @@ class Run:
                 t.cancel()
             reporter.cancel()
             index.close()
-            await _close_shared(resources.shared)
-            await engine.aclose()
 
     async def _admission_controller(self) -> AdmissionController:
         ledger = await self.buffer.ledger(self.run_id)
@@ -371,7 +394,7 @@ class Run:
         try:
             await self._write(records)
         except RecordError as e:
-            await self._write([self._failed(item, ctx, "bad_record", str(e))])
+            await self._write([self.failed(item, ctx, "bad_record", str(e))])
         finally:
             self._writing.release()
 
@@ -389,14 +412,19 @@ class Run:
         except asyncio.CancelledError:
             raise
         except EngineError as e:
-            return [self._failed(item, ctx, f"engine_{e.kind}", str(e))]
+            return [self.failed(item, ctx, f"engine_{e.kind}", str(e))]
         except ValidationError as e:
-            return [self._failed(item, ctx, "bad_record", f"generator returned an invalid record: {e}")]
+            return [self.failed(item, ctx, "bad_record", f"generator returned an invalid record: {e}")]
         except Exception as e:
             log.debug("generator %s raised on %s: %s", self.req.task_type, ctx.uid, traceback.format_exc())
-            return [self._failed(item, ctx, "generator_error", f"{type(e).__name__}: {e}")]
+            # An exception may name its own kind (`error_kind`), e.g. an agent's time limit.
+            kind = getattr(e, "error_kind", None)
+            if isinstance(kind, str) and kind:
+                return [self.failed(item, ctx, kind, str(e))]
+            return [self.failed(item, ctx, "generator_error", f"{type(e).__name__}: {e}")]
 
-    def _failed(self, item: dict[str, Any], ctx: RolloutContext, kind: str, text: str) -> TrajectoryRecord:
+    def failed(self, item: dict[str, Any], ctx: RolloutContext, kind: str, text: str) -> TrajectoryRecord:
+        """The record of a failed trajectory (`status: failed`, `extra_info.error` and `error_kind`), counted."""
         self.progress.failures[kind] += 1
         metrics.TRAJECTORIES_FAILED.labels(kind).inc()
         log.warning("trajectory %s failed (%s): %s", ctx.uid, kind, text)
@@ -405,6 +433,10 @@ class Run:
         rec = stamp({"messages": messages, "reward": 0.0, "status": "failed",
                      "extra_info": {"error": text, "error_kind": kind}}, ctx)
         return TrajectoryRecord.model_validate(rec)
+
+    async def accept(self, records: list[TrajectoryRecord]) -> None:
+        """Store records produced outside the run's own scheduling (agent sessions a harness finished)."""
+        await self._write(records)
 
     async def _write(self, records: list[TrajectoryRecord]) -> None:
         if self._run_row is None:
@@ -453,29 +485,37 @@ class Run:
 class RunManager:
     """Starts, replaces and resumes runs; at most one runs at a time."""
 
-    def __init__(self, config: ServerConfig, buffer: RolloutBuffer, generators: dict[str, Generator]):
+    def __init__(self, config: ServerConfig, buffer: RolloutBuffer, generators: dict[str, Generator],
+                 sessions: SessionHost | None = None):
         self.config = config
         self.buffer = buffer
         self.generators = generators
+        self.sessions = sessions
         self.current: Run | None = None
         self._reopening: asyncio.Task[None] | None = None
         buffer.regenerate = self.regenerate
 
-    async def start(self, req: StartRolloutRequest, input_path: Path, num_items: int) -> str:
-        """Create a run in the store and launch it; a running run is replaced (its data stays)."""
+    async def start(self, req: StartRolloutRequest, input_path: Path | None, num_items: int,
+                    group_size: int | None = None) -> str:
+        """Create a run in the store and launch it; a running run is replaced (its data stays).
+
+        `input_path` None: the run hosts agent sessions only. `group_size` defaults to `num_repeat_per_sample`.
+        """
         await self._stop_current()
         cfg = req.model_dump(mode="json")
-        cfg["input_file"] = str(input_path)
+        if input_path is not None:
+            cfg["input_file"] = str(input_path)
         cfg["num_items"] = num_items
-        run_id = await self.buffer.create_run(cfg, req.num_repeat_per_sample)
+        cfg["num_repeat_per_sample"] = group_size or req.num_repeat_per_sample
+        run_id = await self.buffer.create_run(cfg, cfg["num_repeat_per_sample"])
         if req.current_version is not None:  # the trainer's version when the run begins: its base
             await self.buffer.report_version(req.current_version)
-        self._launch(run_id, req, input_path)
+        self._launch(run_id, StartRolloutRequest.model_validate(cfg), input_path)
         return run_id
 
-    def _launch(self, run_id: str, req: StartRolloutRequest, input_path: Path) -> None:
+    def _launch(self, run_id: str, req: StartRolloutRequest, input_path: Path | None) -> None:
         gen = self.generators[req.task_type]
-        self.current = Run(run_id, req, input_path, gen, self.buffer, self.config)
+        self.current = Run(run_id, req, input_path, gen, self.buffer, self.config, self.sessions)
         self.current.start()
 
     def regenerate(self, stale: StaleGroup) -> None:
@@ -515,8 +555,8 @@ class RunManager:
         try:
             req = StartRolloutRequest.model_validate(cfg)
             gen = self.generators[req.task_type]
-            path = Path(cfg["input_file"])
-            if not await asyncio.to_thread(path.is_file):
+            path = Path(cfg["input_file"]) if reads_input(gen, cfg) else None
+            if path is not None and not await asyncio.to_thread(path.is_file):
                 raise InputFileError(f"input_file: {path} is gone")
         except (ValidationError, KeyError, InputFileError) as e:
             log.error("cannot resume run %s: %s", run["run_id"], e)
@@ -545,6 +585,13 @@ class RunManager:
         if self._reopening is not None:
             self._reopening.cancel()
         await self._stop_current()
+
+
+def reads_input(generator: Generator, payload: dict[str, Any]) -> bool:
+    """Whether a run of `generator` with this start payload reads an input file: always, unless the generator's
+    optional `input_required(payload)` hook says otherwise (an `agent` run that only hosts sessions)."""
+    hook = generator.hook("input_required")
+    return True if hook is None else bool(hook(payload))
 
 
 async def _close_shared(shared: dict[str, Any]) -> None:

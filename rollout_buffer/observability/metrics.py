@@ -169,6 +169,26 @@ STORE_WRITE_SECONDS = Histogram(
     registry=REGISTRY,
 )
 
+# ---- agent proxy -------------------------------------------------------------------------------------
+PROXY_TURNS = Counter(
+    "rollout_buffer_proxy_turns",
+    "Model turns served to agents, by protocol and route (continue: extends a branch; fork / new: the agent "
+    "rewrote its history and a new branch started)",
+    ["protocol", "route"],
+    registry=REGISTRY,
+)
+PROXY_ERRORS = Counter(
+    "rollout_buffer_proxy_errors", "Agent requests answered with an error, by protocol and kind",
+    ["protocol", "kind"], registry=REGISTRY,
+)
+PROXY_SESSIONS_CLOSED = Counter(
+    "rollout_buffer_proxy_sessions_closed",
+    "Agent sessions closed, by outcome (finished, expired, failed, discarded, empty)",
+    ["outcome"],
+    registry=REGISTRY,
+)
+PROXY_SESSIONS_OPEN = Gauge("rollout_buffer_proxy_sessions_open", "Agent sessions open", registry=REGISTRY)
+
 # ---- run progress (read at scrape time) --------------------------------------------------------------
 RUN_INFO = Gauge(
     "rollout_buffer_run_info", "The latest run (value 1)", ["run_id", "task_type", "state"], registry=REGISTRY
@@ -266,10 +286,11 @@ def _set_run(run: dict[str, Any] | None, live: dict[str, Any] | None) -> None:
 
 
 def render(groups: dict[str, int], run: dict[str, Any] | None, live: dict[str, Any] | None,
-           accept: str = "", control: dict[str, Any] | None = None) -> tuple[bytes, str]:
+           accept: str = "", control: dict[str, Any] | None = None, sessions_open: int = 0) -> tuple[bytes, str]:
     """Set the state gauges from what the caller read (group counts by state, the latest stored run, the live
-    progress of the run being generated, the run's control view of `/status`) and render every metric;
-    returns (body, content type) for `accept`."""
+    progress of the run being generated, the run's control view of `/status`, the open agent sessions) and
+    render every metric; returns (body, content type) for `accept`."""
+    PROXY_SESSIONS_OPEN.set(sessions_open)
     READY_GROUPS.set(groups.get("ready", 0))
     LEASED_GROUPS.set(groups.get("leased", 0))
     _set_run(run, live)

@@ -1,6 +1,6 @@
 """The HTTP routes: slime's rollout-buffer protocol (`/start_rollout`, `/get_rollout_data`, `/buffer/write`,
 `/ack`), the trainer's version (`/trainer_version`) and inspection (`/status`, `/groups`, `/trajectories`,
-`/metrics`)."""
+`/metrics`); the agent proxy's routes are mounted from `proxy_routes`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, Literal
 
 import orjson
@@ -23,8 +24,9 @@ from rollout_buffer.delivery.store import Store, StoreError
 from rollout_buffer.delivery.versions import VersionConflict
 from rollout_buffer.generation.inputs import InputFileError, confined_path, resolve_input_path, validate_file
 from rollout_buffer.generation.plugins import discover
-from rollout_buffer.generation.runner import RunManager
+from rollout_buffer.generation.runner import RunManager, reads_input
 from rollout_buffer.observability import metrics
+from rollout_buffer.proxy.manager import SessionManager
 from rollout_buffer.schemas import (
     AckRequest,
     GetRolloutDataRequest,
@@ -41,7 +43,8 @@ from rollout_buffer.server.bodies import (
     parse_body,
     validated,
 )
-from rollout_buffer.server.middleware import BearerAuthMiddleware, BodyLimitMiddleware
+from rollout_buffer.server.middleware import AgentSocketGate, BearerAuthMiddleware, BodyLimitMiddleware
+from rollout_buffer.server.proxy_routes import mount_proxy
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +68,19 @@ def create_app(config: ServerConfig) -> FastAPI:
         store = Store(config.db_path, config.max_db_bytes)
         await store.open()
         buffer = RolloutBuffer(config, store, generators)
-        runs = RunManager(config, buffer, generators)
+        sessions = SessionManager(config)
+        runs = RunManager(config, buffer, generators, sessions)
         app.state.buffer = buffer
         app.state.runs = runs
+        app.state.sessions = sessions
         log.info("rollout buffer ready: data dir %s, generators %s", config.data_dir, sorted(generators))
+        sessions.start()
         await runs.resume()
         try:
             yield
         finally:
             await runs.shutdown()
+            await sessions.stop()
             await store.close()
 
     app = FastAPI(
@@ -85,6 +92,8 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.auth_token:
         app.add_middleware(BearerAuthMiddleware, token=config.auth_token)
+    if config.agent_socket is not None:
+        app.add_middleware(AgentSocketGate, socket_path=str(config.agent_socket))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> Response:
@@ -122,27 +131,34 @@ def create_app(config: ServerConfig) -> FastAPI:
                 if getattr(req, name):
                     raise HTTPException(422, f"{name}: needs a native generator (run_rollout(item, ctx)); "
                                              f"{req.task_type!r} posts its own records")
+        payload = req.model_dump(mode="json")
+        check = gen.hook("check_payload")
         try:
-            path = await asyncio.to_thread(resolve_input_path, req.input_file, config.data_roots)
-            required = getattr(gen.module, "REQUIRED_FIELDS", ())
-            summary = await asyncio.to_thread(validate_file, path, required)
+            if check is not None:  # the generator's own options (it may resolve files: off the loop)
+                await asyncio.to_thread(check, payload, config.data_roots)
+            path: Path | None = None
+            num_items = 0
+            if reads_input(gen, payload):
+                if req.input_file is None:
+                    raise InputFileError(f"input_file: required for task_type {req.task_type!r} (only an agent "
+                                         "run that hosts sessions, without agent or agent_command, runs without)")
+                path = await asyncio.to_thread(resolve_input_path, req.input_file, config.data_roots)
+                required = getattr(gen.module, "REQUIRED_FIELDS", ())
+                num_items = (await asyncio.to_thread(validate_file, path, required)).num_items
             if config.data_roots:
                 fields = {"tokenizer_path": req.tokenizer_path, **(req.model_extra or {})}
                 for name in CONFINED_PATH_FIELDS:
                     if isinstance(fields.get(name), str):
                         await asyncio.to_thread(confined_path, fields[name], config.data_roots, name)
-        except InputFileError as e:
+        except ValueError as e:  # InputFileError included
             raise HTTPException(422, str(e)) from None
         runs: RunManager = request.app.state.runs
-        run_id = await runs.start(req, path, summary.num_items)
-        return json_response(
-            {
-                "success": True,
-                "message": f"rollout started for {summary.num_items} tasks",
-                "run_id": run_id,
-                "num_items": summary.num_items,
-            }
-        )
+        # A run that only hosts sessions groups them like /buffer/write records unless told otherwise.
+        group_size = config.group_size if path is None and "num_repeat_per_sample" not in req.model_fields_set else None
+        run_id = await runs.start(req, path, num_items, group_size)
+        message = (f"rollout started for {num_items} tasks" if path is not None
+                   else "agent run started: open sessions with POST /sessions")
+        return json_response({"success": True, "message": message, "run_id": run_id, "num_items": num_items})
 
     @app.post(
         "/buffer/write",
@@ -258,7 +274,10 @@ def create_app(config: ServerConfig) -> FastAPI:
         runs: RunManager = request.app.state.runs
         groups, run = await buffer.store.group_counts(), await buffer.store.latest_run()
         control = await _control(request, run)
-        body, content_type = metrics.render(groups, run, runs.progress(), request.headers.get("accept", ""), control)
+        sessions: SessionManager = request.app.state.sessions
+        body, content_type = metrics.render(groups, run, runs.progress(), request.headers.get("accept", ""), control,
+                                            len(sessions.sessions))
         return Response(body, media_type=content_type)
 
+    mount_proxy(app, config)
     return app

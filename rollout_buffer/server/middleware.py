@@ -1,13 +1,28 @@
-"""ASGI middleware of the server: bearer-token auth and the request body cap."""
+"""ASGI middleware of the server: bearer-token auth, the agent socket's gate, and the request body cap."""
 
 from __future__ import annotations
 
 import hmac
+import re
 
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rollout_buffer.server.bodies import error_response
+
+# A session's own API (`/sessions/{id}/v1/...`): its routes check the session's key themselves.
+_SESSION_API = re.compile(r"^/sessions/[^/]+/v1/")
+
+
+def is_session_api(path: str) -> bool:
+    """True for the endpoints agents call (a session's OpenAI / Anthropic API)."""
+    return _SESSION_API.match(path) is not None
+
+
+def from_agent_socket(scope: Scope, socket_path: str | None) -> bool:
+    """True when the request came in on the agent socket (uvicorn reports a Unix socket as (path, None))."""
+    server = scope.get("server")
+    return socket_path is not None and server is not None and server[1] is None and server[0] == socket_path
 
 
 class BearerAuthMiddleware:
@@ -18,12 +33,27 @@ class BearerAuthMiddleware:
         self.expected = f"Bearer {token}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] == "/healthz":
+        if scope["type"] != "http" or scope["path"] == "/healthz" or is_session_api(scope["path"]):
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
         if not hmac.compare_digest(given, self.expected):
             await error_response(401, "missing or wrong bearer token")(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class AgentSocketGate:
+    """Requests arriving on the agent socket may only call a session's API (which then needs its key)."""
+
+    def __init__(self, app: ASGIApp, socket_path: str):
+        self.app = app
+        self.socket_path = socket_path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and from_agent_socket(scope, self.socket_path) and not is_session_api(scope["path"]):
+            message = "the agent socket serves only /sessions/{session_id}/v1/... (with the session's key)"
+            await error_response(403, message)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 

@@ -274,6 +274,36 @@ def _tool_call_reply(text: str, draw: Draw) -> str:
     return f"<think>\nI will use the calculator for {exprs}.\n</think>\n\n" + "\n".join(calls)
 
 
+def _expressions(text: str) -> list[Arithmetic]:
+    """Every arithmetic expression of `text`, in order, each once."""
+    found: list[Arithmetic] = []
+    for match in _EXPR.finditer(text):
+        parsed = _parse(match.group(0))
+        if parsed is not None and all(p.expr != parsed.expr for p in found):
+            found.append(parsed)
+    return found
+
+
+def _wants_parallel_calls(text: str) -> bool:
+    task = first_user_turn(text)
+    return _offers_calculator(text) and "in parallel" in task.lower() and len(_expressions(task)) >= 2
+
+
+def _parallel_tool_call_reply(text: str, draw: Draw) -> str:
+    """A task asking for several calculations "in parallel": one turn calling the calculator on each, then,
+    once every call has a response, the results in order."""
+    problems = _expressions(first_user_turn(text))
+    start = text.find("<|im_start|>assistant")
+    responses = _TOOL_RESPONSE.findall(text[start:]) if start >= 0 else []
+    if len(responses) >= len(problems):
+        results = ", ".join(f"{p.expr} = {r.strip()}" for p, r in zip(problems, responses[-len(problems):],
+                                                                         strict=True))
+        return f"<think>\nThe calculator answered every call.\n</think>\n\nThe results are: {results}."
+    calls = "\n".join(f'<tool_call>\n{{"name": "{CALCULATOR_TOOL}", "arguments": {json.dumps({"expression": p.expr})}}}'
+                      "\n</tool_call>" for p in problems)
+    return f"<think>\nI will compute the {len(problems)} expressions at once.\n</think>\n\n{calls}"
+
+
 # ---------------------------------------------------------------- plan / act (generators/plan_act.py)
 
 
@@ -438,6 +468,7 @@ def _guess_reply(text: str, draw: Draw) -> str:
 POLICIES: tuple[Policy, ...] = (
     Policy("planner", lambda text: PLANNER_MARKER in system_turn(text), _planner_reply),
     Policy("actor", lambda text: ACTOR_MARKER in system_turn(text), _actor_reply),
+    Policy("parallel_tool_call", _wants_parallel_calls, _parallel_tool_call_reply),
     Policy("tool_call", _offers_calculator, _tool_call_reply),
     Policy("search", _is_search, _search_reply),
     Policy("math", _is_math, _math_reply),

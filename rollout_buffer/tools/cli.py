@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import gc
 import importlib
+import logging
+import shutil
+import socket
 import sys
+import tempfile
 from pathlib import Path
 
 from rollout_buffer.config import (
@@ -69,10 +75,35 @@ def serve(args: argparse.Namespace) -> None:
         data_roots=tuple(args.data_root),
         max_db_bytes=int(args.max_db_mb * 1024 * 1024) if args.max_db_mb else None,
     )
-    app = create_app(config)
-    gc.freeze()
-    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level.lower(),
-                access_log=False, timeout_keep_alive=75, log_config=None)
+    with contextlib.ExitStack() as stack:
+        listeners = [socket.create_server((config.host, config.port),
+                                          family=socket.AF_INET6 if ":" in config.host else socket.AF_INET)]
+        agent_socket = _agent_socket(stack)
+        if agent_socket is not None:
+            listeners.append(agent_socket[1])
+            config = dataclasses.replace(config, agent_socket=agent_socket[0])
+        app = create_app(config)
+        gc.freeze()
+        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False,
+                                               timeout_keep_alive=75, log_config=None))
+        server.run(sockets=listeners)
+
+
+def _agent_socket(stack: contextlib.ExitStack) -> tuple[Path, socket.socket] | None:
+    """The agent socket: a Unix socket in a fresh folder (removed at exit) that anyone may connect to; the server
+    answers only session endpoints with their keys on it. Sandboxed agents without network come in this way."""
+    try:
+        folder = Path(tempfile.mkdtemp(prefix="rollout-buffer-agents-"))
+        stack.callback(shutil.rmtree, folder, True)
+        folder.chmod(0o711)
+        path = folder / "agents.sock"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(path))
+        path.chmod(0o666)
+    except OSError as e:
+        logging.getLogger(__name__).warning("no agent socket (%s): sandboxed agents will use the network", e)
+        return None
+    return path, sock
 
 
 # Subcommands that own their argument parsing: name → (module, help). Each module has `main(argv)`.

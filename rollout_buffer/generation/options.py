@@ -1,4 +1,5 @@
-"""The base of the generators' run options: typed fields read from a run's `/start_rollout` payload."""
+"""The base of run options read from a run's `/start_rollout` payload (generators' options, agent sessions'):
+typed fields, bad values reported as one ValueError naming them."""
 
 from __future__ import annotations
 

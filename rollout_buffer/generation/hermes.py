@@ -4,6 +4,9 @@ Only the text after the reasoning (`</think>`) is read: a model thinking about a
 A block that is not a JSON object with a string `name` and object `arguments` is kept as a call with an
 `error`, so the model is told its call was malformed instead of being silently ignored. `arguments`
 given as a JSON string (some models double-encode) is decoded.
+
+Used by the tool-calling generators and by the agent proxy, which turns the calls into OpenAI `tool_calls`
+and Anthropic `tool_use` blocks.
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     """The tool calls of one assistant message, in order; [] when it makes none."""
     answer = text.rsplit("</think>", 1)[-1]
     return [_parse_one(body) for body in _CALL.findall(answer)]
+
+
+def split_tool_calls(answer: str) -> tuple[str, list[ToolCall]]:
+    """(the text with every `<tool_call>` block removed, the calls in order) of a reply without reasoning."""
+    calls = [_parse_one(body) for body in _CALL.findall(answer)]
+    return (_CALL.sub("", answer) if calls else answer), calls
 
 
 def _parse_one(body: str) -> ToolCall:

@@ -1,0 +1,220 @@
+"""Agent proxy overhead: turns per second and buffer CPU per turn, against calling the engine directly.
+
+`--sessions` agents run at once in one asyncio client (aiohttp, no SDK overhead). Each agent loops over
+episodes of `--turns` turns on the calculator task: a turn that calls the tool, a turn that answers, then
+follow-up questions, each a turn with the whole history; then the next episode. Two systems, measured in one
+run on the same simulated engine:
+
+- **direct**: the agents call the engine's own `/v1/chat/completions` (the engine renders the chat template
+  and tokenizes);
+- **proxy**: the agents call their session's `/sessions/{id}/v1/chat/completions` in a buffer holding an
+  agent run; the buffer renders, keeps exact tokens, calls the engine's `/generate`, parses the tool calls,
+  and stores each episode's record at `POST /sessions/{id}/finish` (a new session per episode).
+
+Rates are taken over a window after a warm-up. The buffer's CPU per turn counts everything it did in the
+window (session opening and finishing, the tokenization check and SQLite writes included) over the turns it
+served. The machine has 2 cores shared by the engine stand-in, the buffer and this client, so the table also
+shows how many cores the machine kept busy and the engine's CPU per request.
+
+    python -m bench.proxy                                  # 256 sessions, 1000 ms engine latency
+    python -m bench.proxy --sessions 64 --latency-ms 200 --window-s 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+import orjson
+from rich.console import Console
+from rich.table import Table
+
+from bench import profiler
+from bench.harness import MachineCpu, Meter, Service, rollout_buffer, sim_engine
+from rollout_buffer.tokenizer import bundled_tokenizer_path
+
+console = Console(width=200)
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate arithmetic.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+MAX_TOKENS = 256
+
+
+@dataclass
+class Result:
+    """One measured system."""
+
+    system: str
+    turns_per_s: float
+    buffer_cores: float | None
+    engine_cores: float
+    machine_cores: float
+
+    @property
+    def buffer_ms_per_turn(self) -> float | None:
+        return None if self.buffer_cores is None else 1000 * self.buffer_cores / self.turns_per_s
+
+    @property
+    def engine_ms_per_turn(self) -> float:
+        return 1000 * self.engine_cores / self.turns_per_s
+
+
+def _question(i: int) -> tuple[list[dict[str, Any]], str]:
+    """The opening messages of episode `i`, and the value of its expression (what the calculator says)."""
+    a, b, c = 10 + i % 89, 2 + (i * 7) % 53, i % 7
+    return ([{"role": "system", "content": "You are a careful assistant. Use the calculator."},
+             {"role": "user", "content": f"What is {a} * {b} + {c}?"}], str(a * b + c))
+
+
+class Agents:
+    """`sessions` agents looping over episodes of `turns` turns until `stop` (a tool call, its answer, then
+    follow-up questions); turn completion times in `done_at`."""
+
+    def __init__(self, sessions: int, turns: int, target: str, engine_url: str, buffer_url: str | None):
+        self.sessions = sessions
+        self.turns = turns
+        self.target = target  # direct | proxy
+        self.engine_url = engine_url
+        self.buffer_url = buffer_url
+        self.done_at: list[float] = []
+        self.errors = 0
+        self.stop = asyncio.Event()
+
+    async def _post(self, http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Any:
+        async with http.post(url, data=orjson.dumps(body)) as resp:
+            data = await resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"{url}: HTTP {resp.status}: {data[:300]!r}")
+            return orjson.loads(data)
+
+    async def _episode(self, http: aiohttp.ClientSession, i: int) -> None:
+        messages, value = _question(i)
+        if self.target == "proxy":
+            assert self.buffer_url is not None
+            opened = await self._post(http, f"{self.buffer_url}/sessions", {"instance_id": f"e{i}"})
+            url = opened["base_url"] + "/chat/completions"
+        else:
+            url = self.engine_url + "/v1/chat/completions"
+        for turn in range(self.turns):
+            body = {"model": "policy", "messages": messages, "tools": TOOLS, "max_tokens": MAX_TOKENS}
+            reply = (await self._post(http, url, body))["choices"][0]["message"]
+            self.done_at.append(time.monotonic())
+            if reply.get("tool_calls"):  # the proxy's answer
+                messages += [{"role": "assistant", "content": None, "tool_calls": reply["tool_calls"]},
+                             {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"], "content": value}]
+            elif turn == 0:  # the engine's own endpoint sends the call as text
+                messages += [{"role": "assistant", "content": reply["content"]}, {"role": "tool", "content": value}]
+            else:
+                messages += [{"role": "assistant", "content": reply["content"]},
+                             {"role": "user", "content": f"Check it once more ({turn})."}]
+        if self.target == "proxy":
+            await self._post(http, f"{self.buffer_url}/sessions/{opened['session_id']}/finish", {"reward": 1.0})
+
+    async def _agent(self, http: aiohttp.ClientSession, k: int) -> None:
+        i = k
+        while not self.stop.is_set():
+            try:
+                await self._episode(http, i)
+            except Exception as e:
+                self.errors += 1
+                console.print(f"[red]{self.target} agent {k}: {e}[/]")
+                await asyncio.sleep(1)
+            i += self.sessions
+
+    async def run(self, warmup_s: float, window_s: float, meters: list[Any]) -> tuple[int, float]:
+        """Turns completed in the window, and its length."""
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600),
+                                         headers={"Content-Type": "application/json"}) as http:
+            tasks = [asyncio.create_task(self._agent(http, k)) for k in range(self.sessions)]
+            await asyncio.sleep(warmup_s)
+            for m in meters:
+                m.mark()
+            start = time.monotonic()
+            await asyncio.sleep(window_s)
+            end = time.monotonic()
+            self.stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return sum(1 for t in self.done_at if start <= t < end), end - start
+
+
+class _Profile:
+    """py-spy on the buffer during the window (`mark` starts it, like a meter's)."""
+
+    def __init__(self, pid: int, seconds: float, out: Path):
+        self.pid, self.seconds, self.out = pid, seconds, out
+        self.spy: Any = None
+
+    def mark(self) -> None:
+        self.spy = profiler.record(self.pid, self.seconds, self.out)
+
+
+def measure(system: str, engine: Service, buffer: Service | None, sessions: int, turns: int, warmup_s: float,
+            window_s: float, profile: Path | None = None) -> Result:
+    agents = Agents(sessions, turns, system, engine.url, buffer.url if buffer else None)
+    machine = MachineCpu()
+    with Meter(engine.pid) as engine_meter:
+        if buffer is None:
+            turns, window = asyncio.run(agents.run(warmup_s, window_s, [engine_meter, machine]))
+            buffer_cores = None
+        else:
+            with Meter(buffer.pid) as buffer_meter:
+                meters: list[Any] = [engine_meter, machine, buffer_meter]
+                spy = _Profile(buffer.pid, window_s, profile) if profile is not None else None
+                turns, window = asyncio.run(agents.run(warmup_s, window_s, [*meters, *([spy] if spy else [])]))
+                buffer_cores = buffer_meter.usage().cpu_s / window
+            if spy is not None and spy.spy is not None:
+                spy.spy.wait(window_s + 30)
+                profiler.print_profile(spy.out, f"buffer serving {sessions} agent sessions", console)
+        engine_cores, busy = engine_meter.usage().cpu_s / window, machine.busy_cores()
+    if agents.errors:
+        console.print(f"[yellow]{system}: {agents.errors} failed episodes[/]")
+    return Result(system, turns / window, buffer_cores, engine_cores, busy)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sessions", type=int, default=256)
+    parser.add_argument("--latency-ms", type=float, default=1000.0)
+    parser.add_argument("--turns", type=int, default=8, help="model turns per session (episode)")
+    parser.add_argument("--warmup-s", type=float, default=None, help="default: 3 engine latencies + 3 s")
+    parser.add_argument("--window-s", type=float, default=20.0)
+    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--profile", action="store_true", help="py-spy the buffer during its window")
+    args = parser.parse_args(argv)
+    warmup = args.warmup_s if args.warmup_s is not None else 3 + 3 * args.latency_ms / 1000
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-proxy-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    with sim_engine(workdir, args.latency_ms) as engine:
+        direct = measure("direct", engine, None, args.sessions, args.turns, warmup, args.window_s)
+        with rollout_buffer(workdir) as buffer:
+            started = httpx.post(f"{buffer.url}/start_rollout", timeout=60, json={
+                "task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": bundled_tokenizer_path(),
+                "num_repeat_per_sample": 8, "max_tokens": 4 * MAX_TOKENS})
+            started.raise_for_status()
+            proxy = measure("proxy", engine, buffer, args.sessions, args.turns, warmup, args.window_s,
+                            workdir / "profile-proxy.txt" if args.profile else None)
+    table = Table(title=f"Agent proxy: {args.sessions} sessions of {args.turns} turns, engine latency "
+                  f"{args.latency_ms:g} ms, window {args.window_s:g} s")
+    for column in ("system", "turns/s", "% of direct", "buffer CPU ms/turn", "engine CPU ms/turn",
+                   "machine busy cores"):
+        table.add_column(column, justify="left" if column == "system" else "right")
+    for r in (direct, proxy):
+        table.add_row(r.system, f"{r.turns_per_s:.1f}", f"{100 * r.turns_per_s / direct.turns_per_s:.0f}%",
+                      "-" if r.buffer_ms_per_turn is None else f"{r.buffer_ms_per_turn:.2f}",
+                      f"{r.engine_ms_per_turn:.2f}", f"{r.machine_cores:.2f}")
+    console.print(table)
+    console.print(f"SUMMARY proxy {args.sessions}@{args.latency_ms:g}ms: {proxy.turns_per_s:.1f} turns/s, "
+                  f"{100 * proxy.turns_per_s / direct.turns_per_s:.0f}% of direct, "
+                  f"{proxy.buffer_ms_per_turn:.2f} ms buffer CPU per turn")
+
+
+if __name__ == "__main__":
+    main()

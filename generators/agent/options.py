@@ -1,0 +1,84 @@
+"""Run options of the agent generator (extra keys of `/start_rollout`) and their checks at start."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from generators.agent.loading import check_reference
+from rollout_buffer.generation.inputs import confined_path
+from rollout_buffer.generation.options import RunOptions
+
+MiB = 1024 * 1024
+
+
+class AgentOptions(RunOptions):
+    """How an `agent` run runs its agents (see README "Agents")."""
+
+    error_prefix: ClassVar[str] = "agent run options"
+
+    agent: str | None = Field(default=None, min_length=1, description="path/file.py:function or module:function")
+    agent_command: list[str] | None = Field(default=None, min_length=1, description="a subprocess per row")
+    agent_timeout_s: float = Field(default=600.0, gt=0)
+    agent_max_output_bytes: int = Field(default=MiB, ge=1024, description="kept of stdout and of stderr each")
+    agent_sandbox: Literal["local", "docker"] = "local"
+    agent_network: Literal["auto", "isolated", "host"] = "auto"
+    agent_user: str | None = Field(default=None, min_length=1)
+    agent_image: str | None = Field(default=None, min_length=1, description="container image (docker sandbox)")
+    agent_env: dict[str, str] = Field(default_factory=dict)
+    agent_workdir_root: str | None = None
+    scorer: str = Field(default="auto", min_length=1, description="auto, math, em, or file.py:score / module:score")
+    reward_timeout_s: float = Field(default=30.0, gt=0)
+
+    @field_validator("agent_command")
+    @classmethod
+    def _arguments(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and not v[0]:
+            raise ValueError("the command's first argument (the program) is empty")
+        return v
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> AgentOptions:
+        if self.agent is not None and self.agent_command is not None:
+            raise ValueError("give `agent` or `agent_command`, not both")
+        if self.agent_sandbox == "docker" and self.agent_command is not None and self.agent_image is None:
+            raise ValueError("agent_sandbox docker needs agent_image")
+        return self
+
+    @property
+    def runs_agents(self) -> bool:
+        """False for a run that only hosts sessions opened by a harness."""
+        return self.agent is not None or self.agent_command is not None
+
+    @property
+    def hook_scorer(self) -> bool:
+        """True when `scorer` names a `score(item, workdir, transcript)` function."""
+        return self.scorer not in ("auto", "math", "em")
+
+
+def check_payload(payload: dict[str, Any], data_roots: Sequence[Path]) -> None:
+    """The start-time checks of an agent run; ValueError naming the field (the server answers 422).
+
+    With `--data-root`, code a run names must lie under a data root: the `agent` callable and a scorer hook
+    (their file, or a module's file), and `agent_command`'s program.
+    """
+    opts = AgentOptions.from_run(payload)
+    if not payload.get("tokenizer_path"):
+        raise ValueError("tokenizer_path: agent runs capture exact tokens and need the model's tokenizer")
+    if opts.agent is not None:
+        check_reference(opts.agent, data_roots, "agent")
+    if opts.hook_scorer:
+        check_reference(opts.scorer, data_roots, "scorer")
+    if opts.agent_command is not None and data_roots and opts.agent_sandbox == "local":
+        program = opts.agent_command[0]
+        found = program if os.sep in program else shutil.which(program)
+        if found is None:
+            raise ValueError(f"agent_command: program {program!r} not found")
+        confined_path(found, data_roots, "agent_command")
+    if opts.agent_workdir_root is not None and not Path(opts.agent_workdir_root).is_dir():
+        raise ValueError(f"agent_workdir_root: {opts.agent_workdir_root} is not a folder")

@@ -1,0 +1,299 @@
+"""Where subprocess agents run: a scratch workspace, and pluggable sandboxes that run the agent command in it.
+
+`Workspace`: a private folder per agent (`…/rb-agent-*/work`, owned by the agent's user), holding `item.json`;
+removed with everything in it when the agent is done (after scoring).
+
+`LocalSandbox` (the default): a subprocess on this machine, in its own session (killed as a group at the time
+limit), its stdout and stderr kept up to a cap, with only the variables given (no inherited environment but
+PATH, LANG and LC_ALL). Network (`agent_network`):
+- `isolated`: a new network and PID namespace (`unshare --net --pid --fork`, plus `--map-root-user` when the
+  buffer is not root) holding nothing but loopback; `forward.py`, the namespace's first process, listens on
+  127.0.0.1 at the buffer's port and pipes to the buffer's agent socket, which answers only the session
+  endpoints, and only with the session's key. So the agent reaches its own session and nothing else: not the
+  buffer's other endpoints, not the engine, not the internet. When the agent ends, the kernel kills whatever
+  it left behind in the namespace.
+- `host`: the machine's network, as the buffer has it (no isolation).
+- `auto` (default): `isolated` when `unshare` works here and the server has an agent socket, else `host`.
+The agent runs as `agent_user`: by default `nobody` when the buffer runs as root, the buffer's own user
+otherwise (switching users needs root).
+
+`DockerSandbox`: `docker run --rm --network none` with the workspace and the agent socket's folder mounted,
+`forward.py` inside the container (the image needs `python3`). Written against the docker CLI; not exercised
+by the tests (no Docker engine where they run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+import pwd
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import urlsplit
+
+FORWARDER = Path(__file__).with_name("forward.py")
+_KEPT_ENV = ("PATH", "LANG", "LC_ALL")
+_READ_CHUNK = 65536
+
+
+class AgentFailed(Exception):
+    """The agent did not produce a trajectory; `error_kind` names why (the runner records it as failed)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.error_kind = kind
+
+
+@dataclass(frozen=True)
+class AgentUser:
+    """Who the agent runs as."""
+
+    name: str
+    uid: int
+    gid: int
+
+    @property
+    def switch(self) -> bool:
+        """True when the agent runs as another user than the buffer."""
+        return self.uid != os.geteuid()
+
+
+def agent_user(name: str | None) -> AgentUser:
+    """The user named by `agent_user`, else `nobody` when running as root, else the buffer's own user."""
+    if name is None:
+        name = "nobody" if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        raise AgentFailed("agent_sandbox", f"agent_user {name!r} does not exist") from None
+    user = AgentUser(name, entry.pw_uid, entry.pw_gid)
+    if user.switch and os.geteuid() != 0:
+        raise AgentFailed("agent_sandbox", f"running agents as {name!r} needs a buffer running as root")
+    return user
+
+
+def current_user() -> AgentUser:
+    """The buffer's own user (in-process agents)."""
+    entry = pwd.getpwuid(os.geteuid())
+    return AgentUser(entry.pw_name, entry.pw_uid, entry.pw_gid)
+
+
+class Workspace:
+    """A scratch folder for one agent, removed on exit: `root` (the buffer's, mode 0711) holds `work` (the
+    agent's, mode 0700, its working directory) with `item.json`."""
+
+    def __init__(self, item_json: bytes, user: AgentUser, parent: str | None = None):
+        self.item_json = item_json
+        self.user = user
+        self.parent = parent
+        self.root = Path()
+        self.work = Path()
+
+    @property
+    def item_file(self) -> Path:
+        return self.work / "item.json"
+
+    async def __aenter__(self) -> Workspace:
+        await asyncio.to_thread(self._create)
+        return self
+
+    def _create(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="rb-agent-", dir=self.parent))
+        self.root.chmod(0o711)
+        self.work = self.root / "work"
+        self.work.mkdir(mode=0o700)
+        self.item_file.write_bytes(self.item_json)
+        if self.user.switch:
+            os.chown(self.work, self.user.uid, self.user.gid)
+            os.chown(self.item_file, self.user.uid, self.user.gid)
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.to_thread(shutil.rmtree, self.root, True)
+
+
+@dataclass(frozen=True)
+class AgentProcess:
+    """One agent command to run."""
+
+    argv: list[str]
+    env: dict[str, str]  # the agent's own variables (base URLs, keys, item file), no inherited ones
+    stdin: bytes
+    workspace: Workspace
+    timeout_s: float
+    max_output_bytes: int
+    network: str  # auto | isolated | host
+    agent_socket: str | None
+    buffer_url: str  # what the URLs in `env` point at (http://127.0.0.1:PORT)
+
+
+@dataclass(frozen=True)
+class ProcessOutcome:
+    """How an agent process ended."""
+
+    exit_code: int | None  # None when it was killed at the time limit
+    timed_out: bool
+    stdout: str
+    stderr: str
+    output_truncated: bool
+    network: str  # isolated | host | none (container)
+    user: str
+    duration_s: float
+
+
+class Sandbox(Protocol):
+    """A way to run agent commands."""
+
+    async def run(self, proc: AgentProcess) -> ProcessOutcome:
+        """Run the command to its end or its time limit."""
+        ...
+
+
+class _Tail:
+    """The last `cap` bytes of a stream, and whether anything was dropped."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.data = b""
+        self.dropped = False
+
+    async def drain(self, stream: asyncio.StreamReader | None) -> None:
+        if stream is None:
+            return
+        while chunk := await stream.read(_READ_CHUNK):
+            self.data += chunk
+            if len(self.data) > self.cap:
+                self.data, self.dropped = self.data[-self.cap:], True
+
+    def text(self) -> str:
+        return self.data.decode(errors="replace")
+
+
+async def _run_process(argv: list[str], env: dict[str, str], proc: AgentProcess, user: AgentUser,
+                       network: str, kill: list[str] | None = None, **popen: object) -> ProcessOutcome:
+    """Run `argv` in its own session; at the time limit kill its process group (and run `kill`, if given)."""
+    start = time.monotonic()
+    child = await asyncio.create_subprocess_exec(
+        *argv, cwd=proc.workspace.work, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, start_new_session=True, **popen,  # type: ignore[arg-type]
+    )
+    out, err = _Tail(proc.max_output_bytes), _Tail(proc.max_output_bytes)
+
+    async def feed() -> None:
+        assert child.stdin is not None
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            child.stdin.write(proc.stdin)
+            await child.stdin.drain()
+        child.stdin.close()
+
+    io = asyncio.gather(feed(), out.drain(child.stdout), err.drain(child.stderr))
+    timed_out = False
+    try:
+        await asyncio.wait_for(asyncio.shield(child.wait()), proc.timeout_s)
+    except TimeoutError:
+        timed_out = True
+    finally:
+        if child.returncode is None:
+            if kill:
+                with contextlib.suppress(OSError):
+                    await (await asyncio.create_subprocess_exec(*kill, stdout=subprocess.DEVNULL,
+                                                                stderr=subprocess.DEVNULL)).wait()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.pid, signal.SIGKILL)
+            await child.wait()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, signal.SIGKILL)  # what it left running in its group
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(io, 5.0)  # output of processes that escaped the group is not waited for
+    return ProcessOutcome(
+        exit_code=None if timed_out else child.returncode, timed_out=timed_out, stdout=out.text(),
+        stderr=err.text(), output_truncated=out.dropped or err.dropped, network=network, user=user.name,
+        duration_s=time.monotonic() - start,
+    )
+
+
+def _base_env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: os.environ[k] for k in _KEPT_ENV if k in os.environ}
+    return {**env, **extra}
+
+
+@functools.lru_cache(maxsize=1)
+def namespaces_work() -> bool:
+    """True when `unshare` can make network and PID namespaces here (probed once)."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return False
+    argv = [unshare, "--net", "--pid", "--fork", *([] if os.geteuid() == 0 else ["--map-root-user"]), "true"]
+    try:
+        return subprocess.run(argv, capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+class LocalSandbox:
+    """Agents as subprocesses of this machine (see the module docstring)."""
+
+    def __init__(self, user: AgentUser):
+        self.user = user
+
+    def network_for(self, requested: str, agent_socket: str | None) -> str:
+        """`isolated` or `host` for what the run asked."""
+        possible = agent_socket is not None and namespaces_work()
+        if requested == "isolated" and not possible:
+            why = "the server has no agent socket" if agent_socket is None else "unshare cannot create namespaces here"
+            raise AgentFailed("agent_sandbox", f"agent_network isolated is not available: {why}")
+        return "isolated" if requested != "host" and possible else "host"
+
+    async def run(self, proc: AgentProcess) -> ProcessOutcome:
+        network = self.network_for(proc.network, proc.agent_socket)
+        env = _base_env({**proc.env, "HOME": str(proc.workspace.work)})
+        if network == "host":
+            popen: dict[str, object] = {}
+            if self.user.switch:
+                popen = {"user": self.user.uid, "group": self.user.gid, "extra_groups": []}
+            return await _run_process(proc.argv, env, proc, self.user, network, **popen)
+        port = urlsplit(proc.buffer_url).port or 80
+        ids = ["--uid", str(self.user.uid), "--gid", str(self.user.gid)] if self.user.switch else []
+        argv = [shutil.which("unshare") or "unshare", "--net", "--pid", "--fork",
+                *([] if os.geteuid() == 0 else ["--map-root-user"]),
+                sys.executable, str(FORWARDER), "--socket", str(proc.agent_socket), "--port", str(port), *ids,
+                "--", *proc.argv]
+        return await _run_process(argv, env, proc, self.user, network)
+
+
+class DockerSandbox:
+    """Agents in containers through the docker CLI (see the module docstring). Untested here."""
+
+    def __init__(self, user: AgentUser, image: str):
+        self.user = user
+        self.image = image
+
+    async def run(self, proc: AgentProcess) -> ProcessOutcome:
+        if proc.agent_socket is None:
+            raise AgentFailed("agent_sandbox", "the docker sandbox needs the server's agent socket")
+        docker = shutil.which("docker")
+        if docker is None:
+            raise AgentFailed("agent_sandbox", "the docker sandbox needs the docker CLI")
+        forwarder = proc.workspace.root / "forward.py"
+        await asyncio.to_thread(shutil.copyfile, FORWARDER, forwarder)
+        forwarder.chmod(0o644)
+        name = f"rb-agent-{secrets.token_hex(6)}"
+        socket_dir = str(Path(proc.agent_socket).parent)
+        root = str(proc.workspace.root)
+        port = urlsplit(proc.buffer_url).port or 80
+        env_args = [a for k, v in {**proc.env, "HOME": str(proc.workspace.work)}.items() for a in ("-e", f"{k}={v}")]
+        argv = [docker, "run", "--rm", "-i", "--name", name, "--network", "none",
+                "--user", f"{self.user.uid}:{self.user.gid}",
+                "-v", f"{root}:{root}", "-v", f"{socket_dir}:{socket_dir}",
+                "-w", str(proc.workspace.work), *env_args, self.image,
+                "python3", str(forwarder), "--socket", proc.agent_socket, "--port", str(port), "--", *proc.argv]
+        return await _run_process(argv, _base_env({}), proc, self.user, "none", kill=[docker, "kill", name])

@@ -1,0 +1,47 @@
+"""What generation needs of agent sessions: the two protocols the agent proxy (`rollout_buffer.proxy`)
+implements. A generator opens a session with `RolloutContext.open_session()`, points an agent at its base URL,
+and closes it with the episode's reward to get the session's records (one per branch of its message tree).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class AgentSession(Protocol):
+    """One trajectory captured at the proxy: any OpenAI or Anthropic client pointed at it is the policy."""
+
+    session_id: str
+    base_url: str  # the OpenAI base URL, `{buffer}/sessions/{id}/v1`
+    anthropic_base_url: str  # `{buffer}/sessions/{id}`: the Anthropic client appends `/v1/messages`
+    api_key: str
+    # A Unix socket that serves only the session endpoints (the way in for sandboxed agents), or None.
+    agent_socket: str | None
+
+    def transcript(self) -> list[dict[str, Any]]:
+        """The messages of the branch that generated last ([] before any turn)."""
+        ...
+
+    async def close(self, reward: float, **extra_info: Any) -> list[dict[str, Any]]:
+        """Close the session: one record per branch (the reward shared), not yet stamped by the runner.
+
+        Raises ValueError when the session generated nothing.
+        """
+        ...
+
+    async def discard(self, reason: str) -> None:
+        """Close the session without records (the trajectory failed)."""
+        ...
+
+
+class SessionHost(Protocol):
+    """Opens sessions for a run's trajectories and closes those left open when the run ends."""
+
+    async def open(self, ctx: Any, metadata: dict[str, Any] | None = None) -> AgentSession:
+        """A session generating through `ctx`'s (a `RolloutContext`) engine, tokenizer and sampling, recording
+        as `ctx.uid`."""
+        ...
+
+    async def end_run(self, run_id: str) -> None:
+        """The run is ending: close its sessions that a harness still holds (as failed)."""
+        ...

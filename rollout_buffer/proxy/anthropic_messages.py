@@ -1,0 +1,207 @@
+"""Anthropic Messages (`POST {anthropic_base_url}/v1/messages`, `/v1/messages/count_tokens`, `GET /v1/models`).
+
+Requests: `system` (a string or text blocks), `messages` of user / assistant content (text, image as a
+placeholder, `tool_use`, `tool_result`, `thinking` ignored), custom `tools` with an `input_schema` (server tools
+such as `bash_…` cannot be rendered by a chat template and are refused), `tool_choice` (`none` turns parsing
+off), `max_tokens`, `temperature`, `top_p`, `top_k`, `stop_sequences`, `stream`. Replies: `thinking` (empty
+signature), `text` and `tool_use` blocks, `stop_reason` end_turn / max_tokens / stop_sequence / tool_use,
+`usage`. Streams: message_start, ping, content_block_start / _delta / _stop per block, message_delta,
+message_stop. Errors: `{"type": "error", "error": {"type", "message"}}`, inside a stream an `error` event.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollout_buffer.proxy.adapter import WireAdapter, ensure_user_turn_last
+from rollout_buffer.proxy.messages import (
+    WireError,
+    arguments_of,
+    assistant_message,
+    function_tool,
+    merge_assistant_runs,
+    text_of,
+    tool_call,
+)
+from rollout_buffer.proxy.replies import Reply
+from rollout_buffer.proxy.session import TurnRequest
+
+_ERROR_TYPES = {
+    "invalid_request": "invalid_request_error",
+    "context_length": "invalid_request_error",
+    "authentication": "authentication_error",
+    "not_found": "not_found_error",
+    "server": "api_error",
+    "engine": "api_error",
+}
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "stop_sequence": "stop_sequence"}
+_SAMPLING = ("temperature", "top_p", "top_k")
+
+
+class MessagesBody(BaseModel):
+    """The fields of a Messages request the proxy reads (count_tokens takes the same, max_tokens aside)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = "policy"
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None
+    tool_choice: dict[str, Any] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    stream: bool = False
+    temperature: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=1)
+    stop_sequences: list[str] | None = None
+
+
+class AnthropicMessagesAdapter(WireAdapter):
+    """Anthropic's Messages wire format."""
+
+    protocol = "anthropic"
+
+    def parse(self, body: Any) -> TurnRequest:
+        b = self.validated(MessagesBody, body)
+        messages: list[dict[str, Any]] = []
+        if b.system:
+            messages.append({"role": "system", "content": text_of(b.system, "system")})
+        for i, m in enumerate(b.messages):
+            messages.extend(_messages(m, i))
+        messages = merge_assistant_runs(messages)
+        ensure_user_turn_last(messages)
+        tools = [_tool(t, i) for i, t in enumerate(b.tools or [])] or None
+        return TurnRequest(
+            protocol=self.protocol,
+            model=b.model,
+            messages=messages,
+            tools=tools,
+            sampling={k: getattr(b, k) for k in _SAMPLING if getattr(b, k) is not None},
+            max_tokens=b.max_tokens,
+            stops=list(b.stop_sequences or []),
+            stream=b.stream,
+            parse_tool_calls=tools is not None and (b.tool_choice or {}).get("type") != "none",
+            response_id=f"msg_{secrets.token_hex(12)}",
+        )
+
+    def response(self, req: TurnRequest, reply: Reply) -> dict[str, Any]:
+        return {**self._message(req, reply), "content": _blocks(reply)}
+
+    def _message(self, req: TurnRequest, reply: Reply | None) -> dict[str, Any]:
+        return {
+            "id": req.response_id,
+            "type": "message",
+            "role": "assistant",
+            "model": req.model,
+            "content": [],
+            "stop_reason": _STOP_REASONS[reply.finish] if reply else None,
+            "stop_sequence": reply.stop_sequence if reply else None,
+            "usage": {"input_tokens": reply.prompt_tokens if reply else 0,
+                      "output_tokens": reply.completion_tokens if reply else 0},
+        }
+
+    def stream_head(self, req: TurnRequest) -> list[bytes]:
+        return [self.sse({"type": "message_start", "message": self._message(req, None)}, "message_start"),
+                self.stream_ping()]
+
+    def stream_ping(self) -> bytes:
+        return self.sse({"type": "ping"}, "ping")
+
+    def stream_events(self, req: TurnRequest, reply: Reply, head_sent: bool) -> list[bytes]:
+        events = [] if head_sent else self.stream_head(req)
+        for index, block in enumerate(_blocks(reply)):
+            kind = block["type"]
+            if kind == "thinking":
+                start = {"type": "thinking", "thinking": "", "signature": ""}
+                deltas = [{"type": "thinking_delta", "thinking": block["thinking"]},
+                          {"type": "signature_delta", "signature": block["signature"]}]
+            elif kind == "text":
+                start = {"type": "text", "text": ""}
+                deltas = [{"type": "text_delta", "text": block["text"]}]
+            else:
+                start = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
+                deltas = [{"type": "input_json_delta", "partial_json": orjson.dumps(block["input"]).decode()}]
+            events.append(self.sse({"type": "content_block_start", "index": index, "content_block": start},
+                                   "content_block_start"))
+            events.extend(self.sse({"type": "content_block_delta", "index": index, "delta": d}, "content_block_delta")
+                          for d in deltas)
+            events.append(self.sse({"type": "content_block_stop", "index": index}, "content_block_stop"))
+        delta = {"stop_reason": _STOP_REASONS[reply.finish], "stop_sequence": reply.stop_sequence}
+        usage = {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens}
+        events.append(self.sse({"type": "message_delta", "delta": delta, "usage": usage}, "message_delta"))
+        events.append(self.sse({"type": "message_stop"}, "message_stop"))
+        return events
+
+    def error_body(self, err: WireError) -> dict[str, Any]:
+        return {"type": "error", "error": {"type": _ERROR_TYPES[err.kind], "message": err.message}}
+
+    def stream_error(self, err: WireError) -> bytes:
+        return self.sse(self.error_body(err), "error")
+
+    def models(self, name: str) -> dict[str, Any]:
+        model = {"type": "model", "id": name, "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
+        return {"data": [model], "has_more": False, "first_id": name, "last_id": name}
+
+
+def _messages(m: Any, i: int) -> list[dict[str, Any]]:
+    """One Anthropic message as canonical messages: a user message may hold tool results (each a tool message)
+    between its text; an assistant message is one message with its tool calls."""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise WireError("invalid_request", f"{where}: a message must be an object", where)
+    role, content = m.get("role"), m.get("content")
+    if role not in ("user", "assistant"):
+        raise WireError("invalid_request", f"{where}.role: must be user or assistant, not {role!r}", f"{where}.role")
+    blocks = content if isinstance(content, list) else [{"type": "text", "text": text_of(content, where)}]
+    if role == "assistant":
+        texts: list[str] = []
+        calls = []
+        for j, block in enumerate(blocks):
+            at = f"{where}.content[{j}]"
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "tool_use":
+                if not isinstance(block.get("name"), str):
+                    raise WireError("invalid_request", f"{at}: a tool_use block needs a name", at)
+                calls.append(tool_call(block["name"], arguments_of(block.get("input"), f"{at}.input")))
+            elif kind not in ("thinking", "redacted_thinking"):
+                texts.append(text_of([block], at))
+        return [assistant_message("\n".join(t for t in texts if t), calls)]
+    out: list[dict[str, Any]] = []
+    pending: list[Any] = []
+    for j, block in enumerate(blocks):
+        if isinstance(block, dict) and block.get("type") == "tool_result":
+            if pending:
+                out.append({"role": "user", "content": text_of(pending, f"{where}.content")})
+                pending = []
+            out.append({"role": "tool", "content": text_of(block.get("content"), f"{where}.content[{j}].content")})
+        else:
+            pending.append(block)
+    if pending or not out:
+        out.append({"role": "user", "content": text_of(pending, f"{where}.content")})
+    return out
+
+
+def _tool(t: Any, i: int) -> dict[str, Any]:
+    where = f"tools[{i}]"
+    if not isinstance(t, dict):
+        raise WireError("invalid_request", f"{where}: a tool must be an object", where)
+    kind = t.get("type")
+    if kind not in (None, "custom") or "input_schema" not in t:
+        raise WireError("invalid_request", f"{where}: only custom tools with an input_schema can be rendered by the "
+                        f"chat template (got type {kind!r})", where)
+    return function_tool(t.get("name"), t.get("description"), t.get("input_schema"), where)
+
+
+def _blocks(reply: Reply) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    if reply.reasoning:
+        blocks.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
+    if reply.text or not reply.calls:
+        blocks.append({"type": "text", "text": reply.text})
+    blocks.extend({"type": "tool_use", "id": "toolu_" + c.id.removeprefix("call_"), "name": c.name,
+                   "input": c.arguments} for c in reply.calls)
+    return blocks

@@ -1,0 +1,246 @@
+"""Agent sessions of the server: opened by generators (`SessionHost`) or by a harness over HTTP, found by id,
+finished into records, expired when a harness forgets them.
+
+A harness session belongs to the run it was opened in; finishing it stores its records in that run (grouped by
+instance id like any trajectory), and a session idle for longer than the run's `session_ttl_s` is closed as
+failed (its branches stored with `status: failed`, so its group is dropped rather than waiting forever).
+Sessions live in memory: a restarted server has none (their ids answer 404 and the harness opens new ones).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import OrderedDict
+from typing import Any
+
+from pydantic import ValidationError
+
+from rollout_buffer.config import ServerConfig
+from rollout_buffer.generation.context import RolloutContext, stamp
+from rollout_buffer.observability import metrics
+from rollout_buffer.proxy.messages import WireError
+from rollout_buffer.proxy.session import ProxyOptions, Session
+from rollout_buffer.schemas import TrajectoryRecord
+
+log = logging.getLogger(__name__)
+
+# Finished sessions remembered for `GET /sessions/{id}` and for a clear answer to late requests.
+_CLOSED_KEPT = 4096
+# How long POST /sessions waits for a just-started run to load its tokenizer.
+READY_WAIT_S = 120.0
+_REAP_MAX_SLEEP_S = 30.0
+
+
+class SessionError(Exception):
+    """A session request the server refuses (`/sessions` endpoints, slime's error shape)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class SessionManager:
+    """Every open agent session; implements `generation.sessions.SessionHost`."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.sessions: dict[str, Session] = {}
+        self.closed: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._options: dict[str, ProxyOptions] = {}
+        self._repeats: dict[tuple[str, str], int] = {}
+        self._wake = asyncio.Event()
+        self._reaper: asyncio.Task[None] | None = None
+
+    @property
+    def local_url(self) -> str:
+        """The buffer as this process's own agents reach it."""
+        host = self.config.host if self.config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.config.port}"
+
+    # ---- opening -------------------------------------------------------------------------------------
+    async def open(self, ctx: RolloutContext, metadata: dict[str, Any] | None = None) -> Session:
+        """A session for one trajectory a generator runs (`SessionHost.open`)."""
+        return self._register(ctx, "generator", self.local_url, metadata or {}, run=None)
+
+    async def open_harness(self, run: Any, instance_id: str, metadata: dict[str, Any], public_url: str) -> Session:
+        """A session a harness opened with `POST /sessions` in `run` (the generation `Run`)."""
+        await self._wait_ready(run)
+        key = (run.run_id, instance_id)
+        repeat = self._repeats.get(key, 0)
+        self._repeats[key] = repeat + 1
+        session_id = _new_id()
+        ctx = RolloutContext(run.resources, instance_id, 0, repeat, f"{run.run_id}:{instance_id}:{session_id}")
+        run.progress.in_flight += 1
+        return self._register(ctx, "harness", public_url, metadata, run=run, session_id=session_id)
+
+    async def _wait_ready(self, run: Any) -> None:
+        if run.task is None or run.task.done():
+            raise SessionError(409, f"run_id: run {run.run_id} is not running")
+        if not run.ready.is_set():
+            ready = asyncio.create_task(run.ready.wait())
+            await asyncio.wait({ready, run.task}, timeout=READY_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
+            ready.cancel()
+        if not run.ready.is_set():
+            raise SessionError(409, f"run_id: run {run.run_id} did not get ready (see GET /status)")
+        if run.resources.tokenizer is None:
+            raise SessionError(409, f"run_id: run {run.run_id} has no tokenizer (chat mode); agent sessions "
+                               "capture exact tokens and need tokenizer_path")
+
+    def _register(self, ctx: RolloutContext, kind: str, public_url: str, metadata: dict[str, Any], run: Any,
+                  session_id: str | None = None) -> Session:
+        if ctx.tokenizer is None:
+            raise SessionError(409, "agent sessions need token mode: the run has no tokenizer")
+        session_id = session_id or _new_id()
+        root = f"{public_url.rstrip('/')}/sessions/{session_id}"
+        session = Session(
+            session_id=session_id, api_key=secrets.token_urlsafe(24), ctx=ctx, kind=kind,
+            options=self.options(ctx.run.run_id, ctx.config), base_url=f"{root}/v1", anthropic_base_url=root,
+            agent_socket=str(self.config.agent_socket) if self.config.agent_socket else None,
+            metadata=metadata, run=run, on_closed=self._forget,
+        )
+        self.sessions[session_id] = session
+        self._wake.set()
+        log.debug("session %s opened (%s) for %s", session_id, kind, ctx.uid)
+        return session
+
+    def options(self, run_id: str, config: dict[str, Any]) -> ProxyOptions:
+        """The session options of a run, read once."""
+        opts = self._options.get(run_id)
+        if opts is None:
+            try:
+                opts = self._options[run_id] = ProxyOptions.from_run(config)
+            except ValueError as e:
+                raise SessionError(422, str(e)) from None
+        return opts
+
+    # ---- lookup --------------------------------------------------------------------------------------
+    def get(self, session_id: str) -> Session:
+        """The open session `session_id`; WireError (not found) naming what became of it otherwise."""
+        session = self.sessions.get(session_id)
+        if session is not None:
+            return session
+        closed = self.closed.get(session_id)
+        if closed is not None:
+            raise WireError("not_found", f"session {session_id} is {closed['state']}")
+        raise WireError("not_found", f"unknown session {session_id!r} (sessions do not survive a restart)")
+
+    def view(self, session_id: str) -> dict[str, Any] | None:
+        """The state of an open or recently closed session."""
+        session = self.sessions.get(session_id)
+        return session.view() if session is not None else self.closed.get(session_id)
+
+    def list(self, run_id: str | None = None) -> list[dict[str, Any]]:
+        """Summaries of the open sessions (of one run)."""
+        return [{k: v for k, v in s.view().items() if k != "branches"} | {"branches": len(s.tree.branches)}
+                for s in self.sessions.values() if run_id is None or s.ctx.run.run_id == run_id]
+
+    # ---- closing -------------------------------------------------------------------------------------
+    async def finish(self, session_id: str, reward: float, extra_info: dict[str, Any]) -> dict[str, Any]:
+        """Close a harness session and store its records in its run; returns what was stored."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            if session_id in self.closed:
+                raise SessionError(409, f"session {session_id} is already {self.closed[session_id]['state']}")
+            raise SessionError(404, f"unknown session {session_id!r}")
+        if session.kind != "harness":
+            raise SessionError(409, f"session {session_id} belongs to a generator, which closes it")
+        await session.stop("finished")
+        try:
+            raw = await session.records(reward, **extra_info)
+            outcome = "finished"
+        except ValueError as e:
+            raw = [session.run.failed({}, session.ctx, "empty_session", str(e)).model_dump(mode="json")]
+            outcome = "empty"
+        records = await self._store(session, raw)
+        self._forget(session, outcome)
+        return {"session_id": session_id, "records": len(records), "uids": [r.uid for r in records],
+                "branches": len(session.tree.branches), "status": outcome}
+
+    async def _store(self, session: Session, raw: list[dict[str, Any]]) -> list[TrajectoryRecord]:
+        several = len(raw) > 1
+        try:
+            records = [TrajectoryRecord.model_validate(stamp(r, session.ctx, k if several else None))
+                       for k, r in enumerate(raw)]
+        except ValidationError as e:
+            raise SessionError(422, f"the session's records are invalid: {e}") from None
+        await session.run.accept(records)
+        session.ctx.engine.release(session.ctx.uid)
+        return records
+
+    async def expire(self, session: Session, reason: str, outcome: str = "expired", wait_s: float = 0.0) -> None:
+        """Close a harness session as failed: its branches are stored with `status: failed` and the reason
+        (turns in flight are cancelled after `wait_s`)."""
+        await session.stop(outcome, wait_s)
+        extra = {"error": reason, "error_kind": f"session_{outcome}"}
+        try:
+            raw = await session.records(0.0, status="failed", **extra)
+        except ValueError:
+            raw = [session.run.failed({}, session.ctx, f"session_{outcome}", reason).model_dump(mode="json")]
+        else:
+            session.run.progress.failures[f"session_{outcome}"] += 1
+            metrics.TRAJECTORIES_FAILED.labels(f"session_{outcome}").inc()
+        try:
+            await self._store(session, raw)
+        finally:
+            self._forget(session, outcome)
+        log.warning("session %s closed as failed: %s", session.session_id, reason)
+
+    async def end_run(self, run_id: str) -> None:
+        """Close the harness sessions of a run that ends (`SessionHost.end_run`)."""
+        for session in [s for s in self.sessions.values() if s.kind == "harness" and s.ctx.run.run_id == run_id]:
+            try:
+                await self.expire(session, f"run {run_id} ended before the session was finished", "failed")
+            except Exception as e:  # the run is ending: keep closing the others
+                log.warning("closing session %s of run %s failed: %s", session.session_id, run_id, e)
+        self._options.pop(run_id, None)
+        self._repeats = {k: v for k, v in self._repeats.items() if k[0] != run_id}
+
+    def _forget(self, session: Session, outcome: str) -> None:
+        if self.sessions.pop(session.session_id, None) is None:
+            return
+        if session.kind == "harness":
+            session.run.progress.in_flight -= 1
+        metrics.PROXY_SESSIONS_CLOSED.labels(outcome).inc()
+        self.closed[session.session_id] = {**session.view(), "state": session.state, "outcome": outcome}
+        while len(self.closed) > _CLOSED_KEPT:
+            self.closed.popitem(last=False)
+
+    # ---- expiry --------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start expiring idle harness sessions (call from the running event loop)."""
+        self._reaper = asyncio.create_task(self._reap_loop(), name="session-reaper")
+
+    async def stop(self) -> None:
+        """Stop the expiry loop."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
+
+    async def _reap_loop(self) -> None:
+        while True:
+            now = time.monotonic()
+            due = [s for s in self.sessions.values()
+                   if s.kind == "harness" and s.state == "open" and not s.generating
+                   and now - s.last_active >= s.options.session_ttl_s]
+            for session in due:
+                try:
+                    await self.expire(session, f"no finish within session_ttl_s={session.options.session_ttl_s:g} "
+                                      "of its last request")
+                except Exception:
+                    log.exception("expiring session %s failed", session.session_id)
+            waits = [s.last_active + s.options.session_ttl_s - time.monotonic()
+                     for s in self.sessions.values() if s.kind == "harness" and s.state == "open"]
+            self._wake.clear()
+            timeout = min([_REAP_MAX_SLEEP_S, *waits])
+            try:
+                await asyncio.wait_for(self._wake.wait(), max(timeout, 0.05))
+            except TimeoutError:
+                pass
+
+
+def _new_id() -> str:
+    return f"s-{secrets.token_hex(12)}"

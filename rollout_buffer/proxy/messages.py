@@ -1,0 +1,160 @@
+"""What both wire formats become: canonical chat messages for the chat template, the keys a session matches
+histories by, and the protocol-neutral error every adapter renders in its own shape.
+
+Canonical messages are what the tokenizer's chat template takes: `{"role": "system" | "user" | "tool",
+"content": str}` and `{"role": "assistant", "content": str, "tool_calls": [{"type": "function", "function":
+{"name", "arguments": dict}}]}`. Wire-only fields (tool call ids, `tool_call_id`, cache markers, signatures)
+are dropped: the proxy mints new ids for every reply, so they cannot identify a turn.
+
+A match key is what must be equal for an echoed message to be the message the session holds: role, visible
+text without surrounding whitespace, and for assistant turns the tool calls as (name, arguments) with the
+arguments compared as JSON objects. Reasoning is ignored (clients drop it or send it back in their own
+field), so a history the client echoes back in either style continues the session.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import orjson
+
+# Kinds of refusal → HTTP status; the adapters map the kind onto their protocol's error types.
+ERROR_STATUS = {
+    "invalid_request": 400,
+    "context_length": 400,
+    "authentication": 401,
+    "not_found": 404,
+    "server": 500,
+    "engine": 503,
+}
+IMAGE_PLACEHOLDER = "[image omitted]"
+_REASONING = re.compile(r"<think>.*?</think>", re.DOTALL)
+_TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
+_IMAGE_PARTS = frozenset({"image", "image_url", "input_image"})
+
+MessageKey = tuple[Any, ...]
+
+
+class WireError(Exception):
+    """A request the proxy refuses or cannot serve: `kind` (a key of ERROR_STATUS), a message naming the
+    problem, and the request field at fault when there is one."""
+
+    def __init__(self, kind: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.param = param
+
+    @property
+    def status(self) -> int:
+        return ERROR_STATUS[self.kind]
+
+
+def text_of(content: Any, where: str) -> str:
+    """Plain text of a message's content: a string, or a list of parts (text parts joined by newlines, images
+    replaced by a placeholder, tool results flattened). WireError naming `where` for anything else."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise WireError("invalid_request", f"{where}: content must be a string or a list of parts", where)
+    parts: list[str] = []
+    for i, part in enumerate(content):
+        if isinstance(part, str):
+            parts.append(part)
+            continue
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _TEXT_PARTS:
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise WireError("invalid_request", f"{where}[{i}].text must be a string", f"{where}[{i}].text")
+            parts.append(text)
+        elif kind in _IMAGE_PARTS:
+            parts.append(IMAGE_PLACEHOLDER)
+        elif kind == "tool_result" or (isinstance(part, dict) and "content" in part):
+            parts.append(text_of(part.get("content"), f"{where}[{i}].content"))
+        else:
+            raise WireError("invalid_request", f"{where}[{i}]: unsupported content part {kind!r}", f"{where}[{i}]")
+    return "\n".join(p for p in parts if p)
+
+
+def arguments_of(raw: Any, where: str) -> dict[str, Any] | str:
+    """A tool call's arguments as a JSON object; a JSON string holding one is decoded, any other string is
+    kept as it is (the chat template writes strings verbatim)."""
+    if isinstance(raw, dict):
+        return raw
+    if raw is None:
+        return {}
+    if isinstance(raw, str):
+        if not raw.strip():
+            return {}
+        try:
+            decoded = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return raw
+        return decoded if isinstance(decoded, dict) else raw
+    raise WireError("invalid_request", f"{where}: arguments must be a JSON object or a string", where)
+
+
+def tool_call(name: str, arguments: dict[str, Any] | str) -> dict[str, Any]:
+    """A canonical tool call (no id)."""
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def assistant_message(text: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """A canonical assistant message; `tool_calls` only when there are calls."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def function_tool(name: Any, description: Any, parameters: Any, where: str) -> dict[str, Any]:
+    """A tool as the chat template renders it (OpenAI's function-tool shape), checked."""
+    if not isinstance(name, str) or not name:
+        raise WireError("invalid_request", f"{where}: a tool needs a non-empty string name", where)
+    if parameters is None:
+        parameters = {"type": "object", "properties": {}}
+    if not isinstance(parameters, dict):
+        raise WireError("invalid_request", f"{where}: the tool's parameters must be a JSON schema object", where)
+    if description is not None and not isinstance(description, str):
+        raise WireError("invalid_request", f"{where}: description must be a string", where)
+    return {"type": "function",
+            "function": {"name": name, "description": description or "", "parameters": parameters}}
+
+
+def merge_assistant_runs(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive assistant messages as one (some clients send a reply's text and its tool calls apart)."""
+    merged: list[dict[str, Any]] = []
+    for m in messages:
+        if merged and m["role"] == "assistant" and merged[-1]["role"] == "assistant":
+            last = merged[-1]
+            text = "\n".join(t for t in (last["content"], m["content"]) if t)
+            merged[-1] = assistant_message(text, [*last.get("tool_calls", ()), *m.get("tool_calls", ())])
+        else:
+            merged.append(m)
+    return merged
+
+
+def message_key(message: dict[str, Any]) -> MessageKey:
+    """What must be equal for two messages to be the same turn (see the module docstring)."""
+    role = message["role"]
+    if role != "assistant":
+        return (role, message["content"].strip())
+    calls = tuple(
+        (c["function"]["name"], _arguments_key(c["function"]["arguments"])) for c in message.get("tool_calls") or ()
+    )
+    return (role, _REASONING.sub("", message["content"]).strip(), calls)
+
+
+def _arguments_key(arguments: dict[str, Any] | str) -> bytes | str:
+    if isinstance(arguments, dict):
+        return orjson.dumps(arguments, option=orjson.OPT_SORT_KEYS)
+    return arguments
+
+
+def tools_key(tools: list[dict[str, Any]] | None) -> bytes:
+    """The tools of a request as bytes: a session continues only under the same tools (they are in the prompt)."""
+    return orjson.dumps(tools or [], option=orjson.OPT_SORT_KEYS)

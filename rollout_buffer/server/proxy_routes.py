@@ -1,0 +1,266 @@
+"""HTTP routes of the agent proxy: sessions (`/sessions`, `/sessions/{id}`, `/sessions/{id}/finish`) and each
+session's OpenAI and Anthropic endpoints under `/sessions/{id}/v1/`.
+
+The session endpoints answer in their protocol's shapes (errors included); the session-management endpoints
+in slime's (`{"success", "message"}`). A streamed turn is an SSE response that waits for the turn while
+sending keep-alives, and takes the turn back when the client hangs up before the stream's end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import Response
+from pydantic import TypeAdapter
+from starlette.types import Receive, Scope, Send
+
+from rollout_buffer.config import ServerConfig
+from rollout_buffer.generation.runner import RunManager
+from rollout_buffer.observability import metrics
+from rollout_buffer.proxy.adapter import WireAdapter
+from rollout_buffer.proxy.anthropic_messages import AnthropicMessagesAdapter
+from rollout_buffer.proxy.manager import SessionError, SessionManager
+from rollout_buffer.proxy.messages import WireError
+from rollout_buffer.proxy.openai_chat import OpenAIChatAdapter
+from rollout_buffer.proxy.session import Session, TurnRequest, TurnResult
+from rollout_buffer.schemas import FinishSessionRequest, OpenSessionRequest
+from rollout_buffer.server.bodies import documented_body, json_response, parse_body, validated
+from rollout_buffer.server.middleware import from_agent_socket
+
+log = logging.getLogger(__name__)
+
+OPEN_BODY: TypeAdapter[OpenSessionRequest] = TypeAdapter(OpenSessionRequest)
+FINISH_BODY: TypeAdapter[FinishSessionRequest] = TypeAdapter(FinishSessionRequest)
+OPENAI = OpenAIChatAdapter()
+ANTHROPIC = AnthropicMessagesAdapter()
+# A stream opens once the turn has taken this long (quick refusals still get a plain error response), then
+# sends a keep-alive at this interval while the turn is generated.
+STREAM_OPEN_AFTER_S = 0.25
+KEEP_ALIVE_S = 10.0
+
+
+def mount_proxy(app: FastAPI, config: ServerConfig) -> None:
+    """Add the agent-session routes to `app`; `app.state.sessions` (a SessionManager) serves them."""
+
+    def manager(request: Request) -> SessionManager:
+        return request.app.state.sessions
+
+    @app.post("/sessions", summary="Open an agent session in the running agent run",
+              openapi_extra=documented_body(OpenSessionRequest.model_json_schema(), required=True))
+    async def open_session(request: Request) -> Response:
+        body = validated(OPEN_BODY, parse_body(await request.body()))
+        runs: RunManager = request.app.state.runs
+        run = runs.current
+        if run is None or run.task is None or run.task.done():
+            raise HTTPException(409, "run_id: no run is running; start one with task_type agent")
+        if body.run_id is not None and body.run_id != run.run_id:
+            raise HTTPException(409, f"run_id: {body.run_id!r} is not the running run ({run.run_id})")
+        if run.req.task_type != "agent":
+            raise HTTPException(409, f"run_id: the running run is task_type {run.req.task_type!r}, not agent")
+        try:
+            session = await manager(request).open_harness(run, body.instance_id, body.metadata,
+                                                          str(request.base_url))
+        except SessionError as e:
+            raise HTTPException(e.status, str(e)) from None
+        return json_response({
+            "success": True, "session_id": session.session_id, "base_url": session.base_url,
+            "anthropic_base_url": session.anthropic_base_url, "api_key": session.api_key,
+            "run_id": run.run_id, "instance_id": body.instance_id, "uid": session.ctx.uid,
+        })
+
+    @app.post("/sessions/{session_id}/finish", summary="Close a harness session with its reward; store its records",
+              openapi_extra=documented_body(FinishSessionRequest.model_json_schema(), required=True))
+    async def finish_session(session_id: str, request: Request) -> Response:
+        body = validated(FINISH_BODY, parse_body(await request.body()))
+        try:
+            stored = await manager(request).finish(session_id, body.reward, body.extra_info)
+        except SessionError as e:
+            raise HTTPException(e.status, str(e)) from None
+        return json_response({"success": True, **stored})
+
+    @app.get("/sessions", summary="Open agent sessions (of one run)")
+    async def list_sessions(request: Request, run_id: str | None = None) -> Response:
+        return json_response({"sessions": manager(request).list(run_id)})
+
+    @app.get("/sessions/{session_id}", summary="One session: state and branch tree (open or recently closed)")
+    async def session_view(session_id: str, request: Request) -> Response:
+        view = manager(request).view(session_id)
+        if view is None:
+            raise HTTPException(404, f"session_id: unknown session {session_id!r}")
+        return json_response(view)
+
+    # The endpoints agents call on every turn are plain Starlette routes: FastAPI's per-request dependency
+    # solving cost a tenth of a turn's CPU here, and the bodies are parsed by the protocol adapters anyway.
+    async def chat_completions(request: Request) -> Response:
+        return await _turn(request, manager(request), request.path_params["session_id"], OPENAI, config.auth_token)
+
+    async def messages(request: Request) -> Response:
+        return await _turn(request, manager(request), request.path_params["session_id"], ANTHROPIC,
+                           config.auth_token)
+
+    async def count_tokens(request: Request) -> Response:
+        try:
+            session = _session(request, manager(request), request.path_params["session_id"], config.auth_token)
+            req = ANTHROPIC.parse(_json(await request.body()))
+            return json_response({"input_tokens": await session.count_tokens(req)})
+        except WireError as e:
+            return _error(ANTHROPIC, e)
+
+    async def models(request: Request) -> Response:
+        adapter = ANTHROPIC if "anthropic-version" in request.headers else OPENAI
+        try:
+            session = _session(request, manager(request), request.path_params["session_id"], config.auth_token)
+        except WireError as e:
+            return _error(adapter, e)
+        return json_response(adapter.models(session.options.model_name))
+
+    root = "/sessions/{session_id}/v1"
+    app.add_route(f"{root}/chat/completions", chat_completions, methods=["POST"], include_in_schema=False)
+    app.add_route(f"{root}/messages", messages, methods=["POST"], include_in_schema=False)
+    app.add_route(f"{root}/messages/count_tokens", count_tokens, methods=["POST"], include_in_schema=False)
+    app.add_route(f"{root}/models", models, methods=["GET"], include_in_schema=False)
+
+def _session(request: Request, sessions: SessionManager, session_id: str, auth_token: str | None) -> Session:
+    """The session, once the request proved it may drive it: with a server token, or through the agent socket,
+    the session's own key (or the server token) is required, as `Authorization: Bearer` or `x-api-key`."""
+    session = sessions.get(session_id)
+    socket = str(sessions.config.agent_socket) if sessions.config.agent_socket else None
+    if auth_token or from_agent_socket(request.scope, socket):
+        given = _credential(request).encode()
+        allowed = [session.api_key, *([auth_token] if auth_token else [])]
+        if not any(hmac.compare_digest(given, k.encode()) for k in allowed):
+            raise WireError("authentication", "missing or wrong API key for this session")
+    return session
+
+
+async def _turn(request: Request, sessions: SessionManager, session_id: str, adapter: WireAdapter,
+                auth_token: str | None) -> Response:
+    try:
+        session = _session(request, sessions, session_id, auth_token)
+        req = adapter.parse(_json(await request.body()))
+        task = session.start_turn(req)
+        if req.stream:
+            return TurnStream(session, adapter, req, task)
+        result = await _unless_client_leaves(session, task, request.receive)
+        if result is None:
+            return Response(status_code=499)  # nobody reads it; the turn was cancelled and taken back
+        return json_response(adapter.response(req, result.reply))
+    except WireError as e:
+        return _error(adapter, e)
+    except Exception as e:  # a bug must still answer in the client's protocol
+        log.exception("session %s: %s request failed", session_id, adapter.protocol)
+        return _error(adapter, WireError("server", f"internal error: {type(e).__name__}: {e}"))
+
+
+async def _unless_client_leaves(session: Session, task: asyncio.Task[TurnResult], receive: Receive
+                                ) -> TurnResult | None:
+    """The turn's result, or None when the client disconnected first (the turn is then cancelled)."""
+    gone = asyncio.create_task(_client_gone(receive))
+    try:
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return await session.outcome(task)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return None
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+
+
+async def _client_gone(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _json(raw: bytes) -> Any:
+    try:
+        return parse_body(raw)
+    except Exception:
+        raise WireError("invalid_request", "the body is not valid JSON") from None
+
+
+def _credential(request: Request) -> str:
+    auth = request.headers.get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return request.headers.get("x-api-key", "").strip()
+
+
+def _error(adapter: WireAdapter, err: WireError) -> Response:
+    metrics.PROXY_ERRORS.labels(adapter.protocol, err.kind).inc()
+    return json_response(adapter.error_body(err), err.status)
+
+
+class TurnStream(Response):
+    """A streamed turn: keep-alives while it is generated, then the reply as the protocol's events.
+
+    A turn that fails before the stream opened answers a plain error response; after, an error event. A
+    client gone before the end cancels the turn, or takes back a turn that was generated but not delivered.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, session: Session, adapter: WireAdapter, req: TurnRequest, task: asyncio.Task[TurnResult]):
+        # Not Response.__init__: it would declare a Content-Length for an empty body.
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
+        self.session, self.adapter, self.req, self.task = session, adapter, req, task
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gone = asyncio.create_task(_client_gone(receive))
+        opened = delivered = False
+        result: TurnResult | None = None
+        try:
+            wait = STREAM_OPEN_AFTER_S
+            while not self.task.done():
+                done, _ = await asyncio.wait({self.task, gone}, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                if gone in done:
+                    return
+                if self.task in done:
+                    break
+                events = [self.adapter.stream_ping()] if opened else self.adapter.stream_head(self.req)
+                if not opened:
+                    await self._open(send)
+                    opened = True
+                for event in events:
+                    await self._body(send, event)
+                wait = KEEP_ALIVE_S
+            try:
+                result = await self.session.outcome(self.task)
+            except WireError as e:
+                metrics.PROXY_ERRORS.labels(self.adapter.protocol, e.kind).inc()
+                if not opened:
+                    await json_response(self.adapter.error_body(e), e.status)(scope, receive, send)
+                    return
+                await self._body(send, self.adapter.stream_error(e))
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            if not opened:
+                await self._open(send)
+            for event in self.adapter.stream_events(self.req, result.reply, opened):
+                await self._body(send, event)
+            if gone.done():
+                return
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            delivered = True
+        finally:
+            gone.cancel()
+            if not self.task.done():
+                self.task.cancel()
+                await asyncio.gather(self.task, return_exceptions=True)
+            if result is not None and not delivered:
+                self.session.undo(result)
+
+    async def _open(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+
+    @staticmethod
+    async def _body(send: Send, chunk: bytes) -> None:
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
