@@ -25,7 +25,7 @@ import logging
 import math
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sanity-check", choices=("strict", "ignore_strippable", "disable"), default="strict",
                    help="tokenization_sanity_check_mode of the buffer's runs (token mode)")
     p.add_argument("--workdir", type=Path, default=None, help="keep logs and profiles here")
+    p.add_argument("--window-s", type=float, default=None, help="measured window of every point (default: by point)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -273,6 +274,8 @@ def main(argv: list[str] | None = None) -> None:
                 if lat != latency:
                     continue
                 timing = Timing.for_point(latency, n, args.quick)
+                if args.window_s is not None:
+                    timing = replace(timing, window_s=args.window_s)
                 for mode in modes:
                     console.print(f"[dim]{latency:g} ms, {n} in flight, {mode}: bare client…[/]")
                     results.append(measure_bare(engine, latency, n, mode, timing))

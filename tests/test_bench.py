@@ -32,7 +32,7 @@ def summary_line(output: str) -> str:
 
 def test_throughput_measures_buffer_bare_client_and_baseline(tmp_path: Path) -> None:
     out = run_bench("throughput", "--quick", "--latency-ms", "20", "--in-flight", "16", "--modes", "token,chat",
-                    "--workdir", str(tmp_path))
+                    "--window-s", "2", "--workdir", str(tmp_path))
     line = summary_line(out)
     token = re.search(rf"16@20ms/token {NUMBER}% {NUMBER}×base {NUMBER}MB", line)
     chat = re.search(rf"16@20ms/chat {NUMBER}% {NUMBER}×base {NUMBER}MB", line)
@@ -56,7 +56,7 @@ def test_store_write_measures_group_commit_and_http_writers() -> None:
 
 def test_trainer_wait_measures_both_fetch_loops() -> None:
     # Generation (16 in flight × 200 ms: 10 groups/s) slower than training (2 groups per 0.1 s), as in the bench.
-    out = run_bench("trainer_wait", "--duration-s", "8", "--latency-ms", "200", "--in-flight", "16",
+    out = run_bench("trainer_wait", "--duration-s", "4", "--latency-ms", "200", "--in-flight", "16",
                     "--batch-groups", "2", "--train-s", "0.1")
     line = summary_line(out)
     assert re.search(rf"long-poll median {NUMBER} ms, p99 {NUMBER} ms; 5 s polling \(original\) median {NUMBER} ms",
