@@ -39,30 +39,34 @@ _ENGINE_OPTIONS = ("timeout_s", "max_retries", "backoff_s", "max_abort_resumes")
 
 class EvalBudget:
     """The slots every running eval shares: at most `limit` eval trajectories in flight. Resizable, because
-    each `/start_eval` sets the budget anew."""
+    each `/start_eval` sets the budget anew; released from a task's done-callback, so a trajectory task
+    cancelled before it ever ran gives its slot back too."""
 
     def __init__(self, limit: int):
         self.limit = limit
         self.in_flight = 0
-        self._cond = asyncio.Condition()
+        self._freed = asyncio.Event()
 
     async def acquire(self) -> None:
         """Wait for a free eval slot and take it."""
-        async with self._cond:
-            await self._cond.wait_for(lambda: self.in_flight < self.limit)
-            self.in_flight += 1
+        while self.in_flight >= self.limit:
+            await self._freed.wait()
+        self.in_flight += 1
 
-    async def release(self) -> None:
+    def release(self) -> None:
         """Give a slot back."""
-        async with self._cond:
-            self.in_flight -= 1
-            self._cond.notify_all()
+        self.in_flight -= 1
+        self._wake()
 
-    async def resize(self, limit: int) -> None:
+    def resize(self, limit: int) -> None:
         """A new limit; trajectories above it finish, none starts until below it."""
-        async with self._cond:
-            self.limit = limit
-            self._cond.notify_all()
+        self.limit = limit
+        self._wake()
+
+    def _wake(self) -> None:
+        # Every waiter re-checks; the ones still over the limit wait on the new event.
+        event, self._freed = self._freed, asyncio.Event()
+        event.set()
 
 
 @dataclass
@@ -152,7 +156,7 @@ class EvalJob:
                     await self.budget.acquire()
                     t = asyncio.create_task(self._one(item, position, sample, resources))
                     self._tasks.add(t)
-                    t.add_done_callback(self._tasks.discard)
+                    t.add_done_callback(self._done)
             while self._tasks:
                 done, _ = await asyncio.wait(set(self._tasks), return_when=asyncio.FIRST_EXCEPTION)
                 for t in done:
@@ -166,8 +170,12 @@ class EvalJob:
                 await self.sessions.end_run(self.run_id)
             await engine.aclose()
 
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self.budget.release()
+
     async def _one(self, item: dict[str, Any], position: int, sample: int, resources: RunResources) -> None:
-        """One sample (the caller took its eval slot): generate, give the slot back, store."""
+        """One sample (the caller took its eval slot; the task's end gives it back): generate and store."""
         iid = item["instance_id"]
         ctx = RolloutContext(resources, iid, 0, sample, f"{self.run_id}:{iid}:{sample}")
         self.progress.in_flight += 1
@@ -177,7 +185,6 @@ class EvalJob:
         finally:
             ctx.engine.release(ctx.uid)
             self.progress.in_flight -= 1
-            await self.budget.release()
         for r in records:
             r.extra_info |= {"eval_dataset": self.key[0], "eval_version": self.key[1], "eval_sample": sample}
         result = sample_of(records, self.key, iid, sample, position)
@@ -220,7 +227,7 @@ class EvalManager:
                     eval_num_process: int) -> list[dict[str, Any]]:
         """Start every dataset (name → (input file, number of items, full config)) at `version`; what the store
         already holds is not generated again. Returns one entry per dataset: its state and counts."""
-        await self.budget.resize(eval_num_process)
+        self.budget.resize(eval_num_process)
         out = []
         for name, (path, num_items, cfg) in datasets.items():
             key = (name, version)
@@ -253,7 +260,7 @@ class EvalManager:
             if gen is None or not gen.native or not await asyncio.to_thread(Path(cfg["input_file"]).is_file):
                 await self.evals.end(key, "failed", "resume failed: generator or input file is gone")
                 continue
-            await self.budget.resize(int(cfg.get("eval_num_process") or self.budget.limit))
+            self.budget.resize(int(cfg.get("eval_num_process") or self.budget.limit))
             log.info("resuming eval %s@%s", *key)
             self._launch(key, n, cfg)
 
