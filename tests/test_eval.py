@@ -141,6 +141,11 @@ def test_two_eval_sets_beside_a_training_run(buffer: Server, engine: Server, fil
 
     latest = {e["dataset"]: e for e in status(url)["evals"]["latest"]}
     assert latest["a"]["pass_at_k"] == out["results"]["a"]["pass_at_k"]
+    shown = subprocess.run([sys.executable, "-m", "rollout_buffer.cli", "status", "--url", url],
+                           capture_output=True, text=True, check=True).stdout
+    res_b = out["results"]["b"]
+    assert (f"eval b    v5 finished  12/12 samples  reward {res_b['mean_reward']:.3f}  pass@1 "
+            f"{res_b['pass_at_k']['pass@1']:.3f}  pass@3 {res_b['pass_at_k']['pass@3']:.3f}") in shown
     scrape = httpx.get(f"{url}/metrics", timeout=10).text
     assert f'rollout_buffer_eval_pass_at_k{{dataset="b",k="3"}} {out["results"]["b"]["pass_at_k"]["pass@3"]}' in scrape
     assert 'rollout_buffer_eval_version{dataset="a"} 5.0' in scrape
@@ -215,6 +220,8 @@ def test_the_adapter_evaluates_with_slimes_eval_flags(buffer: Server, engine: Se
     # No training rollout fetched here: an eval before training stands for rollout 7's version.
     stored = {e["dataset"]: e for e in status(buffer.url)["evals"]["latest"]}
     assert stored["small"]["version"] == 7 and stored["small"]["samples"] == 12
+    # --eval-temperature and --eval-max-response-len win over the rollout flags.
+    assert (stored["tiny"]["sampling_params"], stored["tiny"]["max_tokens"]) == ({"temperature": 0.0}, 3)
     assert generate_rollout(args, 7, DataBuffer(4), evaluation=True).data["tiny"]["rewards"] == \
         output.data["tiny"]["rewards"]
 
@@ -232,10 +239,12 @@ def test_an_eval_resumes_after_kill_9_without_regenerating(tmp_path: Path, engin
     port = free_port()
     args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data")]
     with Server(args, "/healthz", port, tmp_path / "buffer.log").start() as srv:
-        # No training run to inherit from: the eval names its generator, engine and tokenizer itself.
-        r = start_eval(srv.url, eval_datasets={"c": str(files["c"])}, n_samples_per_eval_prompt=2,
-                       eval_num_process=1, current_version=3, task_type="math", remote_engine_url=engine.url,
-                       tokenizer_path=qwen_tokenizer_path, max_tokens=64)
+        # No training run to inherit from: the eval names its generator, engine and tokenizer itself (and
+        # arrives as slime's start payload with mode "eval").
+        r = httpx.post(f"{srv.url}/start_rollout", timeout=30, json={
+            "mode": "eval", "eval_datasets": {"c": str(files["c"])}, "n_samples_per_eval_prompt": 2,
+            "eval_num_process": 1, "current_version": 3, "task_type": "math", "remote_engine_url": engine.url,
+            "tokenizer_path": qwen_tokenizer_path, "max_tokens": 64})
         assert r.status_code == 200, r.text
         deadline = time.monotonic() + 30
         while (before := results(srv.url, 3, wait_s=0)["results"]["c"])["samples"] < 4:

@@ -65,6 +65,9 @@ class EvalSummary:
     truncation_rate: float | None = None
     mean_response_length: float | None = None
     error: str | None = None
+    # How it was sampled, so an eval curve describes itself.
+    sampling_params: dict[str, Any] = field(default_factory=dict)
+    max_tokens: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready view (pass@k keyed `pass@k`)."""
@@ -74,7 +77,7 @@ class EvalSummary:
             "samples": self.samples, "failed": self.failed, "complete_items": self.complete_items,
             "mean_reward": self.mean_reward, "pass_at_k": {f"pass@{k}": v for k, v in self.pass_at_k.items()},
             "truncation_rate": self.truncation_rate, "mean_response_length": self.mean_response_length,
-            "error": self.error,
+            "sampling_params": self.sampling_params, "max_tokens": self.max_tokens, "error": self.error,
         }
 
 
@@ -125,8 +128,10 @@ def read_summaries(conn: sqlite3.Connection, version: int | None = None,
             "SELECT instance_id, sample, status, reward, response_length FROM eval_samples "
             "WHERE dataset=? AND version=?", (dataset, ver),
         ).fetchall()
-        threshold = float(orjson.loads(config).get("pass_threshold", 1.0))
-        out.append(summarize(EvalSummary(dataset, ver, state, n, num_items, error=error), samples, threshold))
+        cfg = orjson.loads(config)
+        summary = EvalSummary(dataset, ver, state, n, num_items, error=error,
+                              sampling_params=cfg.get("sampling_params") or {}, max_tokens=cfg.get("max_tokens"))
+        out.append(summarize(summary, samples, float(cfg.get("pass_threshold", 1.0))))
     return out
 
 
