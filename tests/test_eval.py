@@ -39,7 +39,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("eval_data")
     rows = math_rows(40)
     return {"train": write_jsonl(tmp / "train.jsonl", rows), "a": write_jsonl(tmp / "a.jsonl", rows[:6]),
-            "b": write_jsonl(tmp / "b.jsonl", rows[10:14]), "c": write_jsonl(tmp / "c.jsonl", rows[20:28])}
+            "b": write_jsonl(tmp / "b.jsonl", rows[10:14]), "c": write_jsonl(tmp / "c.jsonl", rows[20:40])}
 
 
 @pytest.fixture(scope="module")
@@ -255,9 +255,9 @@ def test_an_eval_resumes_after_kill_9_without_regenerating(tmp_path: Path, engin
     with Server(args, "/healthz", port, tmp_path / "buffer2.log").start() as srv:
         after = results(srv.url, 3)["results"]["c"]
         job = status(srv.url)["evals"]["jobs"][0]
-    assert (after["state"], after["samples"], len(after["records"])) == ("finished", 16, 16)
+    assert (after["state"], after["samples"], len(after["records"])) == ("finished", 40, 40)
     assert sorted((r["instance_id"], r["extra_info"]["eval_sample"]) for r in after["records"]) == sorted(
-        (f"m{i}", k) for i in range(20, 28) for k in range(2))
+        (f"m{i}", k) for i in range(20, 40) for k in range(2))
     stored_after = {r["uid"]: r for r in after["records"]}
     assert all(stored_after[r["uid"]] == r for r in before["records"]), "samples stored before the kill are kept"
-    assert job["skipped"] >= len(before["records"]) and job["skipped"] + job["done"] + job["failed"] == 16
+    assert job["skipped"] >= len(before["records"]) and job["skipped"] + job["done"] + job["failed"] == 40
