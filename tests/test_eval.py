@@ -234,17 +234,17 @@ def test_an_eval_after_training_stands_for_the_updated_weights() -> None:
     assert eval_version(args, 3, url) == 4
 
 
-def test_an_eval_resumes_after_kill_9_without_regenerating(tmp_path: Path, engine: Server, files: dict[str, Path],
-                                                           qwen_tokenizer_path: str) -> None:
+def test_an_eval_resumes_after_kill_9_without_regenerating(tmp_path: Path, engine: Server,
+                                                           files: dict[str, Path]) -> None:
     port = free_port()
     args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data")]
     with Server(args, "/healthz", port, tmp_path / "buffer.log").start() as srv:
-        # No training run to inherit from: the eval names its generator, engine and tokenizer itself (and
-        # arrives as slime's start payload with mode "eval").
+        # No training run to inherit from: the eval names its generator and engine itself (chat mode: no
+        # tokenizer), and arrives as slime's start payload with mode "eval".
         r = httpx.post(f"{srv.url}/start_rollout", timeout=30, json={
             "mode": "eval", "eval_datasets": {"c": str(files["c"])}, "n_samples_per_eval_prompt": 2,
             "eval_num_process": 1, "current_version": 3, "task_type": "math", "remote_engine_url": engine.url,
-            "tokenizer_path": qwen_tokenizer_path, "max_tokens": 64})
+            "max_tokens": 64})
         assert r.status_code == 200, r.text
         deadline = time.monotonic() + 30
         while (before := results(srv.url, 3, wait_s=0)["results"]["c"])["samples"] < 4:
