@@ -143,6 +143,86 @@ class StartRolloutRequest(BaseModel):
         return [] if v is None else ([v] if isinstance(v, str) else list(v))
 
 
+class EvalDatasetSpec(BaseModel):
+    """One eval dataset of `/start_eval`: its file and what it overrides of the call's defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(min_length=1)
+    n_samples_per_eval_prompt: PositiveInt | None = None
+    sampling_params: dict[str, Any] | None = None
+    max_tokens: PositiveInt | None = None
+
+
+class StartEvalRequest(BaseModel):
+    """Body of `/start_eval` (or `/start_rollout` with `mode: "eval"`): run named eval datasets at a version.
+
+    `task_type`, `remote_engine_url` and `tokenizer_path` default to the latest run's; generator options
+    (extra keys) are taken from that run too, then overridden by this body's.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    mode: Literal["eval"] = "eval"
+    eval_datasets: dict[str, str | EvalDatasetSpec] = Field(min_length=1)
+    n_samples_per_eval_prompt: PositiveInt = 1
+    eval_num_process: PositiveInt = 32
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    max_tokens: PositiveInt | None = None
+    # The trainer's weight version the eval stands for; default: the latest run's trainer version, else 0.
+    current_version: NonNegativeInt | None = None
+    task_type: str | None = Field(default=None, min_length=1)
+    remote_engine_url: str | list[str] | None = None
+    tokenizer_path: str | None = None
+    # A sample is correct (for pass@k) when its reward is at least this (slime: reward == 1).
+    pass_threshold: float = 1.0
+
+    @field_validator("eval_datasets")
+    @classmethod
+    def _names(cls, v: dict[str, str | EvalDatasetSpec]) -> dict[str, str | EvalDatasetSpec]:
+        for name in v:
+            if not name or "/" in name or name != name.strip():
+                raise ValueError(f"dataset name {name!r}: must be non-empty, without '/' or surrounding spaces")
+        return v
+
+    @field_validator("remote_engine_url")
+    @classmethod
+    def _urls(cls, v: str | list[str] | None) -> str | list[str] | None:
+        check_http_urls(v)
+        return v
+
+    @field_validator("pass_threshold")
+    @classmethod
+    def _finite_threshold(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+    def datasets(self) -> dict[str, EvalDatasetSpec]:
+        """Every dataset as a spec, the call's defaults filled in."""
+        out = {}
+        for name, value in self.eval_datasets.items():
+            spec = EvalDatasetSpec(path=value) if isinstance(value, str) else value
+            out[name] = EvalDatasetSpec(
+                path=spec.path,
+                n_samples_per_eval_prompt=spec.n_samples_per_eval_prompt or self.n_samples_per_eval_prompt,
+                sampling_params={**self.sampling_params, **(spec.sampling_params or {})},
+                max_tokens=spec.max_tokens or self.max_tokens,
+            )
+        return out
+
+
+class EvalResultsRequest(BaseModel):
+    """Body of `/eval_results`: summaries (and records) of evals, waiting up to `wait_s` for them to finish."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: NonNegativeInt | None = None  # default: each dataset's newest version
+    datasets: list[str] | None = None
+    wait_s: float = Field(default=0.0, ge=0.0, le=600.0)
+    records: bool = False
+
+
 class GetRolloutDataRequest(BaseModel):
     """Body of `/get_rollout_data`; slime's original client sends `{}`."""
 

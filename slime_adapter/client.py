@@ -145,6 +145,16 @@ class BufferClient:
         """`POST /trainer_version`: the trainer's weight version (`rewind` when it restarted from an older one)."""
         return self._call("POST", "/trainer_version", {"current_version": version, "rewind": rewind})
 
+    def start_eval(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """`POST /start_eval`: evaluate named datasets at a version; answers `{success, version, evals}`."""
+        return self._call("POST", "/start_eval", payload)
+
+    def eval_results(self, version: int, datasets: list[str], wait_s: float = 0.0,
+                     records: bool = True) -> dict[str, Any]:
+        """`POST /eval_results`: the evals' summaries (and records), waiting up to `wait_s` for them to finish."""
+        body = {"version": version, "datasets": datasets, "wait_s": wait_s, "records": records}
+        return self._call("POST", "/eval_results", body, read_timeout=wait_s + _LONG_POLL_GRACE_S)
+
     def ack(self, batch_id: str) -> int:
         """`POST /ack`: mark a leased batch consumed; returns how many groups it acked."""
         return int(self._call("POST", "/ack", {"batch_id": batch_id}).get("acked_groups", 0))

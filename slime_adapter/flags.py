@@ -17,6 +17,7 @@ MAX_WAIT_S = 600.0  # the buffer's limit on one long-poll
 DEFAULT_BACKOFF_S = 1.0
 DEFAULT_NUM_PROCESS = 256
 DEFAULT_TASK_TYPE = "math"
+DEFAULT_EVAL_NUM_PROCESS = 64
 
 # (option strings, add_argument keywords). Option strings a parser already has are skipped, so slime's own
 # definitions (e.g. its --rollout-buffer-url, --loss-mask-type) win and nothing clashes.
@@ -44,6 +45,11 @@ ADAPTER_FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
         ("--rollout-num-process",),
         {"type": int, "default": DEFAULT_NUM_PROCESS,
          "help": "Trajectories the buffer generates concurrently"},
+    ),
+    (
+        ("--eval-num-process",),
+        {"type": int, "default": DEFAULT_EVAL_NUM_PROCESS,
+         "help": "Eval trajectories the buffer generates concurrently, beside (never instead of) training's"},
     ),
     (
         ("--rollout-buffer-lease-s",),
@@ -111,6 +117,7 @@ class AdapterSettings:
     loss_mask_type: str
     task_type: str
     num_process: int
+    eval_num_process: int = DEFAULT_EVAL_NUM_PROCESS
     max_staleness: int | None = None
     max_ready_groups: int | None = None
     regenerate_stale: bool = False
@@ -142,6 +149,7 @@ class AdapterSettings:
             loss_mask_type=getattr(args, "loss_mask_type", None) or "qwen",
             task_type=getattr(args, "rollout_task_type", None) or DEFAULT_TASK_TYPE,
             num_process=int(getattr(args, "rollout_num_process", None) or DEFAULT_NUM_PROCESS),
+            eval_num_process=int(getattr(args, "eval_num_process", None) or DEFAULT_EVAL_NUM_PROCESS),
             max_staleness=None if max_staleness is None else int(max_staleness),
             max_ready_groups=getattr(args, "rollout_max_ready_groups", None),
             regenerate_stale=bool(getattr(args, "rollout_regenerate_stale", False)),

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slime_adapter.client import BufferClient, Delivery, RolloutBufferError
+from slime_adapter.evaluation import note_training_rollout, run_eval
 from slime_adapter.flags import AdapterSettings
 from slime_adapter.groups import RecordGroup, newest_first, split_groups
 from slime_adapter.meta_info import log_raw_info
@@ -194,14 +195,11 @@ def take_batch(data_buffer: Any, batch_size: int) -> list[SampleGroup]:
 
 def generate_rollout(
     args: Any, rollout_id: int, data_buffer: Any, evaluation: bool = False
-) -> list[SampleGroup]:
-    """slime's rollout function: `rollout_batch_size` groups of samples from the rollout buffer."""
+) -> list[SampleGroup] | Any:
+    """slime's rollout function: `rollout_batch_size` groups of samples from the rollout buffer; with
+    `evaluation`, slime's eval output for its eval datasets (`slime_adapter.evaluation`)."""
     if evaluation:
-        raise NotImplementedError(
-            "slime_adapter.generate_rollout does not evaluate: the rollout buffer only produces training "
-            "trajectories. Point --eval-function-path at slime's own rollout function "
-            "(slime.rollout.sglang_rollout.generate_rollout) or evaluate checkpoints separately."
-        )
+        return run_eval(args, rollout_id, AdapterSettings.from_args(args))
     settings = AdapterSettings.from_args(args)
     batch_size = int(args.rollout_batch_size)
     n = int(args.n_samples_per_prompt)
@@ -214,6 +212,7 @@ def generate_rollout(
 
     builder = SampleBuilder(tokenizer, settings.loss_mask_type)
     version = trainer_version(args, rollout_id)
+    note_training_rollout(settings.buffer_url, rollout_id)
     with BufferClient(settings.buffer_url, settings.token, settings.retry) as client:
         ensure_rollout_started(client, args, settings, data_buffer.get_metadata(), version)
         collector = GroupCollector(client, settings, builder, data_buffer, n, rollout_id, version)

@@ -339,8 +339,3 @@ def test_an_ended_run_without_data_is_a_clear_error(
     with pytest.raises(RolloutBufferError, match=message):
         generate_rollout(args, 0, DataBuffer(4))
 
-
-def test_evaluation_is_refused_with_a_pointer_to_slimes_own(workdir: Path, qwen_tokenizer_path: str) -> None:
-    args = slime_args("http://127.0.0.1:1", workdir, qwen_tokenizer_path)
-    with pytest.raises(NotImplementedError, match="eval-function-path"):
-        generate_rollout(args, 0, DataBuffer(4), evaluation=True)

@@ -14,6 +14,7 @@ not installed. Everything slime adds to `sys.path` / `sys.modules` is removed ag
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -40,11 +41,10 @@ CLIENT = "slime_plugins.rollout_buffer.rollout_buffer_example"
 N_SAMPLES, NUM_EPOCH, INSTANCES, BATCH = 2, 2, 8, 2
 
 
-@pytest.fixture(scope="module")
-def slime() -> Iterator[types.SimpleNamespace]:
-    """slime's modules, imported from SLIME_SRC; slime leaves sys.path and sys.modules afterwards."""
+@contextlib.contextmanager
+def slime_on_path() -> Iterator[None]:
+    """SLIME_SRC on sys.path (and a bare `wandb` when it is not installed); slime leaves both afterwards."""
     pytest.importorskip("torch", reason="slime's sources need torch (the CPU build is enough)")
-    pytest.importorskip("PIL", reason="slime's data source imports Pillow")
     assert SLIME_SRC is not None
     saved_path = list(sys.path)
     sys.path.insert(0, SLIME_SRC)
@@ -52,18 +52,39 @@ def slime() -> Iterator[types.SimpleNamespace]:
     if stub_wandb:
         sys.modules["wandb"] = types.ModuleType("wandb")  # slime's client imports it; nothing here logs to it
     try:
-        data_source = importlib.import_module("slime.rollout.data_source")
-        mask_utils = importlib.import_module("slime.utils.mask_utils")
-        slime_types = importlib.import_module("slime.utils.types")
-        yield types.SimpleNamespace(DataSource=data_source.RolloutDataSourceWithBuffer,
-                                    MaskGenerator=mask_utils.MultiTurnLossMaskGenerator,
-                                    Sample=slime_types.Sample)
+        yield
     finally:
         sys.path[:] = saved_path
         for name in [m for m in sys.modules if m.split(".")[0] in ("slime", "slime_plugins")]:
             del sys.modules[name]
         if stub_wandb:
             del sys.modules["wandb"]
+
+
+@pytest.fixture(scope="module")
+def slime() -> Iterator[types.SimpleNamespace]:
+    """slime's modules, imported from SLIME_SRC; slime leaves sys.path and sys.modules afterwards."""
+    pytest.importorskip("PIL", reason="slime's data source imports Pillow")
+    with slime_on_path():
+        data_source = importlib.import_module("slime.rollout.data_source")
+        mask_utils = importlib.import_module("slime.utils.mask_utils")
+        slime_types = importlib.import_module("slime.utils.types")
+        yield types.SimpleNamespace(DataSource=data_source.RolloutDataSourceWithBuffer,
+                                    MaskGenerator=mask_utils.MultiTurnLossMaskGenerator,
+                                    Sample=slime_types.Sample)
+
+
+@pytest.fixture
+def slime_eval() -> Iterator[types.SimpleNamespace]:
+    """slime's eval path (`call_rollout_fn`, `log_eval_rollout_data`, its eval dataset configs, `Sample`)."""
+    with slime_on_path():
+        base_types = importlib.import_module("slime.rollout.base_types")
+        yield types.SimpleNamespace(
+            call_rollout_fn=base_types.call_rollout_fn, RolloutFnEvalOutput=base_types.RolloutFnEvalOutput,
+            log_eval_rollout_data=importlib.import_module("slime.observability.rollout_metrics").log_eval_rollout_data,
+            build_eval_dataset_configs=importlib.import_module("slime.utils.eval_config").build_eval_dataset_configs,
+            Sample=importlib.import_module("slime.utils.types").Sample,
+        )
 
 
 def fresh_client() -> types.ModuleType:
@@ -157,6 +178,64 @@ def test_slimes_client_runs_unchanged_and_a_restarted_trainer_skips_the_finished
     expected = {(str(i), e) for i in range(INSTANCES) for e in range(NUM_EPOCH) if e >= finished[str(i)]}
     assert {(g["instance_id"], g["epoch"]) for g in new_groups} == expected
     assert len(new_groups) == total - finished.total()
+
+
+# ------------------------------------------------------------------ slime's eval path on the adapter's eval output
+
+
+def test_slimes_eval_path_takes_and_logs_the_adapters_eval_output(
+    slime_eval: types.SimpleNamespace, tmp_path: Path, qwen_tokenizer_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """slime's `call_rollout_fn(..., evaluation=True)` and `log_eval_rollout_data` (its `--eval-interval` path)
+    on `generate_rollout(evaluation=True)`, with eval datasets resolved by slime's own `build_eval_dataset_configs`
+    from `--eval-prompt-data`-style pairs and the eval flags."""
+    import slime_adapter.records as records
+    import slime_adapter.sample as sample_module
+    from slime_adapter import generate_rollout
+
+    # A trainer process imports the adapter with slime importable: its samples are slime's class.
+    slime = slime_eval
+    for module in (sample_module, records):
+        monkeypatch.setattr(module, "Sample", slime.Sample)
+    sample_module.sample_fields.cache_clear()
+    sample_module.status_member.cache_clear()
+    data = tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps({"instance_id": i, "prompt": f"What is {i} + 4?", "label": str(i + 4)})
+                            + "\n" for i in range(3)))
+    port = free_port()
+    try:
+        with sim_engine(tmp_path, qwen_tokenizer_path, "--latency-ms", "10", "--correct-rate", "0.5") as engine, \
+                running(["serve", "--port", str(port), "--data-dir", str(tmp_path / "data")], "/healthz", port,
+                        tmp_path / "buffer.log") as buffer:
+            host, engine_port = engine.url.removeprefix("http://").split(":")
+            args = Namespace(
+                agent_rollout_buffer_url=buffer.url, rollout_task_type="math", loss_mask_type="qwen3",
+                hf_checkpoint=qwen_tokenizer_path, sglang_router_ip=host, sglang_router_port=int(engine_port),
+                n_samples_per_prompt=4, n_samples_per_eval_prompt=4, eval_temperature=0.7, eval_top_p=None,
+                eval_top_k=None, rollout_temperature=1.0, rollout_top_p=1.0, rollout_top_k=-1,
+                eval_max_response_len=48, rollout_max_response_len=256, eval_min_new_tokens=None,
+                rollout_stop=None, rollout_stop_token_ids=None, update_weights_interval=1,
+                # slime.observability: what log_eval_rollout_data and its sample metrics read
+                custom_eval_rollout_log_function_path=None, log_passrate=True, advantage_estimator="grpo",
+                log_reward_category=None, use_wandb=False, use_tensorboard=False, rollout_batch_size=2,
+                global_batch_size=8, wandb_always_use_train_step=False, reward_key=None, eval_reward_key=None,
+            )
+            args.eval_datasets = slime.build_eval_dataset_configs(args, [{"name": "sums", "path": str(data)}], {})
+            result = slime.call_rollout_fn(generate_rollout, args, 2, None, evaluation=True)
+            assert isinstance(result, slime.RolloutFnEvalOutput)
+            logged = slime.log_eval_rollout_data(2, args, result.data, result.metrics)
+    finally:
+        sample_module.sample_fields.cache_clear()
+        sample_module.status_member.cache_clear()
+    rewards = result.data["sums"]["rewards"]
+    assert len(rewards) == len(result.data["sums"]["samples"]) == 12
+    assert all(isinstance(s, slime.Sample) for s in result.data["sums"]["samples"])
+    # slime's own estimator (--log-passrate, pass@1/2/4) agrees with the buffer's.
+    for k in (1, 2, 4):
+        assert logged[f"eval/sums-pass@{k}"] == pytest.approx(logged[f"eval/sums/pass@{k}"])
+    assert logged["eval/sums"] == pytest.approx(logged["eval/sums/mean_reward"])
+    assert logged["eval/sums-truncated_ratio"] == pytest.approx(logged["eval/sums/truncation_rate"])
+    assert {"eval/sums/pass@3", "eval/sums/mean_response_length", "eval/sums/response_len/mean"} <= set(logged)
 
 
 # ------------------------------------------------------------------ loss masks: slime's class against the adapter's

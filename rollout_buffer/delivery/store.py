@@ -81,6 +81,31 @@ CREATE TABLE IF NOT EXISTS run_control (
     admission TEXT,               -- running | paused_staleness | paused_cap, as the runner last decided
     updated_at REAL
 );
+CREATE TABLE IF NOT EXISTS evals (  -- one eval dataset at one trainer version (delivery.evals)
+    dataset TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    state TEXT NOT NULL,          -- running | finished | failed
+    n_samples INTEGER NOT NULL,
+    num_items INTEGER NOT NULL,
+    config BLOB NOT NULL,         -- what the runner needs to generate it (again, after a restart)
+    created_at REAL NOT NULL,
+    finished_at REAL,
+    error TEXT,
+    PRIMARY KEY (dataset, version)
+);
+CREATE TABLE IF NOT EXISTS eval_samples (
+    dataset TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    instance_id TEXT NOT NULL,
+    sample INTEGER NOT NULL,
+    position INTEGER NOT NULL,    -- the item's line in the dataset file: results keep the file's order
+    status TEXT NOT NULL,
+    reward REAL NOT NULL,
+    response_length INTEGER,
+    created_at REAL NOT NULL,
+    records BLOB NOT NULL,        -- the generator's records of this sample, a JSON list
+    PRIMARY KEY (dataset, version, instance_id, sample)
+);
 """
 
 GroupKey = tuple[str, str, int, int]  # run_id, instance_id, epoch, part

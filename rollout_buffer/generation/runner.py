@@ -16,7 +16,7 @@ import random
 import time
 import traceback
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -403,36 +403,12 @@ class Run:
         return min(10.0, base * 2 ** (requeues - 1))
 
     async def _generate(self, item: dict[str, Any], ctx: RolloutContext) -> list[TrajectoryRecord]:
-        try:
-            out = await self.generator.module.run_rollout(item, ctx)
-            outs = out if isinstance(out, list) else [out]
-            single = len(outs) == 1
-            return [TrajectoryRecord.model_validate(stamp(o, ctx, None if single else k))
-                    for k, o in enumerate(outs)]
-        except asyncio.CancelledError:
-            raise
-        except EngineError as e:
-            return [self.failed(item, ctx, f"engine_{e.kind}", str(e))]
-        except ValidationError as e:
-            return [self.failed(item, ctx, "bad_record", f"generator returned an invalid record: {e}")]
-        except Exception as e:
-            log.debug("generator %s raised on %s: %s", self.req.task_type, ctx.uid, traceback.format_exc())
-            # An exception may name its own kind (`error_kind`), e.g. an agent's time limit.
-            kind = getattr(e, "error_kind", None)
-            if isinstance(kind, str) and kind:
-                return [self.failed(item, ctx, kind, str(e))]
-            return [self.failed(item, ctx, "generator_error", f"{type(e).__name__}: {e}")]
+        return await produce(self.generator, item, ctx, lambda kind, text: self.failed(item, ctx, kind, text))
 
     def failed(self, item: dict[str, Any], ctx: RolloutContext, kind: str, text: str) -> TrajectoryRecord:
         """The record of a failed trajectory (`status: failed`, `extra_info.error` and `error_kind`), counted."""
         self.progress.failures[kind] += 1
-        metrics.TRAJECTORIES_FAILED.labels(kind).inc()
-        log.warning("trajectory %s failed (%s): %s", ctx.uid, kind, text)
-        prompt = item.get("prompt")
-        messages = prompt if isinstance(prompt, list) else ([{"role": "user", "content": prompt}] if prompt else [])
-        rec = stamp({"messages": messages, "reward": 0.0, "status": "failed",
-                     "extra_info": {"error": text, "error_kind": kind}}, ctx)
-        return TrajectoryRecord.model_validate(rec)
+        return failed_record(item, ctx, kind, text)
 
     async def accept(self, records: list[TrajectoryRecord]) -> None:
         """Store records produced outside the run's own scheduling (agent sessions a harness finished)."""
@@ -585,6 +561,42 @@ class RunManager:
         if self._reopening is not None:
             self._reopening.cancel()
         await self._stop_current()
+
+
+async def produce(generator: Generator, item: dict[str, Any], ctx: RolloutContext,
+                  failed: Callable[[str, str], TrajectoryRecord]) -> list[TrajectoryRecord]:
+    """Run a native generator on one item: its records, stamped and validated, or `failed(kind, text)` when the
+    engine, the generator or its output failed (training runs and evals alike)."""
+    try:
+        out = await generator.module.run_rollout(item, ctx)
+        outs = out if isinstance(out, list) else [out]
+        single = len(outs) == 1
+        return [TrajectoryRecord.model_validate(stamp(o, ctx, None if single else k)) for k, o in enumerate(outs)]
+    except asyncio.CancelledError:
+        raise
+    except EngineError as e:
+        return [failed(f"engine_{e.kind}", str(e))]
+    except ValidationError as e:
+        return [failed("bad_record", f"generator returned an invalid record: {e}")]
+    except Exception as e:
+        log.debug("generator %s raised on %s: %s", generator.task_type, ctx.uid, traceback.format_exc())
+        # An exception may name its own kind (`error_kind`), e.g. an agent's time limit.
+        kind = getattr(e, "error_kind", None)
+        if isinstance(kind, str) and kind:
+            return [failed(kind, str(e))]
+        return [failed("generator_error", f"{type(e).__name__}: {e}")]
+
+
+def failed_record(item: dict[str, Any], ctx: RolloutContext, kind: str, text: str) -> TrajectoryRecord:
+    """The record of a failed trajectory (`status: failed`, `extra_info.error` and `error_kind`), counted in the
+    metrics and logged."""
+    metrics.TRAJECTORIES_FAILED.labels(kind).inc()
+    log.warning("trajectory %s failed (%s): %s", ctx.uid, kind, text)
+    prompt = item.get("prompt")
+    messages = prompt if isinstance(prompt, list) else ([{"role": "user", "content": prompt}] if prompt else [])
+    rec = stamp({"messages": messages, "reward": 0.0, "status": "failed",
+                 "extra_info": {"error": text, "error_kind": kind}}, ctx)
+    return TrajectoryRecord.model_validate(rec)
 
 
 def reads_input(generator: Generator, payload: dict[str, Any]) -> bool:

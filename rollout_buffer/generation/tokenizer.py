@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import threading
 from typing import Any
 
 from rollout_buffer.generation.template_sandbox import memoize_attribute_checks
@@ -12,6 +13,9 @@ from rollout_buffer.generation.template_sandbox import memoize_attribute_checks
 # A user turn and an assistant reply: enough history for any chat template to render an assistant turn.
 _PROBE_REPLY = "rollout-buffer probe reply"
 _PROBE_HISTORY = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": _PROBE_REPLY}]
+# Loads run in worker threads (a training run and evals start together): one at a time, so a folder is loaded
+# once and two threads never import transformers concurrently (a half-imported module fails the other).
+_LOAD_LOCK = threading.Lock()
 
 
 def load_tokenizer(path: str) -> Any:
@@ -24,7 +28,8 @@ def load_tokenizer(path: str) -> Any:
     resolved = os.path.realpath(os.path.expanduser(path))
     if not os.path.isdir(resolved):
         raise ValueError(f"tokenizer path {path!r} is not a local folder")
-    return _load(resolved)
+    with _LOAD_LOCK:
+        return _load(resolved)
 
 
 @functools.lru_cache(maxsize=8)

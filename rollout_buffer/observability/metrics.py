@@ -189,6 +189,37 @@ PROXY_SESSIONS_CLOSED = Counter(
 )
 PROXY_SESSIONS_OPEN = Gauge("rollout_buffer_proxy_sessions_open", "Agent sessions open", registry=REGISTRY)
 
+# ---- evals (read at scrape time: each dataset's newest eval, as /status shows it) ----------------------
+EVAL_IN_FLIGHT = Gauge(
+    "rollout_buffer_eval_trajectories_in_flight", "Eval trajectories being generated (at most eval_num_process)",
+    registry=REGISTRY,
+)
+EVAL_VERSION = Gauge(
+    "rollout_buffer_eval_version", "Trainer version of each dataset's newest eval", ["dataset"], registry=REGISTRY
+)
+EVAL_SAMPLES = Gauge(
+    "rollout_buffer_eval_samples", "Samples stored of each dataset's newest eval", ["dataset"], registry=REGISTRY
+)
+EVAL_MEAN_REWARD = Gauge(
+    "rollout_buffer_eval_mean_reward", "Mean reward of each dataset's newest eval", ["dataset"], registry=REGISTRY
+)
+EVAL_PASS_AT_K = Gauge(
+    "rollout_buffer_eval_pass_at_k", "Unbiased pass@k of each dataset's newest eval", ["dataset", "k"],
+    registry=REGISTRY,
+)
+EVAL_TRUNCATION_RATE = Gauge(
+    "rollout_buffer_eval_truncation_rate", "Share of truncated samples of each dataset's newest eval", ["dataset"],
+    registry=REGISTRY,
+)
+EVAL_MEAN_RESPONSE_LENGTH = Gauge(
+    "rollout_buffer_eval_mean_response_length", "Mean response length in tokens of each dataset's newest eval",
+    ["dataset"], registry=REGISTRY,
+)
+_EVAL_BY_DATASET = (
+    (EVAL_VERSION, "version"), (EVAL_SAMPLES, "samples"), (EVAL_MEAN_REWARD, "mean_reward"),
+    (EVAL_TRUNCATION_RATE, "truncation_rate"), (EVAL_MEAN_RESPONSE_LENGTH, "mean_response_length"),
+)
+
 # ---- run progress (read at scrape time) --------------------------------------------------------------
 RUN_INFO = Gauge(
     "rollout_buffer_run_info", "The latest run (value 1)", ["run_id", "task_type", "state"], registry=REGISTRY
@@ -286,14 +317,30 @@ def _set_run(run: dict[str, Any] | None, live: dict[str, Any] | None) -> None:
 
 
 def render(groups: dict[str, int], run: dict[str, Any] | None, live: dict[str, Any] | None,
-           accept: str = "", control: dict[str, Any] | None = None, sessions_open: int = 0) -> tuple[bytes, str]:
+           accept: str = "", control: dict[str, Any] | None = None, sessions_open: int = 0,
+           evals: dict[str, Any] | None = None) -> tuple[bytes, str]:
     """Set the state gauges from what the caller read (group counts by state, the latest stored run, the live
-    progress of the run being generated, the run's control view of `/status`, the open agent sessions) and
-    render every metric; returns (body, content type) for `accept`."""
+    progress of the run being generated, the run's control view of `/status`, the open agent sessions, the
+    evals view of `/status`) and render every metric; returns (body, content type) for `accept`."""
     PROXY_SESSIONS_OPEN.set(sessions_open)
+    _set_evals(evals or {})
     READY_GROUPS.set(groups.get("ready", 0))
     LEASED_GROUPS.set(groups.get("leased", 0))
     _set_run(run, live)
     _set_control(control)
     encoder, content_type = choose_encoder(accept)
     return encoder(REGISTRY), content_type
+
+
+def _set_evals(evals: dict[str, Any]) -> None:
+    EVAL_IN_FLIGHT.set(evals.get("in_flight") or 0)
+    for gauge, _ in _EVAL_BY_DATASET:
+        gauge.clear()
+    EVAL_PASS_AT_K.clear()
+    for summary in evals.get("latest") or []:
+        dataset = summary["dataset"]
+        for gauge, key in _EVAL_BY_DATASET:
+            if summary.get(key) is not None:
+                gauge.labels(dataset).set(summary[key])
+        for name, value in (summary.get("pass_at_k") or {}).items():
+            EVAL_PASS_AT_K.labels(dataset, name.removeprefix("pass@")).set(value)

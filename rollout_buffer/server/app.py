@@ -22,6 +22,7 @@ from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.buffer import RecordError, RolloutBuffer
 from rollout_buffer.delivery.store import Store, StoreError
 from rollout_buffer.delivery.versions import VersionConflict
+from rollout_buffer.generation.evaluation import EvalManager, eval_config
 from rollout_buffer.generation.inputs import InputFileError, confined_path, resolve_input_path, validate_file
 from rollout_buffer.generation.plugins import discover
 from rollout_buffer.generation.runner import RunManager, reads_input
@@ -29,7 +30,9 @@ from rollout_buffer.observability import metrics
 from rollout_buffer.proxy.manager import SessionManager
 from rollout_buffer.schemas import (
     AckRequest,
+    EvalResultsRequest,
     GetRolloutDataRequest,
+    StartEvalRequest,
     StartRolloutRequest,
     TrainerVersionRequest,
     TrajectoryRecord,
@@ -53,6 +56,8 @@ WRITE_BODY: TypeAdapter[TrajectoryRecord | list[TrajectoryRecord]] = TypeAdapter
     TrajectoryRecord | list[TrajectoryRecord]
 )
 GET_BODY: TypeAdapter[GetRolloutDataRequest] = TypeAdapter(GetRolloutDataRequest)
+START_BODY: TypeAdapter[StartRolloutRequest] = TypeAdapter(StartRolloutRequest)
+EVAL_BODY: TypeAdapter[StartEvalRequest] = TypeAdapter(StartEvalRequest)
 
 
 # Payload fields naming server-side files: confined to --data-root like input_file (a tool config imports code).
@@ -70,15 +75,19 @@ def create_app(config: ServerConfig) -> FastAPI:
         buffer = RolloutBuffer(config, store, generators)
         sessions = SessionManager(config)
         runs = RunManager(config, buffer, generators, sessions)
+        evals = EvalManager(config, buffer, generators, sessions)
         app.state.buffer = buffer
         app.state.runs = runs
+        app.state.evals = evals
         app.state.sessions = sessions
         log.info("rollout buffer ready: data dir %s, generators %s", config.data_dir, sorted(generators))
         sessions.start()
         await runs.resume()
+        await evals.resume()
         try:
             yield
         finally:
+            await evals.shutdown()
             await runs.shutdown()
             await sessions.stop()
             await store.close()
@@ -121,8 +130,18 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def healthz() -> Response:
         return json_response({"ok": True})
 
-    @app.post("/start_rollout", summary="Start (or replace) the rollout run")
-    async def start_rollout(req: StartRolloutRequest, request: Request) -> Response:
+    @app.post(
+        "/start_rollout",
+        summary="Start (or replace) the rollout run; with mode \"eval\", start evals (as /start_eval)",
+        # Parsed by hand: the body is a rollout payload or, with `mode: "eval"`, an eval payload.
+        openapi_extra=documented_body(
+            {"anyOf": [StartRolloutRequest.model_json_schema(), StartEvalRequest.model_json_schema()]}, True),
+    )
+    async def start_rollout(request: Request) -> Response:
+        body = parse_body(await request.body())
+        if isinstance(body, dict) and body.get("mode") == "eval":
+            return await _start_eval(validated(EVAL_BODY, body), request)
+        req: StartRolloutRequest = validated(START_BODY, body)
         gen = generators.get(req.task_type)
         if gen is None:
             raise HTTPException(422, f"task_type: unknown {req.task_type!r}; known: {sorted(generators)}")
@@ -159,6 +178,63 @@ def create_app(config: ServerConfig) -> FastAPI:
         message = (f"rollout started for {num_items} tasks" if path is not None
                    else "agent run started: open sessions with POST /sessions")
         return json_response({"success": True, "message": message, "run_id": run_id, "num_items": num_items})
+
+    @app.post("/start_eval", summary="Evaluate named datasets at a trainer version, beside the training run")
+    async def start_eval(req: StartEvalRequest, request: Request) -> Response:
+        return await _start_eval(req, request)
+
+    async def _start_eval(req: StartEvalRequest, request: Request) -> Response:
+        evals: EvalManager = request.app.state.evals
+        base = await evals.base_config()
+        version = await evals.version_for(req)
+        resolved: dict[str, tuple[Path, int, dict[str, Any]]] = {}
+        for name, spec in req.datasets().items():
+            cfg = eval_config(base, req, name, version)
+            task = cfg.get("task_type")
+            gen = generators.get(task or "")
+            if gen is None:
+                raise HTTPException(422, f"task_type: unknown {task!r}; known: {sorted(generators)}" if task else
+                                    "task_type: required (there is no run to take it from)")
+            if not gen.native:
+                raise HTTPException(422, f"task_type: evals need a native generator (run_rollout(item, ctx)); "
+                                         f"{task!r} posts its own records")
+            if not cfg.get("remote_engine_url"):
+                raise HTTPException(422, "remote_engine_url: required (there is no run to take it from)")
+            check = gen.hook("check_payload")
+            try:
+                if check is not None:
+                    await asyncio.to_thread(check, {**cfg, "input_file": spec.path}, config.data_roots)
+                path = await asyncio.to_thread(resolve_input_path, spec.path, config.data_roots)
+                required = getattr(gen.module, "REQUIRED_FIELDS", ())
+                num_items = (await asyncio.to_thread(validate_file, path, required)).num_items
+                if config.data_roots:
+                    for field in CONFINED_PATH_FIELDS:
+                        if isinstance(cfg.get(field), str):
+                            await asyncio.to_thread(confined_path, cfg[field], config.data_roots, field)
+            except ValueError as e:  # InputFileError included
+                raise HTTPException(422, f"eval_datasets.{name}: {e}") from None
+            resolved[name] = (path, num_items, cfg)
+        started = await evals.start(version, resolved, req.eval_num_process)
+        return json_response({"success": True, "message": f"{len(started)} evals at version {version}",
+                              "version": version, "evals": started})
+
+    @app.post("/eval_results", summary="Eval summaries (and records), waiting until the evals finish")
+    async def eval_results(req: EvalResultsRequest, request: Request) -> Response:
+        evals: EvalManager = request.app.state.evals
+        found = await evals.results(req.version, req.datasets, req.wait_s)
+        if req.datasets is not None:
+            missing = sorted(set(req.datasets) - {s.dataset for s in found})
+            if missing and req.version is not None:
+                raise HTTPException(404, f"datasets: no eval of {missing} at version {req.version}")
+        results: dict[str, Any] = {}
+        for summary in found:
+            entry = summary.as_dict()
+            if req.records:
+                blobs = await evals.evals.records((summary.dataset, summary.version), summary.n_samples)
+                entry["records"] = [orjson.Fragment(b) for b in blobs]
+            results.setdefault(summary.dataset, entry)
+        finished = bool(found) and all(s.state != "running" for s in found)
+        return json_response({"success": finished, "finished": finished, "results": results})
 
     @app.post(
         "/buffer/write",
@@ -248,7 +324,13 @@ def create_app(config: ServerConfig) -> FastAPI:
         if body["run"] is not None and live is not None and live.get("run_id") == body["run"]["run_id"]:
             body["run"]["progress"] = live
         body["control"] = await _control(request, body["run"])
+        body["evals"] = await _evals_view(request)
         return json_response(body)
+
+    async def _evals_view(request: Request) -> dict[str, Any]:
+        """The live eval view (budget, running evals) and each dataset's newest results."""
+        evals: EvalManager = request.app.state.evals
+        return {**evals.snapshot(), "latest": [s.as_dict() for s in await evals.evals.summaries()]}
 
     @app.get("/trajectories/{uid}", summary="One stored trajectory")
     async def trajectory(uid: str, request: Request) -> Response:
@@ -276,7 +358,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         control = await _control(request, run)
         sessions: SessionManager = request.app.state.sessions
         body, content_type = metrics.render(groups, run, runs.progress(), request.headers.get("accept", ""), control,
-                                            len(sessions.sessions))
+                                            len(sessions.sessions), await _evals_view(request))
         return Response(body, media_type=content_type)
 
     mount_proxy(app, config)

@@ -1,4 +1,4 @@
-"""`rollout-buffer export`: stored trajectories as JSONL, read straight from the SQLite store.
+"""`rollout-buffer export`: stored trajectories (or eval results) as JSONL, read straight from the SQLite store.
 
 The store is opened read-only; SQLite's WAL mode lets this reader see one consistent snapshot while a
 running server keeps writing, and nothing here can change or lock the server's data. Records are written
@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+import orjson
 from rich.console import Console
 
+from rollout_buffer.delivery.evals import read_records, read_summaries
 from rollout_buffer.schemas import TrajectoryStatus
 
 DB_NAME = "buffer.sqlite"
@@ -33,6 +35,10 @@ examples:
   rollout-buffer export --data-dir ./rollout_data --out sft.jsonl --run run-20250101-120000-ab12cd --status completed
   # to stdout, while the server runs
   rollout-buffer export --data-dir ./rollout_data --out - | jq .reward
+  # eval curves: one summary per dataset and version (mean reward, pass@k, truncation rate, response length)
+  rollout-buffer export --data-dir ./rollout_data --out evals.jsonl --eval
+  # the eval trajectories of one dataset
+  rollout-buffer export --data-dir ./rollout_data --out aime.jsonl --eval-records --dataset aime
 """
 
 
@@ -122,6 +128,37 @@ def export(data_dir: Path, out: BinaryIO, run: str | None = None, delivered_only
     return ExportSummary(n, tuple(run_ids))
 
 
+def iter_eval_lines(conn: sqlite3.Connection, records: bool, datasets: tuple[str, ...] = ()) -> Iterator[bytes]:
+    """Eval summaries, one per (dataset, version), oldest version first; or with `records` every eval
+    trajectory (with `extra_info.eval_dataset`, `eval_version`, `eval_sample`), in the same order."""
+    if conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='evals'").fetchone() is None:
+        return  # a store written before evals existed holds none
+    summaries = sorted(read_summaries(conn, -1, list(datasets) or None), key=lambda s: (s.version, s.dataset))
+    for summary in summaries:
+        if records:
+            yield from read_records(conn, summary.dataset, summary.version, summary.n_samples)
+        else:
+            yield orjson.dumps(summary.as_dict())
+
+
+def export_evals(data_dir: Path, out: BinaryIO, records: bool = False, datasets: tuple[str, ...] = ()) -> int:
+    """Write eval summaries (or eval trajectories) to `out`, one JSON object a line; returns the lines written."""
+    conn = open_readonly(data_dir)
+    n = 0
+    try:
+        conn.execute("BEGIN")
+        for line in iter_eval_lines(conn, records, datasets):
+            out.write(line)
+            out.write(b"\n")
+            n += 1
+        conn.execute("COMMIT")
+    except sqlite3.Error as e:
+        raise ExportError(f"reading {data_dir / DB_NAME} failed: {e}") from None
+    finally:
+        conn.close()
+    return n
+
+
 def export_to_file(data_dir: Path, path: Path, run: str | None = None, delivered_only: bool = True,
                    statuses: tuple[str, ...] = ()) -> ExportSummary:
     """`export` into `path`, which appears complete or not at all (written beside it, then renamed)."""
@@ -156,6 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="every stored trajectory: failed ones, filtered and unfinished groups too")
     p.add_argument("--status", action="append", choices=STATUSES, default=[],
                    help="keep only trajectories with this status (repeatable)")
+    evals = p.add_mutually_exclusive_group()
+    evals.add_argument("--eval", action="store_true",
+                       help="eval results instead: one summary per dataset and version (mean reward, pass@k, "
+                            "truncation rate, mean response length)")
+    evals.add_argument("--eval-records", action="store_true", help="eval trajectories instead")
+    p.add_argument("--dataset", action="append", default=[], help="with --eval/--eval-records: only this eval "
+                                                                 "dataset (repeatable)")
     return p
 
 
@@ -164,6 +208,9 @@ def main(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
     err = Console(stderr=True, highlight=False, markup=False)
     statuses = tuple(args.status)
+    if args.eval or args.eval_records:
+        _main_evals(args, err)
+        return
     try:
         if args.out == "-":
             summary = export(args.data_dir, sys.stdout.buffer, args.run, args.delivered_only, statuses)
@@ -176,3 +223,25 @@ def main(argv: list[str]) -> None:
     what = "delivered" if args.delivered_only else "stored"
     runs = summary.run_ids[0] if len(summary.run_ids) == 1 else f"{len(summary.run_ids)} runs"
     err.print(f"wrote {summary.records} {what} trajectories from {runs} to {args.out}")
+
+
+def _main_evals(args: argparse.Namespace, err: Console) -> None:
+    datasets = tuple(args.dataset)
+    try:
+        if args.out == "-":
+            n = export_evals(args.data_dir, sys.stdout.buffer, args.eval_records, datasets)
+            sys.stdout.flush()
+        else:
+            path = Path(args.out)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            try:
+                with tmp.open("wb") as f:
+                    n = export_evals(args.data_dir, f, args.eval_records, datasets)
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+    except ExportError as e:
+        err.print(f"error: {e}", style="red")
+        raise SystemExit(2) from None
+    err.print(f"wrote {n} eval {'trajectories' if args.eval_records else 'summaries'} to {args.out}")

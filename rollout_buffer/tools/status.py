@@ -89,6 +89,7 @@ def render(status: dict[str, Any], url: str) -> RenderableType:
     rows.append(("queue", f"ready {queue.get('ready', 0)}  leased {queue.get('leased', 0)}  (all runs)"))
     if control_line := _control_line(status.get("control") or {}):
         rows.append(("versions", control_line))
+    rows += _eval_rows(status.get("evals") or {})
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="dim")
     grid.add_column()
@@ -113,6 +114,26 @@ def _control_line(control: dict[str, Any]) -> str:
         parts.append(f"{admission['groups_ahead']} groups ahead (η {admission['max_staleness']}, "
                      f"capacity {admission.get('capacity')})")
     return "  ".join(parts)
+
+
+def _eval_rows(evals: dict[str, Any]) -> list[tuple[str, str]]:
+    """One row per eval dataset (its newest version): state, samples, mean reward, pass@1 and pass@n,
+    truncation rate, mean response length; and the eval trajectories in flight when there are any."""
+    rows = []
+    for e in evals.get("latest") or []:
+        parts = [f"v{e['version']} {e['state']}", f"{e['samples']}/{e['expected_samples']} samples"]
+        if e.get("mean_reward") is not None:
+            parts.append(f"reward {e['mean_reward']:.3f}")
+        passes = list((e.get("pass_at_k") or {}).items())
+        parts += [f"{k} {v:.3f}" for k, v in (passes[:1] + passes[1:][-1:])]
+        if e.get("truncation_rate") is not None:
+            parts.append(f"truncated {e['truncation_rate']:.1%}")
+        if e.get("mean_response_length") is not None:
+            parts.append(f"length {e['mean_response_length']:.0f}")
+        rows.append((f"eval {e['dataset']}", "  ".join(parts)))
+    if evals.get("in_flight"):
+        rows.append(("evals", f"in flight {evals['in_flight']} of {evals.get('eval_num_process')}"))
+    return rows
 
 
 def _progress_line(progress: dict[str, Any], done: int, failed: int, skipped: int) -> str:
