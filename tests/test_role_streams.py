@@ -1,0 +1,244 @@
+"""Role streams (plan/act with two models): a planner trainer and an actor trainer each consume their own
+role's records from one plan/act run, over real HTTP, with two simulated engines whose weight versions are
+bumped independently, a kill -9 of the buffer in between, per-role normalization checked by hand and
+per-role staleness."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from runs import wait_finished
+from servers import Server, free_port
+
+from rollout_buffer.demo import bundled_dataset
+
+W_PLANNER, W_ACTOR = 1.0, 0.5
+
+
+def sim_engine(tmp: Path, tokenizer: str, seed: str) -> Server:
+    port = free_port()
+    args = ["sim-engine", "--port", str(port), "--tokenizer", tokenizer, "--latency-ms", "1",
+            "--correct-rate", "0.6", "--seed", seed]
+    return Server(args, "/health", port, tmp / f"sim-{port}.log")
+
+
+def buffer_server(tmp: Path, port: int) -> Server:
+    return Server(["serve", "--port", str(port), "--data-dir", str(tmp / "data")], "/healthz", port,
+                  tmp / "buffer.log")
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_path: str) -> Iterator[tuple[Server, Server]]:
+    """(planner engine, actor engine)."""
+    tmp = tmp_path_factory.mktemp("sim")
+    with sim_engine(tmp, qwen_tokenizer_path, "1").start() as p, sim_engine(tmp, qwen_tokenizer_path, "2").start() as a:
+        yield p, a
+
+
+def set_engine_version(engine: Server, version: int) -> None:
+    httpx.post(f"{engine.url}/update_weight_version", json={"new_version": str(version)}).raise_for_status()
+
+
+def start_run(url: str, engines: tuple[Server, Server], tokenizer: str, input_file: Path, **options: Any) -> str:
+    planner, actor = engines
+    payload = {
+        "task_type": "plan_act", "input_file": str(input_file), "num_repeat_per_sample": 2, "num_process": 8,
+        "remote_engine_url": planner.url, "planner_engine_url": planner.url, "actor_engine_url": actor.url,
+        "max_tokens": 2048, "tokenizer_path": tokenizer, "sampling_params": {"temperature": 1.0},
+        "tokenization_sanity_check_mode": "ignore_strippable", "backoff_s": 0.05,
+        "planner_reward_weight": W_PLANNER, "actor_reward_weight": W_ACTOR, **options,
+    }
+    resp = httpx.post(f"{url}/start_rollout", json=payload, timeout=30)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["run_id"]
+
+
+def write_rows(path: Path, n: int) -> Path:
+    rows = [orjson.loads(line) for line in bundled_dataset("plan_act").read_bytes().splitlines() if line.strip()]
+    path.write_bytes(b"\n".join(orjson.dumps(r) for r in rows[:n]) + b"\n")
+    return path
+
+
+class RoleConsumer:
+    """One role's trainer: fetches its stream with leases, acks, and reports its own weight version."""
+
+    def __init__(self, role: str, engine: Server, url: str):
+        self.role, self.engine, self.url = role, engine, url
+        self.version = 0
+        self.acked: list[list[dict]] = []  # the records of every acked batch
+        self.metas: list[dict] = []
+
+    def fetch(self, max_groups: int, lease_s: float = 30, wait_s: float = 0.5) -> dict | None:
+        body = {"agent_id": self.role, "max_groups": max_groups, "lease_s": lease_s, "wait_s": wait_s,
+                "current_version": self.version}
+        out = httpx.post(f"{self.url}/get_rollout_data", json=body, timeout=30).json()
+        if out["data"]["meta_info"]:
+            self.metas.append(out["data"]["meta_info"])
+        return out["data"] if out["success"] else None
+
+    def step(self, max_groups: int, wait_s: float = 0.5) -> bool:
+        """Fetch, ack, then train: a new weight version on this role's engine. False when nothing came."""
+        data = self.fetch(max_groups, wait_s=wait_s)
+        if data is None:
+            return False
+        batch = data["meta_info"]["batch_id"]
+        httpx.post(f"{self.url}/ack", json={"batch_id": batch, "agent_id": self.role}).raise_for_status()
+        self.acked.append(data["data"])
+        self.version += 1
+        set_engine_version(self.engine, self.version)
+        return True
+
+    def records(self) -> list[dict]:
+        return [r for batch in self.acked for r in batch]
+
+
+def by_group(records: list[dict]) -> dict[tuple[str, int, int], list[dict]]:
+    groups: dict[tuple[str, int, int], list[dict]] = defaultdict(list)
+    for r in records:
+        info = r["extra_info"]
+        groups[(r["instance_id"], info["epoch"], info.get("group_part", 0))].append(r)
+    return groups
+
+
+def test_two_role_consumers_each_get_their_records_once_across_a_kill9(
+        tmp_path: Path, engines: tuple[Server, Server], qwen_tokenizer_path: str) -> None:
+    planner_engine, actor_engine = engines
+    for e in engines:
+        set_engine_version(e, 0)
+    port = free_port()
+    srv = buffer_server(tmp_path, port).start()
+    try:
+        run_id = start_run(srv.url, engines, qwen_tokenizer_path, write_rows(tmp_path / "in.jsonl", 6))
+        planner = RoleConsumer("planner", planner_engine, srv.url)
+        actor = RoleConsumer("actor", actor_engine, srv.url)
+
+        # Different speeds while the run generates: the planner takes 2 groups a step, the actor 1 and rests.
+        def consume(consumer: RoleConsumer, batches: int, max_groups: int, rest_s: float) -> None:
+            deadline = time.monotonic() + 30
+            while len(consumer.acked) < batches and time.monotonic() < deadline:
+                consumer.step(max_groups, wait_s=5)
+                time.sleep(rest_s)
+
+        threads = [threading.Thread(target=consume, args=(planner, 2, 2, 0.0)),
+                   threading.Thread(target=consume, args=(actor, 1, 1, 0.3))]
+
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        # The actor takes one more batch and dies before acking it.
+        lost = actor.fetch(1, lease_s=1.5, wait_s=10)
+        assert lost is not None and {r["extra_info"]["agent_id"] for r in lost["data"]} == {"actor"}
+        srv.kill9()
+
+        srv = buffer_server(tmp_path, port).start()
+        status = wait_finished(srv.url, timeout_s=60)
+        assert status["run"]["run_id"] == run_id and status["run"]["state"] == "finished"
+        assert status["run"]["progress"]["failed"] == 0
+        # Both trainers drain what is left; the actor's unacked batch comes back after its lease.
+        while planner.step(3):
+            pass
+        time.sleep(1.6)
+        while actor.step(2):
+            pass
+
+        status = httpx.get(f"{srv.url}/status").json()
+        groups = httpx.get(f"{srv.url}/groups", params={"run_id": run_id}).json()["groups"]
+        metrics_text = httpx.get(f"{srv.url}/metrics").text
+    finally:
+        srv.stop()
+
+    # Every stored record of a role reached its role's consumer exactly once, and nothing else did.
+    for g in groups:
+        assert g["state"] == "ready", "the default stream was never read: its groups stay ready"
+    got = {c.role: Counter(r["uid"] for r in c.records()) for c in (planner, actor)}
+    for c in (planner, actor):
+        assert {r["extra_info"]["agent_id"] for r in c.records()} == {c.role}
+        assert set(got[c.role].values()) == {1}, f"{c.role}: a record was delivered twice"
+    assert len(groups) == 6
+    assert sum(g["roles"]["planner"]["records"] for g in groups) == sum(got["planner"].values()) == 12
+    assert sum(g["roles"]["actor"]["records"] for g in groups) == sum(got["actor"].values())
+    assert set(got["planner"]) | set(got["actor"]) == {u for g in groups for u in g["uids"]}
+    assert all(role["state"] == "delivered" for g in groups for role in g["roles"].values())
+    # Whole groups: each delivered group holds the role's records of all its episodes.
+    planner_groups, actor_groups = by_group(planner.records()), by_group(actor.records())
+    assert len(planner_groups) == 6 and all(len({r["extra_info"]["episode_id"] for r in g}) == 2
+                                            for g in planner_groups.values())
+    for key, records in actor_groups.items():
+        group = next(g for g in groups if (g["instance_id"], g["epoch"], g["part"]) == key)
+        assert len(records) == group["roles"]["actor"]["records"]
+
+    # Per-role normalization, by hand: GRPO over the group's episode rewards, times the role's weight.
+    for key, planners in planner_groups.items():
+        rewards = {r["extra_info"]["episode_id"]: r["extra_info"]["episode_reward"] for r in planners}
+        mean, std = statistics.fmean(rewards.values()), statistics.pstdev(rewards.values())
+
+        def expected(episode: str, weight: float) -> float:
+            return 0.0 if std < 1e-8 else (rewards[episode] - mean) / (std + 1e-6) * weight  # noqa: B023
+
+        for r in planners:
+            assert r["reward"] == pytest.approx(expected(r["extra_info"]["episode_id"], W_PLANNER))
+            assert r["raw_reward"] == pytest.approx(r["extra_info"]["episode_reward"] * W_PLANNER)
+        for r in actor_groups.get(key, []):
+            assert r["reward"] == pytest.approx(expected(r["extra_info"]["episode_id"], W_ACTOR))
+    assert any(statistics.pstdev(r["reward"] for r in g) > 0 for g in planner_groups.values()), \
+        "some group must have reward variance for the check to mean anything"
+
+    # Each stream's meta_info: its own role, its trainer's version, and lags against its own engine's versions.
+    for c in (planner, actor):
+        delivered = [m for m in c.metas if m.get("num_groups")]
+        assert all(m["agent_id"] == c.role for m in delivered)
+        assert sum(m["finished_groups_count"] for m in delivered) >= 1
+    assert planner.metas[-1]["trainer_version"] == planner.version
+    assert actor.metas[-1]["trainer_version"] == actor.version
+    # Per-role counts in /status and /metrics.
+    roles = status["roles"]
+    assert roles["planner"] == {"groups": {"delivered": 6}, "records": 12, "trainer_version": planner.version}
+    assert roles["actor"]["groups"] == {"delivered": len(actor_groups)}
+    assert roles["actor"]["trainer_version"] == actor.version
+    assert status["control"]["roles"]["planner"]["consumed_groups"] == 6
+    assert 'rollout_buffer_role_groups{agent_id="planner",state="delivered"} 6.0' in metrics_text
+    assert f'rollout_buffer_role_records{{agent_id="actor"}} {float(roles["actor"]["records"])}' in metrics_text
+
+
+def test_staleness_applies_per_role(tmp_path: Path, engines: tuple[Server, Server], qwen_tokenizer_path: str
+                                    ) -> None:
+    planner_engine, actor_engine = engines
+    set_engine_version(planner_engine, 3)
+    set_engine_version(actor_engine, 7)
+    with buffer_server(tmp_path, free_port()).start() as srv:
+        start_run(srv.url, engines, qwen_tokenizer_path, write_rows(tmp_path / "in.jsonl", 1), max_staleness=1,
+                  rollout_batch_size=1)
+        wait_finished(srv.url, timeout_s=30)
+        # The planner's trainer is 2 versions past its engine's data: stale for the planner, and only for it.
+        planner = RoleConsumer("planner", planner_engine, srv.url)
+        planner.version = 5
+        assert planner.fetch(4, wait_s=0) is None
+        assert planner.metas[-1]["stale_groups"] == 1 and planner.metas[-1]["trainer_version"] == 5
+        actor = RoleConsumer("actor", actor_engine, srv.url)
+        actor.version = 8
+        data = actor.fetch(4, wait_s=0)
+        assert data is not None and data["meta_info"]["max_version_lag"] == 1
+        assert {r["extra_info"]["agent_id"] for r in data["data"]} == {"actor"}
+        # An ack names its stream: the actor's batch cannot be acked as the planner's.
+        bad = httpx.post(f"{srv.url}/ack", json={"batch_id": data["meta_info"]["batch_id"], "agent_id": "planner"})
+        assert bad.status_code == 409 and "agent_id" in bad.json()["message"]
+        [group] = httpx.get(f"{srv.url}/groups").json()["groups"]
+        assert group["roles"]["planner"]["state"] == "filtered" and group["roles"]["planner"]["reason"] == "stale"
+        assert group["roles"]["actor"]["state"] == "leased"
+        # Without agent_id the default stream is as before: the whole group, both roles, untouched by the roles.
+        whole = httpx.post(f"{srv.url}/get_rollout_data", json={}).json()["data"]["data"]
+        assert {r["extra_info"]["agent_id"] for r in whole} == {"planner", "actor"}
+        status = httpx.get(f"{srv.url}/status").json()
+        assert status["roles"]["planner"]["groups"] == {"filtered": 1}
+        assert status["roles"]["actor"]["groups"] == {"leased": 1}
+        assert status["groups"] == {"delivered": 1}
