@@ -5,6 +5,7 @@ per-role staleness."""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import threading
 import time
@@ -20,6 +21,8 @@ from runs import wait_finished
 from servers import Server, free_port
 
 from rollout_buffer.demo import bundled_dataset
+from slime_adapter import add_arguments, generate_rollout, run_control
+from slime_adapter.data_buffer import DataBuffer
 
 W_PLANNER, W_ACTOR = 1.0, 0.5
 
@@ -242,3 +245,95 @@ def test_staleness_applies_per_role(tmp_path: Path, engines: tuple[Server, Serve
         assert status["roles"]["planner"]["groups"] == {"filtered": 1}
         assert status["roles"]["actor"]["groups"] == {"leased": 1}
         assert status["groups"] == {"delivered": 1}
+
+
+def slime_args(url: str, engine: Server, input_file: Path, tokenizer: str, *flags: str, interval: int = 1
+               ) -> argparse.Namespace:
+    cli = ["--agent-rollout-buffer-url", url, "--rollout-task-type", "plan_act", "--rollout-buffer-wait-s", "2",
+           "--rollout-buffer-lease-s", "60", "--fetch-trajectory-retry-times", "3", *flags]
+    args = add_arguments(argparse.ArgumentParser()).parse_args(cli)
+    host, port = engine.url.removeprefix("http://").rsplit(":", 1)
+    slime = {"rollout_batch_size": 2, "n_samples_per_prompt": 2, "prompt_data": str(input_file),
+             "sglang_router_ip": host, "sglang_router_port": int(port), "rollout_max_response_len": 1024,
+             "rollout_temperature": 1.0, "rollout_top_p": 1.0, "hf_checkpoint": tokenizer, "num_epoch": 1,
+             "update_weights_interval": interval, "use_wandb": False, "use_tensorboard": False}
+    for key, value in slime.items():
+        setattr(args, key, value)
+    return args
+
+
+def test_two_slime_adapters_train_one_role_each(tmp_path: Path, engines: tuple[Server, Server],
+                                                qwen_tokenizer_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    planner_engine, actor_engine = engines
+    monkeypatch.setattr(run_control, "LEAD_POLL_S", 0.05)
+    inp = write_rows(tmp_path / "in.jsonl", 4)
+    with buffer_server(tmp_path, free_port()).start() as srv:
+        planner_args = slime_args(srv.url, planner_engine, inp, qwen_tokenizer_path, "--rollout-buffer-role",
+                                  "planner", "--rollout-buffer-role-engine-url", f"actor={actor_engine.url}")
+        # The actor's trainer updates its weights every second step: its own versions.
+        actor_args = slime_args(srv.url, actor_engine, inp, qwen_tokenizer_path, "--rollout-buffer-role", "actor",
+                                interval=2)
+        batches: dict[str, list[list[list[Any]]]] = {"planner": [], "actor": []}
+
+        def train(role: str, args: argparse.Namespace) -> None:
+            data_buffer = DataBuffer(2)
+            for rollout_id in (1, 2):
+                batches[role].append(generate_rollout(args, rollout_id, data_buffer))
+
+        # The actor's trainer comes up first: it waits for the planner's to start the run.
+        actor = threading.Thread(target=train, args=("actor", actor_args))
+        actor.start()
+        time.sleep(0.3)
+        assert httpx.get(f"{srv.url}/status").json()["run"] is None
+        train("planner", planner_args)
+        actor.join(60)
+        status = httpx.get(f"{srv.url}/status").json()
+    assert status["run"]["config"]["planner_engine_url"] == planner_engine.url
+    assert status["run"]["config"]["actor_engine_url"] == actor_engine.url
+    for role, engine in (("planner", planner_engine), ("actor", actor_engine)):
+        assert len(batches[role]) == 2 and all(len(b) == 2 for b in batches[role])
+        samples = [s for batch in batches[role] for group in batch for s in group]
+        assert {s.metadata["agent_id"] for s in samples} == {role}
+        assert {e for s in samples for e in s.metadata["engines"]} == {engine.url}
+        assert len({s.index for batch in batches[role] for group in batch for s in group}) == 4
+    # Each trainer reported its own version: rollout 2 is version 2 for the planner, 1 for the actor.
+    assert status["roles"]["planner"]["trainer_version"] == 2
+    assert status["roles"]["actor"]["trainer_version"] == 1
+    assert status["roles"]["planner"]["groups"] == {"delivered": 4}
+    assert status["roles"]["actor"]["groups"] == {"delivered": 4}
+
+
+def test_episode_id_is_the_session_and_a_down_engine_fails_the_episode(
+        tmp_path: Path, engines: tuple[Server, Server], qwen_tokenizer_path: str) -> None:
+    planner_engine, actor_engine = engines
+    inp = write_rows(tmp_path / "in.jsonl", 2)
+    with buffer_server(tmp_path, free_port()).start() as srv:
+        # Actor turns may go to either engine: every turn of one episode goes to the same one.
+        start_run(srv.url, engines, qwen_tokenizer_path, inp, actor_engine_url=[actor_engine.url, planner_engine.url])
+        wait_finished(srv.url, timeout_s=30)
+        actors = drain_role(srv.url, "actor")
+        by_episode: dict[str, set[str]] = defaultdict(set)
+        for r in actors:
+            by_episode[r["extra_info"]["episode_id"]].update(r["extra_info"]["engines"])
+        assert len(by_episode) == 4 and all(len(urls) == 1 for urls in by_episode.values())
+
+        down = f"http://127.0.0.1:{free_port()}"
+        start_run(srv.url, engines, qwen_tokenizer_path, write_rows(tmp_path / "one.jsonl", 1), actor_engine_url=down,
+                  max_retries=1)
+        status = wait_finished(srv.url, timeout_s=30)
+        assert status["run"]["progress"]["failures"] == {"actor_engine_connection": 2}
+        [group] = httpx.get(f"{srv.url}/groups", params={"run_id": status["run"]["run_id"]}).json()["groups"]
+        assert group["state"] == "filtered" and group["reason"] == "failed_trajectory" and group["roles"] == {}
+        record = httpx.get(f"{srv.url}/trajectories/{group['uids'][0]}").json()
+        assert record["extra_info"]["error_kind"] == "actor_engine_connection"
+        assert record["extra_info"]["error"].startswith(f"the actor engine is down: engine {down}")
+
+
+def drain_role(url: str, role: str) -> list[dict]:
+    records: list[dict] = []
+    for _ in range(100):
+        out = httpx.post(f"{url}/get_rollout_data", json={"agent_id": role}).json()
+        if not out["success"]:
+            return records
+        records += out["data"]["data"]
+    raise AssertionError("delivery did not end")
