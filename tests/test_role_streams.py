@@ -6,6 +6,7 @@ per-role staleness."""
 from __future__ import annotations
 
 import argparse
+import io
 import statistics
 import threading
 import time
@@ -21,8 +22,10 @@ from runs import wait_finished
 from servers import Server, free_port
 
 from rollout_buffer.demo import bundled_dataset
+from rollout_buffer.tools import export
 from slime_adapter import add_arguments, generate_rollout, run_control
 from slime_adapter.data_buffer import DataBuffer
+from slime_adapter.flags import AdapterSettings
 
 W_PLANNER, W_ACTOR = 1.0, 0.5
 
@@ -211,6 +214,14 @@ def test_two_role_consumers_each_get_their_records_once_across_a_kill9(
     assert status["control"]["roles"]["planner"]["consumed_groups"] == 6
     assert 'rollout_buffer_role_groups{agent_id="planner",state="delivered"} 6.0' in metrics_text
     assert f'rollout_buffer_role_records{{agent_id="actor"}} {float(roles["actor"]["records"])}' in metrics_text
+    # Export: per-role counts, and what one role's stream consumed.
+    out = io.BytesIO()
+    summary = export.export(tmp_path / "data", out, delivered_only=False)
+    assert summary.by_role == {"planner": 12, "actor": roles["actor"]["records"]}
+    out = io.BytesIO()
+    summary = export.export(tmp_path / "data", out, agent_id="actor")
+    assert summary.by_role == {"actor": roles["actor"]["records"]}
+    assert [orjson.loads(line)["uid"] for line in out.getvalue().splitlines()] == [r["uid"] for r in actor.records()]
 
 
 def test_staleness_applies_per_role(tmp_path: Path, engines: tuple[Server, Server], qwen_tokenizer_path: str
@@ -232,6 +243,8 @@ def test_staleness_applies_per_role(tmp_path: Path, engines: tuple[Server, Serve
         data = actor.fetch(4, wait_s=0)
         assert data is not None and data["meta_info"]["max_version_lag"] == 1
         assert {r["extra_info"]["agent_id"] for r in data["data"]} == {"actor"}
+        bad = httpx.post(f"{srv.url}/get_rollout_data", json={"agent_id": ""})
+        assert bad.status_code == 422 and "agent_id" in bad.json()["message"]
         # An ack names its stream: the actor's batch cannot be acked as the planner's.
         bad = httpx.post(f"{srv.url}/ack", json={"batch_id": data["meta_info"]["batch_id"], "agent_id": "planner"})
         assert bad.status_code == 409 and "agent_id" in bad.json()["message"]
@@ -337,3 +350,22 @@ def drain_role(url: str, role: str) -> list[dict]:
             return records
         records += out["data"]["data"]
     raise AssertionError("delivery did not end")
+
+
+def test_role_flags_and_the_lead_trainers_start_payload() -> None:
+    parser = add_arguments(argparse.ArgumentParser())
+    base = ["--agent-rollout-buffer-url", "http://127.0.0.1:8889", "--rollout-task-type", "plan_act"]
+    args = parser.parse_args([*base, "--rollout-buffer-role", "planner", "--rollout-buffer-role-engine-url",
+                              "actor=http://10.0.0.2:30000"])
+    for key, value in {"prompt_data": "in.jsonl", "n_samples_per_prompt": 2, "sglang_router_ip": "10.0.0.1",
+                       "sglang_router_port": 30000, "rollout_batch_size": 2}.items():
+        setattr(args, key, value)
+    settings = AdapterSettings.from_args(args)
+    assert settings.buffer_url == "http://127.0.0.1:8889" and settings.starts_run
+    payload = run_control.start_payload(args, settings, [])
+    assert payload["planner_engine_url"] == payload["remote_engine_url"] == "http://10.0.0.1:30000"
+    assert payload["actor_engine_url"] == "http://10.0.0.2:30000"
+    actor = AdapterSettings.from_args(parser.parse_args([*base, "--rollout-buffer-role", "actor"]))
+    assert not actor.starts_run and actor.lead_role == "planner"
+    with pytest.raises(ValueError, match="--rollout-buffer-role-engine-url: 'actor' is not ROLE=http"):
+        AdapterSettings.from_args(parser.parse_args([*base, "--rollout-buffer-role-engine-url", "actor"]))

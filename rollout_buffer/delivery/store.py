@@ -86,6 +86,7 @@ CREATE TABLE IF NOT EXISTS group_roles (
     version_max INTEGER,
     PRIMARY KEY (run_id, instance_id, epoch, part, agent_id)
 );
+CREATE INDEX IF NOT EXISTS group_roles_agent ON group_roles(agent_id);
 -- A role stream's delivery of one group (no row: ready for the stream); groups.state is the default stream's.
 CREATE TABLE IF NOT EXISTS stream_groups (
     stream TEXT NOT NULL,
