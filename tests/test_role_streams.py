@@ -18,11 +18,13 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from rich.console import Console
 from runs import wait_finished
 from servers import Server, free_port
 
 from rollout_buffer.demo import bundled_dataset
 from rollout_buffer.tools import export
+from rollout_buffer.tools import status as status_tool
 from slime_adapter import add_arguments, generate_rollout, run_control
 from slime_adapter.data_buffer import DataBuffer
 from slime_adapter.flags import AdapterSettings
@@ -214,6 +216,9 @@ def test_two_role_consumers_each_get_their_records_once_across_a_kill9(
     assert status["control"]["roles"]["planner"]["consumed_groups"] == 6
     assert 'rollout_buffer_role_groups{agent_id="planner",state="delivered"} 6.0' in metrics_text
     assert f'rollout_buffer_role_records{{agent_id="actor"}} {float(roles["actor"]["records"])}' in metrics_text
+    console = Console(width=160, record=True, file=io.StringIO())
+    console.print(status_tool.render(status, "http://buffer"))
+    assert f"role planner  delivered 6  records 12  trainer v{planner.version}" in console.export_text()
     # Export: per-role counts, and what one role's stream consumed.
     out = io.BytesIO()
     summary = export.export(tmp_path / "data", out, delivered_only=False)
@@ -369,3 +374,37 @@ def test_role_flags_and_the_lead_trainers_start_payload() -> None:
     assert not actor.starts_run and actor.lead_role == "planner"
     with pytest.raises(ValueError, match="--rollout-buffer-role-engine-url: 'actor' is not ROLE=http"):
         AdapterSettings.from_args(parser.parse_args([*base, "--rollout-buffer-role-engine-url", "actor"]))
+
+
+def wait_admission(url: str, state: str, started: int) -> dict:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        status = httpx.get(f"{url}/status").json()
+        admission = status["control"]["admission"]
+        if admission["state"] == state and admission["started_groups"] == started:
+            return status
+        time.sleep(0.05)
+    raise AssertionError(f"admission never reached {state} with {started} started: {status['control']}")
+
+
+def test_generation_waits_for_the_slowest_role(tmp_path: Path, engines: tuple[Server, Server],
+                                               qwen_tokenizer_path: str) -> None:
+    for e in engines:
+        set_engine_version(e, 0)
+    with buffer_server(tmp_path, free_port()).start() as srv:
+        # η = 0, one group per step: generation stays one group ahead of the slower trainer.
+        start_run(srv.url, engines, qwen_tokenizer_path, write_rows(tmp_path / "in.jsonl", 3), max_staleness=0,
+                  rollout_batch_size=1)
+        wait_admission(srv.url, "paused_staleness", 1)
+        for role in ("planner", "actor"):
+            body = {"agent_id": role, "wait_s": 20, "lease_s": 60, "current_version": 0}
+            assert httpx.post(f"{srv.url}/get_rollout_data", json=body, timeout=30).json()["success"]
+        # The planner's trainer moves on; the actor's has not: still paused.
+        version = {"current_version": 1, "agent_id": "planner"}
+        assert httpx.post(f"{srv.url}/trainer_version", json=version).json()["trainer_version"] == 1
+        status = wait_admission(srv.url, "paused_staleness", 1)
+        assert status["control"]["roles"]["planner"]["trainer_steps"] == 1
+        assert status["control"]["roles"]["actor"]["trainer_steps"] == 0
+        # Once the actor's trainer updates too, the next group starts.
+        httpx.post(f"{srv.url}/trainer_version", json={"current_version": 1, "agent_id": "actor"}).raise_for_status()
+        wait_admission(srv.url, "paused_staleness", 2)
