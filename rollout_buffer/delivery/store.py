@@ -74,32 +74,26 @@ CREATE TABLE IF NOT EXISTS batches (
     num_groups INTEGER NOT NULL
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
--- Role streams: the roles (extra_info.agent_id) of every ready group, with that role's records and versions.
-CREATE TABLE IF NOT EXISTS group_roles (
-    run_id TEXT NOT NULL,
-    instance_id TEXT NOT NULL,
-    epoch INTEGER NOT NULL,
-    part INTEGER NOT NULL,
-    agent_id TEXT NOT NULL,
-    records INTEGER NOT NULL,
-    version_min INTEGER,
-    version_max INTEGER,
-    PRIMARY KEY (run_id, instance_id, epoch, part, agent_id)
-);
-CREATE INDEX IF NOT EXISTS group_roles_agent ON group_roles(agent_id);
--- A role stream's delivery of one group (no row: ready for the stream); groups.state is the default stream's.
+-- Role streams: every ready group once per role (extra_info.agent_id) it has records of, with that role's
+-- record count and versions, and the role stream's own delivery state (groups.state is the default stream's).
 CREATE TABLE IF NOT EXISTS stream_groups (
     stream TEXT NOT NULL,
     run_id TEXT NOT NULL,
     instance_id TEXT NOT NULL,
     epoch INTEGER NOT NULL,
     part INTEGER NOT NULL,
-    state TEXT NOT NULL,          -- ready (a lease ran out) | leased | delivered | filtered
+    records INTEGER NOT NULL,
+    version_min INTEGER,
+    version_max INTEGER,
+    ready_seq INTEGER NOT NULL,   -- the group's, so every stream delivers in completion order
+    state TEXT NOT NULL,          -- ready | leased | delivered | filtered
     reason TEXT,
     batch_id TEXT,
     lease_expires REAL,
     PRIMARY KEY (stream, run_id, instance_id, epoch, part)
 );
+CREATE INDEX IF NOT EXISTS stream_groups_ready ON stream_groups(stream, state, ready_seq);
+CREATE INDEX IF NOT EXISTS stream_groups_group ON stream_groups(run_id, instance_id, epoch, part);
 CREATE INDEX IF NOT EXISTS stream_groups_batch ON stream_groups(batch_id);
 -- The trainer's version per role (each role's trainer and engines have their own).
 CREATE TABLE IF NOT EXISTS role_versions (
@@ -728,24 +722,29 @@ def _complete(
         if rec is not None:
             conn.execute("UPDATE trajectories SET record=?, summary=? WHERE uid=?",
                          (orjson.dumps(rec), _summary(rec), uid))
+    seq = _next_seq(conn)
     conn.execute(
         "UPDATE groups SET state='ready', ready_seq=?, completed_at=?, version_min=?, version_max=? "
         "WHERE run_id=? AND instance_id=? AND epoch=? AND part=?",
-        (_next_seq(conn), now, *group_version_range(outcome.records), *key),
+        (seq, now, *group_version_range(outcome.records), *key),
     )
-    return None, _record_roles(conn, key, outcome.records)
+    return None, _add_to_role_streams(conn, key, outcome.records, seq)
 
 
-def _record_roles(conn: sqlite3.Connection, key: GroupKey, records: list[Record]) -> list[str]:
-    """The roles (`extra_info.agent_id`) of a ready group, with each role's record count and versions."""
+def _add_to_role_streams(conn: sqlite3.Connection, key: GroupKey, records: list[Record], seq: int) -> list[str]:
+    """Make a ready group ready on the stream of each role (`extra_info.agent_id`) it has records of, with the
+    role's record count and versions; returns those roles."""
     by_role: dict[str, list[Record]] = {}
     for r in records:
         role = role_of(r)
         if role is not None:
             by_role.setdefault(role, []).append(r)
     for role, members in by_role.items():
-        conn.execute("INSERT OR REPLACE INTO group_roles VALUES (?,?,?,?,?,?,?,?)",
-                     (*key, role, len(members), *group_version_range(members)))
+        conn.execute(
+            "INSERT OR REPLACE INTO stream_groups(stream, run_id, instance_id, epoch, part, records, version_min, "
+            "version_max, ready_seq, state) VALUES (?,?,?,?,?,?,?,?,?,'ready')",
+            (role, *key, len(members), *group_version_range(members), seq),
+        )
     return sorted(by_role)
 
 
@@ -871,16 +870,8 @@ def _take(conn: sqlite3.Connection, max_groups: int | None, lease_s: float | Non
 
 
 # ---- role streams ---------------------------------------------------------------------------------------
-# A group is ready for role R when it is ready (or handed out) on the default stream's side, has records of
-# R (a `group_roles` row) and R has no delivery row for it yet, or one whose lease ran out. Its state for the
-# default stream (groups.state) is never changed by a role stream, nor the other way round, except that a
-# group the default stream dropped (filtered, e.g. stale) is gone for every stream.
-_STREAM_READY_SQL = (
-    "FROM group_roles r JOIN groups g ON g.run_id=r.run_id AND g.instance_id=r.instance_id AND g.epoch=r.epoch "
-    "AND g.part=r.part LEFT JOIN stream_groups s ON s.stream=r.agent_id AND s.run_id=r.run_id AND "
-    "s.instance_id=r.instance_id AND s.epoch=r.epoch AND s.part=r.part "
-    "WHERE r.agent_id=? AND g.state != 'filtered' AND (s.state IS NULL OR s.state='ready')"
-)
+# Each role stream delivers, drops and leases its rows of `stream_groups` on its own: neither another role's
+# stream nor the default stream (the `groups` table) changes them, and they change neither.
 
 
 def _expire_stream_leases(conn: sqlite3.Connection, stream: str, now: float) -> dict[str, int]:
@@ -892,19 +883,9 @@ def _expire_stream_leases(conn: sqlite3.Connection, stream: str, now: float) -> 
     ).fetchall():
         expired[run_id] = expired.get(run_id, 0) + 1
     if expired:
-        log.info("%d leased role-stream groups were not acked in time and are deliverable again",
-                 sum(expired.values()))
+        log.info("%d leased %s groups were not acked in time and are deliverable again", sum(expired.values()),
+                 stream)
     return expired
-
-
-def _set_stream_state(conn: sqlite3.Connection, stream: str, key: GroupKey, state: str, reason: str | None,
-                      batch_id: str | None, expires: float | None) -> None:
-    conn.execute(
-        "INSERT INTO stream_groups(stream, run_id, instance_id, epoch, part, state, reason, batch_id, lease_expires) "
-        "VALUES (?,?,?,?,?,?,?,?,?) ON CONFLICT DO UPDATE SET state=excluded.state, reason=excluded.reason, "
-        "batch_id=excluded.batch_id, lease_expires=excluded.lease_expires",
-        (stream, *key, state, reason, batch_id, expires),
-    )
 
 
 def _drop_stale_stream(
@@ -915,8 +896,8 @@ def _drop_stale_stream(
 ) -> list[StaleGroup]:
     """Groups whose records of `stream` lag the role's trainer by more than the run's η: dropped for the role."""
     stale: list[StaleGroup] = []
-    rows = conn.execute(f"SELECT r.run_id, r.instance_id, r.epoch, r.part, r.version_min {_STREAM_READY_SQL} "
-                        "AND r.version_min < ?", (stream, current)).fetchall()
+    rows = conn.execute("SELECT run_id, instance_id, epoch, part, version_min FROM stream_groups "
+                        "WHERE stream=? AND state='ready' AND version_min < ?", (stream, current)).fetchall()
     rules: dict[str, StalenessRule | None] = {}
     for run_id, instance_id, epoch, part, version_min in rows:
         if run_id not in rules:
@@ -925,7 +906,8 @@ def _drop_stale_stream(
         if rule is None or version_min >= current - rule.max_staleness:
             continue
         key = (run_id, instance_id, epoch, part)
-        _set_stream_state(conn, stream, key, "filtered", "stale", None, None)
+        conn.execute("UPDATE stream_groups SET state='filtered', reason='stale' "
+                     "WHERE stream=? AND run_id=? AND instance_id=? AND epoch=? AND part=?", (stream, *key))
         stale.append(StaleGroup(key, version_min, current - version_min, None))
     return stale
 
@@ -933,8 +915,8 @@ def _drop_stale_stream(
 def _take_stream(conn: sqlite3.Connection, stream: str, max_groups: int | None, lease_s: float | None,
                  now: float, order: Order = "oldest") -> Batch:
     ready = conn.execute(
-        f"SELECT r.run_id, r.instance_id, r.epoch, r.part, s.batch_id, r.version_min {_STREAM_READY_SQL} "
-        f"ORDER BY g.{_ORDER_SQL[order]}", (stream,)
+        "SELECT run_id, instance_id, epoch, part, batch_id, version_min FROM stream_groups "
+        f"WHERE stream=? AND state='ready' ORDER BY {_ORDER_SQL[order]}", (stream,)
     )
     try:
         rows = _one_per_instance(ready, max_groups)
@@ -953,7 +935,9 @@ def _take_stream(conn: sqlite3.Connection, stream: str, max_groups: int | None, 
         for run_id, instance_id, epoch, part, old_batch, version_min in rows:
             batch.redelivered += old_batch is not None
             key = (run_id, instance_id, epoch, part)
-            _set_stream_state(conn, stream, key, state, None, batch.batch_id, expires)
+            conn.execute("UPDATE stream_groups SET state=?, batch_id=?, lease_expires=? "
+                         "WHERE stream=? AND run_id=? AND instance_id=? AND epoch=? AND part=?",
+                         (state, batch.batch_id, expires, stream, *key))
             stored = conn.execute(
                 "SELECT record, summary FROM trajectories WHERE run_id=? AND instance_id=? AND epoch=? AND part=? "
                 "AND agent_id=? ORDER BY rowid",
@@ -984,18 +968,13 @@ def _role_state(conn: sqlite3.Connection, run_id: str) -> tuple[int, dict[str, R
     for role, base, current in conn.execute(
             "SELECT agent_id, base_version, trainer_version FROM role_versions WHERE run_id=?", (run_id,)):
         roles[role] = RoleState(version=TrainerVersion(base, current), active=True)
-    for role, state, n in conn.execute(
-        "SELECT r.agent_id, CASE WHEN g.state='filtered' THEN 'filtered' ELSE coalesce(s.state, 'ready') END, "
-        "count(*) FROM group_roles r JOIN groups g ON g.run_id=r.run_id AND g.instance_id=r.instance_id AND "
-        "g.epoch=r.epoch AND g.part=r.part LEFT JOIN stream_groups s ON s.stream=r.agent_id AND "
-        "s.run_id=r.run_id AND s.instance_id=r.instance_id AND s.epoch=r.epoch AND s.part=r.part "
-        "WHERE r.run_id=? GROUP BY 1, 2", (run_id,)
-    ):
-        counts = roles.setdefault(role, RoleState()).counts
-        counts[state] = n
-        counts["groups"] = counts.get("groups", 0) + n
-    for (role,) in conn.execute("SELECT DISTINCT stream FROM stream_groups WHERE run_id=?", (run_id,)):
-        roles.setdefault(role, RoleState()).active = True
+    for role, state, n, used in conn.execute(
+            "SELECT stream, state, count(*), count(batch_id) FROM stream_groups WHERE run_id=? GROUP BY 1, 2",
+            (run_id,)):
+        r = roles.setdefault(role, RoleState())
+        r.counts[state] = n
+        r.counts["groups"] = r.counts.get("groups", 0) + n
+        r.active = r.active or state != "ready" or used > 0  # its stream took (or dropped) a group
     for role, n in conn.execute("SELECT agent_id, count(*) FROM trajectories WHERE run_id=? AND agent_id IS NOT NULL "
                                 "GROUP BY agent_id", (run_id,)):
         roles.setdefault(role, RoleState()).counts["records"] = n
@@ -1005,13 +984,11 @@ def _role_state(conn: sqlite3.Connection, run_id: str) -> tuple[int, dict[str, R
 
 
 def _group_roles(conn: sqlite3.Connection, key: GroupKey) -> dict[str, dict[str, Any]]:
-    """One group's roles: each role's records and its stream's state (`ready` until the role takes it)."""
+    """One group's roles: each role's records, versions and its stream's state, reason and batch."""
     return {
-        role: {"records": n, "state": state or "ready", "reason": reason, "batch_id": batch_id,
-               "version_min": vmin, "version_max": vmax}
+        role: {"records": n, "state": state, "reason": reason, "batch_id": batch_id, "version_min": vmin,
+               "version_max": vmax}
         for role, n, vmin, vmax, state, reason, batch_id in conn.execute(
-            "SELECT r.agent_id, r.records, r.version_min, r.version_max, s.state, s.reason, s.batch_id "
-            "FROM group_roles r LEFT JOIN stream_groups s ON s.stream=r.agent_id AND s.run_id=r.run_id AND "
-            "s.instance_id=r.instance_id AND s.epoch=r.epoch AND s.part=r.part "
-            "WHERE r.run_id=? AND r.instance_id=? AND r.epoch=? AND r.part=? ORDER BY r.agent_id", key)
+            "SELECT stream, records, version_min, version_max, state, reason, batch_id FROM stream_groups "
+            "WHERE run_id=? AND instance_id=? AND epoch=? AND part=? ORDER BY stream", key)
     }

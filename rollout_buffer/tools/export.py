@@ -102,10 +102,9 @@ def iter_records(conn: sqlite3.Connection, run_id: str | None, delivered_only: b
         args.append(agent_id)
     if delivered_only and agent_id is not None:
         sql = (
-            f"SELECT t.record, {role} FROM stream_groups s JOIN groups g ON g.run_id=s.run_id AND "
-            "g.instance_id=s.instance_id AND g.epoch=s.epoch AND g.part=s.part JOIN trajectories t ON "
-            "t.run_id=s.run_id AND t.instance_id=s.instance_id AND t.epoch=s.epoch AND t.part=s.part "
-            f"WHERE {' AND '.join(['s.state=?', 's.stream=?', *where])} ORDER BY g.ready_seq, t.rowid"
+            f"SELECT t.record, {role} FROM stream_groups s JOIN trajectories t ON t.run_id=s.run_id AND "
+            "t.instance_id=s.instance_id AND t.epoch=s.epoch AND t.part=s.part "
+            f"WHERE {' AND '.join(['s.state=?', 's.stream=?', *where])} ORDER BY s.ready_seq, t.rowid"
         )
         args[:0] = ["delivered", agent_id]
     elif delivered_only:
