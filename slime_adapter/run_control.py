@@ -2,7 +2,9 @@
 
 slime's original adapter started the rollout on its first call in each process, so a restarted trainer
 restarted generation. Here the adapter asks `GET /status` first and leaves a run alone when it is already
-producing this task's data; a resumed trainer therefore picks up where the buffer is.
+producing this task's data; a resumed trainer therefore picks up where the buffer is. With role streams (one
+trainer per role, `--rollout-buffer-role`) only the lead role's trainer starts the run; the others wait for it
+the same way, and each reports its version for its own role.
 """
 
 from __future__ import annotations

@@ -720,8 +720,9 @@ def _complete(
     for uid, _ in rows:
         rec = by_uid.get(uid)
         if rec is not None:
-            conn.execute("UPDATE trajectories SET record=?, summary=? WHERE uid=?",
-                         (orjson.dumps(rec), _summary(rec), uid))
+            # The role too: a `transform_group` hook may have changed it, and role streams select by it.
+            conn.execute("UPDATE trajectories SET record=?, summary=?, agent_id=? WHERE uid=?",
+                         (orjson.dumps(rec), _summary(rec), role_of(rec), uid))
     seq = _next_seq(conn)
     conn.execute(
         "UPDATE groups SET state='ready', ready_seq=?, completed_at=?, version_min=?, version_max=? "
