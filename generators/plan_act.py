@@ -7,7 +7,9 @@ chat template), which calls tools (hermes `<tool_call>`s or OpenAI `tool_calls`,
 generator) until it replies without a call, for at most `max_actor_turns` turns. The planner then reads one
 `<report>` per step and revises the plan or answers, for at most `max_turns` planner turns. A sub-task that
 fails (engine error after its retries, a cut reply, no answer in time) is reported to the planner as `failed`:
-the episode goes on.
+the episode goes on. A role's engine that is down (unreachable after the retries) fails the episode instead,
+with the role in the reason (`error_kind` `actor_engine_connection`, `planner_engine_<kind>`): every further
+turn of that role would fail the same way.
 
 Both roles share the run's engine unless `planner_engine_url` / `actor_engine_url` name others. Every call of
 an episode uses the episode's uid as session id, so each engine client keeps the episode on one engine (both
@@ -55,6 +57,14 @@ REQUIRED_FIELDS = (("prompt", "question"), ("label", "golden_answers", "answer")
 
 # Tokens the planner needs past a report: the template's framing of the user turn and a reply worth having.
 _MIN_REPLY_TOKENS = 32
+
+
+class RoleEngineError(Exception):
+    """A role's engine failed the episode; `error_kind` (the runner's failure reason) names the role."""
+
+    def __init__(self, role: str, error: EngineError):
+        super().__init__(f"the {role} engine is {'down' if error.kind == 'connection' else 'failing'}: {error}")
+        self.error_kind = f"{role}_engine_{error.kind}"
 
 
 @dataclass
@@ -175,6 +185,8 @@ class Episode:
                                     **({"error": o.error} if o.error else {})} for o in outcomes]
                 await conv.aadd_messages([o.message() for o in outcomes])
         except EngineError as e:
+            if e.kind == "connection":  # the actor's engine is down: no sub-task of the episode can run
+                raise RoleEngineError("actor", e) from None
             sub.stop_reason, failure = "engine_error", f"engine error: {e}"
         if failure is None:
             sub.status = "done"
@@ -213,8 +225,11 @@ async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> list[dict[st
     try:
         for turn in range(opts.max_turns):
             before = len(planner.messages)
-            finish = await pctx.generate(planner, engine=run.planner_engine, session=ctx.uid,
-                                         **opts.planner_sampling_params)
+            try:
+                finish = await pctx.generate(planner, engine=run.planner_engine, session=ctx.uid,
+                                             **opts.planner_sampling_params)
+            except EngineError as e:
+                raise RoleEngineError("planner", e) from None
             if len(planner.messages) == before:
                 stop_reason = "max_tokens"
                 break

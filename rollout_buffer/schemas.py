@@ -223,6 +223,10 @@ class EvalResultsRequest(BaseModel):
     records: bool = False
 
 
+# A role stream's name: a record's `extra_info.agent_id`.
+AgentId = Annotated[str, Field(min_length=1, max_length=128)]
+
+
 class GetRolloutDataRequest(BaseModel):
     """Body of `/get_rollout_data`; slime's original client sends `{}`."""
 
@@ -235,6 +239,8 @@ class GetRolloutDataRequest(BaseModel):
     # The trainer's weight version now (slime: its rollout id); numeric strings accepted.
     current_version: NonNegativeInt | None = None
     order: Literal["oldest", "newest"] = "oldest"
+    # A role stream (plan/act's "planner" / "actor"): only that role's records, its own leases and counters.
+    agent_id: AgentId | None = None
 
 
 class TrainerVersionRequest(BaseModel):
@@ -243,12 +249,14 @@ class TrainerVersionRequest(BaseModel):
     current_version: NonNegativeInt
     # A trainer restarted from an older checkpoint reports an older version on purpose.
     rewind: bool = False
+    agent_id: AgentId | None = None  # the version of this role's trainer (role streams)
 
 
 class AckRequest(BaseModel):
     """Body of `/ack`."""
 
     batch_id: str = Field(min_length=1)
+    agent_id: AgentId | None = None  # the stream the batch was fetched from
 
 
 class OpenSessionRequest(BaseModel):

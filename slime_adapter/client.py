@@ -118,12 +118,13 @@ class BufferClient:
         lease_s: float | None = None,
         ack: str | None = None,
         current_version: int | None = None,
+        agent_id: str | None = None,
     ) -> Delivery:
         """`POST /get_rollout_data`: ready groups (oldest first), waiting up to `wait_s` for the first;
-        `current_version` tells the buffer the trainer's weight version."""
+        `current_version` tells the buffer the trainer's weight version; `agent_id` reads one role's stream."""
         body: dict[str, Any] = {"wait_s": wait_s}
         for key, value in (("max_groups", max_groups), ("lease_s", lease_s), ("ack", ack),
-                           ("current_version", current_version)):
+                           ("current_version", current_version), ("agent_id", agent_id)):
             if value is not None:
                 body[key] = value
         answer = self._call("POST", "/get_rollout_data", body, read_timeout=wait_s + _LONG_POLL_GRACE_S)
@@ -141,9 +142,13 @@ class BufferClient:
                 raise RolloutBufferError(f"record {record.get('uid')!r} lacks {sorted(missing)}")
         return Delivery(records, meta_info)
 
-    def trainer_version(self, version: int, rewind: bool = False) -> dict[str, Any]:
-        """`POST /trainer_version`: the trainer's weight version (`rewind` when it restarted from an older one)."""
-        return self._call("POST", "/trainer_version", {"current_version": version, "rewind": rewind})
+    def trainer_version(self, version: int, rewind: bool = False, agent_id: str | None = None) -> dict[str, Any]:
+        """`POST /trainer_version`: the trainer's weight version (`rewind` when it restarted from an older one),
+        of one role's trainer with `agent_id`."""
+        body: dict[str, Any] = {"current_version": version, "rewind": rewind}
+        if agent_id is not None:
+            body["agent_id"] = agent_id
+        return self._call("POST", "/trainer_version", body)
 
     def start_eval(self, payload: dict[str, Any]) -> dict[str, Any]:
         """`POST /start_eval`: evaluate named datasets at a version; answers `{success, version, evals}`."""
@@ -155,9 +160,11 @@ class BufferClient:
         body = {"version": version, "datasets": datasets, "wait_s": wait_s, "records": records}
         return self._call("POST", "/eval_results", body, read_timeout=wait_s + _LONG_POLL_GRACE_S)
 
-    def ack(self, batch_id: str) -> int:
-        """`POST /ack`: mark a leased batch consumed; returns how many groups it acked."""
-        return int(self._call("POST", "/ack", {"batch_id": batch_id}).get("acked_groups", 0))
+    def ack(self, batch_id: str, agent_id: str | None = None) -> int:
+        """`POST /ack`: mark a leased batch (of the `agent_id` stream, when given) consumed; returns how many
+        groups it acked."""
+        body = {"batch_id": batch_id, **({"agent_id": agent_id} if agent_id is not None else {})}
+        return int(self._call("POST", "/ack", body).get("acked_groups", 0))
 
     def _call(
         self, method: str, path: str, body: dict[str, Any] | None = None, read_timeout: float | None = None

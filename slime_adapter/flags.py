@@ -18,6 +18,7 @@ DEFAULT_BACKOFF_S = 1.0
 DEFAULT_NUM_PROCESS = 256
 DEFAULT_TASK_TYPE = "math"
 DEFAULT_EVAL_NUM_PROCESS = 64
+DEFAULT_LEAD_ROLE = "planner"
 
 # (option strings, add_argument keywords). Option strings a parser already has are skipped, so slime's own
 # definitions (e.g. its --rollout-buffer-url, --loss-mask-type) win and nothing clashes.
@@ -87,6 +88,24 @@ ADAPTER_FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
          "help": "Generate groups dropped as stale again instead of only counting them"},
     ),
     (
+        ("--rollout-buffer-role",),
+        {"type": str, "default": None,
+         "help": "Train one role of a multi-agent run (plan_act: planner or actor): fetch only that role's "
+                 "records (the buffer's agent_id stream) and report this trainer's version for that role"},
+    ),
+    (
+        ("--rollout-buffer-role-engine-url",),
+        {"action": "append", "default": [], "metavar": "ROLE=URL",
+         "help": "With --rollout-buffer-role, on the lead role's trainer: another role's router (e.g. "
+                 "actor=http://10.0.0.2:30000), passed on as the run's <role>_engine_url; repeatable. The lead "
+                 "role's own turns go to this trainer's router"},
+    ),
+    (
+        ("--rollout-buffer-lead-role",),
+        {"type": str, "default": DEFAULT_LEAD_ROLE,
+         "help": "With --rollout-buffer-role: the role whose trainer starts the run; the others wait for it"},
+    ),
+    (
         # slime's own flag (slime/utils/arguments.py); registered here only when slime's parser lacks it.
         ("--mask-offpolicy-in-partial-rollout",),
         {"action": "store_true", "default": False,
@@ -122,6 +141,14 @@ class AdapterSettings:
     max_ready_groups: int | None = None
     regenerate_stale: bool = False
     mask_offpolicy: bool = False
+    role: str | None = None  # the role stream this trainer consumes (None: whole groups, every role)
+    lead_role: str = DEFAULT_LEAD_ROLE
+    role_engine_urls: tuple[tuple[str, str], ...] = ()  # (role, router URL) of other roles' engines
+
+    @property
+    def starts_run(self) -> bool:
+        """Whether this trainer may start the buffer's run: without a role, or as the lead role."""
+        return self.role is None or self.role == self.lead_role
 
     @classmethod
     def from_args(cls, args: Any) -> AdapterSettings:
@@ -137,6 +164,15 @@ class AdapterSettings:
         max_staleness = getattr(args, "rollout_max_staleness", None)
         if max_staleness is not None and int(max_staleness) < 0:
             raise ValueError("--rollout-max-staleness must be 0 or more")
+        role = getattr(args, "rollout_buffer_role", None)
+        if role is not None and not str(role).strip():
+            raise ValueError("--rollout-buffer-role must name a role (e.g. planner or actor)")
+        engines = []
+        for spec in getattr(args, "rollout_buffer_role_engine_url", None) or []:
+            name, sep, engine_url = str(spec).partition("=")
+            if not sep or not name.strip() or not engine_url.strip().startswith(("http://", "https://")):
+                raise ValueError(f"--rollout-buffer-role-engine-url: {spec!r} is not ROLE=http://HOST:PORT")
+            engines.append((name.strip(), engine_url.strip()))
         return cls(
             buffer_url=url,
             retry=RetryPolicy(
@@ -154,4 +190,7 @@ class AdapterSettings:
             max_ready_groups=getattr(args, "rollout_max_ready_groups", None),
             regenerate_stale=bool(getattr(args, "rollout_regenerate_stale", False)),
             mask_offpolicy=bool(getattr(args, "mask_offpolicy_in_partial_rollout", False)),
+            role=None if role is None else str(role).strip(),
+            lead_role=getattr(args, "rollout_buffer_lead_role", None) or DEFAULT_LEAD_ROLE,
+            role_engine_urls=tuple(engines),
         )

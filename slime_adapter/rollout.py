@@ -96,7 +96,8 @@ class GroupCollector:
             bounded = self.settings.max_staleness is not None
             delivery = self.client.get_rollout_data(wait_s=wait_s, lease_s=self.settings.lease_s,
                                                     max_groups=num_groups - got if bounded else None,
-                                                    current_version=self.current_version)
+                                                    current_version=self.current_version,
+                                                    agent_id=self.settings.role)
             if delivery.meta_info:
                 self.meta_infos.append(delivery.meta_info)
             if not delivery.records:
@@ -158,7 +159,7 @@ class GroupCollector:
         self.data_buffer.update_metadata({key: consumed + [g.instance_id for g in groups]})
         for fetched in self._pending:
             if fetched.delivery.batch_id is not None and self.settings.lease_s is not None:
-                self.client.ack(fetched.delivery.batch_id)
+                self.client.ack(fetched.delivery.batch_id, self.settings.role)
         self._pending = []
 
     def _check_run_alive(self, got: int, wanted: int) -> None:
@@ -167,15 +168,22 @@ class GroupCollector:
         run = status.get("run") or {}
         state = run.get("state")
         # Open groups of an ended run never complete, so only ready ones count as data to come.
-        if state not in ("finished", "failed") or status.get("groups", {}).get("ready", 0):
+        if state not in ("finished", "failed") or self._stream_groups(status).get("ready", 0):
             return
         self.commit()  # then our own leases no longer count as groups that may come back
-        if self.client.status().get("groups", {}).get("leased", 0):
+        if self._stream_groups(self.client.status()).get("leased", 0):
             return
         why = f"failed ({run.get('error')})" if state == "failed" else "finished and has no more groups"
         hint = "" if state == "failed" else ": raise --num-epoch or lower --num-rollout"
         run_id = run.get("run_id")
         raise RolloutBufferError(f"the buffer's run {run_id} {why}; got {got} of {wanted} groups{hint}")
+
+
+    def _stream_groups(self, status: dict[str, Any]) -> dict[str, int]:
+        """The run's groups by state for the stream this trainer reads (its role's, or the default one)."""
+        if self.settings.role is None:
+            return status.get("groups", {})
+        return ((status.get("roles") or {}).get(self.settings.role) or {}).get("groups", {})
 
 
 def take_batch(data_buffer: Any, batch_size: int) -> list[SampleGroup]:

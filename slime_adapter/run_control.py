@@ -2,13 +2,16 @@
 
 slime's original adapter started the rollout on its first call in each process, so a restarted trainer
 restarted generation. Here the adapter asks `GET /status` first and leaves a run alone when it is already
-producing this task's data; a resumed trainer therefore picks up where the buffer is.
+producing this task's data; a resumed trainer therefore picks up where the buffer is. With role streams (one
+trainer per role, `--rollout-buffer-role`) only the lead role's trainer starts the run; the others wait for it
+the same way, and each reports its version for its own role.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 from slime_adapter.client import BufferClient, RolloutBufferError
@@ -20,6 +23,8 @@ log = logging.getLogger(__name__)
 DEFAULT_NUM_EPOCH = 3
 # States in which a run still has (or will have) data for this task.
 _LIVE_STATES = frozenset({"running", "finished"})
+# How often a role trainer that does not start the run asks whether the lead role's trainer has started it.
+LEAD_POLL_S = 1.0
 
 
 def consumed_instance_ids(metadata: dict[str, Any]) -> list[str]:
@@ -78,6 +83,10 @@ def start_payload(args: Any, settings: AdapterSettings, skip_instance_ids: list[
         "mask_offpolicy_in_partial_rollout": settings.mask_offpolicy or None,
         "current_version": current_version,
     }
+    if settings.role is not None:
+        # Two models: each role's turns go to its own engines (this trainer's router for its own role).
+        payload[f"{settings.role}_engine_url"] = payload["remote_engine_url"]
+        payload.update({f"{role}_engine_url": url for role, url in settings.role_engine_urls})
     return {k: v for k, v in payload.items() if v is not None}
 
 
@@ -101,9 +110,26 @@ def reason_to_start(run: dict[str, Any] | None, payload: dict[str, Any]) -> str 
     return None
 
 
-# Buffers this process already told its version: a trainer process that finds a run serving on its first call
-# may be a restart from an older checkpoint, so it rewinds the run's trainer version once.
-_versioned_buffers: set[str] = set()
+# (buffer, role) this process already told its version: a trainer process that finds a run serving on its first
+# call may be a restart from an older checkpoint, so it rewinds the run's trainer version (its role's) once.
+_versioned_buffers: set[tuple[str, str | None]] = set()
+
+
+def wait_for_lead(client: BufferClient, settings: AdapterSettings, payload: dict[str, Any]) -> dict[str, Any]:
+    """The run the lead role's trainer started for this task: a role trainer that does not start runs waits
+    for it (as a restarted trainer finds its run), logging what it waits for now and then."""
+    last_log = 0.0
+    while True:
+        run = client.status().get("run")
+        why = reason_to_start(run, payload)
+        if why is None:
+            assert run is not None
+            return run
+        if time.monotonic() - last_log > 30:
+            log.info("%s trainer: waiting for the %s trainer to start the run (%s)", settings.role,
+                     settings.lead_role, why)
+            last_log = time.monotonic()
+        time.sleep(LEAD_POLL_S)
 
 
 def ensure_rollout_started(
@@ -111,16 +137,16 @@ def ensure_rollout_started(
     current_version: int | None = None,
 ) -> str | None:
     """Start the rollout unless the buffer's run already produces it; returns the serving run's id."""
-    run = client.status().get("run")
     payload = start_payload(args, settings, consumed_instance_ids(metadata), current_version)
+    run = client.status().get("run") if settings.starts_run else wait_for_lead(client, settings, payload)
     why = reason_to_start(run, payload)
-    first_call = settings.buffer_url not in _versioned_buffers
-    _versioned_buffers.add(settings.buffer_url)
+    first_call = (settings.buffer_url, settings.role) not in _versioned_buffers
+    _versioned_buffers.add((settings.buffer_url, settings.role))
     if why is None:
         assert run is not None
         log.info("rollout buffer run %s is %s; not restarting it", run.get("run_id"), run.get("state"))
         if first_call and current_version is not None and run.get("task_type") is not None:
-            client.trainer_version(current_version, rewind=True)
+            client.trainer_version(current_version, rewind=True, agent_id=settings.role)
         return run.get("run_id")
     log.info("starting a rollout run (%s), skipping %d instance ids", why, len(payload["skip_instance_ids"]))
     answer = client.start_rollout(payload)

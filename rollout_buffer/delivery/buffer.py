@@ -15,8 +15,17 @@ import orjson
 
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.groups import GroupPolicy
-from rollout_buffer.delivery.ledger import GroupTally, RunLedger
-from rollout_buffer.delivery.store import Batch, NewRecord, Order, StaleGroup, Store, StoredRecord, WriteResult
+from rollout_buffer.delivery.ledger import GroupTally, RoleLedger, RunLedger
+from rollout_buffer.delivery.store import (
+    Batch,
+    NewRecord,
+    Order,
+    StaleGroup,
+    Store,
+    StoredRecord,
+    WriteResult,
+    role_of,
+)
 from rollout_buffer.delivery.versions import StalenessRule, TrainerVersion, version_range
 from rollout_buffer.observability import metrics
 from rollout_buffer.schemas import TrajectoryRecord
@@ -80,6 +89,8 @@ class RolloutBuffer:
         self.generators = generators
         self._changed = asyncio.Event()
         self._since_read = ReadCounters()
+        # The same per role stream, from the stream's first read on (a role is told of groups with its records).
+        self._since_read_by_role: dict[str, ReadCounters] = {}
         self._policies: dict[str, GroupPolicy] = {}
         self._default_run_lock = asyncio.Lock()
         # The writer run, remembered until a run is created (runs are only created through this object), so
@@ -146,23 +157,37 @@ class RolloutBuffer:
                 # One store operation: the events of later operations are applied on top of it, those of
                 # earlier ones were dropped (no ledger yet) but are in what it read.
                 counts, version = await self.store.run_state(run_id)
-                self._ledgers[run_id] = RunLedger(run_id, GroupTally.from_states(counts), version)
+                ready_total, roles = await self.store.role_state(run_id)
+                ledger = RunLedger(run_id, GroupTally.from_states(counts), version, ready_total=ready_total)
+                for name, state in roles.items():
+                    ledger.roles[name] = RoleLedger(GroupTally.from_states(state.counts), state.counts.get("groups", 0),
+                                                    state.version, state.active)
+                self._ledgers[run_id] = ledger
             return self._ledgers[run_id]
 
-    async def report_version(self, version: int, rewind: bool = False) -> tuple[str, TrainerVersion] | None:
-        """Record the trainer's version for the latest run; None when there is no run. Raises
-        `VersionConflict` when it goes back without `rewind`."""
+    async def report_version(self, version: int, rewind: bool = False, role: str | None = None
+                             ) -> tuple[str, TrainerVersion] | None:
+        """Record the trainer's version (of `role`'s trainer, with role streams) for the latest run; None when
+        there is no run. Raises `VersionConflict` when it goes back without `rewind`."""
         run = await self.store.latest_run()
         if run is None:
             return None
         ledger = await self.ledger(run["run_id"])
-        before = ledger.version
+        before = ledger.version if role is None else ledger.role(role).version
+        if role is not None:
+            ledger.role(role).active = True
         if before.current == version:  # every fetch repeats it: nothing to write
             return run["run_id"], before
-        now = await self.store.report_trainer_version(run["run_id"], version, rewind)
-        ledger.trainer_reported(now)
-        log.info("run %s: trainer version %s%s", run["run_id"], now.current, " (rewound)" if rewind else "")
-        self._warn_if_far_ahead(ledger, StalenessRule.of_run(run["config"]))
+        if role is None:
+            now = await self.store.report_trainer_version(run["run_id"], version, rewind)
+            ledger.trainer_reported(now)
+        else:
+            now = await self.store.report_role_version(run["run_id"], role, version, rewind)
+            ledger.role_reported(role, now)
+        log.info("run %s: %strainer version %s%s", run["run_id"], f"{role} " if role else "", now.current,
+                 " (rewound)" if rewind else "")
+        if role is None:
+            self._warn_if_far_ahead(ledger, StalenessRule.of_run(run["config"]))
         self._notify()  # a long-poll waiting for data re-checks staleness against the new version
         return run["run_id"], now
 
@@ -179,7 +204,8 @@ class RolloutBuffer:
         """Persist records of a run (the writer run by default); completed groups become deliverable."""
         run = run or await self._writer_run()
         items = [
-            NewRecord(r.uid, r.instance_id, r.epoch, r.status, encode_record(r), episode=r.extra_info.get("episode_id"))
+            NewRecord(r.uid, r.instance_id, r.epoch, r.status, encode_record(r), episode=r.extra_info.get("episode_id"),
+                      agent_id=role_of({"extra_info": r.extra_info}))
             for r in records
         ]
         with metrics.STORE_WRITE_SECONDS.time():
@@ -193,12 +219,18 @@ class RolloutBuffer:
                 ledger.engine_seen(seen[1] if seen else None)
         if result.completed:
             for _key, reason in result.completed:
+                roles = result.roles.get(_key, [])
                 if ledger is not None:
-                    ledger.completed(dropped=reason is not None)
+                    ledger.completed(dropped=reason is not None, roles=roles)
                 if reason is None:
                     self._since_read.finished.append(_key[1])
+                    for role in roles:
+                        if role in self._since_read_by_role:
+                            self._since_read_by_role[role].finished.append(_key[1])
                 else:
                     self._since_read.filtered[reason] += 1
+                    for counters in self._since_read_by_role.values():
+                        counters.filtered[reason] += 1
                     log.info("group %s/%s epoch %s dropped: %s", _key[0], _key[1], _key[2], reason)
             self._notify()
         return result
@@ -217,6 +249,7 @@ class RolloutBuffer:
         client_gone: Callable[[], Awaitable[bool]] | None = None,
         order: Order = "oldest",
         current_version: int | None = None,
+        stream: str | None = None,
     ) -> Delivery:
         """Whole ready groups, oldest (or newest) first; waits up to `wait_s` for the first one to be ready.
 
@@ -225,19 +258,25 @@ class RolloutBuffer:
         version the trainer reported), groups of runs with `max_staleness` that lag by more than η are dropped
         as `stale` before anything is taken. A long-polling client that hung up gets nothing taken for it:
         without a lease those groups would count as consumed and be lost.
+
+        With a `stream` (a role's `agent_id`) all of this happens on that role's own stream: its records of
+        each ready group, its leases and acks, its trainer's version and staleness, its counters.
         """
+        if stream is not None:
+            self._since_read_by_role.setdefault(stream, ReadCounters())
         if current_version is not None:
-            await self.report_version(current_version)
-        acked = await self.ack(ack) if ack else 0
+            await self.report_version(current_version, role=stream)
+        acked = await self.ack(ack, stream) if ack else 0
         deadline = time.monotonic() + wait_s
         stale: list[StaleGroup] = []
         while True:
             changed = self._changed
             if client_gone is not None and await client_gone():
                 return Delivery([], {})  # nobody is listening; keep the counters for the next reader
-            trainer = await self._trainer_version()
-            batch = await self.store.take(max_groups, lease_s, order=order, current_version=trainer.current)
-            self._account(batch)
+            trainer = await self._trainer_version(stream)
+            batch = await self.store.take(max_groups, lease_s, order=order, current_version=trainer.current,
+                                          stream=stream)
+            self._account(batch, stream)
             stale += batch.stale
             remaining = deadline - time.monotonic()
             if batch.groups or remaining <= 0:
@@ -252,51 +291,63 @@ class RolloutBuffer:
         records = [r for g in batch.groups for r in g]
         lags = [trainer.lag(v) for v in batch.versions]
         metrics.count_delivery(batch.groups, batch.redelivered, [lag for lag in lags if lag is not None])
-        meta = self._meta_info(batch.groups, batch.batch_id, acked, batch.redelivered)
+        meta = self._meta_info(batch.groups, batch.batch_id, acked, batch.redelivered, stream)
         meta.update(_version_meta(trainer, lags, stale))
         return Delivery(records, meta)
 
-    async def _trainer_version(self) -> TrainerVersion:
+    async def _trainer_version(self, role: str | None = None) -> TrainerVersion:
         run = await self.store.latest_run()
-        return (await self.ledger(run["run_id"])).version if run is not None else TrainerVersion()
+        if run is None:
+            return TrainerVersion()
+        ledger = await self.ledger(run["run_id"])
+        return ledger.version if role is None else ledger.role(role).version
 
-    def _account(self, batch: Batch) -> None:
+    def _account(self, batch: Batch, stream: str | None = None) -> None:
         """Move the ledgers by what one take did; count and log stale drops and hand regenerations on."""
         taken = Counter(batch.run_ids)
         stale_by_run = Counter(g.key[0] for g in batch.stale)
         for run_id in {*taken, *stale_by_run, *batch.expired_by_run}:
             ledger = self._ledgers.get(run_id)
-            if ledger is not None:
+            if ledger is None:
+                continue
+            if stream is None:
                 ledger.taken(taken[run_id], batch.expired_by_run.get(run_id, 0), stale_by_run[run_id])
+            else:
+                ledger.role_taken(stream, taken[run_id], batch.expired_by_run.get(run_id, 0), stale_by_run[run_id])
+        counters = self._since_read if stream is None else self._since_read_by_role[stream]
         for group in batch.stale:
             run_id, instance_id, epoch, part = group.key
-            self._since_read.filtered["stale"] += 1
+            counters.filtered["stale"] += 1
             regenerated = group.regenerate_part is not None
             metrics.count_stale(regenerated)
-            log.info("group %s/%s epoch %s part %s dropped: stale (version %d, %d behind the trainer)%s", run_id,
-                     instance_id, epoch, part, group.version_min, group.lag,
+            log.info("group %s/%s epoch %s part %s dropped%s: stale (version %d, %d behind the trainer)%s", run_id,
+                     instance_id, epoch, part, f" for {stream}" if stream else "", group.version_min, group.lag,
                      f"; generating it again as part {group.regenerate_part}" if regenerated else "")
             if regenerated and self.regenerate is not None:
                 self.regenerate(group)
 
-    async def ack(self, batch_id: str) -> int:
-        """Mark a leased batch consumed."""
-        n = await self.store.ack(batch_id)
+    async def ack(self, batch_id: str, stream: str | None = None) -> int:
+        """Mark a leased batch (of `stream`, a role, or the default stream) consumed; `StreamMismatch` when
+        the batch went to another stream."""
+        n = await self.store.ack(batch_id, stream)
         metrics.GROUPS_ACKED.inc(n)
         if n:
             log.debug("batch %s acked (%d groups)", batch_id, n)
         return n
 
     def _meta_info(
-        self, groups: list[list[StoredRecord]], batch_id: str | None, acked: int, redelivered: int
+        self, groups: list[list[StoredRecord]], batch_id: str | None, acked: int, redelivered: int,
+        stream: str | None = None,
     ) -> dict[str, Any]:
         records = [r for g in groups for r in g]
         n = len(records)
         # Only an answer that delivers groups reports (and so consumes) what happened since the last one:
         # slime's client ignores unsuccessful answers, so ids reported there would never reach its metadata.
         since = ReadCounters()
-        if groups:
+        if groups and stream is None:
             since, self._since_read = self._since_read, ReadCounters()
+        elif groups and stream is not None:
+            since, self._since_read_by_role[stream] = self._since_read_by_role[stream], ReadCounters()
         raw = [r.raw_reward for r in records]
         meta: dict[str, Any] = {
             "total_samples": n,
@@ -310,6 +361,7 @@ class RolloutBuffer:
             "batch_id": batch_id,
             "acked_groups": acked,
             "redelivered_groups": redelivered,
+            **({"agent_id": stream} if stream is not None else {}),
         }
         for reason, count in since.filtered.items():
             meta[f"filtered_{reason.split(':')[0]}"] = count
@@ -349,7 +401,15 @@ class RolloutBuffer:
             "records": await self.store.record_counts(run_id) if run_id else {},
             "filtered": await self.store.filter_counts(run_id) if run_id else {},
             "all_groups": await self.store.group_counts(),
+            "roles": await self.role_counts(run_id) if run_id else {},
         }
+
+    async def role_counts(self, run_id: str) -> dict[str, dict[str, Any]]:
+        """Per role stream of the run: its groups by stream state, its records and its trainer's version."""
+        _, roles = await self.store.role_state(run_id)
+        return {name: {"groups": {k: v for k, v in state.counts.items() if k not in ("groups", "records")},
+                       "records": state.counts.get("records", 0), "trainer_version": state.version.current}
+                for name, state in sorted(roles.items())}
 
     async def control(self, run_id: str) -> dict[str, Any]:
         """The run's ledger and its admission state as last persisted (the runner's live view replaces it)."""

@@ -10,6 +10,7 @@ Whoever waits for one of those events takes `changed()` before reading and waits
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,13 +39,33 @@ class GroupTally:
 
 
 @dataclass
+class RoleLedger:
+    """One role stream of a run (plan/act's planner or actor, by `extra_info.agent_id`): its groups by fate
+    for that stream, how many ready groups have records of the role at all, and its trainer's version.
+    `active` once a consumer used the stream (fetched by role or reported the role's version)."""
+
+    tally: GroupTally = field(default_factory=GroupTally)
+    groups: int = 0
+    version: TrainerVersion = field(default_factory=TrainerVersion)
+    active: bool = False
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-ready view for `/status`."""
+        return {"trainer_version": self.version.current, "base_version": self.version.base,
+                "trainer_steps": self.version.steps, "ready_groups": self.tally.ready,
+                "consumed_groups": self.tally.consumed, "dropped_groups": self.tally.dropped}
+
+
+@dataclass
 class RunLedger:
-    """One run's tally, trainer version and newest engine version, with a change signal."""
+    """One run's tally, trainer version and newest engine version, with a change signal; and its role streams."""
 
     run_id: str
     tally: GroupTally = field(default_factory=GroupTally)
     version: TrainerVersion = field(default_factory=TrainerVersion)
     engine_version: int | None = None  # the newest weight version seen in the run's records
+    roles: dict[str, RoleLedger] = field(default_factory=dict)
+    ready_total: int = 0  # groups that completed ready (whatever became of them later)
     _changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     def changed(self) -> asyncio.Event:
@@ -57,13 +78,64 @@ class RunLedger:
         event.set()
 
     # ---- events ----------------------------------------------------------------------------------
-    def completed(self, dropped: bool) -> None:
-        """A group of the run completed: ready, or dropped by the group policy."""
+    def completed(self, dropped: bool, roles: Sequence[str] = ()) -> None:
+        """A group of the run completed: ready (with records of `roles`), or dropped by the group policy."""
         if dropped:
             self.tally.dropped += 1
         else:
             self.tally.ready += 1
+            self.ready_total += 1
+            for role in roles:
+                r = self.role(role)
+                r.groups += 1
+                r.tally.ready += 1
         self.notify()
+
+    def role(self, name: str) -> RoleLedger:
+        """The ledger of one role stream (made at its first group or first use)."""
+        return self.roles.setdefault(name, RoleLedger())
+
+    def role_taken(self, name: str, groups: int, expired: int, stale: int) -> None:
+        """A delivery on a role stream (as `taken`, for that role only)."""
+        r = self.role(name)
+        r.active = True
+        if not (groups or expired or stale):
+            return
+        r.tally.ready += expired - groups - stale
+        r.tally.consumed += groups - expired
+        r.tally.dropped += stale
+        self.notify()
+
+    def role_reported(self, name: str, version: TrainerVersion) -> None:
+        """A role's trainer version changed."""
+        r = self.role(name)
+        r.active = True
+        if version != r.version:
+            r.version = version
+            self.notify()
+
+    # ---- what admission counts --------------------------------------------------------------------
+    def active_roles(self) -> dict[str, RoleLedger]:
+        """The role streams consumers use; when there are any, they (not the default stream) pace the run."""
+        return {name: r for name, r in self.roles.items() if r.active}
+
+    def trainers(self) -> list[tuple[int, TrainerVersion]]:
+        """(groups consumed, version) of each trainer: the default stream's, or each active role's. A group
+        without records of a role counts as consumed by that role: it has nothing to wait for."""
+        active = self.active_roles()
+        if not active:
+            return [(self.tally.consumed, self.version)]
+        return [(r.tally.consumed + self.ready_total - r.groups, r.version) for r in active.values()]
+
+    def consumed_groups(self) -> int:
+        """Groups every trainer has taken (or had nothing to take of)."""
+        return min(consumed for consumed, _ in self.trainers())
+
+    def dropped_groups(self) -> int:
+        """Groups dropped: by the group policy or as stale on the default stream, plus those every active role
+        dropped as stale (fewest over the roles)."""
+        active = self.active_roles()
+        return self.tally.dropped + (min(r.tally.dropped for r in active.values()) if active else 0)
 
     def taken(self, groups: int, expired: int, stale: int) -> None:
         """A delivery: `groups` ready groups handed out, `expired` leases made ready again before, `stale`
@@ -106,4 +178,5 @@ class RunLedger:
             "ready_groups": t.ready,
             "consumed_groups": t.consumed,
             "dropped_groups": t.dropped,
+            **({"roles": {name: r.snapshot() for name, r in sorted(self.roles.items())}} if self.roles else {}),
         }

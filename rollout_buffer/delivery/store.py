@@ -74,6 +74,36 @@ CREATE TABLE IF NOT EXISTS batches (
     num_groups INTEGER NOT NULL
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+-- Role streams: every ready group once per role (extra_info.agent_id) it has records of, with that role's
+-- record count and versions, and the role stream's own delivery state (groups.state is the default stream's).
+CREATE TABLE IF NOT EXISTS stream_groups (
+    stream TEXT NOT NULL,
+    run_id TEXT NOT NULL,
+    instance_id TEXT NOT NULL,
+    epoch INTEGER NOT NULL,
+    part INTEGER NOT NULL,
+    records INTEGER NOT NULL,
+    version_min INTEGER,
+    version_max INTEGER,
+    ready_seq INTEGER NOT NULL,   -- the group's, so every stream delivers in completion order
+    state TEXT NOT NULL,          -- ready | leased | delivered | filtered
+    reason TEXT,
+    batch_id TEXT,
+    lease_expires REAL,
+    PRIMARY KEY (stream, run_id, instance_id, epoch, part)
+);
+CREATE INDEX IF NOT EXISTS stream_groups_ready ON stream_groups(stream, state, ready_seq);
+CREATE INDEX IF NOT EXISTS stream_groups_group ON stream_groups(run_id, instance_id, epoch, part);
+CREATE INDEX IF NOT EXISTS stream_groups_batch ON stream_groups(batch_id);
+-- The trainer's version per role (each role's trainer and engines have their own).
+CREATE TABLE IF NOT EXISTS role_versions (
+    run_id TEXT NOT NULL,
+    agent_id TEXT NOT NULL,
+    base_version INTEGER,
+    trainer_version INTEGER,
+    updated_at REAL,
+    PRIMARY KEY (run_id, agent_id)
+);
 CREATE TABLE IF NOT EXISTS run_control (
     run_id TEXT PRIMARY KEY,
     base_version INTEGER,         -- the trainer's version when the run began (the first one it heard of)
@@ -118,6 +148,16 @@ class StoreError(RuntimeError):
     """SQLite failed (disk full, I/O error, corrupt file): the caller answers 503, nothing is half-written."""
 
 
+class StreamMismatch(ValueError):
+    """An ack names a batch that was delivered to another stream (role) than the one the ack names."""
+
+    def __init__(self, batch_id: str, owner: str | None, stream: str | None):
+        def name(s: str | None) -> str:
+            return f"agent_id {s!r}" if s is not None else "the default stream (no agent_id)"
+
+        super().__init__(f"agent_id: batch {batch_id!r} was delivered to {name(owner)}, not to {name(stream)}")
+
+
 @dataclass
 class NewRecord:
     """A validated trajectory ready to persist."""
@@ -129,6 +169,7 @@ class NewRecord:
     blob: bytes  # the record as JSON
     # Records of one multi-agent episode share it; a group counts episodes, not records.
     episode: str | None = None
+    agent_id: str | None = None  # the record's role (`extra_info.agent_id`): its delivery stream
 
 
 @dataclass
@@ -138,6 +179,7 @@ class WriteResult:
     inserted: int = 0
     duplicates: int = 0
     completed: list[tuple[GroupKey, str | None]] = field(default_factory=list)  # (group, drop reason)
+    roles: dict[GroupKey, list[str]] = field(default_factory=dict)  # the roles of each completed ready group
     inserted_by_status: dict[str, int] = field(default_factory=dict)
 
 
@@ -228,6 +270,10 @@ class Store:
             # What delivery reads of a completed record, so it can send the stored JSON without parsing it;
             # stores written before this column summarise their records at delivery instead.
             conn.execute("ALTER TABLE trajectories ADD COLUMN summary BLOB")
+        if "agent_id" not in {row[1] for row in conn.execute("PRAGMA table_info(trajectories)")}:
+            conn.execute("ALTER TABLE trajectories ADD COLUMN agent_id TEXT")  # stores before role streams
+        if "stream" not in {row[1] for row in conn.execute("PRAGMA table_info(batches)")}:
+            conn.execute("ALTER TABLE batches ADD COLUMN stream TEXT")
         group_columns = {row[1] for row in conn.execute("PRAGMA table_info(groups)")}
         for column in ("version_min", "version_max"):
             if column not in group_columns:  # stores written before version-aware delivery
@@ -367,17 +413,28 @@ class Store:
 
     # ---- reads -----------------------------------------------------------------------------------
     async def take(self, max_groups: int | None, lease_s: float | None, now: float | None = None,
-                   order: Order = "oldest", current_version: int | None = None) -> Batch:
+                   order: Order = "oldest", current_version: int | None = None, stream: str | None = None) -> Batch:
         """Hand out ready groups (oldest or newest first), at most one per instance id: leased for `lease_s`,
         or consumed when lease_s is None. With the trainer's `current_version`, ready groups of runs with
         `max_staleness` whose oldest turn lags it by more than η are dropped first (reason `stale`), and queued
-        again as a new open part when their run asked for `regenerate_stale` and can still generate."""
+        again as a new open part when their run asked for `regenerate_stale` and can still generate.
+
+        With a `stream` (a role, `agent_id`), the same over that role's own delivery state: each group with
+        records of the role, only those records, and the role's versions against `current_version` (the
+        role's trainer); a role's stale group is dropped for that role only and not generated again."""
 
         def op(conn: sqlite3.Connection) -> Batch:
             when = now or time.time()
-            expired = _expire_leases(conn, when)
-            stale = _drop_stale(conn, current_version, self._staleness_rule) if current_version is not None else []
-            batch = _take(conn, max_groups, lease_s, when, order)
+            if stream is not None:
+                expired = _expire_stream_leases(conn, stream, when)
+                stale = (_drop_stale_stream(conn, stream, current_version, self._staleness_rule)
+                         if current_version is not None else [])
+                batch = _take_stream(conn, stream, max_groups, lease_s, when, order)
+            else:
+                expired = _expire_leases(conn, when)
+                stale = (_drop_stale(conn, current_version, self._staleness_rule)
+                         if current_version is not None else [])
+                batch = _take(conn, max_groups, lease_s, when, order)
             batch.expired_by_run, batch.stale = expired, stale
             return batch
 
@@ -391,12 +448,18 @@ class Store:
         cfg = orjson.loads(row[0])
         return StalenessRule.of_run(cfg), row[1] in ("running", "finished") and bool(cfg.get("task_type"))
 
-    async def ack(self, batch_id: str) -> int:
-        """Mark a leased batch consumed; returns how many groups it covered (0 for an unknown batch)."""
+    async def ack(self, batch_id: str, stream: str | None = None) -> int:
+        """Mark a leased batch consumed; returns how many groups it covered (0 for an unknown batch). Raises
+        `StreamMismatch` when the batch was delivered to another stream than `stream`."""
 
         def op(conn: sqlite3.Connection) -> int:
+            row = conn.execute("SELECT stream FROM batches WHERE batch_id=?", (batch_id,)).fetchone()
+            owner = row[0] if row else None
+            if row is not None and owner != stream:
+                raise StreamMismatch(batch_id, owner, stream)
+            table = "stream_groups" if owner is not None else "groups"
             cur = conn.execute(
-                "UPDATE groups SET state='delivered', lease_expires=NULL "
+                f"UPDATE {table} SET state='delivered', lease_expires=NULL "
                 "WHERE batch_id=? AND state IN ('leased','ready')",
                 (batch_id,),
             )
@@ -485,6 +548,24 @@ class Store:
 
         return await self.call(op)
 
+    async def report_role_version(self, run_id: str, role: str, version: int, rewind: bool = False
+                                  ) -> TrainerVersion:
+        """Record the version a role's trainer reported (as `report_trainer_version`, for one role)."""
+
+        def op(conn: sqlite3.Connection) -> TrainerVersion:
+            row = conn.execute("SELECT base_version, trainer_version FROM role_versions WHERE run_id=? AND agent_id=?",
+                               (run_id, role)).fetchone()
+            now = (TrainerVersion(*row) if row else TrainerVersion()).advanced(version, rewind)
+            conn.execute("INSERT OR REPLACE INTO role_versions VALUES (?,?,?,?,?)",
+                         (run_id, role, now.base, now.current, time.time()))
+            return now
+
+        return await self.call(op)
+
+    async def role_state(self, run_id: str) -> tuple[int, dict[str, RoleState]]:
+        """(groups of the run that became ready, each role of the run: its stream's counts and trainer version)."""
+        return await self.call(lambda conn: _role_state(conn, run_id))
+
     async def set_admission(self, run_id: str, state: str) -> None:
         """Persist the runner's admission state, so a restarted buffer shows (and resumes) it."""
         await self.call(lambda c: c.execute(
@@ -532,7 +613,11 @@ class Store:
             ).fetchall()
             keys = ("run_id", "instance_id", "epoch", "part", "state", "reason", "episodes", "size", "batch_id",
                     "lease_expires", "completed_at")
-            return [{**dict(zip(keys, r[:-1], strict=True)), "uids": (r[-1] or "").split()} for r in rows]
+            out = [{**dict(zip(keys, r[:-1], strict=True)), "uids": (r[-1] or "").split()} for r in rows]
+            for group in out:
+                group["roles"] = _group_roles(conn, (group["run_id"], group["instance_id"], group["epoch"],
+                                                     group["part"]))
+            return out
 
         return await self.call(op)
 
@@ -611,9 +696,9 @@ def _write(
             (*key, episode),
         ).fetchone() is None
         cur = conn.execute(
-            "INSERT OR IGNORE INTO trajectories"
-            "(uid, run_id, instance_id, epoch, part, status, episode, created_at, record) VALUES (?,?,?,?,?,?,?,?,?)",
-            (item.uid, *key, item.status, episode, now, blob),
+            "INSERT OR IGNORE INTO trajectories(uid, run_id, instance_id, epoch, part, status, episode, created_at, "
+            "record, agent_id) VALUES (?,?,?,?,?,?,?,?,?,?)",
+            (item.uid, *key, item.status, episode, now, blob, item.agent_id),
         )
         if cur.rowcount == 0:
             result.duplicates += 1
@@ -632,13 +717,17 @@ def _write(
             "SELECT n, size, state FROM groups WHERE run_id=? AND instance_id=? AND epoch=? AND part=?", key
         ).fetchone()
         if state == "open" and n >= size:
-            result.completed.append((key, _complete(conn, key, finalize, now)))
+            reason, roles = _complete(conn, key, finalize, now)
+            result.completed.append((key, reason))
+            if roles:
+                result.roles[key] = roles
     return result
 
 
 def _complete(
     conn: sqlite3.Connection, key: GroupKey, finalize: Callable[[list[Record]], GroupOutcome], now: float
-) -> str | None:
+) -> tuple[str | None, list[str]]:
+    """Finalize a complete group; returns its drop reason (None: ready) and the roles of a ready group."""
     rows = conn.execute(
         "SELECT uid, record FROM trajectories WHERE run_id=? AND instance_id=? AND epoch=? AND part=? "
         "ORDER BY rowid",
@@ -651,19 +740,44 @@ def _complete(
             "WHERE run_id=? AND instance_id=? AND epoch=? AND part=?",
             (outcome.reason, now, *key),
         )
-        return outcome.reason
+        return outcome.reason, []
     by_uid = {r["uid"]: r for r in outcome.records}
     for uid, _ in rows:
         rec = by_uid.get(uid)
         if rec is not None:
-            conn.execute("UPDATE trajectories SET record=?, summary=? WHERE uid=?",
-                         (orjson.dumps(rec), _summary(rec), uid))
+            # The role too: a `transform_group` hook may have changed it, and role streams select by it.
+            conn.execute("UPDATE trajectories SET record=?, summary=?, agent_id=? WHERE uid=?",
+                         (orjson.dumps(rec), _summary(rec), role_of(rec), uid))
+    seq = _next_seq(conn)
     conn.execute(
         "UPDATE groups SET state='ready', ready_seq=?, completed_at=?, version_min=?, version_max=? "
         "WHERE run_id=? AND instance_id=? AND epoch=? AND part=?",
-        (_next_seq(conn), now, *group_version_range(outcome.records), *key),
+        (seq, now, *group_version_range(outcome.records), *key),
     )
-    return None
+    return None, _add_to_role_streams(conn, key, outcome.records, seq)
+
+
+def _add_to_role_streams(conn: sqlite3.Connection, key: GroupKey, records: list[Record], seq: int) -> list[str]:
+    """Make a ready group ready on the stream of each role (`extra_info.agent_id`) it has records of, with the
+    role's record count and versions; returns those roles."""
+    by_role: dict[str, list[Record]] = {}
+    for r in records:
+        role = role_of(r)
+        if role is not None:
+            by_role.setdefault(role, []).append(r)
+    for role, members in by_role.items():
+        conn.execute(
+            "INSERT OR REPLACE INTO stream_groups(stream, run_id, instance_id, epoch, part, records, version_min, "
+            "version_max, ready_seq, state) VALUES (?,?,?,?,?,?,?,?,?,'ready')",
+            (role, *key, len(members), *group_version_range(members), seq),
+        )
+    return sorted(by_role)
+
+
+def role_of(record: Record) -> str | None:
+    """A record's role stream: its `extra_info.agent_id` as a string, None without one."""
+    role = (record.get("extra_info") or {}).get("agent_id")
+    return None if role is None or role == "" else str(role)
 
 
 def _summary(record: Record) -> bytes:
@@ -779,3 +893,128 @@ def _take(conn: sqlite3.Connection, max_groups: int | None, lease_s: float | Non
             batch.versions.append(version_min)
     batch.next_lease_expiry = conn.execute("SELECT min(lease_expires) FROM groups WHERE state='leased'").fetchone()[0]
     return batch
+
+
+# ---- role streams ---------------------------------------------------------------------------------------
+# Each role stream delivers, drops and leases its rows of `stream_groups` on its own: neither another role's
+# stream nor the default stream (the `groups` table) changes them, and they change neither.
+
+
+def _expire_stream_leases(conn: sqlite3.Connection, stream: str, now: float) -> dict[str, int]:
+    """The stream's leases that ran out make their groups ready for that role again; how many, per run."""
+    expired: dict[str, int] = {}
+    for (run_id,) in conn.execute(
+        "UPDATE stream_groups SET state='ready', lease_expires=NULL WHERE stream=? AND state='leased' AND "
+        "lease_expires <= ? RETURNING run_id", (stream, now)
+    ).fetchall():
+        expired[run_id] = expired.get(run_id, 0) + 1
+    if expired:
+        log.info("%d leased %s groups were not acked in time and are deliverable again", sum(expired.values()),
+                 stream)
+    return expired
+
+
+def _drop_stale_stream(
+    conn: sqlite3.Connection,
+    stream: str,
+    current: int,
+    rule_of: Callable[[sqlite3.Connection, str], tuple[StalenessRule | None, bool]],
+) -> list[StaleGroup]:
+    """Groups whose records of `stream` lag the role's trainer by more than the run's η: dropped for the role."""
+    stale: list[StaleGroup] = []
+    rows = conn.execute("SELECT run_id, instance_id, epoch, part, version_min FROM stream_groups "
+                        "WHERE stream=? AND state='ready' AND version_min < ?", (stream, current)).fetchall()
+    rules: dict[str, StalenessRule | None] = {}
+    for run_id, instance_id, epoch, part, version_min in rows:
+        if run_id not in rules:
+            rules[run_id] = rule_of(conn, run_id)[0]
+        rule = rules[run_id]
+        if rule is None or version_min >= current - rule.max_staleness:
+            continue
+        key = (run_id, instance_id, epoch, part)
+        conn.execute("UPDATE stream_groups SET state='filtered', reason='stale' "
+                     "WHERE stream=? AND run_id=? AND instance_id=? AND epoch=? AND part=?", (stream, *key))
+        stale.append(StaleGroup(key, version_min, current - version_min, None))
+    return stale
+
+
+def _take_stream(conn: sqlite3.Connection, stream: str, max_groups: int | None, lease_s: float | None,
+                 now: float, order: Order = "oldest") -> Batch:
+    ready = conn.execute(
+        "SELECT run_id, instance_id, epoch, part, batch_id, version_min FROM stream_groups "
+        f"WHERE stream=? AND state='ready' ORDER BY {_ORDER_SQL[order]}", (stream,)
+    )
+    try:
+        rows = _one_per_instance(ready, max_groups)
+    finally:
+        ready.close()
+    batch = Batch(None, [], None)
+    if rows:
+        batch.batch_id = uuid.uuid4().hex
+        expires = now + lease_s if lease_s is not None else None
+        state = "leased" if lease_s is not None else "delivered"
+        conn.execute(
+            "INSERT INTO batches(batch_id, created_at, lease_expires, acked_at, num_groups, stream) "
+            "VALUES (?,?,?,?,?,?)",
+            (batch.batch_id, now, expires, None if lease_s is not None else now, len(rows), stream),
+        )
+        for run_id, instance_id, epoch, part, old_batch, version_min in rows:
+            batch.redelivered += old_batch is not None
+            key = (run_id, instance_id, epoch, part)
+            conn.execute("UPDATE stream_groups SET state=?, batch_id=?, lease_expires=? "
+                         "WHERE stream=? AND run_id=? AND instance_id=? AND epoch=? AND part=?",
+                         (state, batch.batch_id, expires, stream, *key))
+            stored = conn.execute(
+                "SELECT record, summary FROM trajectories WHERE run_id=? AND instance_id=? AND epoch=? AND part=? "
+                "AND agent_id=? ORDER BY rowid",
+                (*key, stream),
+            ).fetchall()
+            batch.groups.append([_stored(blob, summary) for blob, summary in stored])
+            batch.run_ids.append(run_id)
+            batch.versions.append(version_min)
+    batch.next_lease_expiry = conn.execute(
+        "SELECT min(lease_expires) FROM stream_groups WHERE state='leased' AND stream=?", (stream,)
+    ).fetchone()[0]
+    return batch
+
+
+@dataclass
+class RoleState:
+    """One role of a run as stored: its groups by stream state (`ready`, `leased`, `delivered`, `filtered`),
+    `groups` (all its ready groups) and `records`, its trainer version, and whether its stream was used."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    version: TrainerVersion = field(default_factory=TrainerVersion)
+    active: bool = False
+
+
+def _role_state(conn: sqlite3.Connection, run_id: str) -> tuple[int, dict[str, RoleState]]:
+    """(groups of the run that became ready, every role of the run with its `RoleState`)."""
+    roles: dict[str, RoleState] = {}
+    for role, base, current in conn.execute(
+            "SELECT agent_id, base_version, trainer_version FROM role_versions WHERE run_id=?", (run_id,)):
+        roles[role] = RoleState(version=TrainerVersion(base, current), active=True)
+    for role, state, n, used in conn.execute(
+            "SELECT stream, state, count(*), count(batch_id) FROM stream_groups WHERE run_id=? GROUP BY 1, 2",
+            (run_id,)):
+        r = roles.setdefault(role, RoleState())
+        r.counts[state] = n
+        r.counts["groups"] = r.counts.get("groups", 0) + n
+        r.active = r.active or state != "ready" or used > 0  # its stream took (or dropped) a group
+    for role, n in conn.execute("SELECT agent_id, count(*) FROM trajectories WHERE run_id=? AND agent_id IS NOT NULL "
+                                "GROUP BY agent_id", (run_id,)):
+        roles.setdefault(role, RoleState()).counts["records"] = n
+    ready_total = conn.execute("SELECT count(*) FROM groups WHERE run_id=? AND ready_seq IS NOT NULL",
+                               (run_id,)).fetchone()[0]
+    return ready_total, roles
+
+
+def _group_roles(conn: sqlite3.Connection, key: GroupKey) -> dict[str, dict[str, Any]]:
+    """One group's roles: each role's records, versions and its stream's state, reason and batch."""
+    return {
+        role: {"records": n, "state": state, "reason": reason, "batch_id": batch_id, "version_min": vmin,
+               "version_max": vmax}
+        for role, n, vmin, vmax, state, reason, batch_id in conn.execute(
+            "SELECT stream, records, version_min, version_max, state, reason, batch_id FROM stream_groups "
+            "WHERE run_id=? AND instance_id=? AND epoch=? AND part=? ORDER BY stream", key)
+    }

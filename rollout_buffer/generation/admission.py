@@ -32,6 +32,7 @@ from enum import StrEnum
 from typing import Any
 
 from rollout_buffer.delivery.ledger import RunLedger
+from rollout_buffer.delivery.versions import TrainerVersion
 from rollout_buffer.observability import metrics
 
 log = logging.getLogger(__name__)
@@ -79,9 +80,12 @@ class AdmissionController:
 
     def steps(self) -> int:
         """Trainer steps since the run began: reported versions or consumed batches, whichever is more (the
-        batch being trained on does not count when the trainer reports versions; see the module doc)."""
-        batches = self.ledger.tally.consumed // self.policy.rollout_batch_size
-        version = self.ledger.version
+        batch being trained on does not count when the trainer reports versions; see the module doc). With
+        role streams (one trainer per role) the slowest role's."""
+        return min(self._steps(consumed, version) for consumed, version in self.ledger.trainers())
+
+    def _steps(self, consumed: int, version: TrainerVersion) -> int:
+        batches = consumed // self.policy.rollout_batch_size
         if version.current is None:
             return batches
         return max(version.steps, batches - 1)
@@ -95,11 +99,11 @@ class AdmissionController:
 
     def live_groups(self) -> int:
         """Groups started and not dropped."""
-        return self.started - self.ledger.tally.dropped
+        return self.started - self.ledger.dropped_groups()
 
     def groups_ahead(self) -> int:
         """Groups started, not dropped and not consumed yet: in flight, open or ready."""
-        return self.live_groups() - self.ledger.tally.consumed
+        return self.live_groups() - self.ledger.consumed_groups()
 
     def evaluate(self) -> AdmissionState:
         """The state the counts call for now."""
@@ -144,8 +148,12 @@ class AdmissionController:
 
     def _describe(self) -> str:
         t, v = self.ledger.tally, self.ledger.version
-        return (f"{self.started} groups started, {t.dropped} dropped, {t.consumed} consumed, {t.ready} ready; "
-                f"trainer version {v.current} (run began at {v.base}); capacity {self.capacity()}")
+        roles = self.ledger.active_roles()
+        trainer = (", ".join(f"{name} trainer version {r.version.current} (began at {r.version.base}), "
+                             f"{r.tally.consumed} consumed" for name, r in sorted(roles.items())) if roles
+                   else f"trainer version {v.current} (run began at {v.base})")
+        return (f"{self.started} groups started, {self.ledger.dropped_groups()} dropped, "
+                f"{self.ledger.consumed_groups()} consumed, {t.ready} ready; {trainer}; capacity {self.capacity()}")
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-ready view for `/status`, `/metrics` and meta_info."""

@@ -87,6 +87,21 @@ READY_GROUPS = Gauge(
 LEASED_GROUPS = Gauge(
     "rollout_buffer_leased_groups", "Groups delivered under a lease and not acknowledged yet", registry=REGISTRY
 )
+ROLE_GROUPS = Gauge(
+    "rollout_buffer_role_groups",
+    "Groups of the current run with records of a role, by that role stream's state (ready, leased, delivered, "
+    "filtered)",
+    ["agent_id", "state"],
+    registry=REGISTRY,
+)
+ROLE_RECORDS = Gauge(
+    "rollout_buffer_role_records", "Trajectory records of the current run, by role", ["agent_id"], registry=REGISTRY
+)
+ROLE_TRAINER_VERSION = Gauge(
+    "rollout_buffer_role_trainer_version", "The weight version a role's trainer last reported", ["agent_id"],
+    registry=REGISTRY,
+)
+ROLE_STREAM_STATES = ("ready", "leased", "delivered", "filtered")
 
 # ---- versions and admission (fully asynchronous control) --------------------------------------------
 DELIVERED_VERSION_LAG = Histogram(
@@ -277,6 +292,18 @@ def count_stale(regenerated: bool) -> None:
         GROUPS_REGENERATED.inc()
 
 
+def _set_roles(roles: dict[str, dict[str, Any]]) -> None:
+    # The current run's roles only: a role of an earlier run must not linger with its last counts.
+    for gauge in (ROLE_GROUPS, ROLE_RECORDS, ROLE_TRAINER_VERSION):
+        gauge.clear()
+    for name, role in roles.items():
+        for state in ROLE_STREAM_STATES:
+            ROLE_GROUPS.labels(name, state).set(role["groups"].get(state, 0))
+        ROLE_RECORDS.labels(name).set(role["records"])
+        if role.get("trainer_version") is not None:
+            ROLE_TRAINER_VERSION.labels(name).set(role["trainer_version"])
+
+
 def _set_control(control: dict[str, Any] | None) -> None:
     control = control or {}
     for gauge, key in ((TRAINER_VERSION, "trainer_version"), (ENGINE_VERSION, "engine_version")):
@@ -318,14 +345,16 @@ def _set_run(run: dict[str, Any] | None, live: dict[str, Any] | None) -> None:
 
 def render(groups: dict[str, int], run: dict[str, Any] | None, live: dict[str, Any] | None,
            accept: str = "", control: dict[str, Any] | None = None, sessions_open: int = 0,
-           evals: dict[str, Any] | None = None) -> tuple[bytes, str]:
+           evals: dict[str, Any] | None = None, roles: dict[str, dict[str, Any]] | None = None) -> tuple[bytes, str]:
     """Set the state gauges from what the caller read (group counts by state, the latest stored run, the live
     progress of the run being generated, the run's control view of `/status`, the open agent sessions, the
-    evals view of `/status`) and render every metric; returns (body, content type) for `accept`."""
+    evals view of `/status`, the run's role streams as `/status` shows them) and render every metric; returns
+    (body, content type) for `accept`."""
     PROXY_SESSIONS_OPEN.set(sessions_open)
     _set_evals(evals or {})
     READY_GROUPS.set(groups.get("ready", 0))
     LEASED_GROUPS.set(groups.get("leased", 0))
+    _set_roles(roles or {})
     _set_run(run, live)
     _set_control(control)
     encoder, content_type = choose_encoder(accept)

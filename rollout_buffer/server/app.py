@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.buffer import RecordError, RolloutBuffer
-from rollout_buffer.delivery.store import Store, StoreError
+from rollout_buffer.delivery.store import Store, StoreError, StreamMismatch
 from rollout_buffer.delivery.versions import VersionConflict
 from rollout_buffer.generation.evaluation import EvalManager, eval_config
 from rollout_buffer.generation.inputs import InputFileError, confined_path, resolve_input_path, validate_file
@@ -121,6 +121,10 @@ def create_app(config: ServerConfig) -> FastAPI:
     @app.exception_handler(VersionConflict)
     async def _version(_: Request, exc: VersionConflict) -> Response:
         return error_response(409, str(exc), {"reported": exc.reported, "trainer_version": exc.current})
+
+    @app.exception_handler(StreamMismatch)
+    async def _stream(_: Request, exc: StreamMismatch) -> Response:
+        return error_response(409, str(exc))
 
     @app.exception_handler(StoreError)
     async def _store(_: Request, exc: StoreError) -> Response:
@@ -276,7 +280,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         buffer: RolloutBuffer = request.app.state.buffer
         runs: RunManager = request.app.state.runs
         d = await buffer.deliver(req.max_groups, req.wait_s, req.lease_s, req.ack, request.is_disconnected,
-                                 order=req.order, current_version=req.current_version)
+                                 order=req.order, current_version=req.current_version, stream=req.agent_id)
         if d.meta_info and (admission := runs.admission()) is not None:
             d.meta_info |= {"admission_state": admission["state"], "groups_ahead": admission["groups_ahead"]}
         message = f"{d.meta_info['num_groups']} groups" if d.success else "no complete group is ready"
@@ -289,19 +293,19 @@ def create_app(config: ServerConfig) -> FastAPI:
     @app.post("/ack", summary="Acknowledge a leased batch")
     async def ack(req: AckRequest, request: Request) -> Response:
         buffer: RolloutBuffer = request.app.state.buffer
-        n = await buffer.ack(req.batch_id)
+        n = await buffer.ack(req.batch_id, req.agent_id)
         return json_response({"success": True, "acked_groups": n})
 
     @app.post("/trainer_version", summary="The trainer's weight version (it updated weights without fetching)")
     async def trainer_version(req: TrainerVersionRequest, request: Request) -> Response:
         buffer: RolloutBuffer = request.app.state.buffer
-        reported = await buffer.report_version(req.current_version, req.rewind)
+        reported = await buffer.report_version(req.current_version, req.rewind, req.agent_id)
         if reported is None:
             raise HTTPException(409, "current_version: there is no rollout run yet to version (start one first; "
                                      "its start payload may carry current_version)")
         run_id, version = reported
         return json_response({"success": True, "run_id": run_id, "trainer_version": version.current,
-                              "base_version": version.base})
+                              "base_version": version.base, **({"agent_id": req.agent_id} if req.agent_id else {})})
 
     async def _control(request: Request, run: dict[str, Any] | None) -> dict[str, Any] | None:
         """The latest run's versions and admission: the runner's live view, else what the store kept."""
@@ -356,9 +360,10 @@ def create_app(config: ServerConfig) -> FastAPI:
         runs: RunManager = request.app.state.runs
         groups, run = await buffer.store.group_counts(), await buffer.store.latest_run()
         control = await _control(request, run)
+        roles = await buffer.role_counts(run["run_id"]) if run is not None else {}
         sessions: SessionManager = request.app.state.sessions
         body, content_type = metrics.render(groups, run, runs.progress(), request.headers.get("accept", ""), control,
-                                            len(sessions.sessions), await _evals_view(request))
+                                            len(sessions.sessions), await _evals_view(request), roles)
         return Response(body, media_type=content_type)
 
     mount_proxy(app, config)

@@ -11,8 +11,9 @@ import argparse
 import os
 import sqlite3
 import sys
+from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -33,6 +34,8 @@ examples:
   rollout-buffer export --data-dir /data/rollout_buffer --out run.jsonl --run latest --all
   # completed trajectories of one run, for SFT
   rollout-buffer export --data-dir ./rollout_data --out sft.jsonl --run run-20250101-120000-ab12cd --status completed
+  # what the planner's trainer received from its role stream (plan/act with two models)
+  rollout-buffer export --data-dir ./rollout_data --out planner.jsonl --agent-id planner
   # to stdout, while the server runs
   rollout-buffer export --data-dir ./rollout_data --out - | jq .reward
   # eval curves: one summary per dataset and version (mean reward, pass@k, truncation rate, response length)
@@ -52,6 +55,7 @@ class ExportSummary:
 
     records: int
     run_ids: tuple[str, ...]
+    by_role: dict[str, int] = field(default_factory=dict)  # records per `extra_info.agent_id`, when they have one
 
 
 def open_readonly(data_dir: Path) -> sqlite3.Connection:
@@ -84,9 +88,13 @@ def select_runs(conn: sqlite3.Connection, run: str | None) -> list[str]:
 
 
 def iter_records(conn: sqlite3.Connection, run_id: str | None, delivered_only: bool,
-                 statuses: tuple[str, ...] = ()) -> Iterator[bytes]:
-    """The stored JSON of each selected trajectory (one run, or all), in delivery order, or in write order
-    when everything is exported."""
+                 statuses: tuple[str, ...] = (), agent_id: str | None = None) -> Iterator[tuple[bytes, str | None]]:
+    """The stored JSON and role of each selected trajectory (one run, or all; one role's), in delivery order,
+    or in write order when everything is exported. Delivered, for a role, means consumed on its role stream."""
+    # A store written before role streams (and not opened by a server since) has no roles.
+    role = "t.agent_id" if "agent_id" in {row[1] for row in conn.execute("PRAGMA table_info(trajectories)")} else "NULL"
+    if agent_id is not None and role == "NULL":
+        raise ExportError("--agent-id: this store was written before role streams and has no roles")
     where: list[str] = []
     args: list[str] = []
     if run_id is not None:
@@ -95,37 +103,51 @@ def iter_records(conn: sqlite3.Connection, run_id: str | None, delivered_only: b
     if statuses:
         where.append(f"t.status IN ({','.join('?' * len(statuses))})")
         args += statuses
-    if delivered_only:
+    if agent_id is not None:
+        where.append("t.agent_id=?")
+        args.append(agent_id)
+    if delivered_only and agent_id is not None:
         sql = (
-            "SELECT t.record FROM groups g JOIN trajectories t ON t.run_id=g.run_id AND "
+            f"SELECT t.record, {role} FROM stream_groups s JOIN trajectories t ON t.run_id=s.run_id AND "
+            "t.instance_id=s.instance_id AND t.epoch=s.epoch AND t.part=s.part "
+            f"WHERE {' AND '.join(['s.state=?', 's.stream=?', *where])} ORDER BY s.ready_seq, t.rowid"
+        )
+        args[:0] = ["delivered", agent_id]
+    elif delivered_only:
+        sql = (
+            f"SELECT t.record, {role} FROM groups g JOIN trajectories t ON t.run_id=g.run_id AND "
             "t.instance_id=g.instance_id AND t.epoch=g.epoch AND t.part=g.part "
             f"WHERE {' AND '.join(['g.state=?', *where])} ORDER BY g.ready_seq, t.rowid"
         )
         args.insert(0, "delivered")
     else:
-        sql = f"SELECT t.record FROM trajectories t WHERE {' AND '.join(['1', *where])} ORDER BY t.rowid"
-    for (blob,) in conn.execute(sql, args):
-        yield bytes(blob)
+        sql = f"SELECT t.record, {role} FROM trajectories t WHERE {' AND '.join(['1', *where])} ORDER BY t.rowid"
+    for blob, agent in conn.execute(sql, args):
+        yield bytes(blob), agent
 
 
 def export(data_dir: Path, out: BinaryIO, run: str | None = None, delivered_only: bool = True,
-           statuses: tuple[str, ...] = ()) -> ExportSummary:
+           statuses: tuple[str, ...] = (), agent_id: str | None = None) -> ExportSummary:
     """Write the selected trajectories to `out`, one JSON object a line, from one snapshot of the store."""
     conn = open_readonly(data_dir)
     try:
         conn.execute("BEGIN")  # one read transaction: runs and records come from the same snapshot
         run_ids = select_runs(conn, run)
         n = 0
-        for blob in iter_records(conn, run_ids[0] if run is not None else None, delivered_only, statuses):
+        by_role: Counter[str] = Counter()
+        for blob, role in iter_records(conn, run_ids[0] if run is not None else None, delivered_only, statuses,
+                                       agent_id):
             out.write(blob)
             out.write(b"\n")
             n += 1
+            if role is not None:
+                by_role[role] += 1
         conn.execute("COMMIT")
     except sqlite3.Error as e:
         raise ExportError(f"reading {data_dir / DB_NAME} failed: {e}") from None
     finally:
         conn.close()
-    return ExportSummary(n, tuple(run_ids))
+    return ExportSummary(n, tuple(run_ids), dict(sorted(by_role.items())))
 
 
 def iter_eval_lines(conn: sqlite3.Connection, records: bool, datasets: tuple[str, ...] = ()) -> Iterator[bytes]:
@@ -160,13 +182,13 @@ def export_evals(data_dir: Path, out: BinaryIO, records: bool = False, datasets:
 
 
 def export_to_file(data_dir: Path, path: Path, run: str | None = None, delivered_only: bool = True,
-                   statuses: tuple[str, ...] = ()) -> ExportSummary:
+                   statuses: tuple[str, ...] = (), agent_id: str | None = None) -> ExportSummary:
     """`export` into `path`, which appears complete or not at all (written beside it, then renamed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with tmp.open("wb") as f:
-            summary = export(data_dir, f, run, delivered_only, statuses)
+            summary = export(data_dir, f, run, delivered_only, statuses, agent_id)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -188,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", default=None, help="one run id, or 'latest' (default: every run)")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--delivered", dest="delivered_only", action="store_true", default=True,
-                       help="only groups the trainer consumed (acked, or taken without a lease); the default")
+                       help="only groups the trainer consumed (acked, or taken without a lease); the default; "
+                            "with --agent-id, what that role's stream consumed")
     which.add_argument("--all", dest="delivered_only", action="store_false",
                        help="every stored trajectory: failed ones, filtered and unfinished groups too")
     p.add_argument("--status", action="append", choices=STATUSES, default=[],
@@ -200,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     evals.add_argument("--eval-records", action="store_true", help="eval trajectories instead")
     p.add_argument("--dataset", action="append", default=[], help="with --eval/--eval-records: only this eval "
                                                                  "dataset (repeatable)")
+    p.add_argument("--agent-id", default=None,
+                   help="only this role's records (extra_info.agent_id, e.g. planner or actor)")
     return p
 
 
@@ -213,16 +238,20 @@ def main(argv: list[str]) -> None:
         return
     try:
         if args.out == "-":
-            summary = export(args.data_dir, sys.stdout.buffer, args.run, args.delivered_only, statuses)
+            summary = export(args.data_dir, sys.stdout.buffer, args.run, args.delivered_only, statuses,
+                             args.agent_id)
             sys.stdout.flush()
         else:
-            summary = export_to_file(args.data_dir, Path(args.out), args.run, args.delivered_only, statuses)
+            summary = export_to_file(args.data_dir, Path(args.out), args.run, args.delivered_only, statuses,
+                                     args.agent_id)
     except ExportError as e:
         err.print(f"error: {e}", style="red")
         raise SystemExit(2) from None
     what = "delivered" if args.delivered_only else "stored"
     runs = summary.run_ids[0] if len(summary.run_ids) == 1 else f"{len(summary.run_ids)} runs"
-    err.print(f"wrote {summary.records} {what} trajectories from {runs} to {args.out}")
+    roles = ", ".join(f"{role} {n}" for role, n in summary.by_role.items())
+    err.print(f"wrote {summary.records} {what} trajectories from {runs} to {args.out}"
+              + (f" (by role: {roles})" if roles else ""))
 
 
 def _main_evals(args: argparse.Namespace, err: Console) -> None:

@@ -84,6 +84,10 @@ def render(status: dict[str, Any], url: str) -> RenderableType:
             ("records", _counts(status.get("records") or {}, ("completed", "truncated", "aborted", "failed")))]
     if status.get("filtered"):
         rows.append(("filtered", _counts(status["filtered"])))
+    for role, counts in (status.get("roles") or {}).items():
+        version = counts.get("trainer_version")
+        rows.append((f"role {role}", f"{_counts(counts.get('groups') or {}, GROUP_STATES)}  records "
+                     f"{counts.get('records', 0)}" + (f"  trainer v{version}" if version is not None else "")))
     if progress.get("failures"):
         rows.append(("failures", _counts(progress["failures"])))
     rows.append(("queue", f"ready {queue.get('ready', 0)}  leased {queue.get('leased', 0)}  (all runs)"))
