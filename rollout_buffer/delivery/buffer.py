@@ -34,6 +34,13 @@ class RecordError(ValueError):
     """A record that validates but cannot be stored (e.g. integers beyond 64 bits)."""
 
 
+def record_role(extra_info: Mapping[str, Any]) -> str | None:
+    """The agent's role a record was generated in (`extra_info.role`, or `agent_id` as the planner / actor
+    generator names it), for searching; None for single-agent records."""
+    role = extra_info.get("role") or extra_info.get("agent_id")
+    return role if isinstance(role, str) else None
+
+
 def encode_record(record: TrajectoryRecord) -> bytes:
     """The record as stored JSON; raises RecordError naming the uid when JSON cannot hold it.
 
@@ -179,7 +186,8 @@ class RolloutBuffer:
         """Persist records of a run (the writer run by default); completed groups become deliverable."""
         run = run or await self._writer_run()
         items = [
-            NewRecord(r.uid, r.instance_id, r.epoch, r.status, encode_record(r), episode=r.extra_info.get("episode_id"))
+            NewRecord(r.uid, r.instance_id, r.epoch, r.status, encode_record(r), episode=r.extra_info.get("episode_id"),
+                      reward=r.reward, role=record_role(r.extra_info))
             for r in records
         ]
         with metrics.STORE_WRITE_SECONDS.time():

@@ -83,6 +83,17 @@ CREATE TABLE IF NOT EXISTS run_control (
 );
 """
 
+# The dashboard's paged, read-only queries (`queries.py`): a run's trajectories newest first, by status, reward
+# or role; by instance across runs; a batch's groups. Created after the columns they cover exist.
+INSPECTION_INDEXES = """
+CREATE INDEX IF NOT EXISTS trajectories_run ON trajectories(run_id);
+CREATE INDEX IF NOT EXISTS trajectories_run_status ON trajectories(run_id, status);
+CREATE INDEX IF NOT EXISTS trajectories_run_reward ON trajectories(run_id, reward);
+CREATE INDEX IF NOT EXISTS trajectories_run_role ON trajectories(run_id, role) WHERE role IS NOT NULL;
+CREATE INDEX IF NOT EXISTS trajectories_instance ON trajectories(instance_id);
+CREATE INDEX IF NOT EXISTS groups_batch ON groups(batch_id) WHERE batch_id IS NOT NULL;
+"""
+
 GroupKey = tuple[str, str, int, int]  # run_id, instance_id, epoch, part
 Order = Literal["oldest", "newest"]
 # Delivery order: by completion, oldest or most recent first.
@@ -104,6 +115,8 @@ class NewRecord:
     blob: bytes  # the record as JSON
     # Records of one multi-agent episode share it; a group counts episodes, not records.
     episode: str | None = None
+    reward: float | None = None  # as the generator scored it (before group normalization)
+    role: str | None = None  # the agent's role in a multi-agent episode
 
 
 @dataclass
@@ -203,6 +216,12 @@ class Store:
             # What delivery reads of a completed record, so it can send the stored JSON without parsing it;
             # stores written before this column summarise their records at delivery instead.
             conn.execute("ALTER TABLE trajectories ADD COLUMN summary BLOB")
+        for column, kind in (("reward", "REAL"), ("role", "TEXT")):
+            # What the dashboard searches by (the generator's reward, the agent's role); rows of stores written
+            # before these columns have none and are found by uid, instance and status only.
+            if column not in {row[1] for row in conn.execute("PRAGMA table_info(trajectories)")}:
+                conn.execute(f"ALTER TABLE trajectories ADD COLUMN {column} {kind}")
+        conn.executescript(INSPECTION_INDEXES)
         group_columns = {row[1] for row in conn.execute("PRAGMA table_info(groups)")}
         for column in ("version_min", "version_max"):
             if column not in group_columns:  # stores written before version-aware delivery
@@ -586,9 +605,9 @@ def _write(
             (*key, episode),
         ).fetchone() is None
         cur = conn.execute(
-            "INSERT OR IGNORE INTO trajectories"
-            "(uid, run_id, instance_id, epoch, part, status, episode, created_at, record) VALUES (?,?,?,?,?,?,?,?,?)",
-            (item.uid, *key, item.status, episode, now, blob),
+            "INSERT OR IGNORE INTO trajectories(uid, run_id, instance_id, epoch, part, status, episode, created_at, "
+            "record, reward, role) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            (item.uid, *key, item.status, episode, now, blob, item.reward, item.role),
         )
         if cur.rowcount == 0:
             result.duplicates += 1

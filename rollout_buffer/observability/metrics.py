@@ -297,3 +297,15 @@ def render(groups: dict[str, int], run: dict[str, Any] | None, live: dict[str, A
     _set_control(control)
     encoder, content_type = choose_encoder(accept)
     return encoder(REGISTRY), content_type
+
+
+def engine_latency() -> dict[str, dict[str, float]]:
+    """Engine requests so far per endpoint: `count` and total `sum` of seconds (a dashboard takes the
+    difference of two readings for the latency of the interval between them)."""
+    out: dict[str, dict[str, float]] = {}
+    for family in ENGINE_REQUEST_SECONDS.collect():
+        for s in family.samples:
+            if s.name.endswith(("_count", "_sum")):
+                entry = out.setdefault(s.labels["endpoint"], {"count": 0.0, "sum": 0.0})
+                entry[s.name.rsplit("_", 1)[1]] = s.value
+    return out

@@ -1,0 +1,159 @@
+"""The dashboard (`GET /ui`) in a real headless Chromium (Debian's package, driven by Playwright) on a live
+buffer behind --auth-token with a simulated math rollout running: the run and its moving counts, the token
+view's loss-mask styling, a rejected token; and its read-only API over HTTP (auth, paging, filters, 422s)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from ops_helpers import math_rows, start_run, write_jsonl
+from servers import Server, free_port, running
+from servers import sim_engine as start_sim_engine
+
+CHROMIUM = os.environ.get("RB_CHROMIUM", "/usr/bin/chromium")
+TOKEN = "ui-s3cret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+ARTIFACTS = Path(__file__).parent / "artifacts"
+
+playwright_sync = pytest.importorskip("playwright.sync_api")
+pytestmark = pytest.mark.skipif(shutil.which(CHROMIUM) is None, reason=f"no chromium at {CHROMIUM}")
+
+
+@pytest.fixture(scope="module")
+def sim_engine(tmp_path_factory, qwen_tokenizer_path: str) -> Iterator[Server]:
+    # 150 ms a request and 4 in flight: the 320-trajectory run lasts about 12 s, long enough to watch.
+    with start_sim_engine(tmp_path_factory.mktemp("sim"), qwen_tokenizer_path, "--latency-ms", "150") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def buffer(tmp_path_factory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("buffer")
+    port = free_port()
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp / "data"), "--auth-token", TOKEN]
+    with running(args, "/healthz", port, tmp / "buffer.log") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def run_id(buffer: Server, sim_engine: Server, qwen_tokenizer_path: str, tmp_path_factory) -> str:
+    data = write_jsonl(tmp_path_factory.mktemp("data") / "math.jsonl", math_rows(80))
+    return start_run(buffer.url, sim_engine.url, data, qwen_tokenizer_path, headers=AUTH, num_process=4)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    with playwright_sync.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run"])
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser) -> Iterator[object]:
+    context = browser.new_context(viewport={"width": 1400, "height": 1100})
+    pg = context.new_page()
+    pg.set_default_timeout(15_000)
+    yield pg
+    context.close()
+
+
+def connect(page, buffer: Server, token: str) -> None:
+    page.goto(f"{buffer.url}/ui")
+    page.fill("#token", token)
+    page.click("#auth button")
+
+
+def test_the_page_loads_without_a_token_and_its_api_needs_the_right_one(buffer: Server) -> None:
+    page = httpx.get(f"{buffer.url}/ui", timeout=10)
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    assert 'src="/ui/static/app.js"' in page.text and "http" not in page.text.split("<body>")[0]  # no CDN
+    assert httpx.get(f"{buffer.url}/ui/static/app.js", timeout=10).status_code == 200
+    assert httpx.get(f"{buffer.url}/ui/api/runs", timeout=10).status_code == 401
+    wrong = {"Authorization": "Bearer nope"}
+    assert httpx.get(f"{buffer.url}/ui/api/runs", headers=wrong, timeout=10).status_code == 401
+    assert httpx.get(f"{buffer.url}/ui/api/runs", headers=AUTH, timeout=10).status_code == 200
+    # A path that merely starts like the public assets reaches nothing but them (no data without a token).
+    sneaky = httpx.get(f"{buffer.url}/ui/static/%2e%2e/api/runs", timeout=10)
+    assert sneaky.status_code == 404 and "runs" not in sneaky.text
+
+
+def test_a_wrong_token_is_rejected_in_the_browser(page, buffer: Server, run_id: str) -> None:
+    statuses: list[int] = []
+    page.on("response", lambda r: statuses.append(r.status) if "/ui/api/" in r.url else None)
+    connect(page, buffer, "wrong-token")
+    page.wait_for_selector("#error:not([hidden])")
+    assert "401" in page.inner_text("#error")
+    assert page.inner_text("#conn") == "rejected"
+    assert 401 in statuses and 200 not in statuses
+    assert page.inner_text("#run-head") == "no run yet"  # nothing of the run was shown
+
+
+def test_the_run_shows_and_its_counts_move_live(page, buffer: Server, run_id: str) -> None:
+    connect(page, buffer, TOKEN)
+    page.wait_for_function("id => document.querySelector('#run-id')?.textContent === id", arg=run_id)
+    assert page.evaluate("sessionStorage.getItem('rollout-buffer-token')") == TOKEN
+    first = page.inner_text("#count-records")
+    # No reload: the server-sent events move the stored-trajectory count while the run proceeds.
+    page.wait_for_function("n => document.querySelector('#count-records').textContent !== n", arg=first)
+    assert int(page.inner_text("#count-records")) > int(first)
+    assert page.locator("#run-state").inner_text() in ("running", "finished")
+    # The charts drew from the snapshots: in flight is a polyline.
+    page.wait_for_selector("#chart-inflight polyline")
+
+
+def test_the_inspector_styles_loss_0_and_loss_1_tokens_apart(page, buffer: Server, run_id: str) -> None:
+    connect(page, buffer, TOKEN)
+    page.wait_for_function("id => document.querySelector('#run-id')?.textContent === id", arg=run_id)
+    page.select_option("#search select[name=status]", "completed")
+    page.click("#search button")
+    row = page.locator("#results tbody tr[data-uid]").first
+    row.wait_for()
+    uid = row.get_attribute("data-uid")
+    row.click()
+    page.wait_for_selector("#tokens .tok.l1")
+    styles = page.evaluate("""() => ['l0', 'l1'].map(c => {
+        const s = getComputedStyle(document.querySelector('#tokens .tok.' + c));
+        return [s.backgroundColor, s.color];
+    })""")
+    assert styles[0] != styles[1], styles
+    stored = httpx.get(f"{buffer.url}/trajectories/{uid}", headers=AUTH, timeout=10).json()
+    shown = page.evaluate("() => [...document.querySelectorAll('#tokens .tok')].map(t => Number(t.dataset.loss))")
+    assert shown == stored["loss_mask"]  # every token, coloured by its own loss-mask entry
+    hover = page.locator("#tokens .tok.l1").first.get_attribute("title")
+    assert "log-prob -" in hover or "log-prob 0" in hover
+    assert page.locator("#tokens .turn-mark").count() >= 1
+    assert page.locator("#messages .msg.role-assistant").count() >= 1
+    assert uid in page.inner_text("#detail-title")
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "dashboard-inspector.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
+
+
+def test_the_api_pages_filters_and_names_bad_fields(buffer: Server, run_id: str) -> None:
+    url = f"{buffer.url}/ui/api/trajectories"
+    seen: list[str] = []
+    before = None
+    for _ in range(3):
+        params = {"run_id": run_id, "limit": 5, **({"before": before} if before else {})}
+        page = httpx.get(url, params=params, headers=AUTH, timeout=10).json()
+        rowids = [t["rowid"] for t in page["items"]]
+        assert rowids == sorted(rowids, reverse=True) and len(rowids) == 5
+        seen += [t["uid"] for t in page["items"]]
+        before = page["next"]
+    assert len(set(seen)) == 15  # pages never overlap
+    ones = httpx.get(url, params={"run_id": run_id, "reward_min": 1}, headers=AUTH, timeout=10).json()["items"]
+    assert ones and all(t["reward"] >= 1 for t in ones)
+    one = seen[0]
+    assert [t["uid"] for t in httpx.get(url, params={"uid": one}, headers=AUTH, timeout=10).json()["items"]] == [one]
+    bad = httpx.get(url, params={"status": "bogus"}, headers=AUTH, timeout=10)
+    assert bad.status_code == 422 and "status" in bad.json()["message"]
+    assert httpx.get(f"{url}/nope", headers=AUTH, timeout=10).status_code == 404
