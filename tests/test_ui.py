@@ -156,4 +156,6 @@ def test_the_api_pages_filters_and_names_bad_fields(buffer: Server, run_id: str)
     assert [t["uid"] for t in httpx.get(url, params={"uid": one}, headers=AUTH, timeout=10).json()["items"]] == [one]
     bad = httpx.get(url, params={"status": "bogus"}, headers=AUTH, timeout=10)
     assert bad.status_code == 422 and "status" in bad.json()["message"]
+    across = httpx.get(url, params={"reward_min": 1}, headers=AUTH, timeout=10)  # no run: it would scan
+    assert across.status_code == 422 and "run_id" in across.json()["message"]
     assert httpx.get(f"{url}/nope", headers=AUTH, timeout=10).status_code == 404

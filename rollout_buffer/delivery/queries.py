@@ -38,18 +38,23 @@ class TrajectoryFilter:
     reward_max: float | None = None
 
     def where(self) -> tuple[list[str], list[Any]]:
-        """SQL conditions (parameterised) and their arguments."""
+        """SQL conditions (parameterised) and their arguments; ValueError naming the field when status, role or
+        a reward bound comes without run_id (they are indexed within a run: across runs they would scan)."""
+        if not self.run_id and (self.status or self.role or self.reward_min is not None
+                                or self.reward_max is not None):
+            raise ValueError("run_id: required to filter by status, role or reward")
         where: list[str] = []
         args: list[Any] = []
-        for column, value in (("run_id", self.run_id), ("instance_id", self.instance_id),
+        if self.uid:
+            # A range over the primary key rather than LIKE, which SQLite cannot serve from the index; the run
+            # is then checked per row (`+`: not through its index, which would scan the whole run).
+            where.append("uid >= ? AND uid < ?")
+            args += [self.uid, self.uid + "\U0010ffff"]
+        for column, value in (("+run_id" if self.uid else "run_id", self.run_id), ("instance_id", self.instance_id),
                               ("status", self.status), ("role", self.role)):
             if value:
                 where.append(f"{column}=?")
                 args.append(value)
-        if self.uid:
-            # A range over the primary key rather than LIKE, which SQLite cannot serve from the index.
-            where.append("uid >= ? AND uid < ?")
-            args += [self.uid, self.uid + "\U0010ffff"]
         if self.reward_min is not None:
             where.append("reward >= ?")
             args.append(self.reward_min)
@@ -106,16 +111,20 @@ class Reader:
 
     async def trajectories(self, flt: TrajectoryFilter, before: int | None, limit: int) -> dict[str, Any]:
         """One page of trajectories matching `flt`, newest first, older than rowid `before`; `next` is the
-        cursor of the following page (None on the last)."""
+        cursor of the following page (None on the last). ValueError: see `TrajectoryFilter.where`."""
         limit = max(1, min(limit, MAX_PAGE))
+        flt.where()  # refuse a filter that cannot use an index before queueing it
 
         def op(conn: sqlite3.Connection) -> dict[str, Any]:
             where, args = flt.where()
             if before is not None:
                 where.append("rowid < ?")
                 args.append(before)
-            sql = (f"SELECT {', '.join(_LIST_COLUMNS)} FROM trajectories "
-                   f"{'WHERE ' + ' AND '.join(where) if where else ''} ORDER BY rowid DESC LIMIT ?")
+            # The page's rowids come from a covering index (only integers are sorted when the index does not
+            # give rowid order, as for a reward range); then the page's rows are read by rowid.
+            sql = (f"SELECT {', '.join(_LIST_COLUMNS)} FROM trajectories WHERE rowid IN (SELECT rowid FROM "
+                   f"trajectories {'WHERE ' + ' AND '.join(where) if where else ''} ORDER BY rowid DESC LIMIT ?) "
+                   "ORDER BY rowid DESC")
             rows = [dict(zip(_LIST_COLUMNS, r, strict=True)) for r in conn.execute(sql, (*args, limit + 1))]
             more = len(rows) > limit
             rows = rows[:limit]

@@ -83,13 +83,14 @@ CREATE TABLE IF NOT EXISTS run_control (
 );
 """
 
-# The dashboard's paged, read-only queries (`queries.py`): a run's trajectories newest first, by status, reward
-# or role; by instance across runs; a batch's groups. Created after the columns they cover exist.
+# The dashboard's paged, read-only queries (`queries.py`) find a page's rowids in one of these without reading
+# the table: `reward` and `role` sit after the record's blob, so a filter that had to read them from the table
+# would walk every record's overflow pages. Created after the columns they cover exist.
 INSPECTION_INDEXES = """
 CREATE INDEX IF NOT EXISTS trajectories_run ON trajectories(run_id);
 CREATE INDEX IF NOT EXISTS trajectories_run_status ON trajectories(run_id, status);
-CREATE INDEX IF NOT EXISTS trajectories_run_reward ON trajectories(run_id, reward);
-CREATE INDEX IF NOT EXISTS trajectories_run_role ON trajectories(run_id, role) WHERE role IS NOT NULL;
+CREATE INDEX IF NOT EXISTS trajectories_run_reward ON trajectories(run_id, reward, status, role);
+CREATE INDEX IF NOT EXISTS trajectories_run_role ON trajectories(run_id, role, status) WHERE role IS NOT NULL;
 CREATE INDEX IF NOT EXISTS trajectories_instance ON trajectories(instance_id);
 CREATE INDEX IF NOT EXISTS groups_batch ON groups(batch_id) WHERE batch_id IS NOT NULL;
 """

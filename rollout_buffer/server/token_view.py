@@ -25,10 +25,13 @@ def token_view(record: dict[str, Any], tokenizer_path: str | None) -> dict[str, 
     logprob = _aligned(record.get("rollout_log_probs"), n)
     info = record.get("extra_info") or {}
     version: list[str | None] = [None] * n
-    for span in info.get("weight_version_spans") or []:
-        start, end, v = span
-        for i in range(max(0, start), min(end, n)):
-            version[i] = v
+    spans = info.get("weight_version_spans")
+    for span in spans if isinstance(spans, list) else []:
+        # Written by the buffer's generators as [start, end, version]; anything else (a record posted by an
+        # outside writer) is not shown rather than failing the view.
+        if isinstance(span, list) and len(span) == 3 and all(isinstance(x, int) for x in span[:2]):
+            for i in range(max(0, span[0]), min(span[1], n)):
+                version[i] = None if span[2] is None else str(span[2])
     texts = _texts(tokens, tokenizer_path)
     # A model turn starts where the loss mask turns on after prompt or environment tokens (loss 0).
     turn_starts = [i for i in range(prompt_length, n)
@@ -56,13 +59,16 @@ def _texts(tokens: list[int], tokenizer_path: str | None) -> list[str]:
         tokenizer = load_tokenizer(tokenizer_path)
     except ValueError:  # the run's tokenizer folder is gone: show ids rather than fail the view
         return [f"#{t}" for t in tokens]
-    return [tokenizer.convert_tokens_to_string([piece]) for piece in tokenizer.convert_ids_to_tokens(tokens)]
+    pieces = tokenizer.convert_ids_to_tokens(tokens)
+    # An id outside the vocabulary (another model's tokens) has no piece: show the id.
+    pairs = zip(tokens, pieces, strict=True)
+    return [f"#{t}" if piece is None else tokenizer.convert_tokens_to_string([piece]) for t, piece in pairs]
 
 
-def _mismatch(found: dict[str, Any] | None, texts: list[str]) -> dict[str, Any] | None:
+def _mismatch(found: Any, texts: list[str]) -> dict[str, Any] | None:
     """The check's report and the index of the first differing token (a character offset of the decoded
     sequence is mapped to the token that holds it)."""
-    if not found:
+    if not isinstance(found, dict) or not found:
         return None
     position = found.get("position")
     index = None

@@ -65,7 +65,10 @@ def mount_ui(app: FastAPI) -> None:
         limit: int = Query(default=50, ge=1, le=MAX_PAGE),
     ) -> Response:
         flt = TrajectoryFilter(run_id, uid, instance_id, status, role, reward_min, reward_max)
-        return json_response(await reader(request).trajectories(flt, before, limit))
+        try:
+            return json_response(await reader(request).trajectories(flt, before, limit))
+        except ValueError as e:
+            raise HTTPException(422, str(e)) from None
 
     @app.get(UI_PREFIX + "/api/trajectories/{uid}", summary="Dashboard: one trajectory with its group")
     async def trajectory(uid: str, request: Request) -> Response:
