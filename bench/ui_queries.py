@@ -77,7 +77,8 @@ async def fill(data_dir: Path, total: int) -> tuple[str, int]:
 
 
 def timed(client: httpx.Client, path: str, params: dict[str, Any], repeat: int) -> tuple[list[float], int]:
-    """Latencies (ms) of `repeat` GETs and the rows of the last answer (its first list, or a group's members)."""
+    """Latencies (ms) of `repeat` GETs and the rows of the last answer (its first list or mapping, or a
+    group's members)."""
     out = []
     size = 0
     for _ in range(repeat):
@@ -86,8 +87,8 @@ def timed(client: httpx.Client, path: str, params: dict[str, Any], repeat: int) 
         out.append(1000 * (time.perf_counter() - start))
         resp.raise_for_status()
         body = resp.json()
-        lists = [v for v in body.values() if isinstance(v, list)]
-        size = len(lists[0]) if lists else len(body.get("group", {}).get("members") or [])
+        found = [v for v in body.values() if isinstance(v, list | dict)]
+        size = len(found[0]) if found and "group" not in body else len(body.get("group", {}).get("members") or [])
     return out, size
 
 
@@ -109,7 +110,8 @@ def main() -> None:
             with httpx.Client(base_url=service.url, timeout=60) as client:
                 first = client.get("/ui/api/trajectories", params={"run_id": run_id, "limit": 50}).json()
                 deep = first["items"][0]["rowid"] // 2  # a page in the middle of the store
-                uid = first["items"][0]["uid"]
+                middle = client.get("/ui/api/trajectories", params={"run_id": run_id, "before": deep}).json()
+                uid = middle["items"][0]["uid"]  # of a complete group (the newest groups may still be open)
                 queries = [
                     ("newest page of the run", "/ui/api/trajectories", {"run_id": run_id, "limit": 50}),
                     ("a page in the middle (cursor)", "/ui/api/trajectories",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,6 +45,32 @@ def buffer(tmp_path_factory) -> Iterator[Server]:
 def run_id(buffer: Server, sim_engine: Server, qwen_tokenizer_path: str, tmp_path_factory) -> str:
     data = write_jsonl(tmp_path_factory.mktemp("data") / "math.jsonl", math_rows(80))
     return start_run(buffer.url, sim_engine.url, data, qwen_tokenizer_path, headers=AUTH, num_process=4)
+
+
+@pytest.fixture(scope="module")
+def session_uids(buffer: Server, run_id: str, qwen_tokenizer) -> list[str]:
+    """A capture-proxy session's records as `/buffer/write` takes them: branch 1 forked from branch 0 at turn 1,
+    exact tokens with weight versions and a tokenization-check report; with two more records the group of 4
+    completes (and is normalized)."""
+    prompt = qwen_tokenizer.encode("<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n")
+    records = []
+    for k in range(4):
+        response = qwen_tokenizer.encode(f"It is {4 + k}.<|im_end|>")
+        info: dict = {"epoch": 0, "weight_version_spans": [[len(prompt), len(prompt) + len(response), "7"]]}
+        if k < 2:
+            info |= {"session_id": "sess-abc", "branch": k, "parent_branch": None if k == 0 else 0, "fork_turn": k}
+        if k == 1:
+            info["tokenization_mismatch"] = {"mode": "strict", "unit": "token", "position": len(prompt) + 1}
+        records.append({
+            "uid": f"ui-session-{k}", "instance_id": "ui-session", "reward": float(k == 0),
+            "messages": [{"role": "user", "content": "What is 2 + 2?"},
+                         {"role": "assistant", "content": f"It is {4 + k}."}],
+            "tokens": prompt + response, "loss_mask": [0] * len(prompt) + [1] * len(response),
+            "rollout_log_probs": [-0.25] * len(response), "response_length": len(response), "extra_info": info,
+        })
+    resp = httpx.post(f"{buffer.url}/buffer/write", json=records, headers=AUTH, timeout=30)
+    assert resp.status_code == 200, resp.text
+    return [r["uid"] for r in records]
 
 
 @pytest.fixture(scope="module")
@@ -112,12 +139,14 @@ def test_the_run_shows_and_its_counts_move_live(page, buffer: Server, run_id: st
 def test_the_inspector_styles_loss_0_and_loss_1_tokens_apart(page, buffer: Server, run_id: str) -> None:
     connect(page, buffer, TOKEN)
     page.wait_for_function("id => document.querySelector('#run-id')?.textContent === id", arg=run_id)
+    page.wait_for_function("() => Number(document.querySelector('#count-records').textContent) > 0")
     page.select_option("#search select[name=status]", "completed")
     page.click("#search button")
-    row = page.locator("#results tbody tr[data-uid]").first
-    row.wait_for()
-    uid = row.get_attribute("data-uid")
-    row.click()
+    first = page.locator("#results tbody tr[data-uid]").first
+    first.wait_for()
+    uid = first.get_attribute("data-uid")
+    page.locator(f"#results tr[data-uid='{uid}']").click()
+    page.wait_for_function("uid => document.querySelector('#detail-title').textContent.startsWith(uid)", arg=uid)
     page.wait_for_selector("#tokens .tok.l1")
     styles = page.evaluate("""() => ['l0', 'l1'].map(c => {
         const s = getComputedStyle(document.querySelector('#tokens .tok.' + c));
@@ -159,3 +188,34 @@ def test_the_api_pages_filters_and_names_bad_fields(buffer: Server, run_id: str)
     across = httpx.get(url, params={"reward_min": 1}, headers=AUTH, timeout=10)  # no run: it would scan
     assert across.status_code == 422 and "run_id" in across.json()["message"]
     assert httpx.get(f"{url}/nope", headers=AUTH, timeout=10).status_code == 404
+
+
+def test_the_token_view_and_group_of_a_session_record(buffer: Server, session_uids: list[str]) -> None:
+    view = httpx.get(f"{buffer.url}/ui/api/trajectories/{session_uids[1]}/tokens", headers=AUTH, timeout=30).json()
+    p = view["prompt_length"]
+    assert view["text"][0] == "<|im_start|>" and "".join(view["text"][p:]).startswith("It is 5.")
+    assert view["loss"] == [0] * p + [1] * (len(view["tokens"]) - p)
+    assert view["logprob"][:p] == [None] * p and set(view["logprob"][p:]) == {-0.25}
+    assert view["version"][p:] == ["7"] * (len(view["tokens"]) - p) and view["turn_starts"] == [p]
+    assert view["mismatch"]["token_index"] == p + 1
+    group = httpx.get(f"{buffer.url}/ui/api/trajectories/{session_uids[1]}", headers=AUTH, timeout=30).json()["group"]
+    members = {m["uid"]: m for m in group["members"]}
+    assert group["state"] == "ready" and set(members) == set(session_uids)
+    assert members["ui-session-0"]["raw_reward"] == 1.0 and members["ui-session-0"]["normalized"]
+    # GRPO over raw rewards [1, 0, 0, 0]: (1 − mean) / (population std + 1e-6)
+    assert members["ui-session-0"]["reward"] == pytest.approx(0.75 / (statistics.pstdev([1, 0, 0, 0]) + 1e-6))
+    assert (members["ui-session-1"]["parent_branch"], members["ui-session-1"]["fork_turn"]) == (0, 1)
+
+
+def test_the_inspector_shows_a_mismatch_and_session_branches(page, buffer: Server, run_id: str,
+                                                             session_uids: list[str]) -> None:
+    connect(page, buffer, TOKEN)
+    page.wait_for_function("id => document.querySelector('#run-id')?.textContent === id", arg=run_id)
+    page.fill("#search input[name=uid]", session_uids[1])
+    page.click("#search button")
+    page.locator(f"#results tr[data-uid='{session_uids[1]}']").click()
+    page.wait_for_selector("#tokens .tok.mismatch")
+    assert "tokenization check" in page.inner_text("#token-note")
+    assert "weights 7" in page.inner_text("#tokens")
+    branches = page.inner_text("#group")
+    assert "forked from 0 at turn 1" in branches and "normalized" in branches

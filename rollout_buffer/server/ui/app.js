@@ -14,7 +14,7 @@ const state = {
   last: null, // previous snapshot, for rates
   history: { throughput: [], inflight: [], lag: [], latency: [] },
   countsKey: "",
-  page: { next: null, newest: 0 },
+  page: { next: null, newest: 0, seq: 0, empty: true },
   snapshots: 0,
 };
 
@@ -149,7 +149,11 @@ function onSnapshot(s) {
     refreshSessions();
   }
   if (runChanged) search();
-  else if (s.latest_rowid > state.page.newest && state.page.newest) $("newer").hidden = false;
+  else if (s.latest_rowid > state.page.newest) {
+    // An empty list fills itself as trajectories arrive; a list being read is not moved under the reader.
+    if (state.page.empty) search();
+    else $("newer").hidden = false;
+  }
 }
 
 function renderRun(s) {
@@ -327,8 +331,11 @@ function searchQuery(before) {
 }
 
 async function search(before = null) {
+  const seq = ++state.page.seq;
   try {
     const page = await getJSON(`/ui/api/trajectories?${searchQuery(before)}`);
+    if (seq !== state.page.seq) return; // a later search was started meanwhile: its answer wins
+    state.page.empty = !before && !page.items.length;
     if (!before) {
       state.page.newest = page.items.length ? page.items[0].rowid : (state.last && state.last.latest_rowid) || 0;
       $("newer").hidden = true;
