@@ -7,10 +7,12 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 from ops_helpers import math_rows, start_run, write_jsonl
 from servers import Server, free_port, running
@@ -219,3 +221,34 @@ def test_the_inspector_shows_a_mismatch_and_session_branches(page, buffer: Serve
     assert "weights 7" in page.inner_text("#tokens")
     branches = page.inner_text("#group")
     assert "forked from 0 at turn 1" in branches and "normalized" in branches
+
+
+def read_events(buffer: Server, count: int) -> list[tuple[str, dict]]:
+    """The first `count` events of a new `/ui/api/events` stream, as (name, data)."""
+    events: list[tuple[str, dict]] = []
+    with httpx.stream("GET", f"{buffer.url}/ui/api/events", headers=AUTH, timeout=10) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        name = None
+        for line in resp.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                events.append((name, orjson.loads(line[len("data: "):])))
+                if len(events) == count:
+                    return events
+    raise AssertionError(f"the stream ended after {events}")
+
+
+def test_the_event_stream_sends_history_then_snapshots(buffer: Server, run_id: str) -> None:
+    deadline = time.monotonic() + 10
+    while True:  # the server samples every 2 s: a run started a moment ago may have no point yet
+        (first, history), (second, snap), (third, later) = read_events(buffer, 3)
+        points = [p for p in history["points"] if p["run_id"] == run_id]
+        if points or time.monotonic() > deadline:
+            break
+    assert (first, second, third) == ("history", "snapshot", "snapshot")
+    # The server sampled the run before this client connected.
+    assert points and [p["done"] for p in points] == sorted(p["done"] for p in points)
+    assert snap["run"]["run_id"] == run_id and later["t"] > snap["t"]
+    assert {"engine", "latest_rowid", "groups", "records", "control"} <= set(snap)
+    assert httpx.get(f"{buffer.url}/ui/api/events", timeout=10).status_code == 401

@@ -46,6 +46,7 @@ from rollout_buffer.server.bodies import (
 )
 from rollout_buffer.server.middleware import AgentSocketGate, BearerAuthMiddleware, BodyLimitMiddleware
 from rollout_buffer.server.proxy_routes import mount_proxy
+from rollout_buffer.server.ui_history import RunHistory
 from rollout_buffer.server.ui_routes import mount_ui
 from rollout_buffer.server.views import run_control, status_view
 
@@ -78,12 +79,16 @@ def create_app(config: ServerConfig) -> FastAPI:
         app.state.buffer = buffer
         app.state.runs = runs
         app.state.sessions = sessions
+        history = RunHistory(app)
+        app.state.history = history
         log.info("rollout buffer ready: data dir %s, generators %s", config.data_dir, sorted(generators))
         sessions.start()
         await runs.resume()
+        history.start()
         try:
             yield
         finally:
+            await history.stop()
             await runs.shutdown()
             await sessions.stop()
             await reader.close()

@@ -25,6 +25,7 @@ from rollout_buffer.schemas import TrajectoryStatus
 from rollout_buffer.server.bodies import json_response
 from rollout_buffer.server.middleware import UI_PREFIX
 from rollout_buffer.server.token_view import token_view
+from rollout_buffer.server.ui_history import RunHistory
 from rollout_buffer.server.views import status_view
 
 ASSETS = Path(__file__).parent / "ui"
@@ -104,10 +105,13 @@ def mount_ui(app: FastAPI) -> None:
 
 
 async def _snapshots(request: Request) -> AsyncIterator[bytes]:
-    """`snapshot` events until the client leaves or the stream's time is up (the page then reconnects)."""
+    """The recent `history` event, then a `snapshot` event a second until the client leaves or the stream's
+    time is up (the page then reconnects)."""
     reader: Reader = request.app.state.reader
     end = time.monotonic() + STREAM_MAX_S
     yield b"retry: 2000\n\n"
+    history: RunHistory = request.app.state.history
+    yield b"event: history\ndata: " + orjson.dumps({"points": history.points()}) + b"\n\n"
     while time.monotonic() < end and not await request.is_disconnected():
         body = await status_view(request.app)
         body |= {"t": time.time(), "engine": metrics.engine_latency(), "latest_rowid": await reader.latest_rowid()}

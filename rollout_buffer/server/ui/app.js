@@ -4,7 +4,8 @@
 "use strict";
 
 const TOKEN_KEY = "rollout-buffer-token";
-const HISTORY = 300; // points kept per chart (5 minutes at one snapshot a second)
+const HISTORY = 2000; // points kept per chart
+const WINDOW_S = 1800; // what the charts span: the last half hour
 const $ = (id) => document.getElementById(id);
 
 const state = {
@@ -12,7 +13,8 @@ const state = {
   stream: null, // AbortController of the running event stream
   runId: null,
   last: null, // previous snapshot, for rates
-  history: { throughput: [], inflight: [], lag: [], latency: [] },
+  history: { throughput: [], inflight: [], lag: [], latency: [] }, // [time, value] per series
+  lastPoint: null,
   countsKey: "",
   page: { next: null, newest: 0, seq: 0, empty: true },
   snapshots: 0,
@@ -108,6 +110,7 @@ async function runStream() {
         buf = buf.slice(cut + 2);
         const event = parseEvent(block);
         if (event.name === "snapshot") onSnapshot(JSON.parse(event.data));
+        else if (event.name === "history") onHistory(JSON.parse(event.data).points);
       }
     }
   } catch (err) {
@@ -136,7 +139,8 @@ function onSnapshot(s) {
   const runChanged = (run && run.run_id) !== state.runId;
   state.runId = run ? run.run_id : null;
   renderRun(s);
-  pushHistory(s);
+  addPoint(pointOf(s));
+  drawCharts();
   const key = JSON.stringify([s.groups, s.filtered, s.records]);
   if (key !== state.countsKey || runChanged) {
     state.countsKey = key;
@@ -188,40 +192,61 @@ function renderRun(s) {
   for (const [label, id, value] of items) counts.append(el("div", {}, el("dt", {}, label), el("dd", { id }, value)));
 }
 
-function pushHistory(s) {
-  const h = state.history;
-  const prev = state.last;
+// A chart point of a snapshot, in the shape of the server's history samples.
+function pointOf(s) {
   const p = (s.run && s.run.progress) || {};
-  const dt = prev ? s.t - prev.t : 0;
-  const prevP = (prev && prev.run && prev.run.progress) || {};
-  if (prev && dt > 0 && prevP.run_id === p.run_id) h.throughput.push(Math.max(0, ((p.done || 0) - (prevP.done || 0)) / dt));
-  h.inflight.push(p.in_flight || 0);
-  h.lag.push(((s.control || {}).trainer_lead) || 0);
+  return { t: s.t, run_id: p.run_id, done: p.done || 0, in_flight: p.in_flight || 0,
+           lag: (s.control || {}).trainer_lead ?? null, engine: s.engine || {} };
+}
+
+function addPoint(point) {
+  const h = state.history;
+  const prev = state.lastPoint;
+  const t = point.t;
+  if (prev && t - prev.t > 0 && prev.run_id === point.run_id) h.throughput.push([t, Math.max(0, (point.done - prev.done) / (t - prev.t))]);
+  h.inflight.push([t, point.in_flight]);
+  if (point.lag !== null && point.lag !== undefined) h.lag.push([t, point.lag]);
   if (prev) {
     let n = 0, sum = 0;
-    for (const [endpoint, now] of Object.entries(s.engine || {})) {
-      const before = (prev.engine || {})[endpoint] || { count: 0, sum: 0 };
+    for (const [endpoint, now] of Object.entries(point.engine)) {
+      const before = prev.engine[endpoint] || { count: 0, sum: 0 };
       n += now.count - before.count;
       sum += now.sum - before.sum;
     }
-    if (n > 0) h.latency.push((1000 * sum) / n);
+    if (n > 0) h.latency.push([t, (1000 * sum) / n]);
   }
-  for (const k of Object.keys(h)) if (h[k].length > HISTORY) h[k].splice(0, h[k].length - HISTORY);
+  state.lastPoint = point;
+  for (const series of Object.values(h)) {
+    while (series.length && (series.length > HISTORY || series[0][0] < t - WINDOW_S)) series.shift();
+  }
+}
+
+function drawCharts() {
+  const h = state.history;
   sparkline($("chart-throughput"), h.throughput);
   sparkline($("chart-inflight"), h.inflight);
   sparkline($("chart-lag"), h.lag);
   sparkline($("chart-latency"), h.latency);
 }
 
-function sparkline(svg, values) {
+// The server's samples from before this page connected (one every few seconds, the last half hour).
+function onHistory(points) {
+  for (const k of Object.keys(state.history)) state.history[k] = [];
+  state.lastPoint = null;
+  for (const point of points) addPoint(point);
+  drawCharts();
+}
+
+function sparkline(svg, points) {
   svg.replaceChildren();
-  if (!values.length) return;
-  const max = Math.max(...values, 1e-9);
-  const step = values.length > 1 ? 230 / (values.length - 1) : 0;
-  const points = values.map((v, i) => `${5 + i * step},${55 - (50 * v) / max}`).join(" ");
-  svg.append(svgEl("polyline", { points }));
+  if (!points.length) return;
+  const values = points.map((p) => p[1]);
+  const max = Math.max(...values, 1e-9), min = Math.min(...values, 0);
+  const t0 = points[0][0], span = Math.max(points[points.length - 1][0] - t0, 1e-9);
+  const xy = points.map(([t, v]) => `${(5 + (230 * (t - t0)) / span).toFixed(1)},${(55 - (50 * (v - min)) / (max - min || 1)).toFixed(1)}`);
+  svg.append(svgEl("polyline", { points: xy.join(" ") }));
   const label = svgEl("text", { x: 4, y: 10 });
-  label.textContent = `now ${fmt(values[values.length - 1], 1)} · max ${fmt(max, 1)}`;
+  label.textContent = `now ${fmt(values[values.length - 1], 1)} · max ${fmt(max, 1)} · ${Math.round(span / 60)} min`;
   svg.append(label);
 }
 
