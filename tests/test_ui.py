@@ -60,7 +60,8 @@ def session_uids(buffer: Server, run_id: str, qwen_tokenizer) -> list[str]:
         response = qwen_tokenizer.encode(f"It is {4 + k}.<|im_end|>")
         info: dict = {"epoch": 0, "weight_version_spans": [[len(prompt), len(prompt) + len(response), "7"]]}
         if k < 2:
-            info |= {"session_id": "sess-abc", "branch": k, "parent_branch": None if k == 0 else 0, "fork_turn": k}
+            info |= {"session_id": "sess-abc", "branch": k, "parent_branch": None if k == 0 else 0, "fork_turn": k,
+                     "role": "solver"}
         if k == 1:
             info["tokenization_mismatch"] = {"mode": "strict", "unit": "token", "position": len(prompt) + 1}
         records.append({
@@ -207,6 +208,13 @@ def test_the_token_view_and_group_of_a_session_record(buffer: Server, session_ui
     # GRPO over raw rewards [1, 0, 0, 0]: (1 − mean) / (population std + 1e-6)
     assert members["ui-session-0"]["reward"] == pytest.approx(0.75 / (statistics.pstdev([1, 0, 0, 0]) + 1e-6))
     assert (members["ui-session-1"]["parent_branch"], members["ui-session-1"]["fork_turn"]) == (0, 1)
+    # Searching by the agent's role and by instance finds exactly these records.
+    url, run = f"{buffer.url}/ui/api/trajectories", group["run_id"]
+    by_role = httpx.get(url, params={"run_id": run, "role": "solver"}, headers=AUTH, timeout=10).json()["items"]
+    assert [t["uid"] for t in by_role] == ["ui-session-1", "ui-session-0"] and by_role[0]["role"] == "solver"
+    by_instance = httpx.get(url, params={"instance_id": "ui-session"}, headers=AUTH, timeout=10).json()["items"]
+    assert {t["uid"] for t in by_instance} == set(session_uids)
+    assert [t["reward"] for t in by_instance if t["uid"] == "ui-session-0"] == [1.0]  # raw, as scored
 
 
 def test_the_inspector_shows_a_mismatch_and_session_branches(page, buffer: Server, run_id: str,
