@@ -23,8 +23,6 @@ TOKEN = "ui-s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 ARTIFACTS = Path(__file__).parent / "artifacts"
 
-playwright_sync = pytest.importorskip("playwright.sync_api")
-pytestmark = pytest.mark.skipif(shutil.which(CHROMIUM) is None, reason=f"no chromium at {CHROMIUM}")
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +76,10 @@ def session_uids(buffer: Server, run_id: str, qwen_tokenizer) -> list[str]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
+    # Only the browser tests need these; the API tests run without them.
+    if shutil.which(CHROMIUM) is None:
+        pytest.skip(f"no chromium at {CHROMIUM} (Debian: apt-get install chromium; .ci/run does)")
+    playwright_sync = pytest.importorskip("playwright.sync_api")
     with playwright_sync.sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=[
             "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -170,7 +172,16 @@ def test_the_inspector_styles_loss_0_and_loss_1_tokens_apart(page, buffer: Serve
     assert shot.stat().st_size > 10_000
 
 
+def wait_stored(buffer: Server, run_id: str, n: int, timeout_s: float = 30) -> None:
+    """Until the run has stored at least n trajectories."""
+    deadline = time.monotonic() + timeout_s
+    while sum(httpx.get(f"{buffer.url}/status", headers=AUTH, timeout=10).json()["records"].values()) < n:
+        assert time.monotonic() < deadline, f"run {run_id} stored fewer than {n} trajectories in {timeout_s}s"
+        time.sleep(0.2)
+
+
 def test_the_api_pages_filters_and_names_bad_fields(buffer: Server, run_id: str) -> None:
+    wait_stored(buffer, run_id, 24)
     url = f"{buffer.url}/ui/api/trajectories"
     seen: list[str] = []
     before = None
