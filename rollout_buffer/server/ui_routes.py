@@ -26,7 +26,7 @@ from rollout_buffer.server.bodies import json_response
 from rollout_buffer.server.middleware import UI_PREFIX
 from rollout_buffer.server.token_view import token_view
 from rollout_buffer.server.ui_history import RunHistory
-from rollout_buffer.server.views import status_view
+from rollout_buffer.server.views import SharedStatus
 
 ASSETS = Path(__file__).parent / "ui"
 # One snapshot a second is what a person watching can read; a stream ends after a while and the page
@@ -40,6 +40,9 @@ def mount_ui(app: FastAPI) -> None:
 
     def reader(request: Request) -> Reader:
         return request.app.state.reader
+
+    # Slightly younger than the stream's interval, so each stream still gets a fresh body every tick.
+    app.state.shared_status = SharedStatus(max_age_s=SNAPSHOT_INTERVAL_S * 0.8)
 
     @app.get(UI_PREFIX, summary="The dashboard (an HTML page; no token needed to load it)")
     @app.get(UI_PREFIX + "/", include_in_schema=False)
@@ -108,12 +111,13 @@ async def _snapshots(request: Request) -> AsyncIterator[bytes]:
     """The recent `history` event, then a `snapshot` event a second until the client leaves or the stream's
     time is up (the page then reconnects)."""
     reader: Reader = request.app.state.reader
+    shared: SharedStatus = request.app.state.shared_status
     end = time.monotonic() + STREAM_MAX_S
     yield b"retry: 2000\n\n"
     history: RunHistory = request.app.state.history
     yield b"event: history\ndata: " + orjson.dumps({"points": history.points()}) + b"\n\n"
     while time.monotonic() < end and not await request.is_disconnected():
-        body = await status_view(request.app)
+        body = await shared.get(request.app)
         body |= {"t": time.time(), "engine": metrics.engine_latency(), "latest_rowid": await reader.latest_rowid()}
         yield b"event: snapshot\ndata: " + orjson.dumps(body) + b"\n\n"
         await asyncio.sleep(SNAPSHOT_INTERVAL_S)

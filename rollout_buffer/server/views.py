@@ -3,6 +3,9 @@ with the runner's live view (progress, admission), so all three say the same."""
 
 from __future__ import annotations
 
+import asyncio
+import math
+import time
 from typing import Any
 
 from starlette.applications import Starlette
@@ -34,3 +37,22 @@ async def status_view(app: Starlette) -> dict[str, Any]:
         body["run"]["progress"] = live
     body["control"] = await run_control(app, body["run"])
     return body
+
+
+class SharedStatus:
+    """`status_view` computed at most once per `max_age_s` however many dashboards stream it: each open page
+    would otherwise cost the store thread one `/status` a second."""
+
+    def __init__(self, max_age_s: float):
+        self.max_age_s = max_age_s
+        self._lock = asyncio.Lock()
+        self._at = -math.inf
+        self._body: dict[str, Any] = {}
+
+    async def get(self, app: Starlette) -> dict[str, Any]:
+        """A `/status` body no older than `max_age_s` (a copy: callers add their own fields)."""
+        async with self._lock:
+            if time.monotonic() - self._at >= self.max_age_s:
+                self._body = await status_view(app)
+                self._at = time.monotonic()
+            return dict(self._body)
