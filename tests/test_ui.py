@@ -271,3 +271,38 @@ def test_the_event_stream_sends_history_then_snapshots(buffer: Server, run_id: s
     assert snap["run"]["run_id"] == run_id and later["t"] > snap["t"]
     assert {"engine", "latest_rowid", "groups", "records", "control"} <= set(snap)
     assert httpx.get(f"{buffer.url}/ui/api/events", timeout=10).status_code == 401
+
+
+@pytest.fixture(scope="module")
+def agent_buffer(tmp_path_factory, sim_engine: Server, qwen_tokenizer_path: str) -> Iterator[Server]:
+    """A buffer hosting agent sessions (a harness run: no input file)."""
+    tmp = tmp_path_factory.mktemp("agent-buffer")
+    port = free_port()
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp / "data"), "--auth-token", TOKEN]
+    with running(args, "/healthz", port, tmp / "buffer.log") as srv:
+        body = {"task_type": "agent", "remote_engine_url": sim_engine.url, "tokenizer_path": qwen_tokenizer_path,
+                "max_tokens": 256}
+        assert httpx.post(f"{srv.url}/start_rollout", json=body, headers=AUTH, timeout=60).status_code == 200
+        yield srv
+
+
+def test_an_open_capture_proxy_session_shows_its_branches(page, agent_buffer: Server) -> None:
+    opened = httpx.post(f"{agent_buffer.url}/sessions", json={"instance_id": "live-1"}, headers=AUTH,
+                        timeout=60).json()
+    key = {"Authorization": f"Bearer {opened['api_key']}"}
+
+    def turn(messages: list[dict]) -> str:
+        resp = httpx.post(f"{opened['base_url']}/chat/completions", json={"model": "m", "messages": messages},
+                          headers=key, timeout=60)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["choices"][0]["message"]["content"]
+
+    question = {"role": "user", "content": "What is 3 + 4?"}
+    answer = {"role": "assistant", "content": turn([question])}
+    turn([question, answer, {"role": "user", "content": "And 5 + 5?"}])
+    turn([question, answer, {"role": "user", "content": "And 6 + 6?"}])  # the same first turn, another follow-up
+    connect(page, agent_buffer, TOKEN)
+    page.wait_for_selector("#sessions .branch >> nth=1")
+    lines = page.locator("#sessions .branch").all_inner_texts()
+    assert lines[0].startswith("branch 0 · root") and "forked from 0 at turn 1" in lines[1], lines
+    assert opened["session_id"][:12] in page.inner_text("#sessions")

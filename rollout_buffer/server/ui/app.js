@@ -5,6 +5,7 @@
 
 const TOKEN_KEY = "rollout-buffer-token";
 const HISTORY = 2000; // points kept per chart
+const MAX_SESSIONS = 10; // open sessions whose branch trees the page shows
 const WINDOW_S = 1800; // what the charts span: the last half hour
 const $ = (id) => document.getElementById(id);
 
@@ -317,10 +318,14 @@ async function refreshSessions() {
     const box = $("sessions");
     box.replaceChildren();
     if (!sessions.length) return box.append("none open");
-    for (const s of sessions) {
-      box.append(el("div", {}, el("strong", {}, `session ${short(s.session_id, 12)}`), ` · ${s.instance_id} · ${s.state}`));
-      for (const b of s.branches || []) box.append(branchLine(b, s.branches));
+    // The list counts branches; each session's own view has its tree (the first few sessions: a glance).
+    const shown = sessions.slice(0, MAX_SESSIONS);
+    const views = await Promise.all(shown.map((s) => getJSON(`/sessions/${encodeURIComponent(s.session_id)}`).catch(() => s)));
+    for (const s of views) {
+      box.append(el("div", {}, el("strong", {}, `session ${short(s.session_id, 12)}`), ` · ${s.instance_id} · ${s.kind} · ${s.state}`));
+      if (Array.isArray(s.branches)) for (const b of s.branches) box.append(branchLine(b, s.branches));
     }
+    if (sessions.length > shown.length) box.append(el("div", { class: "muted" }, `and ${sessions.length - shown.length} more`));
   } catch (err) {
     failed(err);
   }
