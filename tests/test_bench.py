@@ -82,3 +82,11 @@ def test_proxy_measures_agent_turns_against_the_engine_directly(tmp_path: Path) 
     found = re.search(rf"proxy 8@20ms: {NUMBER} turns/s, {NUMBER}% of direct, {NUMBER} ms buffer CPU per turn", line)
     assert found and float(found.group(1)) > 0 and float(found.group(3)) > 0, line
     assert re.search(r"│ direct +│ +\d", out) and re.search(r"│ proxy +│ +\d", out), out[-3000:]
+
+
+def test_ui_queries_times_every_dashboard_query() -> None:
+    out = run_bench("ui_queries", "--records", "1024", "--repeat", "2")
+    line = summary_line(out)
+    assert re.search(rf"records=1024 worst_p95_ms={NUMBER}", line), line
+    for query in ("newest page of the run", "status = failed", "token view", "12 newest batches"):
+        assert re.search(rf"│ {re.escape(query)} +│ +\d+ ", out), f"no {query} row:\n{out[-3000:]}"

@@ -205,7 +205,7 @@ class RolloutBuffer:
         run = run or await self._writer_run()
         items = [
             NewRecord(r.uid, r.instance_id, r.epoch, r.status, encode_record(r), episode=r.extra_info.get("episode_id"),
-                      agent_id=role_of({"extra_info": r.extra_info}))
+                      agent_id=role_of({"extra_info": r.extra_info}), reward=r.reward)
             for r in records
         ]
         with metrics.STORE_WRITE_SECONDS.time():

@@ -138,6 +138,18 @@ CREATE TABLE IF NOT EXISTS eval_samples (
 );
 """
 
+# The dashboard's paged, read-only queries (`queries.py`) find a page's rowids in one of these without reading
+# the table: `reward` and `role` sit after the record's blob, so a filter that had to read them from the table
+# would walk every record's overflow pages. Created after the columns they cover exist.
+INSPECTION_INDEXES = """
+CREATE INDEX IF NOT EXISTS trajectories_run ON trajectories(run_id);
+CREATE INDEX IF NOT EXISTS trajectories_run_status ON trajectories(run_id, status);
+CREATE INDEX IF NOT EXISTS trajectories_run_reward ON trajectories(run_id, reward, status, agent_id);
+CREATE INDEX IF NOT EXISTS trajectories_run_role ON trajectories(run_id, agent_id, status) WHERE agent_id IS NOT NULL;
+CREATE INDEX IF NOT EXISTS trajectories_instance ON trajectories(instance_id);
+CREATE INDEX IF NOT EXISTS groups_batch ON groups(batch_id) WHERE batch_id IS NOT NULL;
+"""
+
 GroupKey = tuple[str, str, int, int]  # run_id, instance_id, epoch, part
 Order = Literal["oldest", "newest"]
 # Delivery order: by completion, oldest or most recent first.
@@ -170,6 +182,7 @@ class NewRecord:
     # Records of one multi-agent episode share it; a group counts episodes, not records.
     episode: str | None = None
     agent_id: str | None = None  # the record's role (`extra_info.agent_id`): its delivery stream
+    reward: float | None = None  # as the generator scored it (before group normalization)
 
 
 @dataclass
@@ -270,10 +283,16 @@ class Store:
             # What delivery reads of a completed record, so it can send the stored JSON without parsing it;
             # stores written before this column summarise their records at delivery instead.
             conn.execute("ALTER TABLE trajectories ADD COLUMN summary BLOB")
-        if "agent_id" not in {row[1] for row in conn.execute("PRAGMA table_info(trajectories)")}:
+        trajectory_columns = {row[1] for row in conn.execute("PRAGMA table_info(trajectories)")}
+        if "agent_id" not in trajectory_columns:
             conn.execute("ALTER TABLE trajectories ADD COLUMN agent_id TEXT")  # stores before role streams
+        if "reward" not in trajectory_columns:
+            # What the dashboard searches by; rows of stores written before it have none and are found by uid,
+            # instance, role and status only.
+            conn.execute("ALTER TABLE trajectories ADD COLUMN reward REAL")
         if "stream" not in {row[1] for row in conn.execute("PRAGMA table_info(batches)")}:
             conn.execute("ALTER TABLE batches ADD COLUMN stream TEXT")
+        conn.executescript(INSPECTION_INDEXES)
         group_columns = {row[1] for row in conn.execute("PRAGMA table_info(groups)")}
         for column in ("version_min", "version_max"):
             if column not in group_columns:  # stores written before version-aware delivery
@@ -697,8 +716,8 @@ def _write(
         ).fetchone() is None
         cur = conn.execute(
             "INSERT OR IGNORE INTO trajectories(uid, run_id, instance_id, epoch, part, status, episode, created_at, "
-            "record, agent_id) VALUES (?,?,?,?,?,?,?,?,?,?)",
-            (item.uid, *key, item.status, episode, now, blob, item.agent_id),
+            "record, agent_id, reward) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            (item.uid, *key, item.status, episode, now, blob, item.agent_id, item.reward),
         )
         if cur.rowcount == 0:
             result.duplicates += 1

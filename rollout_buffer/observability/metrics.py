@@ -373,3 +373,15 @@ def _set_evals(evals: dict[str, Any]) -> None:
                 gauge.labels(dataset).set(summary[key])
         for name, value in (summary.get("pass_at_k") or {}).items():
             EVAL_PASS_AT_K.labels(dataset, name.removeprefix("pass@")).set(value)
+
+
+def engine_latency() -> dict[str, dict[str, float]]:
+    """Engine requests so far per endpoint: `count` and total `sum` of seconds (a dashboard takes the
+    difference of two readings for the latency of the interval between them)."""
+    out: dict[str, dict[str, float]] = {}
+    for family in ENGINE_REQUEST_SECONDS.collect():
+        for s in family.samples:
+            if s.name.endswith(("_count", "_sum")):
+                entry = out.setdefault(s.labels["endpoint"], {"count": 0.0, "sum": 0.0})
+                entry[s.name.rsplit("_", 1)[1]] = s.value
+    return out

@@ -1,6 +1,6 @@
 """The HTTP routes: slime's rollout-buffer protocol (`/start_rollout`, `/get_rollout_data`, `/buffer/write`,
 `/ack`), the trainer's version (`/trainer_version`) and inspection (`/status`, `/groups`, `/trajectories`,
-`/metrics`); the agent proxy's routes are mounted from `proxy_routes`."""
+`/metrics`); the agent proxy's routes are mounted from `proxy_routes`, the dashboard's from `ui_routes`."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.buffer import RecordError, RolloutBuffer
+from rollout_buffer.delivery.queries import Reader
 from rollout_buffer.delivery.store import Store, StoreError, StreamMismatch
 from rollout_buffer.delivery.versions import VersionConflict
 from rollout_buffer.generation.evaluation import EvalManager, eval_config
@@ -48,6 +49,9 @@ from rollout_buffer.server.bodies import (
 )
 from rollout_buffer.server.middleware import AgentSocketGate, BearerAuthMiddleware, BodyLimitMiddleware
 from rollout_buffer.server.proxy_routes import mount_proxy
+from rollout_buffer.server.ui_history import RunHistory
+from rollout_buffer.server.ui_routes import mount_ui
+from rollout_buffer.server.views import evals_view, run_control, status_view
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +76,8 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = Store(config.db_path, config.max_db_bytes)
         await store.open()
+        reader = Reader(config.db_path)  # the dashboard's queries, beside the store thread
+        app.state.reader = reader
         buffer = RolloutBuffer(config, store, generators)
         sessions = SessionManager(config)
         runs = RunManager(config, buffer, generators, sessions)
@@ -80,16 +86,21 @@ def create_app(config: ServerConfig) -> FastAPI:
         app.state.runs = runs
         app.state.evals = evals
         app.state.sessions = sessions
+        history = RunHistory(app)
+        app.state.history = history
         log.info("rollout buffer ready: data dir %s, generators %s", config.data_dir, sorted(generators))
         sessions.start()
         await runs.resume()
         await evals.resume()
+        history.start()
         try:
             yield
         finally:
+            await history.stop()
             await evals.shutdown()
             await runs.shutdown()
             await sessions.stop()
+            await reader.close()
             await store.close()
 
     app = FastAPI(
@@ -307,34 +318,9 @@ def create_app(config: ServerConfig) -> FastAPI:
         return json_response({"success": True, "run_id": run_id, "trainer_version": version.current,
                               "base_version": version.base, **({"agent_id": req.agent_id} if req.agent_id else {})})
 
-    async def _control(request: Request, run: dict[str, Any] | None) -> dict[str, Any] | None:
-        """The latest run's versions and admission: the runner's live view, else what the store kept."""
-        if run is None:
-            return None
-        buffer: RolloutBuffer = request.app.state.buffer
-        runs: RunManager = request.app.state.runs
-        control = await buffer.control(run["run_id"])
-        live = runs.admission()
-        if live is not None and live["run_id"] == run["run_id"]:
-            control["admission"] = {k: v for k, v in live.items() if k != "run_id"}
-        return control
-
     @app.get("/status", summary="Run, progress, counts, trainer version and admission state")
     async def status(request: Request) -> Response:
-        buffer: RolloutBuffer = request.app.state.buffer
-        runs: RunManager = request.app.state.runs
-        body = await buffer.status()
-        live = runs.progress()
-        if body["run"] is not None and live is not None and live.get("run_id") == body["run"]["run_id"]:
-            body["run"]["progress"] = live
-        body["control"] = await _control(request, body["run"])
-        body["evals"] = await _evals_view(request)
-        return json_response(body)
-
-    async def _evals_view(request: Request) -> dict[str, Any]:
-        """The live eval view (budget, running evals) and each dataset's newest results."""
-        evals: EvalManager = request.app.state.evals
-        return {**evals.snapshot(), "latest": [s.as_dict() for s in await evals.evals.summaries()]}
+        return json_response(await status_view(request.app))
 
     @app.get("/trajectories/{uid}", summary="One stored trajectory")
     async def trajectory(uid: str, request: Request) -> Response:
@@ -359,12 +345,13 @@ def create_app(config: ServerConfig) -> FastAPI:
         buffer: RolloutBuffer = request.app.state.buffer
         runs: RunManager = request.app.state.runs
         groups, run = await buffer.store.group_counts(), await buffer.store.latest_run()
-        control = await _control(request, run)
+        control = await run_control(request.app, run)
         roles = await buffer.role_counts(run["run_id"]) if run is not None else {}
         sessions: SessionManager = request.app.state.sessions
         body, content_type = metrics.render(groups, run, runs.progress(), request.headers.get("accept", ""), control,
-                                            len(sessions.sessions), await _evals_view(request), roles)
+                                            len(sessions.sessions), await evals_view(request.app), roles)
         return Response(body, media_type=content_type)
 
     mount_proxy(app, config)
+    mount_ui(app)
     return app

@@ -14,6 +14,15 @@ from rollout_buffer.server.bodies import error_response
 _SESSION_API = re.compile(r"^/sessions/[^/]+/v1/")
 
 
+# The dashboard's page and static assets hold no data: they load without a token (its API needs one).
+UI_PREFIX = "/ui"
+
+
+def is_public_ui_path(path: str) -> bool:
+    """The dashboard page and its static assets (`/ui`, `/ui/static/...`)."""
+    return path in (UI_PREFIX, UI_PREFIX + "/") or path.startswith(UI_PREFIX + "/static/")
+
+
 def is_session_api(path: str) -> bool:
     """True for the endpoints agents call (a session's OpenAI / Anthropic API)."""
     return _SESSION_API.match(path) is not None
@@ -26,14 +35,16 @@ def from_agent_socket(scope: Scope, socket_path: str | None) -> bool:
 
 
 class BearerAuthMiddleware:
-    """Every endpoint but /healthz needs `Authorization: Bearer <token>`; compared in constant time."""
+    """Every endpoint but /healthz and the dashboard's page and assets needs `Authorization: Bearer <token>`;
+    compared in constant time."""
 
     def __init__(self, app: ASGIApp, token: str):
         self.app = app
         self.expected = f"Bearer {token}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] == "/healthz" or is_session_api(scope["path"]):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path == "/healthz" or is_session_api(path) or is_public_ui_path(path):
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")

@@ -1,0 +1,487 @@
+// rollout-buffer dashboard: plain JavaScript, no build step, nothing loaded from elsewhere.
+// Live numbers arrive as server-sent events on /ui/api/events, read with fetch so the bearer token can be
+// sent (EventSource cannot send headers); everything else is read-only JSON under /ui/api/.
+"use strict";
+
+const TOKEN_KEY = "rollout-buffer-token";
+const HISTORY = 2000; // points kept per chart
+const MAX_SESSIONS = 10; // open sessions whose branch trees the page shows
+const WINDOW_S = 1800; // what the charts span: the last half hour
+const $ = (id) => document.getElementById(id);
+
+const state = {
+  token: sessionStorage.getItem(TOKEN_KEY) || "",
+  stream: null, // AbortController of the running event stream
+  runId: null,
+  last: null, // previous snapshot, for rates
+  history: { throughput: [], inflight: [], lag: [], latency: [] }, // [time, value] per series
+  lastPoint: null,
+  countsKey: "",
+  page: { next: null, newest: 0, seq: 0, empty: true },
+  snapshots: 0,
+};
+
+// ---- DOM helpers ---------------------------------------------------------------------------------
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === null || v === undefined || v === false) continue;
+    if (k === "class") node.className = v;
+    else if (k === "dataset") Object.assign(node.dataset, v);
+    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+    else node.setAttribute(k, v);
+  }
+  for (const c of children.flat()) {
+    if (c !== null && c !== undefined) node.append(c instanceof Node ? c : String(c));
+  }
+  return node;
+}
+const svgEl = (tag, attrs) => {
+  const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  return node;
+};
+const fmt = (x, digits = 2) => (x === null || x === undefined || Number.isNaN(x) ? "–" : Number(x).toFixed(digits));
+const short = (s, n = 18) => (s && s.length > n ? s.slice(0, n) + "…" : s || "");
+const when = (t) => (t ? new Date(t * 1000).toLocaleTimeString() : "–");
+
+function showError(message) {
+  $("error").textContent = message;
+  $("error").hidden = !message;
+}
+function setConn(kind, text) {
+  $("conn").className = "conn " + kind;
+  $("conn").textContent = text;
+}
+
+// ---- API -----------------------------------------------------------------------------------------
+class AuthError extends Error {}
+
+async function api(path, init = {}) {
+  const headers = new Headers(init.headers || {});
+  if (state.token) headers.set("Authorization", "Bearer " + state.token);
+  const resp = await fetch(path, { ...init, headers });
+  if (resp.status === 401) {
+    const body = await resp.json().catch(() => ({}));
+    throw new AuthError(`401 ${body.message || "unauthorized"}`);
+  }
+  return resp;
+}
+async function getJSON(path) {
+  const resp = await api(path);
+  const body = await resp.json();
+  if (!resp.ok) throw new Error(`${resp.status} ${body.message || resp.statusText}`);
+  return body;
+}
+function failed(err) {
+  if (err instanceof AuthError) {
+    stopStream();
+    setConn("bad", "rejected");
+    showError(`The server rejected the token (${err.message}). Enter the server's --auth-token.`);
+  } else if (err.name !== "AbortError") {
+    showError(String(err.message || err));
+  }
+}
+
+// ---- the live stream -----------------------------------------------------------------------------
+function stopStream() {
+  if (state.stream) state.stream.abort();
+  state.stream = null;
+}
+
+async function runStream() {
+  stopStream();
+  const ctl = new AbortController();
+  state.stream = ctl;
+  try {
+    const resp = await api("/ui/api/events", { signal: ctl.signal });
+    if (!resp.ok) throw new Error(`${resp.status} on the event stream`);
+    setConn("on", "live");
+    showError("");
+    const reader = resp.body.getReader();
+    const decoder = new TextDecoder();
+    let buf = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buf += decoder.decode(value, { stream: true });
+      let cut;
+      while ((cut = buf.indexOf("\n\n")) >= 0) {
+        const block = buf.slice(0, cut);
+        buf = buf.slice(cut + 2);
+        const event = parseEvent(block);
+        if (event.name === "snapshot") onSnapshot(JSON.parse(event.data));
+        else if (event.name === "history") onHistory(JSON.parse(event.data).points);
+      }
+    }
+  } catch (err) {
+    if (err instanceof AuthError) return failed(err);
+    if (err.name === "AbortError") return;
+    setConn("off", "reconnecting");
+  }
+  // The server ends a stream after a while (or restarted): reconnect unless this stream was replaced.
+  if (state.stream === ctl) setTimeout(() => state.stream === ctl && runStream(), 2000);
+}
+
+function parseEvent(block) {
+  let name = "message";
+  const data = [];
+  for (const line of block.split("\n")) {
+    if (line.startsWith("event:")) name = line.slice(6).trim();
+    else if (line.startsWith("data:")) data.push(line.slice(5).trimStart());
+  }
+  return { name, data: data.join("\n") };
+}
+
+// ---- snapshot → panels ---------------------------------------------------------------------------
+function onSnapshot(s) {
+  state.snapshots += 1;
+  const run = s.run;
+  const runChanged = (run && run.run_id) !== state.runId;
+  state.runId = run ? run.run_id : null;
+  renderRun(s);
+  addPoint(pointOf(s));
+  drawCharts();
+  const key = JSON.stringify([s.groups, s.filtered, s.records]);
+  if (key !== state.countsKey || runChanged) {
+    state.countsKey = key;
+    refreshBatches();
+    refreshReasons(s);
+  }
+  state.last = s;
+  if (runChanged || state.snapshots % 5 === 1) {
+    refreshRuns();
+    refreshSessions();
+  }
+  if (runChanged) search();
+  else if (s.latest_rowid > state.page.newest) {
+    // An empty list fills itself as trajectories arrive; a list being read is not moved under the reader.
+    if (state.page.empty) search();
+    else $("newer").hidden = false;
+  }
+}
+
+function renderRun(s) {
+  const run = s.run;
+  const counts = $("run-counts");
+  counts.replaceChildren();
+  if (!run) {
+    $("run-head").textContent = "no run yet";
+    return;
+  }
+  const p = run.progress || {};
+  const control = s.control || {};
+  const admission = (control.admission || {}).state;
+  $("run-head").replaceChildren(
+    el("strong", { id: "run-id" }, run.run_id), ` · ${run.task_type || "writer"} · `,
+    el("span", { id: "run-state" }, p.state || run.state),
+  );
+  $("run-bar").style.width = p.total ? `${(100 * (p.done || 0)) / p.total}%` : "0";
+  const items = [
+    ["done", "count-done", p.total ? `${p.done || 0} / ${p.total}` : p.done || 0],
+    ["in flight", "count-inflight", p.in_flight ?? "–"],
+    ["failed", "count-failed", p.failed ?? 0],
+    ["rate /s", "count-rate", fmt(p.rate, 1)],
+    ["trajectories stored", "count-records", Object.values(s.records || {}).reduce((a, b) => a + b, 0)],
+    ["groups ready", "count-ready", (s.groups || {}).ready || 0],
+    ["groups delivered", "count-delivered", ((s.groups || {}).delivered || 0) + ((s.groups || {}).leased || 0)],
+    ["groups filtered", "count-filtered", (s.groups || {}).filtered || 0],
+    ["trainer version", "count-trainer", control.trainer_version ?? "–"],
+    ["version lag", "count-lag", control.trainer_lead ?? "–"],
+    ["admission", "count-admission", admission || "–"],
+  ];
+  for (const [label, id, value] of items) counts.append(el("div", {}, el("dt", {}, label), el("dd", { id }, value)));
+}
+
+// A chart point of a snapshot, in the shape of the server's history samples.
+function pointOf(s) {
+  const p = (s.run && s.run.progress) || {};
+  return { t: s.t, run_id: p.run_id, done: p.done || 0, in_flight: p.in_flight || 0,
+           lag: (s.control || {}).trainer_lead ?? null, engine: s.engine || {} };
+}
+
+function addPoint(point) {
+  const h = state.history;
+  const prev = state.lastPoint;
+  const t = point.t;
+  if (prev && t - prev.t > 0 && prev.run_id === point.run_id) h.throughput.push([t, Math.max(0, (point.done - prev.done) / (t - prev.t))]);
+  h.inflight.push([t, point.in_flight]);
+  if (point.lag !== null && point.lag !== undefined) h.lag.push([t, point.lag]);
+  if (prev) {
+    let n = 0, sum = 0;
+    for (const [endpoint, now] of Object.entries(point.engine)) {
+      const before = prev.engine[endpoint] || { count: 0, sum: 0 };
+      n += now.count - before.count;
+      sum += now.sum - before.sum;
+    }
+    if (n > 0) h.latency.push([t, (1000 * sum) / n]);
+  }
+  state.lastPoint = point;
+  for (const series of Object.values(h)) {
+    while (series.length && (series.length > HISTORY || series[0][0] < t - WINDOW_S)) series.shift();
+  }
+}
+
+function drawCharts() {
+  const h = state.history;
+  sparkline($("chart-throughput"), h.throughput);
+  sparkline($("chart-inflight"), h.inflight);
+  sparkline($("chart-lag"), h.lag);
+  sparkline($("chart-latency"), h.latency);
+}
+
+// The server's samples from before this page connected (one every few seconds, the last half hour).
+function onHistory(points) {
+  for (const k of Object.keys(state.history)) state.history[k] = [];
+  state.lastPoint = null;
+  for (const point of points) addPoint(point);
+  drawCharts();
+}
+
+function sparkline(svg, points) {
+  svg.replaceChildren();
+  if (!points.length) return;
+  const values = points.map((p) => p[1]);
+  const max = Math.max(...values, 1e-9), min = Math.min(...values, 0);
+  const t0 = points[0][0], span = Math.max(points[points.length - 1][0] - t0, 1e-9);
+  const xy = points.map(([t, v]) => `${(5 + (230 * (t - t0)) / span).toFixed(1)},${(55 - (50 * (v - min)) / (max - min || 1)).toFixed(1)}`);
+  svg.append(svgEl("polyline", { points: xy.join(" ") }));
+  const label = svgEl("text", { x: 4, y: 10 });
+  label.textContent = `now ${fmt(values[values.length - 1], 1)} · max ${fmt(max, 1)} · ${Math.round(span / 60)} min`;
+  svg.append(label);
+}
+
+// ---- batches, reasons, runs, sessions -------------------------------------------------------------
+async function refreshBatches() {
+  try {
+    const q = state.runId ? `?run_id=${encodeURIComponent(state.runId)}` : "";
+    const { batches } = await getJSON(`/ui/api/batches${q}`);
+    const box = $("batches");
+    box.replaceChildren();
+    if (!batches.length) return box.append("no batch delivered yet");
+    const all = batches.flatMap((b) => b.raw);
+    const lo = Math.min(...all, 0), hi = Math.max(...all, 1);
+    for (const b of batches.slice().reverse()) box.append(batchHistogram(b, lo, hi));
+  } catch (err) {
+    failed(err);
+  }
+}
+
+function batchHistogram(b, lo, hi) {
+  const bins = new Array(10).fill(0);
+  for (const r of b.raw) bins[Math.min(9, Math.floor(((r - lo) / (hi - lo || 1)) * 10))] += 1;
+  const top = Math.max(...bins, 1);
+  const svg = svgEl("svg", { viewBox: "0 0 100 50", class: "histogram" });
+  bins.forEach((n, i) => svg.append(svgEl("rect", { class: "bar", x: i * 10 + 1, width: 8, y: 48 - (44 * n) / top, height: (44 * n) / top })));
+  const mean = b.raw.length ? b.raw.reduce((a, c) => a + c, 0) / b.raw.length : null;
+  return el("div", { class: "batch" }, svg,
+    el("div", { class: "batch-label", title: b.batch_id },
+      `${when(b.created_at)} · ${b.num_groups} groups · ${b.raw.length} records · mean ${fmt(mean)} · [${fmt(lo, 1)}, ${fmt(hi, 1)}]${b.acked ? "" : " · not acked"}`));
+}
+
+async function refreshReasons(s) {
+  const body = $("reasons").tBodies[0];
+  const rows = [];
+  for (const [reason, n] of Object.entries(s.filtered || {})) rows.push(["filtered group", reason, n]);
+  for (const [status, n] of Object.entries(s.records || {})) rows.push(["trajectory status", status, n]);
+  try {
+    if (state.runId && (s.records || {}).failed) {
+      const { failures } = await getJSON(`/ui/api/failures?run_id=${encodeURIComponent(state.runId)}`);
+      for (const [kind, n] of Object.entries(failures)) rows.push(["failure", kind, n]);
+    }
+  } catch (err) {
+    failed(err);
+  }
+  body.replaceChildren(...rows.map((r) => el("tr", {}, r.map((c) => el("td", {}, c)))));
+}
+
+async function refreshRuns() {
+  try {
+    const { runs } = await getJSON("/ui/api/runs?limit=10");
+    const live = state.last && state.last.run;
+    $("runs").tBodies[0].replaceChildren(...runs.map((r) => {
+      // The current run's progress is live in the snapshots; the store's copy is written now and then.
+      const p = live && live.run_id === r.run_id ? live.progress || {} : r.progress || {};
+      return el("tr", { class: r.run_id === state.runId ? "current" : null },
+        el("td", { class: "uid", title: r.run_id }, short(r.run_id, 28)), el("td", {}, r.task_type || "–"), el("td", {}, r.state),
+        el("td", {}, p.total ? `${p.done} / ${p.total}` : "–"), el("td", {}, when(r.created_at)));
+    }));
+  } catch (err) {
+    failed(err);
+  }
+}
+
+async function refreshSessions() {
+  try {
+    const q = state.runId ? `?run_id=${encodeURIComponent(state.runId)}` : "";
+    const { sessions } = await getJSON(`/sessions${q}`);
+    const box = $("sessions");
+    box.replaceChildren();
+    if (!sessions.length) return box.append("none open");
+    // The list counts branches; each session's own view has its tree (the first few sessions: a glance).
+    const shown = sessions.slice(0, MAX_SESSIONS);
+    const views = await Promise.all(shown.map((s) => getJSON(`/sessions/${encodeURIComponent(s.session_id)}`).catch(() => s)));
+    for (const s of views) {
+      box.append(el("div", {}, el("strong", {}, `session ${short(s.session_id, 12)}`), ` · ${s.instance_id} · ${s.kind} · ${s.state}`));
+      if (Array.isArray(s.branches)) for (const b of s.branches) box.append(branchLine(b, s.branches));
+    }
+    if (sessions.length > shown.length) box.append(el("div", { class: "muted" }, `and ${sessions.length - shown.length} more`));
+  } catch (err) {
+    failed(err);
+  }
+}
+
+function depth(branch, all, key = "branch") {
+  let d = 0, cur = branch;
+  while (cur && cur.parent_branch !== null && cur.parent_branch !== undefined && d < 50) {
+    cur = all.find((x) => x[key] === cur.parent_branch);
+    d += 1;
+  }
+  return d;
+}
+
+function branchLine(b, all) {
+  const fork = b.parent_branch === null || b.parent_branch === undefined ? "root" : `forked from ${b.parent_branch} at turn ${b.fork_turn}`;
+  return el("div", { class: "branch", style: `--depth:${depth(b, all)}` },
+    `branch ${b.branch} · ${fork} · ${b.turns ?? b.branch_turns ?? "?"} turns${b.tokens ? ` · ${b.tokens} tokens` : ""}`);
+}
+
+// ---- inspector -----------------------------------------------------------------------------------
+function searchQuery(before) {
+  const form = new FormData($("search"));
+  const q = new URLSearchParams();
+  for (const name of ["uid", "instance_id", "status", "role", "reward_min", "reward_max"]) {
+    const v = (form.get(name) || "").trim();
+    if (v) q.set(name, v);
+  }
+  if (!form.get("all_runs") && state.runId) q.set("run_id", state.runId);
+  if (before) q.set("before", before);
+  q.set("limit", "50");
+  return q;
+}
+
+async function search(before = null) {
+  const seq = ++state.page.seq;
+  try {
+    const page = await getJSON(`/ui/api/trajectories?${searchQuery(before)}`);
+    if (seq !== state.page.seq) return; // a later search was started meanwhile: its answer wins
+    state.page.empty = !before && !page.items.length;
+    if (!before) {
+      state.page.newest = page.items.length ? page.items[0].rowid : (state.last && state.last.latest_rowid) || 0;
+      $("newer").hidden = true;
+    }
+    state.page.next = page.next;
+    $("older").disabled = page.next === null;
+    $("results").tBodies[0].replaceChildren(...page.items.map((t) =>
+      el("tr", { dataset: { uid: t.uid }, onclick: () => inspect(t.uid) },
+        el("td", { class: "uid" }, t.uid), el("td", {}, t.instance_id), el("td", {}, t.epoch),
+        el("td", {}, t.status), el("td", {}, fmt(t.reward)), el("td", {}, t.role || ""), el("td", {}, when(t.created_at)))));
+    if (!page.items.length) $("results").tBodies[0].append(el("tr", {}, el("td", { colspan: 7, class: "muted" }, "no trajectory matches")));
+  } catch (err) {
+    failed(err);
+  }
+}
+
+async function inspect(uid) {
+  for (const tr of $("results").tBodies[0].rows) tr.classList.toggle("selected", tr.dataset.uid === uid);
+  try {
+    const enc = encodeURIComponent(uid);
+    const [detail, tokens] = await Promise.all([getJSON(`/ui/api/trajectories/${enc}`), getJSON(`/ui/api/trajectories/${enc}/tokens`)]);
+    const rec = detail.record;
+    const info = rec.extra_info || {};
+    $("detail").hidden = false;
+    $("detail-title").textContent = `${rec.uid} · ${rec.status} · reward ${fmt(rec.reward)}` +
+      (rec.raw_reward !== null && rec.raw_reward !== undefined ? ` (raw ${fmt(rec.raw_reward)})` : "") +
+      (info.weight_version_min !== undefined ? ` · weights ${info.weight_version_min}–${info.weight_version_max}` : "");
+    renderMessages(rec.messages || []);
+    renderGroup(detail.group, rec.uid);
+    renderTokens(tokens);
+  } catch (err) {
+    failed(err);
+  }
+}
+
+function renderMessages(messages) {
+  $("messages").replaceChildren(...messages.map((m) => {
+    const parts = [el("span", { class: "role" }, m.role + (m.name ? ` (${m.name})` : ""))];
+    if (m.reasoning_content) parts.push(el("pre", { class: "reasoning" }, m.reasoning_content));
+    const content = typeof m.content === "string" ? m.content : JSON.stringify(m.content, null, 1);
+    if (content) parts.push(el("div", {}, content));
+    if (m.tool_calls) parts.push(el("pre", {}, JSON.stringify(m.tool_calls, null, 1)));
+    return el("div", { class: `msg role-${String(m.role).replace(/[^a-z_]/gi, "")}` }, parts);
+  }));
+}
+
+function renderGroup(group, uid) {
+  const members = group.members || [];
+  const sessions = members.some((m) => m.session_id);
+  const head = ["uid", "status", "raw reward", "normalized", ...(sessions ? ["branch", "parent", "fork turn"] : [])];
+  const table = el("table", { id: "group-table" }, el("thead", {}, el("tr", {}, head.map((h) => el("th", {}, h)))),
+    el("tbody", {}, members.map((m) => el("tr", { class: m.uid === uid ? "current" : null },
+      el("td", { class: "uid" }, short(m.uid, 40)), el("td", {}, m.status), el("td", {}, fmt(m.raw_reward)),
+      el("td", {}, m.normalized ? fmt(m.reward) : "–"),
+      sessions ? [el("td", {}, m.branch ?? ""), el("td", {}, m.parent_branch ?? "root"), el("td", {}, m.fork_turn ?? "")] : []))));
+  $("group").replaceChildren(
+    el("div", { class: "muted" }, `${group.instance_id} · epoch ${group.epoch}${group.part ? ` · part ${group.part}` : ""} · ${group.state || "?"}${group.reason ? ` (${group.reason})` : ""}`),
+    table,
+    sessions ? el("div", {}, el("h4", {}, "session branches"), members.filter((m) => m.session_id).map((m) => branchLine(m, members))) : "",
+  );
+}
+
+function renderTokens(view) {
+  const box = $("tokens");
+  box.replaceChildren();
+  if (!view.tokens) {
+    $("token-note").textContent = view.reason;
+    return;
+  }
+  const mismatchAt = view.mismatch ? view.mismatch.token_index : null;
+  $("token-note").textContent = `${view.tokens.length} tokens, prompt ${view.prompt_length}, ${view.turn_starts.length} model turns` +
+    (view.mismatch ? ` · tokenization check (${view.mismatch.mode}): sequence and template differ at token ${mismatchAt}` : "");
+  const turns = new Map(view.turn_starts.map((pos, k) => [pos, k + 1]));
+  const frag = document.createDocumentFragment();
+  let version = null;
+  for (let i = 0; i < view.tokens.length; i++) {
+    const v = view.version[i];
+    if (v !== null && v !== version) {
+      frag.append(el("span", { class: "version-mark" }, `weights ${v}`));
+      version = v;
+    }
+    if (turns.has(i)) frag.append(el("span", { class: "turn-mark" }, `turn ${turns.get(i)}`));
+    const loss = view.loss[i];
+    const cls = ["tok", loss === 1 ? "l1" : loss === 0 ? "l0" : "lnone"];
+    if (i === mismatchAt) cls.push("mismatch");
+    const lp = view.logprob[i];
+    const title = `#${i} id ${view.tokens[i]} · loss ${loss ?? "–"} · log-prob ${lp === null ? "–" : lp.toFixed(4)}` +
+      (v !== null ? ` · weights ${v}` : "") + (i === mismatchAt ? " · tokenization mismatch starts here" : "");
+    frag.append(el("span", { class: cls.join(" "), title, dataset: { i: String(i), loss: String(loss), logprob: lp === null ? "" : String(lp) } }, view.text[i]));
+  }
+  box.append(frag);
+}
+
+// ---- wiring --------------------------------------------------------------------------------------
+function connect() {
+  showError("");
+  setConn("off", "connecting");
+  state.runId = null;
+  state.last = null;
+  runStream();
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("token").value = state.token;
+  $("auth").addEventListener("submit", (e) => {
+    e.preventDefault();
+    state.token = $("token").value.trim();
+    sessionStorage.setItem(TOKEN_KEY, state.token);
+    connect();
+  });
+  $("search").addEventListener("submit", (e) => {
+    e.preventDefault();
+    search();
+  });
+  $("older").addEventListener("click", () => state.page.next && search(state.page.next));
+  $("first-page").addEventListener("click", () => search());
+  $("show-newer").addEventListener("click", () => search());
+  connect();
+});

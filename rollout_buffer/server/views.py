@@ -1,0 +1,66 @@
+"""What `/status`, `/metrics` and the dashboard's live stream show of the latest run: the store's counts joined
+with the runner's live view (progress, admission), so all three say the same."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Any
+
+from starlette.applications import Starlette
+
+from rollout_buffer.delivery.buffer import RolloutBuffer
+from rollout_buffer.generation.evaluation import EvalManager
+from rollout_buffer.generation.runner import RunManager
+
+
+async def run_control(app: Starlette, run: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The run's versions and admission: the runner's live view, else what the store kept."""
+    if run is None:
+        return None
+    buffer: RolloutBuffer = app.state.buffer
+    runs: RunManager = app.state.runs
+    control = await buffer.control(run["run_id"])
+    live = runs.admission()
+    if live is not None and live["run_id"] == run["run_id"]:
+        control["admission"] = {k: v for k, v in live.items() if k != "run_id"}
+    return control
+
+
+async def status_view(app: Starlette) -> dict[str, Any]:
+    """The body of `/status`: the latest run with its live progress, counts, versions and admission, and the evals."""
+    buffer: RolloutBuffer = app.state.buffer
+    runs: RunManager = app.state.runs
+    body = await buffer.status()
+    live = runs.progress()
+    if body["run"] is not None and live is not None and live.get("run_id") == body["run"]["run_id"]:
+        body["run"]["progress"] = live
+    body["control"] = await run_control(app, body["run"])
+    body["evals"] = await evals_view(app)
+    return body
+
+
+async def evals_view(app: Starlette) -> dict[str, Any]:
+    """The live eval view (budget, running evals) and each dataset's newest results."""
+    evals: EvalManager = app.state.evals
+    return {**evals.snapshot(), "latest": [s.as_dict() for s in await evals.evals.summaries()]}
+
+
+class SharedStatus:
+    """`status_view` computed at most once per `max_age_s` however many dashboards stream it: each open page
+    would otherwise cost the store thread one `/status` a second."""
+
+    def __init__(self, max_age_s: float):
+        self.max_age_s = max_age_s
+        self._lock = asyncio.Lock()
+        self._at = -math.inf
+        self._body: dict[str, Any] = {}
+
+    async def get(self, app: Starlette) -> dict[str, Any]:
+        """A `/status` body no older than `max_age_s` (a copy: callers add their own fields)."""
+        async with self._lock:
+            if time.monotonic() - self._at >= self.max_age_s:
+                self._body = await status_view(app)
+                self._at = time.monotonic()
+            return dict(self._body)

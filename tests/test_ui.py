@@ -1,0 +1,308 @@
+"""The dashboard (`GET /ui`) in a real headless Chromium (Debian's package, driven by Playwright) on a live
+buffer behind --auth-token with a simulated math rollout running: the run and its moving counts, the token
+view's loss-mask styling, a rejected token; and its read-only API over HTTP (auth, paging, filters, 422s)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from ops_helpers import math_rows, start_run, write_jsonl
+from servers import Server, free_port, running
+from servers import sim_engine as start_sim_engine
+
+CHROMIUM = os.environ.get("RB_CHROMIUM", "/usr/bin/chromium")
+TOKEN = "ui-s3cret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+ARTIFACTS = Path(__file__).parent / "artifacts"
+
+
+
+@pytest.fixture(scope="module")
+def sim_engine(tmp_path_factory, qwen_tokenizer_path: str) -> Iterator[Server]:
+    # 150 ms a request and 4 in flight: the 320-trajectory run lasts about 12 s, long enough to watch.
+    with start_sim_engine(tmp_path_factory.mktemp("sim"), qwen_tokenizer_path, "--latency-ms", "150") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def buffer(tmp_path_factory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("buffer")
+    port = free_port()
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp / "data"), "--auth-token", TOKEN]
+    with running(args, "/healthz", port, tmp / "buffer.log") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def run_id(buffer: Server, sim_engine: Server, qwen_tokenizer_path: str, tmp_path_factory) -> str:
+    data = write_jsonl(tmp_path_factory.mktemp("data") / "math.jsonl", math_rows(80))
+    return start_run(buffer.url, sim_engine.url, data, qwen_tokenizer_path, headers=AUTH, num_process=4)
+
+
+@pytest.fixture(scope="module")
+def session_uids(buffer: Server, run_id: str, qwen_tokenizer) -> list[str]:
+    """A capture-proxy session's records as `/buffer/write` takes them: branch 1 forked from branch 0 at turn 1,
+    exact tokens with weight versions and a tokenization-check report; with two more records the group of 4
+    completes (and is normalized)."""
+    prompt = qwen_tokenizer.encode("<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n")
+    records = []
+    for k in range(4):
+        response = qwen_tokenizer.encode(f"It is {4 + k}.<|im_end|>")
+        info: dict = {"epoch": 0, "weight_version_spans": [[len(prompt), len(prompt) + len(response), "7"]]}
+        if k < 2:
+            info |= {"session_id": "sess-abc", "branch": k, "parent_branch": None if k == 0 else 0, "fork_turn": k,
+                     "agent_id": "solver"}
+        if k == 1:
+            info["tokenization_mismatch"] = {"mode": "strict", "unit": "token", "position": len(prompt) + 1}
+        records.append({
+            "uid": f"ui-session-{k}", "instance_id": "ui-session", "reward": float(k == 0),
+            "messages": [{"role": "user", "content": "What is 2 + 2?"},
+                         {"role": "assistant", "content": f"It is {4 + k}."}],
+            "tokens": prompt + response, "loss_mask": [0] * len(prompt) + [1] * len(response),
+            "rollout_log_probs": [-0.25] * len(response), "response_length": len(response), "extra_info": info,
+        })
+    resp = httpx.post(f"{buffer.url}/buffer/write", json=records, headers=AUTH, timeout=30)
+    assert resp.status_code == 200, resp.text
+    return [r["uid"] for r in records]
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    # Only the browser tests need these; the API tests run without them.
+    if shutil.which(CHROMIUM) is None:
+        pytest.skip(f"no chromium at {CHROMIUM} (Debian: apt-get install chromium; .ci/run does)")
+    playwright_sync = pytest.importorskip("playwright.sync_api")
+    with playwright_sync.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run"])
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser) -> Iterator[object]:
+    context = browser.new_context(viewport={"width": 1400, "height": 1100})
+    pg = context.new_page()
+    pg.set_default_timeout(15_000)
+    yield pg
+    context.close()
+
+
+def connect(page, buffer: Server, token: str) -> None:
+    page.goto(f"{buffer.url}/ui")
+    page.fill("#token", token)
+    page.click("#auth button")
+
+
+def test_the_page_loads_without_a_token_and_its_api_needs_the_right_one(buffer: Server) -> None:
+    page = httpx.get(f"{buffer.url}/ui", timeout=10)
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    assert 'src="/ui/static/app.js"' in page.text and "http" not in page.text.split("<body>")[0]  # no CDN
+    assert httpx.get(f"{buffer.url}/ui/static/app.js", timeout=10).status_code == 200
+    assert httpx.get(f"{buffer.url}/ui/api/runs", timeout=10).status_code == 401
+    wrong = {"Authorization": "Bearer nope"}
+    assert httpx.get(f"{buffer.url}/ui/api/runs", headers=wrong, timeout=10).status_code == 401
+    assert httpx.get(f"{buffer.url}/ui/api/runs", headers=AUTH, timeout=10).status_code == 200
+    # A path that merely starts like the public assets reaches nothing but them (no data without a token).
+    sneaky = httpx.get(f"{buffer.url}/ui/static/%2e%2e/api/runs", timeout=10)
+    assert sneaky.status_code == 404 and "runs" not in sneaky.text
+
+
+def test_a_wrong_token_is_rejected_in_the_browser(page, buffer: Server, run_id: str) -> None:
+    statuses: list[int] = []
+    page.on("response", lambda r: statuses.append(r.status) if "/ui/api/" in r.url else None)
+    connect(page, buffer, "wrong-token")
+    page.wait_for_selector("#error:not([hidden])")
+    assert "401" in page.inner_text("#error")
+    assert page.inner_text("#conn") == "rejected"
+    assert 401 in statuses and 200 not in statuses
+    assert page.inner_text("#run-head") == "no run yet"  # nothing of the run was shown
+
+
+def test_the_run_shows_and_its_counts_move_live(page, buffer: Server, run_id: str) -> None:
+    connect(page, buffer, TOKEN)
+    page.wait_for_function("id => document.querySelector('#run-id')?.textContent === id", arg=run_id)
+    assert page.evaluate("sessionStorage.getItem('rollout-buffer-token')") == TOKEN
+    first = page.inner_text("#count-records")
+    # No reload: the server-sent events move the stored-trajectory count while the run proceeds.
+    page.wait_for_function("n => document.querySelector('#count-records').textContent !== n", arg=first)
+    assert int(page.inner_text("#count-records")) > int(first)
+    assert page.locator("#run-state").inner_text() in ("running", "finished")
+    # The charts drew from the snapshots: in flight is a polyline.
+    page.wait_for_selector("#chart-inflight polyline")
+
+
+def test_the_inspector_styles_loss_0_and_loss_1_tokens_apart(page, buffer: Server, run_id: str) -> None:
+    connect(page, buffer, TOKEN)
+    page.wait_for_function("id => document.querySelector('#run-id')?.textContent === id", arg=run_id)
+    page.wait_for_function("() => Number(document.querySelector('#count-records').textContent) > 0")
+    page.select_option("#search select[name=status]", "completed")
+    page.click("#search button")
+    first = page.locator("#results tbody tr[data-uid]").first
+    first.wait_for()
+    uid = first.get_attribute("data-uid")
+    page.locator(f"#results tr[data-uid='{uid}']").click()
+    page.wait_for_function("uid => document.querySelector('#detail-title').textContent.startsWith(uid)", arg=uid)
+    page.wait_for_selector("#tokens .tok.l1")
+    styles = page.evaluate("""() => ['l0', 'l1'].map(c => {
+        const s = getComputedStyle(document.querySelector('#tokens .tok.' + c));
+        return [s.backgroundColor, s.color];
+    })""")
+    assert styles[0] != styles[1], styles
+    stored = httpx.get(f"{buffer.url}/trajectories/{uid}", headers=AUTH, timeout=10).json()
+    shown = page.evaluate("() => [...document.querySelectorAll('#tokens .tok')].map(t => Number(t.dataset.loss))")
+    assert shown == stored["loss_mask"]  # every token, coloured by its own loss-mask entry
+    hover = page.locator("#tokens .tok.l1").first.get_attribute("title")
+    assert "log-prob -" in hover or "log-prob 0" in hover
+    assert page.locator("#tokens .turn-mark").count() >= 1
+    assert page.locator("#messages .msg.role-assistant").count() >= 1
+    assert uid in page.inner_text("#detail-title")
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "dashboard-inspector.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
+
+
+def wait_stored(buffer: Server, run_id: str, n: int, timeout_s: float = 30) -> None:
+    """Until the run has stored at least n trajectories."""
+    deadline = time.monotonic() + timeout_s
+    while sum(httpx.get(f"{buffer.url}/status", headers=AUTH, timeout=10).json()["records"].values()) < n:
+        assert time.monotonic() < deadline, f"run {run_id} stored fewer than {n} trajectories in {timeout_s}s"
+        time.sleep(0.2)
+
+
+def test_the_api_pages_filters_and_names_bad_fields(buffer: Server, run_id: str) -> None:
+    wait_stored(buffer, run_id, 24)
+    url = f"{buffer.url}/ui/api/trajectories"
+    seen: list[str] = []
+    before = None
+    for _ in range(3):
+        params = {"run_id": run_id, "limit": 5, **({"before": before} if before else {})}
+        page = httpx.get(url, params=params, headers=AUTH, timeout=10).json()
+        rowids = [t["rowid"] for t in page["items"]]
+        assert rowids == sorted(rowids, reverse=True) and len(rowids) == 5
+        seen += [t["uid"] for t in page["items"]]
+        before = page["next"]
+    assert len(set(seen)) == 15  # pages never overlap
+    ones = httpx.get(url, params={"run_id": run_id, "reward_min": 1}, headers=AUTH, timeout=10).json()["items"]
+    assert ones and all(t["reward"] >= 1 for t in ones)
+    one = seen[0]
+    assert [t["uid"] for t in httpx.get(url, params={"uid": one}, headers=AUTH, timeout=10).json()["items"]] == [one]
+    bad = httpx.get(url, params={"status": "bogus"}, headers=AUTH, timeout=10)
+    assert bad.status_code == 422 and "status" in bad.json()["message"]
+    across = httpx.get(url, params={"reward_min": 1}, headers=AUTH, timeout=10)  # no run: it would scan
+    assert across.status_code == 422 and "run_id" in across.json()["message"]
+    assert httpx.get(f"{url}/nope", headers=AUTH, timeout=10).status_code == 404
+
+
+def test_the_token_view_and_group_of_a_session_record(buffer: Server, session_uids: list[str]) -> None:
+    view = httpx.get(f"{buffer.url}/ui/api/trajectories/{session_uids[1]}/tokens", headers=AUTH, timeout=30).json()
+    p = view["prompt_length"]
+    assert view["text"][0] == "<|im_start|>" and "".join(view["text"][p:]).startswith("It is 5.")
+    assert view["loss"] == [0] * p + [1] * (len(view["tokens"]) - p)
+    assert view["logprob"][:p] == [None] * p and set(view["logprob"][p:]) == {-0.25}
+    assert view["version"][p:] == ["7"] * (len(view["tokens"]) - p) and view["turn_starts"] == [p]
+    assert view["mismatch"]["token_index"] == p + 1
+    group = httpx.get(f"{buffer.url}/ui/api/trajectories/{session_uids[1]}", headers=AUTH, timeout=30).json()["group"]
+    members = {m["uid"]: m for m in group["members"]}
+    assert group["state"] == "ready" and set(members) == set(session_uids)
+    assert members["ui-session-0"]["raw_reward"] == 1.0 and members["ui-session-0"]["normalized"]
+    # GRPO over raw rewards [1, 0, 0, 0]: (1 − mean) / (population std + 1e-6)
+    assert members["ui-session-0"]["reward"] == pytest.approx(0.75 / (statistics.pstdev([1, 0, 0, 0]) + 1e-6))
+    assert (members["ui-session-1"]["parent_branch"], members["ui-session-1"]["fork_turn"]) == (0, 1)
+    # Searching by the agent's role and by instance finds exactly these records.
+    url, run = f"{buffer.url}/ui/api/trajectories", group["run_id"]
+    by_role = httpx.get(url, params={"run_id": run, "role": "solver"}, headers=AUTH, timeout=10).json()["items"]
+    assert [t["uid"] for t in by_role] == ["ui-session-1", "ui-session-0"] and by_role[0]["role"] == "solver"
+    by_instance = httpx.get(url, params={"instance_id": "ui-session"}, headers=AUTH, timeout=10).json()["items"]
+    assert {t["uid"] for t in by_instance} == set(session_uids)
+    assert [t["reward"] for t in by_instance if t["uid"] == "ui-session-0"] == [1.0]  # raw, as scored
+
+
+def test_the_inspector_shows_a_mismatch_and_session_branches(page, buffer: Server, run_id: str,
+                                                             session_uids: list[str]) -> None:
+    connect(page, buffer, TOKEN)
+    page.wait_for_function("id => document.querySelector('#run-id')?.textContent === id", arg=run_id)
+    page.fill("#search input[name=uid]", session_uids[1])
+    page.click("#search button")
+    page.locator(f"#results tr[data-uid='{session_uids[1]}']").click()
+    page.wait_for_selector("#tokens .tok.mismatch")
+    assert "tokenization check" in page.inner_text("#token-note")
+    assert "weights 7" in page.inner_text("#tokens")
+    branches = page.inner_text("#group")
+    assert "forked from 0 at turn 1" in branches and "normalized" in branches
+
+
+def read_events(buffer: Server, count: int) -> list[tuple[str, dict]]:
+    """The first `count` events of a new `/ui/api/events` stream, as (name, data)."""
+    events: list[tuple[str, dict]] = []
+    with httpx.stream("GET", f"{buffer.url}/ui/api/events", headers=AUTH, timeout=10) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        name = None
+        for line in resp.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                events.append((name, orjson.loads(line[len("data: "):])))
+                if len(events) == count:
+                    return events
+    raise AssertionError(f"the stream ended after {events}")
+
+
+def test_the_event_stream_sends_history_then_snapshots(buffer: Server, run_id: str) -> None:
+    deadline = time.monotonic() + 10
+    while True:  # the server samples every 2 s: a run started a moment ago may have no point yet
+        (first, history), (second, snap), (third, later) = read_events(buffer, 3)
+        points = [p for p in history["points"] if p["run_id"] == run_id]
+        if points or time.monotonic() > deadline:
+            break
+    assert (first, second, third) == ("history", "snapshot", "snapshot")
+    # The server sampled the run before this client connected.
+    assert points and [p["done"] for p in points] == sorted(p["done"] for p in points)
+    assert snap["run"]["run_id"] == run_id and later["t"] > snap["t"]
+    assert {"engine", "latest_rowid", "groups", "records", "control"} <= set(snap)
+    assert httpx.get(f"{buffer.url}/ui/api/events", timeout=10).status_code == 401
+
+
+@pytest.fixture(scope="module")
+def agent_buffer(tmp_path_factory, sim_engine: Server, qwen_tokenizer_path: str) -> Iterator[Server]:
+    """A buffer hosting agent sessions (a harness run: no input file)."""
+    tmp = tmp_path_factory.mktemp("agent-buffer")
+    port = free_port()
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp / "data"), "--auth-token", TOKEN]
+    with running(args, "/healthz", port, tmp / "buffer.log") as srv:
+        body = {"task_type": "agent", "remote_engine_url": sim_engine.url, "tokenizer_path": qwen_tokenizer_path,
+                "max_tokens": 256}
+        assert httpx.post(f"{srv.url}/start_rollout", json=body, headers=AUTH, timeout=60).status_code == 200
+        yield srv
+
+
+def test_an_open_capture_proxy_session_shows_its_branches(page, agent_buffer: Server) -> None:
+    opened = httpx.post(f"{agent_buffer.url}/sessions", json={"instance_id": "live-1"}, headers=AUTH,
+                        timeout=60).json()
+    key = {"Authorization": f"Bearer {opened['api_key']}"}
+
+    def turn(messages: list[dict]) -> str:
+        resp = httpx.post(f"{opened['base_url']}/chat/completions", json={"model": "m", "messages": messages},
+                          headers=key, timeout=60)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["choices"][0]["message"]["content"]
+
+    question = {"role": "user", "content": "What is 3 + 4?"}
+    answer = {"role": "assistant", "content": turn([question])}
+    turn([question, answer, {"role": "user", "content": "And 5 + 5?"}])
+    turn([question, answer, {"role": "user", "content": "And 6 + 6?"}])  # the same first turn, another follow-up
+    connect(page, agent_buffer, TOKEN)
+    page.wait_for_selector("#sessions .branch >> nth=1")
+    lines = page.locator("#sessions .branch").all_inner_texts()
+    assert lines[0].startswith("branch 0 · root") and "forked from 0 at turn 1" in lines[1], lines
+    assert opened["session_id"][:12] in page.inner_text("#sessions")
