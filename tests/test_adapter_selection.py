@@ -49,8 +49,8 @@ class ScriptedBuffer:
         self.events.append("fetch")
         return self.deliveries.pop(0) if self.deliveries else Delivery([], {"total_samples": 0})
 
-    def ack(self, batch_id: str) -> int:
-        self.events.append(f"ack {batch_id}")
+    def ack(self, batch_id: str, agent_id: str | None = None) -> int:
+        self.events.append(f"ack {batch_id}" + (f" ({agent_id})" if agent_id else ""))
         return 1
 
     def status(self) -> dict[str, Any]:
