@@ -48,7 +48,8 @@ def slime_on_path() -> Iterator[None]:
     assert SLIME_SRC is not None
     saved_path = list(sys.path)
     sys.path.insert(0, SLIME_SRC)
-    stub_wandb = importlib.util.find_spec("wandb") is None
+    # Nested uses (a test's fixture inside the module's) find the outer stub in sys.modules and leave it.
+    stub_wandb = "wandb" not in sys.modules and importlib.util.find_spec("wandb") is None
     if stub_wandb:
         sys.modules["wandb"] = types.ModuleType("wandb")  # slime's client imports it; nothing here logs to it
     try:
