@@ -448,7 +448,7 @@ class Store:
                 expired = _expire_stream_leases(conn, stream, when)
                 stale = (_drop_stale_stream(conn, stream, current_version, self._staleness_rule)
                          if current_version is not None else [])
-                batch = _take_stream(conn, stream, max_groups, lease_s, when, order)
+                batch = _take(conn, max_groups, lease_s, when, order, stream)
             else:
                 expired = _expire_leases(conn, when)
                 stale = (_drop_stale(conn, current_version, self._staleness_rule)
@@ -876,10 +876,13 @@ def _expire_leases(conn: sqlite3.Connection, now: float) -> dict[str, int]:
 
 
 def _take(conn: sqlite3.Connection, max_groups: int | None, lease_s: float | None, now: float,
-          order: Order = "oldest") -> Batch:
+          order: Order = "oldest", stream: str | None = None) -> Batch:
+    """Lease (or deliver) up to `max_groups` ready groups, one per instance: the default stream's (`groups`), or
+    with `stream` that role stream's (its `stream_groups` rows, and only that role's records)."""
+    table, where, args = ("groups", "", ()) if stream is None else ("stream_groups", "stream=? AND ", (stream,))
     ready = conn.execute(
-        "SELECT run_id, instance_id, epoch, part, batch_id, version_min FROM groups WHERE state='ready' "
-        f"ORDER BY {_ORDER_SQL[order]}"
+        f"SELECT run_id, instance_id, epoch, part, batch_id, version_min FROM {table} WHERE {where}state='ready' "
+        f"ORDER BY {_ORDER_SQL[order]}", args
     )
     try:
         rows = _one_per_instance(ready, max_groups)
@@ -891,26 +894,29 @@ def _take(conn: sqlite3.Connection, max_groups: int | None, lease_s: float | Non
         expires = now + lease_s if lease_s is not None else None
         state = "leased" if lease_s is not None else "delivered"
         conn.execute(
-            "INSERT INTO batches(batch_id, created_at, lease_expires, acked_at, num_groups) VALUES (?,?,?,?,?)",
-            (batch.batch_id, now, expires, None if lease_s is not None else now, len(rows)),
+            "INSERT INTO batches(batch_id, created_at, lease_expires, acked_at, num_groups, stream) "
+            "VALUES (?,?,?,?,?,?)",
+            (batch.batch_id, now, expires, None if lease_s is not None else now, len(rows), stream),
         )
         for run_id, instance_id, epoch, part, old_batch, version_min in rows:
             batch.redelivered += old_batch is not None
             key = (run_id, instance_id, epoch, part)
             conn.execute(
-                "UPDATE groups SET state=?, batch_id=?, lease_expires=? "
-                "WHERE run_id=? AND instance_id=? AND epoch=? AND part=?",
-                (state, batch.batch_id, expires, *key),
+                f"UPDATE {table} SET state=?, batch_id=?, lease_expires=? "
+                f"WHERE {where}run_id=? AND instance_id=? AND epoch=? AND part=?",
+                (state, batch.batch_id, expires, *args, *key),
             )
             stored = conn.execute(
                 "SELECT record, summary FROM trajectories WHERE run_id=? AND instance_id=? AND epoch=? AND part=? "
-                "ORDER BY rowid",
-                key,
+                f"{'' if stream is None else 'AND agent_id=? '}ORDER BY rowid",
+                (*key, *args),
             ).fetchall()
             batch.groups.append([_stored(blob, summary) for blob, summary in stored])
             batch.run_ids.append(run_id)
             batch.versions.append(version_min)
-    batch.next_lease_expiry = conn.execute("SELECT min(lease_expires) FROM groups WHERE state='leased'").fetchone()[0]
+    batch.next_lease_expiry = conn.execute(
+        f"SELECT min(lease_expires) FROM {table} WHERE {where}state='leased'", args
+    ).fetchone()[0]
     return batch
 
 
@@ -955,46 +961,6 @@ def _drop_stale_stream(
                      "WHERE stream=? AND run_id=? AND instance_id=? AND epoch=? AND part=?", (stream, *key))
         stale.append(StaleGroup(key, version_min, current - version_min, None))
     return stale
-
-
-def _take_stream(conn: sqlite3.Connection, stream: str, max_groups: int | None, lease_s: float | None,
-                 now: float, order: Order = "oldest") -> Batch:
-    ready = conn.execute(
-        "SELECT run_id, instance_id, epoch, part, batch_id, version_min FROM stream_groups "
-        f"WHERE stream=? AND state='ready' ORDER BY {_ORDER_SQL[order]}", (stream,)
-    )
-    try:
-        rows = _one_per_instance(ready, max_groups)
-    finally:
-        ready.close()
-    batch = Batch(None, [], None)
-    if rows:
-        batch.batch_id = uuid.uuid4().hex
-        expires = now + lease_s if lease_s is not None else None
-        state = "leased" if lease_s is not None else "delivered"
-        conn.execute(
-            "INSERT INTO batches(batch_id, created_at, lease_expires, acked_at, num_groups, stream) "
-            "VALUES (?,?,?,?,?,?)",
-            (batch.batch_id, now, expires, None if lease_s is not None else now, len(rows), stream),
-        )
-        for run_id, instance_id, epoch, part, old_batch, version_min in rows:
-            batch.redelivered += old_batch is not None
-            key = (run_id, instance_id, epoch, part)
-            conn.execute("UPDATE stream_groups SET state=?, batch_id=?, lease_expires=? "
-                         "WHERE stream=? AND run_id=? AND instance_id=? AND epoch=? AND part=?",
-                         (state, batch.batch_id, expires, stream, *key))
-            stored = conn.execute(
-                "SELECT record, summary FROM trajectories WHERE run_id=? AND instance_id=? AND epoch=? AND part=? "
-                "AND agent_id=? ORDER BY rowid",
-                (*key, stream),
-            ).fetchall()
-            batch.groups.append([_stored(blob, summary) for blob, summary in stored])
-            batch.run_ids.append(run_id)
-            batch.versions.append(version_min)
-    batch.next_lease_expiry = conn.execute(
-        "SELECT min(lease_expires) FROM stream_groups WHERE state='leased' AND stream=?", (stream,)
-    ).fetchone()[0]
-    return batch
 
 
 @dataclass
