@@ -150,3 +150,16 @@ def test_in_flight_limit_holds_and_resource_hints_place_the_actors(tmp_path, ray
     assert status["executor"]["actors"] == 2
     assert status["executor"]["options"] == {"num_cpus": 0.5, "resources": {}}
     assert ray.available_resources().get("CPU") == 1.0
+
+
+def test_failed_trajectories_are_recorded_with_their_reason(tmp_path, ray_buffer, qwen_tokenizer_path):
+    inp = math_file(tmp_path / "math.jsonl", 2)
+    before = metric(ray_buffer.url, 'rollout_buffer_trajectories_failed_total{reason="engine_connection"}')
+    closed = f"http://127.0.0.1:{free_port()}"  # nothing listens: every trajectory fails in its actor
+    assert start(ray_buffer.url, closed, inp, qwen_tokenizer_path, max_retries=0, backoff_s=0.01).status_code == 200
+    status = wait_finished(ray_buffer.url, timeout_s=30)
+    assert status["run"]["state"] == "finished"
+    assert status["run"]["progress"]["failures"] == {"engine_connection": 8}
+    assert status["records"] == {"failed": 8} and status["groups"] == {"filtered": 2}
+    # Counted by the buffer, which writes the failure records, as with the local executor.
+    assert metric(ray_buffer.url, 'rollout_buffer_trajectories_failed_total{reason="engine_connection"}') - before == 8

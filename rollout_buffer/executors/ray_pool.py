@@ -283,6 +283,7 @@ class RayExecutor:
         await self._stop_pool()
         if self._remote is not None:
             await asyncio.to_thread(ray.shutdown)
+            log.info("ray executor: actors stopped, left the cluster")
 
 
 def _cluster_cpus(per_actor: float) -> int:

@@ -5,7 +5,8 @@ never sits in memory as tasks. Repeats of one instance are scheduled back to bac
 Each group is admitted whole by the run's admission controller (`generation.admission`) before its first
 trajectory starts. A trajectory still aborted after the engine client's resumes goes back to the queue (its
 group waits for it); a group dropped as stale at delivery with `regenerate_stale` is generated again as a
-new part of its (instance, epoch).
+new part of its (instance, epoch). Each trajectory runs on the run's executor (`generation.executor`: asyncio
+tasks here, or Ray actors); everything above stays in this process, whichever executor runs them.
 """
 
 from __future__ import annotations
