@@ -238,6 +238,11 @@ class RayExecutor:
                     self._assign(pending)
             return
         log.error("ray executor: actor %s could not be replaced; the pool runs with one actor less", lost.name)
+        if not any(s.alive for s in self._slots):  # nothing will ever run them: fail them rather than wait
+            waiting, self._waiting = self._waiting, []
+            for pending in waiting:
+                if not pending.future.done():
+                    pending.future.set_result(Failure("executor_worker_lost", "no Ray actor could be started"))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
