@@ -109,8 +109,10 @@ def test_a_math_run_on_ray_delivers_the_same_groups_as_locally(tmp_path, engine,
 
 
 def test_killing_an_actor_mid_run_loses_nothing(tmp_path, engine, ray_buffer, qwen_tokenizer_path):
-    inp = math_file(tmp_path / "math.jsonl", 24)
-    assert start(ray_buffer.url, engine.url, inp, qwen_tokenizer_path).status_code == 200
+    # 192 trajectories, 4 at a time: the run lasts well over a second after the kill, so the killed actor holds
+    # some of them.
+    inp = math_file(tmp_path / "math.jsonl", 48)
+    assert start(ray_buffer.url, engine.url, inp, qwen_tokenizer_path, num_process=4).status_code == 200
     deadline = time.monotonic() + 30
     while httpx.get(f"{ray_buffer.url}/status").json()["groups"].get("ready", 0) < 2:
         assert time.monotonic() < deadline
@@ -122,9 +124,9 @@ def test_killing_an_actor_mid_run_loses_nothing(tmp_path, engine, ray_buffer, qw
     status = wait_finished(ray_buffer.url, timeout_s=60)
     records = [r for batch in drain_batches(ray_buffer.url) for r in batch]
     assert status["run"]["state"] == "finished"
-    assert status["run"]["progress"]["failed"] == 0 and status["run"]["progress"]["done"] == 96
-    assert len(records) == 96 and len({r["uid"] for r in records}) == 96
-    assert Counter(r["instance_id"] for r in records) == {f"m{i}": 4 for i in range(24)}
+    assert status["run"]["progress"]["failed"] == 0 and status["run"]["progress"]["done"] == 192
+    assert len(records) == 192 and len({r["uid"] for r in records}) == 192
+    assert Counter(r["instance_id"] for r in records) == {f"m{i}": 4 for i in range(48)}
     after = status["executor"]
     assert after["actors_lost"] == before["actors_lost"] + 1
     assert after["retried"] > before["retried"], "the killed actor's trajectories ran again"
