@@ -52,7 +52,6 @@ class _Pending:
 class _Slot:
     """One actor of the pool and the trajectories it holds."""
 
-    index: int
     name: str
     handle: Any
     pending: dict[str, _Pending] = field(default_factory=dict)
@@ -90,7 +89,7 @@ class RayExecutor:
         options = RayRunOptions.from_run(resources.config)
         if self._remote is None:
             await asyncio.to_thread(self._connect)
-        if self._slots and (self._options is None or options.pool_key() != self._options.pool_key()):
+        if self._options is not None and options.pool_key() != self._options.pool_key():
             await self._stop_pool()
         self._runs[resources.run_id] = resources.config
         if not self._slots:
@@ -100,7 +99,7 @@ class RayExecutor:
                 size = await asyncio.to_thread(_cluster_cpus, options.ray_num_cpus)
             log.info("ray executor: starting %d actors (%s) at %s", size, options.actor_options(),
                      self.address or "the local Ray")
-            self._slots = [self._new_slot(i) for i in range(size)]
+            self._slots = [self._new_slot() for _ in range(size)]
             for slot in self._slots:
                 self._watch(slot)
         await asyncio.gather(*(self._open(slot, resources.run_id) for slot in self._slots))
@@ -110,13 +109,13 @@ class RayExecutor:
             ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False)
         self._remote = ray.remote(TrajectoryWorker)
 
-    def _new_slot(self, index: int) -> _Slot:
+    def _new_slot(self) -> _Slot:
         assert self._options is not None
         self._created += 1
         name = f"trajectory-worker-{self._pool_id}-{self._created}"
         handle = self._remote.options(name=name, namespace=NAMESPACE, **self._options.actor_options()).remote(
             self.generator_paths)
-        return _Slot(index, name, handle)
+        return _Slot(name, handle)
 
     async def _open(self, slot: _Slot, run_id: str) -> None:
         try:
@@ -219,7 +218,7 @@ class RayExecutor:
             await asyncio.sleep(delay)
             if lost not in self._slots:
                 return  # the pool was rebuilt meanwhile
-            slot = self._new_slot(lost.index)
+            slot = self._new_slot()
             try:
                 for run_id in list(self._runs):
                     await slot.handle.open_run.remote(run_id, self._runs[run_id])
