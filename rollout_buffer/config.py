@@ -12,6 +12,7 @@ DEFAULT_PORT = 8889
 DEFAULT_GROUP_SIZE = 16
 DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
 AUTH_TOKEN_ENV = "ROLLOUT_BUFFER_AUTH_TOKEN"
+EXECUTORS = ("local", "ray")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,12 @@ class ServerConfig:
     # A Unix socket the server also listens on that serves only the agent session endpoints, each with its
     # session's key: how sandboxed agents without network reach the buffer. None: no such socket.
     agent_socket: Path | None = None
+    # Where trajectories run: "local" (asyncio tasks of this process) or "ray" (a pool of Ray actors).
+    executor: str = "local"
+    # The Ray cluster of the `ray` executor (`ray.init(address=...)`); None starts a local one.
+    ray_address: str | None = None
+    # Actors of the `ray` executor's pool; None: one per CPU of the cluster (a run's `ray_actors` overrides it).
+    ray_actors: int | None = None
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
@@ -41,6 +48,10 @@ class ServerConfig:
             raise ValueError("port must be between 1 and 65535")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}")
+        if self.ray_actors is not None and self.ray_actors < 1:
+            raise ValueError("ray_actors must be at least 1")
 
     @property
     def db_path(self) -> Path:

@@ -146,14 +146,14 @@ def test_ports_healthchecks_and_volumes(compose: dict[str, Any]) -> None:
     for name, service in services.items():
         args = argv(service)
         listen = int(flag(args, "--port")) if "--port" in args else None
-        if name != "prometheus":
+        if name not in ("prometheus", "ray-head"):  # ray-head: Ray's own flags, see its test
             assert "--host" in args and flag(args, "--host") == "0.0.0.0", f"{name} must listen beyond loopback"
             url = probe_url(service)
             assert re.match(rf"http://127\.0\.0\.1:{listen}/\w+$", url), f"{name}: healthcheck {url} vs port {listen}"
             assert {"interval", "timeout", "retries", "start_period"} <= set(service["healthcheck"])
         for container_port, host_port in published_ports(service).items():
             assert 0 < host_port < 65536
-            assert container_port in (listen, 29000, 9090), f"{name}: {container_port} is not what it listens on"
+            assert container_port in (listen, 29000, 9090, 8265), f"{name}: {container_port} is not what it listens on"
         for volume in service.get("volumes", []):
             source, target = str(volume).split(":")[:2]
             assert target.startswith("/"), volume
@@ -168,6 +168,27 @@ def test_ports_healthchecks_and_volumes(compose: dict[str, Any]) -> None:
     assert published_ports(services["retriever"]) == {8000: 8000}
     assert "buffer-data:/data" in services["buffer"]["volumes"]
     assert flag(argv(services["buffer"]), "--data-dir") == "/data"
+
+
+def test_ray_head_is_an_optional_profile_the_buffer_can_join(compose: dict[str, Any]) -> None:
+    from ray.scripts.scripts import start
+
+    services = compose["services"]
+    head = services["ray-head"]
+    assert head["profiles"] == ["ray"] and head["entrypoint"] == ["ray"]
+    assert head["build"]["target"] == "runtime", "actors import the buffer's generators: the same image"
+    # Ray's own command line parses the command.
+    params = start.make_context("start", argv(head)[1:]).params
+    assert params["head"] and params["block"] and params["port"] == 6379 and params["dashboard_host"] == "0.0.0.0"
+    assert probe_url(head) == f"http://127.0.0.1:{params['dashboard_port']}/api/gcs_healthz"
+    assert published_ports(head) == {6379: 6379, 8265: 8265}
+    buffer = argv(services["buffer"])
+    assert flag(buffer, "--executor") == "local" and flag(buffer, "--ray-address") == "ray-head:6379"
+    on_ray = load_compose({"BUFFER_EXECUTOR": "ray", "ROLLOUT_BUFFER_EXTRAS": "ray"})["services"]
+    assert flag(argv(on_ray["buffer"]), "--executor") == "ray"
+    assert on_ray["ray-head"]["build"]["args"] == {"EXTRAS": "ray"} and head["build"]["args"] == {"EXTRAS": ""}
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(d.startswith("ray") for d in extras["ray"])
 
 
 def test_every_variable_is_documented_in_the_header() -> None:

@@ -26,7 +26,9 @@ ALLOWED: dict[str, set[str]] = {
     "delivery": {"config", "schemas", "observability"},
     "generation": {"config", "schemas", "observability", "delivery"},
     "proxy": {"config", "schemas", "observability", "delivery", "generation"},
-    "server": {"config", "schemas", "observability", "delivery", "generation", "proxy"},
+    # Executors run trajectories elsewhere (Ray actors) with the generator API; the server picks one.
+    "executors": {"config", "schemas", "observability", "delivery", "generation"},
+    "server": {"config", "schemas", "observability", "delivery", "generation", "proxy", "executors"},
     "sim": {"generation.tokenizer"},
 }
 TOP = {"tools", "cli", "demo", "tokenizer", "context"}
@@ -139,6 +141,8 @@ def test_the_checker_sees_a_circle_and_a_wrong_direction() -> None:
     assert _allowed("rollout_buffer.sim.server", "rollout_buffer.generation.tokenizer")
     assert not _allowed("rollout_buffer.sim.server", "rollout_buffer.generation.engine")
     assert not _allowed("rollout_buffer.generation.runner", "rollout_buffer.tools.demo")
+    assert not _allowed("rollout_buffer.generation.runner", "rollout_buffer.executors.ray_pool")
+    assert _allowed("rollout_buffer.executors.ray_worker", "rollout_buffer.generation.trajectory")
 
 
 def test_no_import_circles() -> None:

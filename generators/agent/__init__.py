@@ -21,6 +21,8 @@ from rollout_buffer.generation.context import RolloutContext
 
 TASK_TYPE = "agent"
 REQUIRED_FIELDS = ()
+# Its trajectories are agent sessions of the buffer's proxy: they run in the buffer process with any executor.
+RUNS_IN_BUFFER = True
 
 __all__ = ["TASK_TYPE", "check_payload", "input_required", "run_rollout"]
 

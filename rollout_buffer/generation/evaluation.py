@@ -23,9 +23,10 @@ from rollout_buffer.delivery.evals import EvalKey, EvalSample, EvalStore, EvalSu
 from rollout_buffer.generation.context import RolloutContext, RunResources
 from rollout_buffer.generation.engine import EngineClient
 from rollout_buffer.generation.plugins import Generator
-from rollout_buffer.generation.runner import LineIndex, failed_record, produce
+from rollout_buffer.generation.runner import LineIndex
 from rollout_buffer.generation.sessions import SessionHost
 from rollout_buffer.generation.tokenizer import load_tokenizer
+from rollout_buffer.generation.trajectory import failed_record, produce
 from rollout_buffer.schemas import StartEvalRequest, TrajectoryRecord
 
 log = logging.getLogger(__name__)

@@ -43,6 +43,12 @@ class Generator:
         """True for `async def run_rollout(item, ctx)`; False for slime-style sync generators."""
         return inspect.iscoroutinefunction(self.module.run_rollout)
 
+    @property
+    def needs_buffer_process(self) -> bool:
+        """True when the generator's trajectories must run in the buffer process (`RUNS_IN_BUFFER = True`: it
+        hosts agent sessions, which live there), whatever the executor."""
+        return bool(getattr(self.module, "RUNS_IN_BUFFER", False))
+
     def hook(self, name: str) -> Callable[..., Any] | None:
         """An optional slime-named hook (`is_valid_group`, `transform_group`, `get_group_data_meta_info`)."""
         fn = getattr(self.module, name, None)

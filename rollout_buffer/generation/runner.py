@@ -5,7 +5,8 @@ never sits in memory as tasks. Repeats of one instance are scheduled back to bac
 Each group is admitted whole by the run's admission controller (`generation.admission`) before its first
 trajectory starts. A trajectory still aborted after the engine client's resumes goes back to the queue (its
 group waits for it); a group dropped as stale at delivery with `regenerate_stale` is generated again as a
-new part of its (instance, epoch).
+new part of its (instance, epoch). Each trajectory runs on the run's executor (`generation.executor`: asyncio
+tasks here, or Ray actors); everything above stays in this process, whichever executor runs them.
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ import asyncio
 import logging
 import random
 import time
-import traceback
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,12 +28,13 @@ from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.buffer import RecordError, RolloutBuffer
 from rollout_buffer.delivery.store import StaleGroup, StoredWork
 from rollout_buffer.generation.admission import AdmissionController, AdmissionPolicy
-from rollout_buffer.generation.context import RolloutContext, RunResources, stamp
-from rollout_buffer.generation.engine import EngineClient, EngineError
+from rollout_buffer.generation.context import RolloutContext, RunResources
+from rollout_buffer.generation.executor import Executor, LocalExecutor
 from rollout_buffer.generation.inputs import InputFileError
 from rollout_buffer.generation.plugins import Generator
+from rollout_buffer.generation.resources import close_resources, engine_options, run_resources
 from rollout_buffer.generation.sessions import SessionHost
-from rollout_buffer.generation.tokenizer import load_tokenizer
+from rollout_buffer.generation.trajectory import Failure, failed_record
 from rollout_buffer.observability import metrics
 from rollout_buffer.schemas import StartRolloutRequest, TrajectoryRecord
 
@@ -131,7 +132,8 @@ class Run:
     """
 
     def __init__(self, run_id: str, req: StartRolloutRequest, input_path: Path | None, generator: Generator,
-                 buffer: RolloutBuffer, config: ServerConfig, sessions: SessionHost | None = None):
+                 buffer: RolloutBuffer, config: ServerConfig, sessions: SessionHost | None = None,
+                 executor: Executor | None = None):
         self.run_id = run_id
         self.req = req
         self.input_path = input_path
@@ -139,6 +141,7 @@ class Run:
         self.buffer = buffer
         self.config = config
         self.sessions = sessions
+        self.executor: Executor = executor or LocalExecutor()
         self.progress = Progress(run_id, total=0)
         self.task: asyncio.Task[None] | None = None
         self.admission: AdmissionController | None = None
@@ -208,35 +211,22 @@ class Run:
 
     # ---- native generators -----------------------------------------------------------------------
     async def _run_native(self) -> None:
-        req = self.req
-        tokenizer = await self._load_tokenizer()
-        engine = EngineClient(req.engine_urls(), **_engine_options(req))
-        extra = req.model_extra or {}
-        resources = self.resources = RunResources(
-            run_id=self.run_id,
-            task_type=req.task_type,
-            config=req.model_dump(mode="json"),
-            engine=engine,
-            tokenizer=tokenizer,
-            sampling_params=_sampling_params(req),
-            max_tokens=req.max_tokens or req.sampling_params.get("max_tokens"),
-            sanity_check=str(extra.get("tokenization_sanity_check_mode", "strict")),
-            chat_template_kwargs=extra.get("chat_template_kwargs"),
-            mask_offpolicy=req.mask_offpolicy_in_partial_rollout,
-            sessions=self.sessions,
-        )
+        resources = self.resources = await run_resources(self.run_id, self.req, self.sessions)
         self.ready.set()
         try:
             if self.input_path is None:
                 log.info("run %s: no input file; holding the engine and tokenizer for agent sessions", self.run_id)
                 await asyncio.Event().wait()  # until the run is replaced or the server stops
             else:
-                await self._run_items(self.input_path, resources)
+                await self.executor.start_run(self.generator, resources)
+                try:
+                    await self._run_items(self.input_path, resources)
+                finally:
+                    await self.executor.end_run(self.run_id)
         finally:
             if self.sessions is not None:
                 await self.sessions.end_run(self.run_id)
-            await _close_shared(resources.shared)
-            await engine.aclose()
+            await close_resources(resources)
 
     async def _run_items(self, input_path: Path, resources: RunResources) -> None:
         req = self.req
@@ -378,7 +368,6 @@ class Run:
                 if not requeue:
                     await self._writing.acquire()
             finally:
-                ctx.engine.release(ctx.uid)
                 self.progress.in_flight -= 1
                 self._slots.release()
             if not requeue:
@@ -399,11 +388,12 @@ class Run:
             self._writing.release()
 
     def _requeue_delay(self, requeues: int) -> float:
-        base = float(_engine_options(self.req).get("backoff_s", 0.5))
+        base = float(engine_options(self.req).get("backoff_s", 0.5))
         return min(10.0, base * 2 ** (requeues - 1))
 
     async def _generate(self, item: dict[str, Any], ctx: RolloutContext) -> list[TrajectoryRecord]:
-        return await produce(self.generator, item, ctx, lambda kind, text: self.failed(item, ctx, kind, text))
+        out = await self.executor.generate(self.generator, item, ctx)
+        return [self.failed(item, ctx, out.kind, out.text)] if isinstance(out, Failure) else out
 
     def failed(self, item: dict[str, Any], ctx: RolloutContext, kind: str, text: str) -> TrajectoryRecord:
         """The record of a failed trajectory (`status: failed`, `extra_info.error` and `error_kind`), counted."""
@@ -424,22 +414,6 @@ class Run:
                 self.progress.failed += 1
             else:
                 self.progress.done += 1
-
-    async def _load_tokenizer(self) -> Any | None:
-        path = self.req.tokenizer_path
-        if (self.req.model_extra or {}).get("engine_mode") == "chat":
-            log.info("run %s: engine_mode chat (messages only)", self.run_id)
-            return None
-        if not path:
-            log.info("run %s: no tokenizer_path, chat mode (messages only)", self.run_id)
-            return None
-        try:
-            return await asyncio.to_thread(load_tokenizer, path)
-        except Exception as e:
-            if (self.req.model_extra or {}).get("engine_mode") == "token":
-                raise ValueError(f"engine_mode token needs a tokenizer: {e}") from e
-            log.warning("run %s: tokenizer %s did not load (%s); chat mode", self.run_id, path, e)
-            return None
 
     async def _report_loop(self) -> None:
         while True:
@@ -462,11 +436,12 @@ class RunManager:
     """Starts, replaces and resumes runs; at most one runs at a time."""
 
     def __init__(self, config: ServerConfig, buffer: RolloutBuffer, generators: dict[str, Generator],
-                 sessions: SessionHost | None = None):
+                 sessions: SessionHost | None = None, executor: Executor | None = None):
         self.config = config
         self.buffer = buffer
         self.generators = generators
         self.sessions = sessions
+        self.executor: Executor = executor or LocalExecutor()
         self.current: Run | None = None
         self._reopening: asyncio.Task[None] | None = None
         buffer.regenerate = self.regenerate
@@ -491,7 +466,9 @@ class RunManager:
 
     def _launch(self, run_id: str, req: StartRolloutRequest, input_path: Path | None) -> None:
         gen = self.generators[req.task_type]
-        self.current = Run(run_id, req, input_path, gen, self.buffer, self.config, self.sessions)
+        # Agent sessions live in this process: their trajectories cannot run anywhere else.
+        executor = LocalExecutor() if gen.needs_buffer_process else self.executor
+        self.current = Run(run_id, req, input_path, gen, self.buffer, self.config, self.sessions, executor)
         self.current.start()
 
     def regenerate(self, stale: StaleGroup) -> None:
@@ -563,69 +540,8 @@ class RunManager:
         await self._stop_current()
 
 
-async def produce(generator: Generator, item: dict[str, Any], ctx: RolloutContext,
-                  failed: Callable[[str, str], TrajectoryRecord]) -> list[TrajectoryRecord]:
-    """Run a native generator on one item: its records, stamped and validated, or `failed(kind, text)` when the
-    engine, the generator or its output failed (training runs and evals alike)."""
-    try:
-        out = await generator.module.run_rollout(item, ctx)
-        outs = out if isinstance(out, list) else [out]
-        single = len(outs) == 1
-        return [TrajectoryRecord.model_validate(stamp(o, ctx, None if single else k)) for k, o in enumerate(outs)]
-    except asyncio.CancelledError:
-        raise
-    except EngineError as e:
-        return [failed(f"engine_{e.kind}", str(e))]
-    except ValidationError as e:
-        return [failed("bad_record", f"generator returned an invalid record: {e}")]
-    except Exception as e:
-        log.debug("generator %s raised on %s: %s", generator.task_type, ctx.uid, traceback.format_exc())
-        # An exception may name its own kind (`error_kind`), e.g. an agent's time limit.
-        kind = getattr(e, "error_kind", None)
-        if isinstance(kind, str) and kind:
-            return [failed(kind, str(e))]
-        return [failed("generator_error", f"{type(e).__name__}: {e}")]
-
-
-def failed_record(item: dict[str, Any], ctx: RolloutContext, kind: str, text: str) -> TrajectoryRecord:
-    """The record of a failed trajectory (`status: failed`, `extra_info.error` and `error_kind`), counted in the
-    metrics and logged."""
-    metrics.TRAJECTORIES_FAILED.labels(kind).inc()
-    log.warning("trajectory %s failed (%s): %s", ctx.uid, kind, text)
-    prompt = item.get("prompt")
-    messages = prompt if isinstance(prompt, list) else ([{"role": "user", "content": prompt}] if prompt else [])
-    rec = stamp({"messages": messages, "reward": 0.0, "status": "failed",
-                 "extra_info": {"error": text, "error_kind": kind}}, ctx)
-    return TrajectoryRecord.model_validate(rec)
-
-
 def reads_input(generator: Generator, payload: dict[str, Any]) -> bool:
     """Whether a run of `generator` with this start payload reads an input file: always, unless the generator's
     optional `input_required(payload)` hook says otherwise (an `agent` run that only hosts sessions)."""
     hook = generator.hook("input_required")
     return True if hook is None else bool(hook(payload))
-
-
-async def _close_shared(shared: dict[str, Any]) -> None:
-    """Close what generators keep in `RunResources.shared` (their own engine or search clients): objects
-    with an `aclose()` coroutine method."""
-    for key, value in shared.items():
-        aclose = getattr(value, "aclose", None)
-        if callable(aclose):
-            try:
-                await aclose()
-            except Exception as e:  # the run is over; a failed close must not mark it failed
-                log.warning("closing the run's %s failed: %s", key, e)
-
-
-def _sampling_params(req: StartRolloutRequest) -> dict[str, Any]:
-    params = dict(req.sampling_params)
-    if req.max_tokens is not None:
-        params.setdefault("max_tokens", req.max_tokens)
-    return params
-
-
-def _engine_options(req: StartRolloutRequest) -> dict[str, Any]:
-    extra = req.model_extra or {}
-    keys = ("timeout_s", "max_retries", "backoff_s", "max_abort_resumes")
-    return {k: extra[k] for k in keys if k in extra}

@@ -24,6 +24,7 @@ from rollout_buffer.delivery.queries import Reader
 from rollout_buffer.delivery.store import Store, StoreError, StreamMismatch
 from rollout_buffer.delivery.versions import VersionConflict
 from rollout_buffer.generation.evaluation import EvalManager, eval_config
+from rollout_buffer.generation.executor import Executor, LocalExecutor
 from rollout_buffer.generation.inputs import InputFileError, confined_path, resolve_input_path, validate_file
 from rollout_buffer.generation.plugins import discover
 from rollout_buffer.generation.runner import RunManager, reads_input
@@ -68,6 +69,15 @@ EVAL_BODY: TypeAdapter[StartEvalRequest] = TypeAdapter(StartEvalRequest)
 CONFINED_PATH_FIELDS = ("tokenizer_path", "tool_config_path")
 
 
+def make_executor(config: ServerConfig) -> Executor:
+    """The executor `--executor` names; Ray is imported only when asked for."""
+    if config.executor == "ray":
+        from rollout_buffer.executors.ray_pool import RayExecutor
+
+        return RayExecutor(config.ray_address, config.ray_actors, config.generator_paths)
+    return LocalExecutor()
+
+
 def create_app(config: ServerConfig) -> FastAPI:
     """Build the FastAPI app; the store opens and the active run resumes at start-up."""
     generators = discover(config.generator_paths)
@@ -80,7 +90,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         app.state.reader = reader
         buffer = RolloutBuffer(config, store, generators)
         sessions = SessionManager(config)
-        runs = RunManager(config, buffer, generators, sessions)
+        executor = make_executor(config)
+        runs = RunManager(config, buffer, generators, sessions, executor)
         evals = EvalManager(config, buffer, generators, sessions)
         app.state.buffer = buffer
         app.state.runs = runs
@@ -99,6 +110,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             await history.stop()
             await evals.shutdown()
             await runs.shutdown()
+            await executor.aclose()
             await sessions.stop()
             await reader.close()
             await store.close()
@@ -170,6 +182,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         try:
             if check is not None:  # the generator's own options (it may resolve files: off the loop)
                 await asyncio.to_thread(check, payload, config.data_roots)
+            request.app.state.runs.executor.check_options(payload)
             path: Path | None = None
             num_items = 0
             if reads_input(gen, payload):

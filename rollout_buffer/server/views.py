@@ -38,6 +38,7 @@ async def status_view(app: Starlette) -> dict[str, Any]:
         body["run"]["progress"] = live
     body["control"] = await run_control(app, body["run"])
     body["evals"] = await evals_view(app)
+    body["executor"] = runs.executor.snapshot()
     return body
 
 

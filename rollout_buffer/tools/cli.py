@@ -19,6 +19,7 @@ from rollout_buffer.config import (
     DEFAULT_HOST,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_PORT,
+    EXECUTORS,
     ServerConfig,
 )
 from rollout_buffer.observability.logs import setup_logging
@@ -31,7 +32,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         epilog="examples:\n"
         "  rollout-buffer serve                                   # 127.0.0.1:8889, store in ./rollout_data\n"
         "  rollout-buffer serve --host 0.0.0.0 --data-dir /data --auth-token $TOKEN --data-root /inputs\n"
-        "  rollout-buffer serve --generator-path ./my_generators --log-format json",
+        "  rollout-buffer serve --generator-path ./my_generators --log-format json\n"
+        "  rollout-buffer serve --executor ray --ray-address 10.0.0.1:6379   # trajectories on a Ray cluster",
     )
     p.add_argument("--host", default=DEFAULT_HOST, help="bind address (default: %(default)s, loopback only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
@@ -47,6 +49,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="only accept input files under this folder (repeatable)")
     p.add_argument("--max-db-mb", type=float, default=None,
                    help="cap the store's size; writes past it answer 503 as on a full disk")
+    p.add_argument("--executor", choices=EXECUTORS, default="local",
+                   help="where trajectories run: asyncio tasks of this process, or a pool of Ray actors "
+                   "(pip install 'rollout-buffer[ray]')")
+    p.add_argument("--ray-address", default=None,
+                   help="the Ray cluster of --executor ray (default: RAY_ADDRESS, else a local Ray started here)")
+    p.add_argument("--ray-actors", type=int, default=None,
+                   help="actors of --executor ray (default: one per CPU of the cluster)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one JSON object per line")
 
@@ -74,6 +83,9 @@ def serve(args: argparse.Namespace) -> None:
         generator_paths=tuple(args.generator_path),
         data_roots=tuple(args.data_root),
         max_db_bytes=int(args.max_db_mb * 1024 * 1024) if args.max_db_mb else None,
+        executor=args.executor,
+        ray_address=args.ray_address,
+        ray_actors=args.ray_actors,
     )
     with contextlib.ExitStack() as stack:
         listeners = [socket.create_server((config.host, config.port),

@@ -1,0 +1,296 @@
+"""The `ray` executor: trajectories in a pool of async Ray actors, each running many at once.
+
+The buffer process keeps the runs (schedule, in-flight limit, admission, requeues, failure records, the store,
+the HTTP API); this pool only moves trajectories. Jobs to one actor are sent together when they arrive within
+`ray_batch_ms`, and each actor hands its finished records back in batches through a long poll (with what its
+engine metrics gained, added to the buffer's /metrics). A job goes to the actor holding the fewest.
+
+A lost actor (killed, its node gone) is replaced by a new one; the trajectories it held run again on the others
+(same uids: the store keeps one record per uid), up to `MAX_TRIES` times each, then fail as
+`executor_worker_lost`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from rollout_buffer.executors.ray_options import RayRunOptions
+from rollout_buffer.executors.ray_worker import Job, Outcome, TrajectoryWorker
+from rollout_buffer.generation.context import RolloutContext, RunResources
+from rollout_buffer.generation.plugins import Generator
+from rollout_buffer.generation.trajectory import Failure
+from rollout_buffer.observability import metrics
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "rollout_buffer"
+MAX_TRIES = 3  # runs of one trajectory on actors that were lost under it before it fails
+MAX_BATCH = 256  # jobs sent at once without waiting for the batch window
+_REPLACE_BACKOFF_S = (0.5, 1, 2, 5, 10, 30)
+
+
+@dataclass(eq=False)
+class _Pending:
+    """A trajectory handed to the pool, waiting for its outcome."""
+
+    run_id: str
+    job: Job
+    future: asyncio.Future[Outcome]
+    tries: int = 0
+    slot: _Slot | None = None
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One actor of the pool and the trajectories it holds."""
+
+    name: str
+    handle: Any
+    pending: dict[str, _Pending] = field(default_factory=dict)
+    outbox: dict[str, list[Job]] = field(default_factory=dict)  # run id -> jobs not sent yet
+    flush: asyncio.TimerHandle | None = None
+    poller: asyncio.Task[None] | None = None
+    alive: bool = True
+
+
+class RayExecutor:
+    """A pool of `TrajectoryWorker` actors on a Ray cluster (started on the first run, rebuilt when a run asks for
+    other actors)."""
+
+    def __init__(self, address: str | None, actors: int | None, generator_paths: tuple[Path, ...]):
+        self.address = address
+        self.actors = actors
+        self.generator_paths = [str(p) for p in generator_paths]
+        self._pool_id = uuid.uuid4().hex[:8]
+        self._slots: list[_Slot] = []
+        self._options: RayRunOptions | None = None
+        self._runs: dict[str, dict[str, Any]] = {}  # open runs' payloads, for the actors that replace lost ones
+        self._waiting: list[_Pending] = []  # trajectories while no actor is alive
+        self._background: set[asyncio.Task[None]] = set()
+        self._lost = 0
+        self._retried = 0
+        self._remote: Any = None
+        self._created = 0  # actors started, for unique names (a lost actor's name may still be taken)
+
+    def check_options(self, payload: dict[str, Any]) -> None:
+        """Raise ValueError naming the bad `ray_*` options of a run's payload."""
+        RayRunOptions.from_run(payload)
+
+    async def start_run(self, generator: Generator, resources: RunResources) -> None:
+        """Connect to Ray, (re)build the pool for the run's options and open the run on every actor."""
+        options = RayRunOptions.from_run(resources.config)
+        if self._remote is None:
+            await asyncio.to_thread(self._connect)
+        if self._options is not None and options.pool_key() != self._options.pool_key():
+            await self._stop_pool()
+        self._runs[resources.run_id] = resources.config
+        if not self._slots:
+            self._options = options
+            size = self.actors if options.ray_actors is None else options.ray_actors
+            if size is None:
+                size = await asyncio.to_thread(_cluster_cpus, options.ray_num_cpus)
+            log.info("ray executor: starting %d actors (%s) at %s", size, options.actor_options(),
+                     self.address or "the local Ray")
+            self._slots = [self._new_slot() for _ in range(size)]
+            for slot in self._slots:
+                self._watch(slot)
+        await asyncio.gather(*(self._open(slot, resources.run_id) for slot in self._slots))
+
+    def _connect(self) -> None:
+        if not ray.is_initialized():
+            ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False)
+        self._remote = ray.remote(TrajectoryWorker)
+
+    def _new_slot(self) -> _Slot:
+        assert self._options is not None
+        self._created += 1
+        name = f"trajectory-worker-{self._pool_id}-{self._created}"
+        handle = self._remote.options(name=name, namespace=NAMESPACE, **self._options.actor_options()).remote(
+            self.generator_paths)
+        return _Slot(name, handle)
+
+    async def _open(self, slot: _Slot, run_id: str) -> None:
+        try:
+            await slot.handle.open_run.remote(run_id, self._runs[run_id])
+        except RayActorError as e:
+            self._on_lost(slot, e)
+
+    def _watch(self, slot: _Slot) -> None:
+        slot.poller = asyncio.create_task(self._poll(slot), name=f"poll-{slot.name}")
+
+    async def generate(self, generator: Generator, item: dict[str, Any],
+                       ctx: RolloutContext) -> Outcome:
+        """Run the trajectory on the actor holding the fewest; its outcome once an actor finished it."""
+        future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        pending = _Pending(ctx.run.run_id, Job(ctx.uid, item, ctx.instance_id, ctx.epoch, ctx.repeat), future)
+        self._assign(pending)
+        try:
+            return await future
+        finally:
+            if not future.done():  # cancelled: the run was replaced or stopped
+                if pending.slot is not None:
+                    pending.slot.pending.pop(pending.job.uid, None)
+                elif pending in self._waiting:
+                    self._waiting.remove(pending)
+
+    def _assign(self, pending: _Pending) -> None:
+        alive = [s for s in self._slots if s.alive]
+        if not alive:
+            pending.slot = None
+            self._waiting.append(pending)
+            return
+        slot = min(alive, key=lambda s: len(s.pending))
+        pending.slot = slot
+        slot.pending[pending.job.uid] = pending
+        jobs = slot.outbox.setdefault(pending.run_id, [])
+        jobs.append(pending.job)
+        if len(jobs) >= MAX_BATCH:
+            self._flush(slot)
+        elif slot.flush is None:
+            assert self._options is not None
+            slot.flush = asyncio.get_running_loop().call_later(self._options.ray_batch_ms / 1000, self._flush, slot)
+
+    def _flush(self, slot: _Slot) -> None:
+        if slot.flush is not None:
+            slot.flush.cancel()
+            slot.flush = None
+        outbox, slot.outbox = slot.outbox, {}
+        for run_id, jobs in outbox.items():
+            self._spawn(self._send(slot, run_id, jobs))
+
+    async def _send(self, slot: _Slot, run_id: str, jobs: list[Job]) -> None:
+        try:
+            await slot.handle.submit.remote(run_id, jobs)
+        except RayActorError as e:
+            self._on_lost(slot, e)
+
+    async def _poll(self, slot: _Slot) -> None:
+        linger = (self._options.ray_batch_ms if self._options else 0.0) / 1000
+        while True:
+            try:
+                done, deltas = await slot.handle.poll.remote(linger)
+            except RayActorError as e:
+                self._on_lost(slot, e)
+                return
+            metrics.apply_deltas(deltas)
+            for uid, outcome in done:
+                pending = slot.pending.pop(uid, None)
+                if pending is not None and not pending.future.done():
+                    pending.future.set_result(outcome)
+
+    def _on_lost(self, slot: _Slot, error: Exception) -> None:
+        """The actor is gone: replace it, and run its trajectories again (on the others while it starts)."""
+        if not slot.alive:
+            return
+        slot.alive = False
+        if slot.flush is not None:
+            slot.flush.cancel()
+        if slot.poller is not None and slot.poller is not asyncio.current_task():
+            slot.poller.cancel()
+        self._lost += 1
+        metrics.EXECUTOR_WORKERS_LOST.inc()
+        held = [p for p in slot.pending.values() if not p.future.done()]
+        slot.pending.clear()
+        slot.outbox.clear()
+        log.warning("ray executor: actor %s lost (%s); %d trajectories run again", slot.name,
+                    type(error).__name__, len(held))
+        for pending in held:
+            pending.tries += 1
+            if pending.tries >= MAX_TRIES:
+                pending.future.set_result(Failure(
+                    "executor_worker_lost", f"the Ray actor running it was lost {pending.tries} times: {error}"))
+                continue
+            self._retried += 1
+            metrics.EXECUTOR_RETRIES.inc()
+            self._assign(pending)
+        self._spawn(self._replace(slot))
+
+    async def _replace(self, lost: _Slot) -> None:
+        for delay in (0.0, *_REPLACE_BACKOFF_S):
+            await asyncio.sleep(delay)
+            if lost not in self._slots:
+                return  # the pool was rebuilt meanwhile
+            slot = self._new_slot()
+            try:
+                for run_id in list(self._runs):
+                    await slot.handle.open_run.remote(run_id, self._runs[run_id])
+            except RayActorError as e:
+                log.warning("ray executor: replacement actor %s did not start: %s", slot.name, e)
+                continue
+            if lost not in self._slots:
+                ray.kill(slot.handle)
+                return
+            self._slots[self._slots.index(lost)] = slot
+            self._watch(slot)
+            log.info("ray executor: actor %s replaced by %s", lost.name, slot.name)
+            waiting, self._waiting = self._waiting, []
+            for pending in waiting:
+                if not pending.future.done():
+                    self._assign(pending)
+            return
+        log.error("ray executor: actor %s could not be replaced; the pool runs with one actor less", lost.name)
+        if not any(s.alive for s in self._slots):  # nothing will ever run them: fail them rather than wait
+            waiting, self._waiting = self._waiting, []
+            for pending in waiting:
+                if not pending.future.done():
+                    pending.future.set_result(Failure("executor_worker_lost", "no Ray actor could be started"))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def end_run(self, run_id: str) -> None:
+        """Close the run on every actor (its trajectories still running there are cancelled)."""
+        self._runs.pop(run_id, None)
+        for slot in self._slots:
+            if slot.alive:
+                try:
+                    await slot.handle.close_run.remote(run_id)
+                except RayActorError as e:
+                    self._on_lost(slot, e)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The pool in /status: its actors, those lost and the trajectories run again."""
+        return {
+            "kind": "ray",
+            "address": self.address,
+            "actors": sum(s.alive for s in self._slots),
+            "options": None if self._options is None else self._options.actor_options(),
+            "in_flight": sum(len(s.pending) for s in self._slots),
+            "actors_lost": self._lost,
+            "retried": self._retried,
+        }
+
+    async def _stop_pool(self) -> None:
+        slots, self._slots = self._slots, []
+        for slot in slots:
+            slot.alive = False
+            if slot.poller is not None:
+                slot.poller.cancel()
+            if slot.flush is not None:
+                slot.flush.cancel()
+            ray.kill(slot.handle)
+
+    async def aclose(self) -> None:
+        """Kill the actors and leave the cluster."""
+        for task in self._background:
+            task.cancel()
+        await self._stop_pool()
+        if self._remote is not None:
+            await asyncio.to_thread(ray.shutdown)
+            log.info("ray executor: actors stopped, left the cluster")
+
+
+def _cluster_cpus(per_actor: float) -> int:
+    """Actors that fit the cluster's CPUs (one per CPU for actors that reserve none)."""
+    cpus = float(ray.cluster_resources().get("CPU", 1))
+    return max(1, int(cpus // per_actor) if per_actor else int(cpus))

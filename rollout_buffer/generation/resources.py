@@ -1,0 +1,87 @@
+"""What a run's trajectories share, built from its start request: tokenizer, engine client, `RunResources`.
+
+Built the same way in the buffer process and in each Ray actor of the `ray` executor, so a generator sees the
+same run wherever it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from rollout_buffer.generation.context import RunResources
+from rollout_buffer.generation.engine import EngineClient
+from rollout_buffer.generation.sessions import SessionHost
+from rollout_buffer.generation.tokenizer import load_tokenizer
+from rollout_buffer.schemas import StartRolloutRequest
+
+log = logging.getLogger(__name__)
+
+_ENGINE_OPTIONS = ("timeout_s", "max_retries", "backoff_s", "max_abort_resumes")
+
+
+async def run_resources(run_id: str, req: StartRolloutRequest, sessions: SessionHost | None = None) -> RunResources:
+    """The run's shared resources: its tokenizer (loaded in a worker thread), a new engine client, its settings."""
+    tokenizer = await load_run_tokenizer(run_id, req)
+    extra = req.model_extra or {}
+    return RunResources(
+        run_id=run_id,
+        task_type=req.task_type,
+        config=req.model_dump(mode="json"),
+        engine=EngineClient(req.engine_urls(), **engine_options(req)),
+        tokenizer=tokenizer,
+        sampling_params=sampling_params(req),
+        max_tokens=req.max_tokens or req.sampling_params.get("max_tokens"),
+        sanity_check=str(extra.get("tokenization_sanity_check_mode", "strict")),
+        chat_template_kwargs=extra.get("chat_template_kwargs"),
+        mask_offpolicy=req.mask_offpolicy_in_partial_rollout,
+        sessions=sessions,
+    )
+
+
+async def load_run_tokenizer(run_id: str, req: StartRolloutRequest) -> Any | None:
+    """The run's tokenizer, or None for chat mode (no `tokenizer_path`, `engine_mode: chat`, or one that does not
+    load, unless `engine_mode: token` demands it)."""
+    path = req.tokenizer_path
+    mode = (req.model_extra or {}).get("engine_mode")
+    if mode == "chat":
+        log.info("run %s: engine_mode chat (messages only)", run_id)
+        return None
+    if not path:
+        log.info("run %s: no tokenizer_path, chat mode (messages only)", run_id)
+        return None
+    try:
+        return await asyncio.to_thread(load_tokenizer, path)
+    except Exception as e:
+        if mode == "token":
+            raise ValueError(f"engine_mode token needs a tokenizer: {e}") from e
+        log.warning("run %s: tokenizer %s did not load (%s); chat mode", run_id, path, e)
+        return None
+
+
+async def close_resources(resources: RunResources) -> None:
+    """Close the run's engine client and what generators keep in `RunResources.shared` (their own engine or
+    search clients): objects with an `aclose()` coroutine method."""
+    for key, value in resources.shared.items():
+        aclose = getattr(value, "aclose", None)
+        if callable(aclose):
+            try:
+                await aclose()
+            except Exception as e:  # the run is over; a failed close must not mark it failed
+                log.warning("closing the run's %s failed: %s", key, e)
+    await resources.engine.aclose()
+
+
+def sampling_params(req: StartRolloutRequest) -> dict[str, Any]:
+    """The run's sampling params, `max_tokens` included."""
+    params = dict(req.sampling_params)
+    if req.max_tokens is not None:
+        params.setdefault("max_tokens", req.max_tokens)
+    return params
+
+
+def engine_options(req: StartRolloutRequest) -> dict[str, Any]:
+    """The engine client's options given in the run's payload (timeouts, retries, backoff, abort resumes)."""
+    extra = req.model_extra or {}
+    return {k: extra[k] for k in _ENGINE_OPTIONS if k in extra}

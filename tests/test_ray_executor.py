@@ -1,0 +1,190 @@
+"""`serve --executor ray`: trajectories in Ray actors, everything else as with the local executor.
+
+One local Ray cluster per module (`ray.init(num_cpus=2)` in this process); the buffers are real `rollout-buffer
+serve` subprocesses that join it with `--ray-address`, the engine is the simulated SGLang engine, the tokenizer
+the real Qwen3 one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+import ray
+from runs import drain_batches, wait_finished
+from servers import Server, free_port
+from servers import sim_engine as start_sim_engine
+
+NAMESPACE = "rollout_buffer"
+
+
+@pytest.fixture(scope="module")
+def ray_address() -> Iterator[str]:
+    info = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE)
+    try:
+        yield info.address_info["gcs_address"]
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, qwen_tokenizer_path: str) -> Iterator[Server]:
+    # Every answer right: replies depend on the prompt only, so two runs can be compared record by record.
+    with start_sim_engine(tmp_path_factory.mktemp("sim"), qwen_tokenizer_path, "--correct-rate", "1",
+                          "--latency-ms", "20") as srv:
+        yield srv
+
+
+def buffer(data_dir: Path, *extra: str) -> Server:
+    port = free_port()
+    return Server(["serve", "--port", str(port), "--data-dir", str(data_dir), *extra], "/healthz", port,
+                  data_dir.parent / f"buffer-{port}.log")
+
+
+@pytest.fixture(scope="module")
+def ray_buffer(tmp_path_factory, ray_address: str) -> Iterator[Server]:
+    data_dir = tmp_path_factory.mktemp("ray") / "data"
+    with buffer(data_dir, "--executor", "ray", "--ray-address", ray_address, "--ray-actors", "2").start() as srv:
+        yield srv
+
+
+def math_file(path: Path, n: int) -> Path:
+    # Odd rows carry a wrong label: their groups score 0, the others 1, whichever process computes the reward.
+    rows = [{"instance_id": f"m{i}", "prompt": f"What is {i + 3} + {2 * i}?", "label": str(3 * i + 3 + i % 2)}
+            for i in range(n)]
+    path.write_bytes(b"\n".join(orjson.dumps(r) for r in rows) + b"\n")
+    return path
+
+
+def start(url: str, engine: str, input_file: Path, tokenizer: str, **over) -> httpx.Response:
+    # Each actor reserves half a CPU (a resource hint of the run): the module's runs share one pool of two.
+    payload = {"task_type": "math", "input_file": str(input_file), "num_repeat_per_sample": 4, "num_epoch": 1,
+               "num_process": 8, "remote_engine_url": engine, "max_tokens": 256, "tokenizer_path": tokenizer,
+               "sampling_params": {"temperature": 1.0}, "ray_num_cpus": 0.5, **over}
+    return httpx.post(f"{url}/start_rollout", json=payload, timeout=30)
+
+
+def metric(url: str, name: str) -> float:
+    lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name))
+
+
+def groups(batches: list[list[dict]]) -> dict[tuple[str, int], list[tuple]]:
+    """Each delivered group: its records' uid, exact tokens, loss mask, messages, rewards and status."""
+    out: dict[tuple[str, int], list[tuple]] = {}
+    for batch in batches:
+        for r in batch:
+            key = (r["instance_id"], r["extra_info"]["epoch"])
+            out.setdefault(key, []).append((r["uid"].split(":", 1)[1], tuple(r["tokens"]), tuple(r["loss_mask"]),
+                                            orjson.dumps(r["messages"]), r["raw_reward"], r["reward"], r["status"]))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def test_a_math_run_on_ray_delivers_the_same_groups_as_locally(tmp_path, engine, ray_buffer, qwen_tokenizer_path):
+    inp = math_file(tmp_path / "math.jsonl", 6)
+    assert start(ray_buffer.url, engine.url, inp, qwen_tokenizer_path, num_epoch=2).status_code == 200
+    with buffer(tmp_path / "local").start() as local:  # while the actors start
+        assert start(local.url, engine.url, inp, qwen_tokenizer_path, num_epoch=2).status_code == 200
+        local_status = wait_finished(local.url)
+        locally = groups(drain_batches(local.url))
+        local_tokens = metric(local.url, "rollout_buffer_tokens_generated_total")
+        local_requests = metric(local.url, "rollout_buffer_engine_request_seconds_count")
+    ray_status = wait_finished(ray_buffer.url, timeout_s=60)
+    on_ray = groups(drain_batches(ray_buffer.url))
+    assert ray_status["executor"]["kind"] == "ray" and ray_status["executor"]["actors"] == 2
+    assert local_status["executor"] == {"kind": "local"}
+    assert len(on_ray) == 12 and all(len(g) == 4 for g in on_ray.values())
+    assert on_ray == locally
+    assert {g[0][4] for g in on_ray.values()} == {0.0, 1.0}, "right and wrong answers, rewarded alike"
+    for key in ("done", "failed", "skipped"):
+        assert ray_status["run"]["progress"][key] == local_status["run"]["progress"][key]
+    # The actors' engine metrics reach the buffer's /metrics.
+    assert metric(ray_buffer.url, "rollout_buffer_tokens_generated_total") == local_tokens > 0
+    assert metric(ray_buffer.url, "rollout_buffer_engine_request_seconds_count") == local_requests == 48
+
+
+def test_killing_an_actor_mid_run_loses_nothing(tmp_path, engine, ray_buffer, qwen_tokenizer_path):
+    # 192 trajectories, 4 at a time: the run lasts well over a second after the kill, so the killed actor holds
+    # some of them.
+    inp = math_file(tmp_path / "math.jsonl", 48)
+    assert start(ray_buffer.url, engine.url, inp, qwen_tokenizer_path, num_process=4).status_code == 200
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{ray_buffer.url}/status").json()["groups"].get("ready", 0) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    before = httpx.get(f"{ray_buffer.url}/status").json()["executor"]
+    workers = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                     if a["namespace"] == NAMESPACE and a["name"].startswith("trajectory-worker-"))
+    ray.kill(ray.get_actor(workers[0], namespace=NAMESPACE))
+    status = wait_finished(ray_buffer.url, timeout_s=60)
+    records = [r for batch in drain_batches(ray_buffer.url) for r in batch]
+    assert status["run"]["state"] == "finished"
+    assert status["run"]["progress"]["failed"] == 0 and status["run"]["progress"]["done"] == 192
+    assert len(records) == 192 and len({r["uid"] for r in records}) == 192
+    assert Counter(r["instance_id"] for r in records) == {f"m{i}": 4 for i in range(48)}
+    after = status["executor"]
+    assert after["actors_lost"] == before["actors_lost"] + 1
+    assert after["retried"] > before["retried"], "the killed actor's trajectories ran again"
+    assert metric(ray_buffer.url, "rollout_buffer_executor_retries_total") == after["retried"]
+    now = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE}
+    assert workers[0] not in now and len(now - set(workers)) == 1, "a new actor was started in its place"
+
+
+def test_a_ray_run_resumes_after_the_buffer_is_killed(tmp_path, engine, ray_buffer, qwen_tokenizer_path):
+    inp = math_file(tmp_path / "math.jsonl", 48)
+    generated = httpx.get(f"{engine.url}/sim/stats").json()["by_endpoint"].get("/generate", 0)
+    resp = start(ray_buffer.url, engine.url, inp, qwen_tokenizer_path, num_process=4)
+    assert resp.status_code == 200
+    run_id = resp.json()["run_id"]
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{ray_buffer.url}/status").json()["groups"].get("ready", 0) < 4:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    ray_buffer.kill9()  # its actors go with it
+    ray_buffer.start()  # the same data dir: the run resumes on a new pool
+    status = wait_finished(ray_buffer.url, timeout_s=60)
+    records = [r for batch in drain_batches(ray_buffer.url) for r in batch if r["extra_info"]["run_id"] == run_id]
+    assert status["run"]["run_id"] == run_id and status["run"]["state"] == "finished"
+    assert status["executor"]["actors"] == 2
+    assert len(records) == 192 and len({r["uid"] for r in records}) == 192
+    # Only what was not stored at the crash ran again: at most num_process generating and as many finished ones
+    # waiting for their commit.
+    again = httpx.get(f"{engine.url}/sim/stats").json()["by_endpoint"]["/generate"] - generated - 192
+    assert 0 <= again <= 8, f"{again} extra generations: complete groups were generated again"
+
+def test_in_flight_limit_holds_and_resource_hints_place_the_actors(tmp_path, ray_buffer, qwen_tokenizer_path):
+    inp = math_file(tmp_path / "math.jsonl", 8)
+    bad = start(ray_buffer.url, "http://127.0.0.1:9", inp, qwen_tokenizer_path, ray_num_cpus=-1)
+    assert bad.status_code == 422 and "ray_num_cpus" in bad.json()["message"]
+    with start_sim_engine(tmp_path, qwen_tokenizer_path, "--latency-ms", "40") as eng:
+        assert start(ray_buffer.url, eng.url, inp, qwen_tokenizer_path, num_process=4).status_code == 200
+        status = wait_finished(ray_buffer.url, timeout_s=60)
+        stats = httpx.get(f"{eng.url}/sim/stats").json()
+    assert status["run"]["state"] == "finished" and status["run"]["progress"]["done"] == 32
+    # num_process bounds the requests at the engine however many actors run them.
+    assert stats["max_in_flight"] == 4
+    # The run's hint placed its actors: two of them hold half a CPU each of the cluster's two.
+    assert status["executor"]["actors"] == 2
+    assert status["executor"]["options"] == {"num_cpus": 0.5, "resources": {}}
+    deadline = time.monotonic() + 10  # actors of a buffer that was killed are reaped by Ray a moment later
+    while ray.available_resources().get("CPU") != 1.0:
+        assert time.monotonic() < deadline, ray.available_resources()
+        time.sleep(0.1)
+
+
+def test_failed_trajectories_are_recorded_with_their_reason(tmp_path, ray_buffer, qwen_tokenizer_path):
+    inp = math_file(tmp_path / "math.jsonl", 2)
+    before = metric(ray_buffer.url, 'rollout_buffer_trajectories_failed_total{reason="engine_connection"}')
+    closed = f"http://127.0.0.1:{free_port()}"  # nothing listens: every trajectory fails in its actor
+    assert start(ray_buffer.url, closed, inp, qwen_tokenizer_path, max_retries=0, backoff_s=0.01).status_code == 200
+    status = wait_finished(ray_buffer.url, timeout_s=30)
+    assert status["run"]["state"] == "finished"
+    assert status["run"]["progress"]["failures"] == {"engine_connection": 8}
+    assert status["records"] == {"failed": 8} and status["groups"] == {"filtered": 2}
+    # Counted by the buffer, which writes the failure records, as with the local executor.
+    assert metric(ray_buffer.url, 'rollout_buffer_trajectories_failed_total{reason="engine_connection"}') - before == 8
