@@ -188,3 +188,49 @@ def test_failed_trajectories_are_recorded_with_their_reason(tmp_path, ray_buffer
     assert status["records"] == {"failed": 8} and status["groups"] == {"filtered": 2}
     # Counted by the buffer, which writes the failure records, as with the local executor.
     assert metric(ray_buffer.url, 'rollout_buffer_trajectories_failed_total{reason="engine_connection"}') - before == 8
+
+
+def admission_when(url: str, started: int, ready: int, timeout_s: float = 30) -> dict:
+    """Poll /status until the live admission has started `started` groups, `ready` are ready and none is in
+    flight; returns the admission view."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = httpx.get(f"{url}/status", timeout=10).json()
+        adm = s["control"]["admission"]
+        if (adm.get("started_groups") == started and s["groups"].get("ready", 0) == ready
+                and s["run"]["progress"].get("in_flight") == 0):
+            return adm
+        assert time.monotonic() < deadline, s
+        time.sleep(0.1)
+
+
+def test_staleness_admission_and_weight_update_aborts_behave_as_locally(tmp_path, ray_buffer, qwen_tokenizer_path):
+    inp = math_file(tmp_path / "math.jsonl", 40)
+    with start_sim_engine(tmp_path, qwen_tokenizer_path, "--latency-ms", "300") as eng:
+        httpx.post(f"{eng.url}/update_weight_version", json={"new_version": "0"}, timeout=10).raise_for_status()
+        assert start(ray_buffer.url, eng.url, inp, qwen_tokenizer_path, num_repeat_per_sample=2, max_staleness=1,
+                     rollout_batch_size=2, current_version=0).status_code == 200
+        # A weight update while the first groups generate: their requests are aborted and resumed on the actors.
+        deadline = time.monotonic() + 20
+        while httpx.get(f"{eng.url}/sim/stats", timeout=10).json()["in_flight"] < 8:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(0.1)
+        for path, body in (("/pause_generation", {"mode": "abort"}), ("/update_weight_version",
+                           {"new_version": "1"}), ("/continue_generation", {})):
+            httpx.post(eng.url + path, json=body, timeout=10).raise_for_status()
+        # (η + 1) × B = 4 groups may start before the trainer moves, as with the local executor.
+        adm = admission_when(ray_buffer.url, started=4, ready=4)
+        assert (adm["state"], adm["groups_ahead"], adm["capacity"]) == ("paused_staleness", 4, 0)
+        r = httpx.post(f"{ray_buffer.url}/get_rollout_data", json={"max_groups": 2, "current_version": 1},
+                       timeout=30).json()
+        records = r["data"]["data"]
+        assert r["data"]["meta_info"]["num_groups"] == 2
+        assert all(rec["status"] == "completed" for rec in records)
+        # Turns cut by the update carry both versions (0 then 1, within η of the trainer's 1); none failed.
+        versions = {(rec["extra_info"]["weight_version_min"], rec["extra_info"]["weight_version_max"])
+                    for rec in records}
+        assert ("0", "1") in versions, versions
+        # The trainer at version 1 with one batch consumed: one step, so B = 2 groups more may start.
+        adm = admission_when(ray_buffer.url, started=6, ready=4)
+        assert adm["state"] == "paused_staleness"
