@@ -91,6 +91,12 @@ def test_malformed_line_is_named(buffer_server: Server, tmp_path: Path) -> None:
     assert "line 3" in resp.json()["message"] and "label" in resp.json()["message"]
     f.write_text('[1, 2]\n')
     assert "line 1" in start(buffer_server.url, slime_payload(f)).json()["message"]
+    # Ids default to the row's position among rows (blank lines skipped), as the runner numbers them: the third
+    # row's default id "1" is taken by an explicit one.
+    f.write_text('{"prompt": "1+1", "label": "2"}\n\n{"prompt": "2+2", "label": "4"}\n'
+                 '{"prompt": "3+3", "label": "6", "instance_id": "1"}\n')
+    resp = start(buffer_server.url, slime_payload(f))
+    assert resp.status_code == 422 and "instance_id '1' repeats line 3" in resp.json()["message"]
 
 
 def test_unreadable_and_empty_input(buffer_server: Server, tmp_path: Path) -> None:

@@ -66,10 +66,11 @@ def iter_json_objects(path: Path, label: str = "input_file") -> Iterator[tuple[i
 
 
 def iter_items(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield (line number, item) for every non-blank line; `instance_id` defaults to the line number."""
-    for lineno, item in iter_json_objects(path):
+    """Yield (line number, item) for every non-blank line; `instance_id` defaults to the item's position among
+    them, as the runner numbers tasks (`runner.LineIndex`), so blank lines shift no id."""
+    for position, (lineno, item) in enumerate(iter_json_objects(path)):
         if item.get("instance_id") is None:
-            item["instance_id"] = str(lineno - 1)
+            item["instance_id"] = str(position)
         else:
             item["instance_id"] = str(item["instance_id"])
         yield lineno, item
