@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 TrajectoryStatus = Literal["completed", "truncated", "aborted", "failed"]
 
@@ -30,6 +30,15 @@ def check_http_urls(value: str | list[str] | None, what: str = "engine URL") -> 
             raise ValueError(f"{what} {url!r} must start with http:// or https://")
     if isinstance(value, list) and not value:
         raise ValueError(f"needs at least one {what}")
+
+
+def _engine_urls(value: str | list[str] | None) -> str | list[str] | None:
+    check_http_urls(value)
+    return value
+
+
+# `remote_engine_url`: one router URL, or several engines.
+EngineUrls = Annotated[str | list[str] | None, AfterValidator(_engine_urls)]
 
 
 class TrajectoryRecord(BaseModel):
@@ -98,7 +107,7 @@ class StartRolloutRequest(BaseModel):
     num_repeat_per_sample: int = Field(default=8, ge=1, le=4096)
     num_epoch: int = Field(default=1, ge=1)
     num_process: int = Field(default=256, ge=1, le=1_000_000)
-    remote_engine_url: str | list[str] | None = None
+    remote_engine_url: EngineUrls = None
     remote_buffer_url: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     sampling_params: dict[str, Any] = Field(default_factory=dict)
@@ -123,12 +132,6 @@ class StartRolloutRequest(BaseModel):
     def _ids_as_str(cls, v: Any) -> Any:
         if isinstance(v, list):
             return [str(x) if isinstance(x, int) and not isinstance(x, bool) else x for x in v]
-        return v
-
-    @field_validator("remote_engine_url")
-    @classmethod
-    def _urls(cls, v: str | list[str] | None) -> str | list[str] | None:
-        check_http_urls(v)
         return v
 
     @model_validator(mode="after")
@@ -172,7 +175,7 @@ class StartEvalRequest(BaseModel):
     # The trainer's weight version the eval stands for; default: the latest run's trainer version, else 0.
     current_version: NonNegativeInt | None = None
     task_type: str | None = Field(default=None, min_length=1)
-    remote_engine_url: str | list[str] | None = None
+    remote_engine_url: EngineUrls = None
     tokenizer_path: str | None = None
     # A sample is correct (for pass@k) when its reward is at least this (slime: reward == 1).
     pass_threshold: float = 1.0
@@ -183,12 +186,6 @@ class StartEvalRequest(BaseModel):
         for name in v:
             if not name or "/" in name or name != name.strip():
                 raise ValueError(f"dataset name {name!r}: must be non-empty, without '/' or surrounding spaces")
-        return v
-
-    @field_validator("remote_engine_url")
-    @classmethod
-    def _urls(cls, v: str | list[str] | None) -> str | list[str] | None:
-        check_http_urls(v)
         return v
 
     @field_validator("pass_threshold")
