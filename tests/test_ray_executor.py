@@ -206,6 +206,7 @@ def admission_when(url: str, started: int, ready: int, timeout_s: float = 30) ->
 
 def test_staleness_admission_and_weight_update_aborts_behave_as_locally(tmp_path, ray_buffer, qwen_tokenizer_path):
     inp = math_file(tmp_path / "math.jsonl", 40)
+    drain_batches(ray_buffer.url)  # earlier runs' groups would be delivered first (oldest first, across runs)
     with start_sim_engine(tmp_path, qwen_tokenizer_path, "--latency-ms", "300") as eng:
         httpx.post(f"{eng.url}/update_weight_version", json={"new_version": "0"}, timeout=10).raise_for_status()
         assert start(ray_buffer.url, eng.url, inp, qwen_tokenizer_path, num_repeat_per_sample=2, max_staleness=1,
