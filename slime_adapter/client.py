@@ -122,11 +122,8 @@ class BufferClient:
     ) -> Delivery:
         """`POST /get_rollout_data`: ready groups (oldest first), waiting up to `wait_s` for the first;
         `current_version` tells the buffer the trainer's weight version; `agent_id` reads one role's stream."""
-        body: dict[str, Any] = {"wait_s": wait_s}
-        for key, value in (("max_groups", max_groups), ("lease_s", lease_s), ("ack", ack),
-                           ("current_version", current_version), ("agent_id", agent_id)):
-            if value is not None:
-                body[key] = value
+        body = {"wait_s": wait_s, **_given(max_groups=max_groups, lease_s=lease_s, ack=ack,
+                                           current_version=current_version, agent_id=agent_id)}
         answer = self._call("POST", "/get_rollout_data", body, read_timeout=wait_s + _LONG_POLL_GRACE_S)
         data = answer.get("data")
         # slime's original buffer sent a bare list of records; this one wraps them with meta_info.
@@ -145,9 +142,7 @@ class BufferClient:
     def trainer_version(self, version: int, rewind: bool = False, agent_id: str | None = None) -> dict[str, Any]:
         """`POST /trainer_version`: the trainer's weight version (`rewind` when it restarted from an older one),
         of one role's trainer with `agent_id`."""
-        body: dict[str, Any] = {"current_version": version, "rewind": rewind}
-        if agent_id is not None:
-            body["agent_id"] = agent_id
+        body = {"current_version": version, "rewind": rewind, **_given(agent_id=agent_id)}
         return self._call("POST", "/trainer_version", body)
 
     def start_eval(self, payload: dict[str, Any]) -> dict[str, Any]:
@@ -163,7 +158,7 @@ class BufferClient:
     def ack(self, batch_id: str, agent_id: str | None = None) -> int:
         """`POST /ack`: mark a leased batch (of the `agent_id` stream, when given) consumed; returns how many
         groups it acked."""
-        body = {"batch_id": batch_id, **({"agent_id": agent_id} if agent_id is not None else {})}
+        body = {"batch_id": batch_id, **_given(agent_id=agent_id)}
         return int(self._call("POST", "/ack", body).get("acked_groups", 0))
 
     def _call(
@@ -204,3 +199,8 @@ class BufferClient:
         if not isinstance(answer, dict):
             raise RolloutBufferError(f"{method} {path} answered {type(answer).__name__}, expected an object")
         return answer
+
+
+def _given(**fields: Any) -> dict[str, Any]:
+    """The optional body fields that were given (None: left out, so the buffer applies its default)."""
+    return {k: v for k, v in fields.items() if v is not None}
