@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,11 +45,28 @@ def roots(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def buffer(tmp_path_factory: pytest.TempPathFactory, roots: Path, qwen_tokenizer_path: str) -> Iterator[Server]:
+def stdlib_agent() -> Iterator[Path]:
+    """The test agent in a folder anyone may read: run as `nobody`, it cannot reach a checkout under a private
+    folder (a `mktemp -d` clone, /root) or pytest's own temporary folders (mode 0700)."""
+    folder = Path(tempfile.mkdtemp(prefix="rb-agent-"))
+    try:
+        folder.chmod(0o755)
+        agent = folder / STDLIB_AGENT.name
+        shutil.copy(STDLIB_AGENT, agent)
+        agent.chmod(0o755)
+        yield agent
+    finally:
+        shutil.rmtree(folder)
+
+
+@pytest.fixture(scope="module")
+def buffer(tmp_path_factory: pytest.TempPathFactory, roots: Path, qwen_tokenizer_path: str,
+           stdlib_agent: Path) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("agent-buffer")
     port = free_port()
     args = ["serve", "--port", str(port), "--data-dir", str(tmp / "data"), "--group-size", "2", "--auth-token", TOKEN,
-            "--data-root", str(REPO), "--data-root", str(roots), "--data-root", qwen_tokenizer_path]
+            "--data-root", str(REPO), "--data-root", str(roots), "--data-root", qwen_tokenizer_path,
+            "--data-root", str(stdlib_agent.parent)]
     with running(args, "/healthz", port, tmp / "buffer.log", env={SECRET: "do-not-leak"}) as srv:
         yield srv
 
@@ -89,13 +108,13 @@ def test_example_agents_train_through_the_buffer(buffer: Server, engine: Server,
 
 
 def test_subprocess_agents_run_sandboxed_with_a_time_limit(buffer: Server, engine: Server, roots: Path,
-                                                           qwen_tokenizer_path: str) -> None:
+                                                           qwen_tokenizer_path: str, stdlib_agent: Path) -> None:
     prompt = "What is 12 * 7 + 3? Use the calculator."
     items = [{"instance_id": "ok", "prompt": prompt, "label": "87"},
              {"instance_id": "slow", "prompt": prompt, "label": "87", "mode": "sleep"},
              {"instance_id": "crash", "prompt": prompt, "label": "87", "mode": "crash"}]
     started = start(buffer, engine, qwen_tokenizer_path, input_file=rows(roots, "sandbox", items),
-                    agent_command=[str(STDLIB_AGENT)], agent_timeout_s=4, num_repeat_per_sample=1,
+                    agent_command=[str(stdlib_agent)], agent_timeout_s=4, num_repeat_per_sample=1,
                     agent_env={"PROBE_PORTS": f"{buffer.port},{engine.port}"})
     assert started.status_code == 200, started.text
     run_id = started.json()["run_id"]
