@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from generators.agent.loading import check_reference
+from generators.agent.sandbox import check_image
 from rollout_buffer.generation.inputs import confined_path
 from rollout_buffer.generation.options import RunOptions
 
@@ -48,6 +49,9 @@ class AgentOptions(RunOptions):
             raise ValueError("give `agent` or `agent_command`, not both")
         if self.agent_sandbox == "docker" and self.agent_command is not None and self.agent_image is None:
             raise ValueError("agent_sandbox docker needs agent_image")
+        if self.agent_sandbox == "docker" and self.agent_network == "host":
+            raise ValueError("agent_network host is not available with agent_sandbox docker (its containers have "
+                             "no network but their session)")
         return self
 
     @property
@@ -65,7 +69,8 @@ def check_payload(payload: dict[str, Any], data_roots: Sequence[Path]) -> None:
     """The start-time checks of an agent run; ValueError naming the field (the server answers 422).
 
     With `--data-root`, code a run names must lie under a data root: the `agent` callable and a scorer hook
-    (their file, or a module's file), and `agent_command`'s program.
+    (their file, or a module's file), and `agent_command`'s program (local sandbox; a container runs the
+    image's). The docker sandbox needs an engine holding `agent_image` (blocking: called in a thread).
     """
     opts = AgentOptions.from_run(payload)
     if not payload.get("tokenizer_path"):
@@ -80,5 +85,7 @@ def check_payload(payload: dict[str, Any], data_roots: Sequence[Path]) -> None:
         if found is None:
             raise ValueError(f"agent_command: program {program!r} not found")
         confined_path(found, data_roots, "agent_command")
+    if opts.agent_command is not None and opts.agent_sandbox == "docker":
+        check_image(opts.agent_image or "")
     if opts.agent_workdir_root is not None and not Path(opts.agent_workdir_root).is_dir():
         raise ValueError(f"agent_workdir_root: {opts.agent_workdir_root} is not a folder")

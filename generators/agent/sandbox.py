@@ -17,9 +17,15 @@ PATH, LANG and LC_ALL). Network (`agent_network`):
 The agent runs as `agent_user`: by default `nobody` when the buffer runs as root, the buffer's own user
 otherwise (switching users needs root).
 
-`DockerSandbox`: `docker run --rm --network none` with the workspace and the agent socket's folder mounted,
-`forward.py` inside the container (the image needs `python3`). Written against the docker CLI; not exercised
-by the tests (no Docker engine where they run).
+`DockerSandbox` (`agent_sandbox: docker`): `docker run --rm --network none` of `agent_image` (never pulled: the
+image must be on the engine), as the agent's user with every capability dropped and no privilege gain. Mounted:
+the workspace's `work` folder at its own path (read-write, the working directory and HOME), the agent socket and
+`forward.py` (read-only). `forward.py` (the container's first process; the image needs `python3` ≥ 3.8, probed
+once per run) listens on the container's 127.0.0.1 at the buffer's port and pipes to the agent socket, so the
+agent reaches its own session and nothing else. The agent's variables go through the CLI's environment
+(`-e NAME`), never its command line. At the time limit the container is killed (`docker kill`) and the CLI
+waited for while the engine removes it; `docker rm -f` makes sure. Containers carry the label
+`rollout-buffer.agent`.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -44,6 +51,14 @@ from urllib.parse import urlsplit
 FORWARDER = Path(__file__).with_name("forward.py")
 _KEPT_ENV = ("PATH", "LANG", "LC_ALL")
 _READ_CHUNK = 65536
+_STOP_GRACE_S = 10.0
+# The docker sandbox: what its CLI keeps of the buffer's environment, where the forwarder and the agent socket
+# are mounted in the container, the label of its containers, how long a CLI call may take.
+_DOCKER_ENV = ("HOME", "DOCKER_HOST", "DOCKER_CONTEXT", "DOCKER_CONFIG", "DOCKER_CERT_PATH", "DOCKER_TLS_VERIFY")
+_FORWARDER_IN = "/run/rollout-buffer/forward.py"
+_SOCKET_IN = "/run/rollout-buffer/agents.sock"
+_LABEL = "rollout-buffer.agent"
+_CLI_TIMEOUT_S = 30.0
 
 
 class AgentFailed(Exception):
@@ -178,9 +193,11 @@ class _Tail:
         return self.data.decode(errors="replace")
 
 
-async def _run_process(argv: list[str], env: dict[str, str], proc: AgentProcess, user: AgentUser,
-                       network: str, kill: list[str] | None = None, **popen: object) -> ProcessOutcome:
-    """Run `argv` in its own session; at the time limit kill its process group (and run `kill`, if given)."""
+async def _run_process(argv: list[str], env: dict[str, str], proc: AgentProcess, user: AgentUser, network: str,
+                       stop: Callable[[], Awaitable[object]] | None = None, **popen: object) -> ProcessOutcome:
+    """Run `argv` in its own session; at the time limit (or on cancellation) call `stop` if given and give the
+    process `_STOP_GRACE_S` to end by itself (the docker CLI waits while the engine removes its container),
+    then kill its process group."""
     start = time.monotonic()
     child = await asyncio.create_subprocess_exec(
         *argv, cwd=proc.workspace.work, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -203,10 +220,10 @@ async def _run_process(argv: list[str], env: dict[str, str], proc: AgentProcess,
         timed_out = True
     finally:
         if child.returncode is None:
-            if kill:
-                with contextlib.suppress(OSError):
-                    await (await asyncio.create_subprocess_exec(*kill, stdout=subprocess.DEVNULL,
-                                                                stderr=subprocess.DEVNULL)).wait()
+            if stop is not None:
+                await stop()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(child.wait()), _STOP_GRACE_S)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(child.pid, signal.SIGKILL)
             await child.wait()
@@ -270,30 +287,109 @@ class LocalSandbox:
         return await _run_process(argv, env, proc, self.user, network)
 
 
+def _bind(source: str, target: str, read_only: bool = False) -> list[str]:
+    """A `--mount` bind (unlike `-v`, a missing source is an error, not a new folder); fields CSV-quoted."""
+    quote = lambda v: '"' + v.replace('"', '""') + '"'  # noqa: E731
+    return ["--mount", ",".join(["type=bind", quote(f"source={source}"), quote(f"target={target}"),
+                                 *(["readonly"] if read_only else [])])]
+
+
+def docker_cli() -> str:
+    """The docker CLI's path; ValueError when it is not installed."""
+    docker = shutil.which("docker")
+    if docker is None:
+        raise ValueError("agent_sandbox: docker needs the docker CLI on the buffer's PATH")
+    return docker
+
+
+def check_image(image: str) -> None:
+    """Blocking start-time check: a Docker engine answers and holds `image` (the sandbox never pulls);
+    ValueError naming the field otherwise."""
+    try:
+        done = subprocess.run([docker_cli(), "image", "inspect", "--format", "{{.Id}}", image], env=_cli_env(),
+                              capture_output=True, text=True, timeout=_CLI_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise ValueError(f"agent_sandbox: the Docker engine did not answer within {_CLI_TIMEOUT_S:g} s") from None
+    if done.returncode == 0:
+        return
+    if "no such image" in done.stderr.lower():
+        raise ValueError(f"agent_image: {image!r} is not on the Docker engine (the sandbox never pulls: "
+                         "build or pull it first)")
+    raise ValueError(f"agent_sandbox: the Docker engine does not answer: {done.stderr.strip()[-300:]}")
+
+
+def _cli_env(agent: dict[str, str] | None = None) -> dict[str, str]:
+    """The docker CLI's environment: what it needs of the buffer's, and the agent's variables (which the CLI
+    passes on by name, so their values never show on a command line)."""
+    return _base_env({**{k: os.environ[k] for k in _DOCKER_ENV if k in os.environ}, **(agent or {})})
+
+
 class DockerSandbox:
-    """Agents in containers through the docker CLI (see the module docstring). Untested here."""
+    """Agents in containers through the docker CLI (see the module docstring)."""
 
     def __init__(self, user: AgentUser, image: str):
         self.user = user
         self.image = image
+        self._problem: str | None = None  # why the image cannot run agents, once probed ("" when it can)
+        self._probing = asyncio.Lock()
+
+    async def _docker(self, *args: str, timeout_s: float = _CLI_TIMEOUT_S) -> tuple[int | None, str]:
+        """Run a docker CLI command: (exit code, or None when it hung; its stderr)."""
+        child = await asyncio.create_subprocess_exec(docker_cli(), *args, env=_cli_env(), stdin=subprocess.DEVNULL,
+                                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            _, err = await asyncio.wait_for(child.communicate(), timeout_s)
+        except TimeoutError:
+            child.kill()
+            await child.wait()
+            return None, f"the docker CLI did not answer within {timeout_s:g} s"
+        return child.returncode, err.decode(errors="replace").strip()
+
+    async def _check(self) -> None:
+        """The image can run the forwarder: on the engine, with `python3` ≥ 3.8 for the agent's user (probed
+        once per run; every row fails with the same `agent_sandbox` reason otherwise)."""
+        async with self._probing:
+            if self._problem is None:
+                try:
+                    await asyncio.to_thread(check_image, self.image)
+                except ValueError as e:
+                    self._problem = str(e)
+                else:
+                    code, err = await self._docker(
+                        "run", "--rm", "--pull", "never", "--network", "none", "--log-driver", "none",
+                        "--user", f"{self.user.uid}:{self.user.gid}", "--entrypoint", "python3", self.image,
+                        "-c", "import sys; sys.exit(sys.version_info < (3, 8))")
+                    self._problem = "" if code == 0 else (
+                        f"agent_image {self.image!r} cannot run python3 >= 3.8 as uid {self.user.uid}, which the "
+                        f"sandbox's forwarder needs (exit code {code}): {err[-300:]}")
+        if self._problem:
+            raise AgentFailed("agent_sandbox", self._problem)
 
     async def run(self, proc: AgentProcess) -> ProcessOutcome:
         if proc.agent_socket is None:
             raise AgentFailed("agent_sandbox", "the docker sandbox needs the server's agent socket")
-        docker = shutil.which("docker")
-        if docker is None:
-            raise AgentFailed("agent_sandbox", "the docker sandbox needs the docker CLI")
+        try:
+            docker = docker_cli()
+        except ValueError as e:
+            raise AgentFailed("agent_sandbox", str(e)) from None
+        await self._check()
         forwarder = proc.workspace.root / "forward.py"
         await asyncio.to_thread(shutil.copyfile, FORWARDER, forwarder)
         forwarder.chmod(0o644)
         name = f"rb-agent-{secrets.token_hex(6)}"
-        socket_dir = str(Path(proc.agent_socket).parent)
-        root = str(proc.workspace.root)
-        port = urlsplit(proc.buffer_url).port or 80
-        env_args = [a for k, v in {**proc.env, "HOME": str(proc.workspace.work)}.items() for a in ("-e", f"{k}={v}")]
-        argv = [docker, "run", "--rm", "-i", "--name", name, "--network", "none",
-                "--user", f"{self.user.uid}:{self.user.gid}",
-                "-v", f"{root}:{root}", "-v", f"{socket_dir}:{socket_dir}",
-                "-w", str(proc.workspace.work), *env_args, self.image,
-                "python3", str(forwarder), "--socket", proc.agent_socket, "--port", str(port), "--", *proc.argv]
-        return await _run_process(argv, _base_env({}), proc, self.user, "none", kill=[docker, "kill", name])
+        work = str(proc.workspace.work)
+        env = {k: v for k, v in proc.env.items() if k != "HOME"}
+        argv = [docker, "run", "--rm", "-i", "--pull", "never", "--name", name, "--label", _LABEL,
+                "--network", "none", "--log-driver", "none", "--cap-drop", "ALL",
+                "--security-opt", "no-new-privileges", "--user", f"{self.user.uid}:{self.user.gid}",
+                *_bind(work, work), *_bind(proc.agent_socket, _SOCKET_IN, True),
+                *_bind(str(forwarder), _FORWARDER_IN, True), "-w", work, "-e", f"HOME={work}",
+                *[a for k in env for a in ("-e", k)], "--entrypoint", "python3", self.image,
+                _FORWARDER_IN, "--socket", _SOCKET_IN, "--port", str(urlsplit(proc.buffer_url).port or 80),
+                "--", *proc.argv]
+        try:
+            return await _run_process(argv, _cli_env(env), proc, self.user, "none",
+                                      stop=functools.partial(self._docker, "kill", name))
+        finally:
+            # Normally gone already (--rm); this catches a container the killed CLI was still creating.
+            await self._docker("rm", "--force", name)

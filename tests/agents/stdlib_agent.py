@@ -2,9 +2,9 @@
 """A test agent for the subprocess sandbox, standard library only (the system Python runs it as `nobody`).
 
 Reads its row from stdin (and checks it equals $ROLLOUT_ITEM_FILE), reports on stderr who and where it runs,
-which of $PROBE_PORTS on 127.0.0.1 it can reach directly and what the buffer answers beyond its session; then,
-by row `mode`: `sleep` (past any time limit), `crash` (exit 3), otherwise a calculator tool loop over
-$OPENAI_BASE_URL writing its answer to result.json.
+which network interfaces it has, which of $PROBE_PORTS on 127.0.0.1 it can reach directly and what the buffer
+answers beyond its session; then, by row `mode`: `sleep` (past any time limit), `crash` (exit 3), otherwise a
+calculator tool loop over $OPENAI_BASE_URL writing its answer to result.json.
 """
 
 import ast
@@ -51,6 +51,7 @@ def main() -> int:
     ports = [int(p) for p in os.environ.get("PROBE_PORTS", "").split(",") if p]
     base = os.environ["OPENAI_BASE_URL"]
     report = {"uid": os.getuid(), "cwd": os.getcwd(), "reachable": [p for p in ports if reachable(p)],
+              "interfaces": sorted(name for _, name in socket.if_nameindex()),
               "env": sorted(os.environ),
               "buffer_status": status_of(base.split("/sessions/")[0] + "/status", os.environ["OPENAI_API_KEY"]),
               "models_with_wrong_key": status_of(base + "/models", "wrong-key")}
