@@ -1,7 +1,7 @@
 """The docker sandbox against a real Docker engine: a stdlib agent in a container (no network but its session
-through the agent socket, as `nobody`, in its scratch folder) trains through the buffer with exact tokens; a
-sleeping agent's container is killed at the time limit and removed; a crash and an image without python3 fail
-with their reasons; a missing image is refused at start.
+through the agent socket, as `nobody`, in its scratch folder, output capped) trains through the buffer with
+exact tokens; a sleeping agent's container is killed at the time limit and removed; a crash and an image
+without python3 fail with their reasons; a missing image is refused at start.
 
 Skips when no Docker engine answers (`docker info` fails), as in CI. The base image comes from
 `docker/agent-sandbox/build.sh` (Debian packages, no Docker Hub), built here once if absent (skipped if it
@@ -145,24 +145,29 @@ def stored(buffer: Server, run_id: str, instance: str) -> dict[str, Any]:
 
 
 def assert_engine_tokens(engine: Server, rec: dict[str, Any]) -> None:
-    """Every trained span is what the engine generates from exactly the tokens before it (sent to it as such)."""
+    """Every trained span is the engine's own output for exactly the tokens before it: resent with the span's
+    first token, the simulated engine continues the reply it generated for that exact prefix (a new prefix
+    would get a new scripted reply), and it was sent a prompt of that length."""
     prompts = {r["prompt_tokens"] for r in httpx.get(f"{engine.url}/sim/requests", timeout=10).json()}
     tokens, mask = rec["tokens"], rec["loss_mask"]
     assert len(mask) == len(tokens) and spans(mask, 1)
     for begin, end in spans(mask, 1):
-        assert begin in prompts, "the engine was sent this exact prefix"
+        assert begin in prompts, "the engine was sent a prompt of this length"
         again = httpx.post(f"{engine.url}/generate", timeout=30, json={
-            "input_ids": tokens[:begin], "sampling_params": {"max_new_tokens": 4096}}).json()
-        assert again["output_ids"] == tokens[begin:end]
+            "input_ids": tokens[:begin + 1], "sampling_params": {"max_new_tokens": 4096}}).json()
+        assert again["output_ids"] == tokens[begin + 1:end]
 
 
 def test_agents_in_containers_reach_only_their_session_and_are_killed_at_the_time_limit(
         buffer: Server, engine: Server, inputs: Path, qwen_tokenizer_path: str, agent_image: str) -> None:
     items = [{"instance_id": "ok", "prompt": PROMPT, "label": "87"},
              {"instance_id": "slow", "prompt": PROMPT, "label": "87", "mode": "sleep"},
-             {"instance_id": "crash", "prompt": PROMPT, "label": "87", "mode": "crash"}]
+             {"instance_id": "crash", "prompt": PROMPT, "label": "87", "mode": "crash"},
+             # Its own prompt: the engine's answer to a repeated prefix would be the latest of either row's.
+             {"instance_id": "chatty", "prompt": "What is 5 * 6 + 1? Use the calculator.", "label": "31",
+              "mode": "chatty"}]
     started = start(buffer, engine, qwen_tokenizer_path, inputs, items, agent_command=[AGENT_IN_IMAGE],
-                    agent_image=agent_image, agent_timeout_s=6,
+                    agent_image=agent_image, agent_timeout_s=6, agent_max_output_bytes=65536,
                     agent_env={"PROBE_PORTS": f"{buffer.port},{engine.port}"})
     assert started.status_code == 200, started.text
     run_id = started.json()["run_id"]
@@ -170,9 +175,9 @@ def test_agents_in_containers_reach_only_their_session_and_are_killed_at_the_tim
     assert status["run"]["progress"]["failures"] == {"agent_timeout": 1, "agent_crash": 1}
     assert leftover_containers() == [], "every container is removed, the killed one too"
 
-    delivered = [r for r in drain(buffer.url, headers=AUTH) if r["instance_id"] == "ok"]
-    assert len(delivered) == 1
-    ok = delivered[0]
+    delivered = {r["instance_id"]: r for r in drain(buffer.url, headers=AUTH) if r["status"] == "completed"}
+    assert sorted(delivered) == ["chatty", "ok"]
+    ok, chatty = delivered["ok"], delivered["chatty"]
     assert ok["status"] == "completed" and ok["raw_reward"] == 1.0 and ok["extra_info"]["scorer"] == "math"
     assert ok["extra_info"]["branch_turns"] == 2 and ok["extra_info"]["tool_calls"] == 1
     assert_engine_tokens(engine, ok)
@@ -187,6 +192,9 @@ def test_agents_in_containers_reach_only_their_session_and_are_killed_at_the_tim
     # session's own API and that only with the session's key. The engine's port is out of reach.
     assert report["interfaces"] == ["lo"] and report["reachable"] == [buffer.port]
     assert (report["buffer_status"], report["models_with_wrong_key"]) == (403, 401)
+
+    # Output past agent_max_output_bytes is cut (its tail kept) and the agent still trains.
+    assert chatty["extra_info"]["agent"]["output_truncated"] and not agent["output_truncated"]
 
     slow, crash = stored(buffer, run_id, "slow"), stored(buffer, run_id, "crash")
     assert slow["status"] == "failed" and slow["extra_info"]["error_kind"] == "agent_timeout"

@@ -2,7 +2,8 @@
 
 Standalone on purpose (standard library only, nothing of rollout-buffer): the local sandbox runs it as the first
 process of a fresh network (and PID) namespace, where nothing but loopback exists; the container sandbox
-copies it into the agent's scratch folder. It brings loopback up, listens on 127.0.0.1:PORT, drops to the agent's
+mounts a copy read-only and runs it as the container's first process (with the image's `python3`, as the
+agent's user already: no --uid / --gid). It brings loopback up, listens on 127.0.0.1:PORT, drops to the agent's
 user when started as root, runs the agent command with the inherited stdin / stdout / stderr, pipes every
 connection to the Unix socket, and exits with the agent's exit code (128 + N when a signal N ended it).
 

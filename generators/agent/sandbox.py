@@ -288,10 +288,11 @@ class LocalSandbox:
 
 
 def _bind(source: str, target: str, read_only: bool = False) -> list[str]:
-    """A `--mount` bind (unlike `-v`, a missing source is an error, not a new folder); fields CSV-quoted."""
-    quote = lambda v: '"' + v.replace('"', '""') + '"'  # noqa: E731
-    return ["--mount", ",".join(["type=bind", quote(f"source={source}"), quote(f"target={target}"),
-                                 *(["readonly"] if read_only else [])])]
+    """A `--mount` bind (unlike `-v`, a missing source is an error, not a new folder). `--mount` reads its value
+    as CSV: the paths are quoted so a comma in them cannot add options."""
+    fields = [f"source={source}", f"target={target}"]
+    quoted = ['"' + f.replace('"', '""') + '"' for f in fields]
+    return ["--mount", ",".join(["type=bind", *quoted, *(["readonly"] if read_only else [])])]
 
 
 def docker_cli() -> str:

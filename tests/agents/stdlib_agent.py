@@ -3,8 +3,8 @@
 
 Reads its row from stdin (and checks it equals $ROLLOUT_ITEM_FILE), reports on stderr who and where it runs,
 which network interfaces it has, which of $PROBE_PORTS on 127.0.0.1 it can reach directly and what the buffer
-answers beyond its session; then, by row `mode`: `sleep` (past any time limit), `crash` (exit 3), otherwise a
-calculator tool loop over $OPENAI_BASE_URL writing its answer to result.json.
+answers beyond its session; then, by row `mode`: `sleep` (past any time limit), `crash` (exit 3), `chatty` (a
+lot of stdout first), otherwise a calculator tool loop over $OPENAI_BASE_URL writing its answer to result.json.
 """
 
 import ast
@@ -58,6 +58,8 @@ def main() -> int:
     print("REPORT " + json.dumps(report), file=sys.stderr, flush=True)
     if item.get("mode") == "sleep":
         time.sleep(120)
+    if item.get("mode") == "chatty":
+        print("chatter " * 40000, flush=True)  # 320 kB on stdout, past a small agent_max_output_bytes
     if item.get("mode") == "crash":
         print("boom: the agent crashed on purpose", file=sys.stderr)
         return 3
