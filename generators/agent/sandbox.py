@@ -295,6 +295,12 @@ def _bind(source: str, target: str, read_only: bool = False) -> list[str]:
     return ["--mount", ",".join(["type=bind", *quoted, *(["readonly"] if read_only else [])])]
 
 
+def _install_forwarder(path: Path) -> None:
+    """A copy of forward.py the agent's user can read (the package's own may sit in a private folder)."""
+    shutil.copyfile(FORWARDER, path)
+    path.chmod(0o644)
+
+
 def docker_cli() -> str:
     """The docker CLI's path; ValueError when it is not installed."""
     docker = shutil.which("docker")
@@ -357,8 +363,9 @@ class DockerSandbox:
                     self._problem = str(e)
                 else:
                     code, err = await self._docker(
-                        "run", "--rm", "--pull", "never", "--network", "none", "--log-driver", "none",
-                        "--user", f"{self.user.uid}:{self.user.gid}", "--entrypoint", "python3", self.image,
+                        "run", "--rm", "--pull", "never", "--label", _LABEL, "--network", "none",
+                        "--log-driver", "none", "--user", f"{self.user.uid}:{self.user.gid}",
+                        "--entrypoint", "python3", self.image,
                         "-c", "import sys; sys.exit(sys.version_info < (3, 8))")
                     self._problem = "" if code == 0 else (
                         f"agent_image {self.image!r} cannot run python3 >= 3.8 as uid {self.user.uid}, which the "
@@ -375,8 +382,7 @@ class DockerSandbox:
             raise AgentFailed("agent_sandbox", str(e)) from None
         await self._check()
         forwarder = proc.workspace.root / "forward.py"
-        await asyncio.to_thread(shutil.copyfile, FORWARDER, forwarder)
-        forwarder.chmod(0o644)
+        await asyncio.to_thread(_install_forwarder, forwarder)
         name = f"rb-agent-{secrets.token_hex(6)}"
         work = str(proc.workspace.work)
         env = {k: v for k, v in proc.env.items() if k != "HOME"}
