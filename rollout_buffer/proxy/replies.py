@@ -68,14 +68,14 @@ class ReplyParser:
     """Parses one reply as its text arrives (`feed`, then `close`); the parts so far add up to `text`,
     `reasoning` and `calls`."""
 
-    def __init__(self, tools_offered: bool, reasoning_open: bool = False):
+    def __init__(self, tools_offered: bool):
         self.tools_offered = tools_offered
         self.text = ""
         self.reasoning = ""
         self.calls: list[ReplyCall] = []
         self.errors: list[str] = []
         self.fed = ""  # everything fed so far
-        self._mode = "think" if reasoning_open else "start"  # start | think | text | call
+        self._mode = "start"  # start | think | text | call
         self._pending = ""  # fed but not given out yet
         self._held = {"reasoning": "", "text": ""}  # whitespace that may be trailing
         self._parts: list[ReplyPart] = []
