@@ -206,7 +206,7 @@ def test_openai_stream_follows_the_engine_and_equals_the_json_answer(buffer: Ser
     assert_engine_tokens(engine, rec_stream)
 
 
-def test_openai_stream_sends_tool_calls_as_tool_call_deltas(buffer: Server, engine: Server) -> None:
+def test_openai_stream_sends_tool_calls_as_tool_call_deltas(buffer: Server) -> None:
     session = open_session(buffer.url, "openai-tools")
     client = openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
     chunks = list(client.chat.completions.create(model="m", stream=True, tools=OPENAI_TOOLS,
@@ -223,7 +223,7 @@ def test_openai_stream_sends_tool_calls_as_tool_call_deltas(buffer: Server, engi
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert [(b["turns"], b["tool_calls"]) for b in httpx.get(
         f"{buffer.url}/sessions/{session['session_id']}", timeout=10).json()["branches"]] == [(1, 2)]
-    assert_engine_tokens(engine, finish(buffer.url, session))
+    assert finish(buffer.url, session)["extra_info"]["tool_calls"] == 2
 
 
 def test_anthropic_stream_follows_the_engine_with_tool_use_blocks(buffer: Server, engine: Server) -> None:
@@ -270,7 +270,6 @@ def test_anthropic_stream_follows_the_engine_with_tool_use_blocks(buffer: Server
     # The streamed first turn is in the session exactly as the JSON one: the same tokens and log-probs.
     assert rec_stream["tokens"][:len(rec_json["tokens"])] == rec_json["tokens"]
     assert rec_stream["rollout_log_probs"][:len(rec_json["rollout_log_probs"])] == rec_json["rollout_log_probs"]
-    assert_engine_tokens(engine, rec_stream)
 
 
 def test_a_client_that_leaves_mid_stream_leaves_no_turn_and_aborts_the_engine(buffer: Server, engine: Server
