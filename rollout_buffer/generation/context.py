@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_buffer.delivery.versions import ordered_versions
 from rollout_buffer.generation.conversation import Conversation
-from rollout_buffer.generation.engine import EngineClient, to_sglang_sampling_params
+from rollout_buffer.generation.engine import EngineClient, GenerateDelta, to_sglang_sampling_params
 from rollout_buffer.generation.sessions import AgentSession, SessionHost
 from rollout_buffer.observability import metrics
 
@@ -77,11 +78,14 @@ class RolloutContext:
         )
 
     async def generate(self, conv: Conversation, engine: EngineClient | None = None, session: str | None = None,
-                       return_logprob: bool = True, **sampling_overrides: Any) -> str:
+                       return_logprob: bool = True, on_delta: Callable[[GenerateDelta], None] | None = None,
+                       **sampling_overrides: Any) -> str:
         """One assistant turn: ask the engine, append its output to `conv`, return the finish reason.
 
         Token mode sends the exact token sequence and appends the engine's own output ids; chat mode
         sends the messages. The response budget (`max_tokens` over the whole trajectory) is enforced here.
+        With `on_delta` (token mode), the engine streams and `on_delta` sees the tokens as they come; `conv`
+        gets the turn only once it is whole, exactly as without streaming.
         """
         engine = engine or self.run.engine
         session = session or self.uid
@@ -93,10 +97,17 @@ class RolloutContext:
                 budget = min(budget or self.run.max_tokens, self.run.max_tokens - conv.response_tokens_used())
             if budget is not None and budget <= 0:
                 return "length"
-            result = await engine.generate(
-                conv.generation_ids(), to_sglang_sampling_params(params, budget), session_id=session,
-                return_logprob=return_logprob,
-            )
+            ids, engine_params = conv.generation_ids(), to_sglang_sampling_params(params, budget)
+            if on_delta is None:
+                result = await engine.generate(ids, engine_params, session_id=session, return_logprob=return_logprob)
+            else:
+                stream = engine.generate_stream(ids, engine_params, session_id=session, return_logprob=return_logprob)
+                try:
+                    async for delta in stream:
+                        on_delta(delta)
+                finally:
+                    await stream.aclose()  # a turn cancelled mid-stream closes (aborts) the engine request
+                result = stream.result
             self._count_turn(result.engine_url, result.resumed)
             await conv.aadd_assistant(
                 result.output_ids, result.log_probs if return_logprob else None, result.text,

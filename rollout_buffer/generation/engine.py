@@ -17,7 +17,7 @@ import logging
 import random
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -118,6 +118,69 @@ class GenerateResult:
 
 
 @dataclass
+class _Progress:
+    """A generation over its engine requests (abort resumes): what they produced so far."""
+
+    out_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)  # one per engine answer
+    segments: list[tuple[int, str | None]] = field(default_factory=list)
+    attempts: int = 0
+    resumed: int = 0
+    version: str | None = None
+    url: str = ""
+    finish: str = ""
+
+    def add(self, delta: GenerateDelta) -> None:
+        self.out_ids += delta.output_ids
+        self.log_probs += delta.log_probs
+
+    def end_segment(self, tokens: int, text: str, version: str | None, finish: str) -> None:
+        """One engine answer is over: `tokens` output ids (already added), its whole text, weights, finish."""
+        self.texts.append(text)
+        self.version = version or self.version
+        self.segments.append((tokens, version))
+        self.finish = finish
+
+    def result(self) -> GenerateResult:
+        return GenerateResult(
+            output_ids=self.out_ids, log_probs=self.log_probs, text="".join(self.texts), finish_reason=self.finish,
+            weight_version=self.version, engine_url=self.url, attempts=self.attempts, resumed=self.resumed,
+            segments=self.segments,
+        )
+
+
+class GenerationStream:
+    """A streamed generation: an async iterator of `GenerateDelta`; `result` once it is exhausted."""
+
+    def __init__(self, deltas: AsyncGenerator[GenerateDelta, None], progress: _Progress):
+        self._deltas = deltas
+        self._progress = progress
+        self._done = False
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    async def __anext__(self) -> GenerateDelta:
+        try:
+            return await anext(self._deltas)
+        except StopAsyncIteration:
+            self._done = True
+            raise
+
+    async def aclose(self) -> None:
+        """Stop early: the engine request is closed (and aborted by the engine)."""
+        await self._deltas.aclose()
+
+    @property
+    def result(self) -> GenerateResult:
+        """The whole generation, as `EngineClient.generate` returns it; only after the last delta."""
+        if not self._done:
+            raise RuntimeError("the generation is still being streamed")
+        return self._progress.result()
+
+
+@dataclass
 class ChatResult:
     """Output of one `/v1/chat/completions` call.
 
@@ -205,17 +268,96 @@ class _Chunk:
     output_ids: list[int]
     log_probs: list[float]
     text: str
-    finish_reason: str
+    finish_reason: str  # "" for a stream's event before the last
     weight_version: str | None
 
 
-def _parse_generate(body: Any, want_logprobs: bool) -> _Chunk:
-    """Read SGLang's `/generate` answer; `_AttemptError("bad_response")` when it is not that shape."""
+@dataclass
+class GenerateDelta:
+    """Tokens a streamed generation produced since the previous delta (an abort resume continues after them)."""
+
+    output_ids: list[int]
+    log_probs: list[float]  # one per output id when log-probs were requested, else empty
+    text: str  # the engine's text of these tokens (text that may still become a stop string is held back)
+    weight_version: str | None
+
+
+class _StreamCursor:
+    """Turns the events of one SGLang `/generate` stream into increments.
+
+    SGLang sends the output so far in each event by default, only the new part with
+    `--incremental-streaming-output`; `meta_info.completion_tokens` counts the output so far in both modes, so
+    the new tokens are the last `completion_tokens - seen` of the event's, whichever mode the engine runs.
+    """
+
+    def __init__(self, want_logprobs: bool, stops: list[str]):
+        self.want_logprobs = want_logprobs
+        self.stops = stops
+        self.tokens = 0
+        self.text = ""  # the segment's text so far, as the engine detokenized it
+        self.sent_chars = 0  # of `text`, given out in deltas
+
+    def advance(self, body: Any) -> tuple[_Chunk, GenerateDelta]:
+        """(the event read as an answer, what it adds); `_AttemptError("bad_response")` when it is not that shape."""
+        chunk = _parse_generate(body, self.want_logprobs, partial=True)
+        try:
+            total = int(body["meta_info"].get("completion_tokens", len(chunk.output_ids)))
+        except (TypeError, ValueError) as e:
+            raise _AttemptError("bad_response", f"unexpected /generate stream event: {e}") from None
+        new = max(0, total - self.tokens)
+        cumulative = len(chunk.output_ids) == total
+        ids = chunk.output_ids[len(chunk.output_ids) - new:] if new else []
+        log_probs = chunk.log_probs[len(chunk.log_probs) - new:] if new and self.want_logprobs else []
+        self.tokens = total
+        self.text = chunk.text if cumulative else self.text + chunk.text
+        end = len(self.text) if chunk.finish_reason else len(self.text) - _stop_prefix(self.text, self.stops)
+        text = self.text[self.sent_chars:end] if end > self.sent_chars else ""
+        self.sent_chars = max(self.sent_chars, end)
+        return _Chunk(ids, log_probs, self.text, chunk.finish_reason, chunk.weight_version), \
+            GenerateDelta(ids, log_probs, text, chunk.weight_version)
+
+
+def _stop_prefix(text: str, stops: list[str]) -> int:
+    """Length of the longest end of `text` that begins a stop string (the engine may still trim it)."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
+
+
+_DONE = object()
+
+
+def _event_body(event: bytes) -> Any:
+    """The JSON of one server-sent event, `_DONE` for `[DONE]`, None for an event without data (a comment)."""
+    data = b"".join(line[5:].strip() for line in event.splitlines() if line.startswith(b"data:"))
+    if not data:
+        return None
+    if data == b"[DONE]":
+        return _DONE
+    try:
+        body = orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise _AttemptError("bad_response", f"undecodable stream event ({len(data)} bytes): {e}") from None
+    if isinstance(body, dict) and body.get("error") and "meta_info" not in body:
+        # SGLang reports a refused request inside the stream (its ValueErrors), after a 200 status.
+        raise _AttemptError("http_4xx", f"HTTP 400: {_error_text(data)}", 400)
+    return body
+
+
+def _parse_generate(body: Any, want_logprobs: bool, partial: bool = False) -> _Chunk:
+    """Read SGLang's `/generate` answer; `_AttemptError("bad_response")` when it is not that shape.
+
+    `partial`: a stream's event, whose `finish_reason` is null (`_Chunk.finish_reason` "") until the last one.
+    """
     try:
         meta = body["meta_info"]
-        finish = meta.get("finish_reason") or {}
-        kind = finish.get("type") if isinstance(finish, dict) else str(finish)
-        if kind not in ("stop", "length", "abort"):
+        finish = meta.get("finish_reason")
+        kind = finish.get("type") if isinstance(finish, dict) else str(finish or "")
+        if kind not in ("stop", "length", "abort") and not (partial and finish is None):
             raise ValueError(f"unknown finish_reason {finish!r}")
         entries = meta.get("output_token_logprobs") or []
         ids = body.get("output_ids")
@@ -352,28 +494,131 @@ class EngineClient:
 
         `parse` reads the decoded body and may raise `_AttemptError("bad_response")`, which is retried.
         """
+        async def attempt(url: str) -> _T:
+            return parse(await self._attempt(url, path, payload))
+
+        return await self._retried(path, session_id, attempt)
+
+    async def _retried(self, path: str, session_id: str, attempt: Callable[[str], Awaitable[_T]]
+                       ) -> tuple[_T, str, int]:
+        """`attempt(engine URL)` with bounded retries; returns (its result, engine URL, attempts)."""
         avoid: set[str] = set()
-        attempt = 0
+        n = 0
         while True:
-            attempt += 1
+            n += 1
             url = self._pick(session_id, avoid)
             try:
-                return parse(await self._attempt(url, path, payload)), url, attempt
+                return await attempt(url), url, n
             except _AttemptError as e:
-                self.stats.errors[e.kind] += 1
-                metrics.ENGINE_ERRORS.labels(e.kind).inc()
-                if (e.kind == "http_4xx" and e.status not in _RETRYABLE_4XX) or attempt > self.max_retries:
-                    raise EngineError(e.kind, url, attempt, e.reason, e.status) from None
+                self._count_error(e)
+                if (e.kind == "http_4xx" and e.status not in _RETRYABLE_4XX) or n > self.max_retries:
+                    raise EngineError(e.kind, url, n, e.reason, e.status) from None
                 if e.kind == "connection" and len(self.urls) > 1:
                     # The session's engine may be gone: let the retry go to another one.
                     avoid.add(url)
                     self._affinity.pop(session_id, None)
                 self.stats.retries += 1
                 metrics.ENGINE_RETRIES.inc()
-                delay = self._backoff(attempt - 1)
+                delay = self._backoff(n - 1)
                 logger.info("engine %s%s: %s (%s); retry %d/%d in %.2fs", url, path, e.kind, e.reason,
-                            attempt, self.max_retries, delay)
+                            n, self.max_retries, delay)
                 await asyncio.sleep(delay)
+
+    def _count_error(self, e: _AttemptError) -> None:
+        self.stats.errors[e.kind] += 1
+        metrics.ENGINE_ERRORS.labels(e.kind).inc()
+
+    # ------------------------------------------------------------ streams
+
+    async def _events(self, url: str, payload: dict[str, Any]) -> AsyncIterator[Any]:
+        """The decoded `data:` events of one streamed `/generate` request, up to `data: [DONE]`.
+
+        Raises `_AttemptError` for a refused request (status, or SGLang's `{"error"}` event, a 400), a broken
+        connection and an undecodable event. Closing the iterator closes the connection: SGLang then aborts
+        the request.
+        """
+        stats = self.stats
+        stats.requests += 1
+        stats.requests_by_url[url] += 1
+        stats.in_flight[url] += 1
+        start = time.monotonic()
+        try:
+            async with self._http().post(url + "/generate", data=orjson.dumps(payload)) as response:
+                if response.status >= 400:
+                    kind = "http_5xx" if response.status >= 500 else "http_4xx"
+                    reason = f"HTTP {response.status}: {_error_text(await response.read())}"
+                    raise _AttemptError(kind, reason, response.status)
+                pending = b""
+                # Events are split here rather than by aiohttp's readline, whose line limit an event that holds
+                # a long output with its log-probs can pass.
+                async for data in response.content.iter_any():
+                    pending += data
+                    *events, pending = pending.split(b"\n\n")
+                    for event in events:
+                        body = _event_body(event)
+                        if body is _DONE:
+                            return
+                        if body is not None:
+                            yield body
+                if pending.strip():
+                    _event_body(pending)  # raises: a stream cut inside an event
+                raise _AttemptError("bad_response", "the stream ended without data: [DONE]")
+        except TimeoutError as e:
+            raise _AttemptError("timeout", f"no answer within {self.timeout_s}s ({type(e).__name__})") from None
+        except (aiohttp.ClientError, OSError) as e:
+            raise _AttemptError("connection", f"{type(e).__name__}: {e}") from None
+        finally:
+            stats.in_flight[url] -= 1
+            stats.latency_sum_s += time.monotonic() - start
+            stats.latency_count += 1
+            metrics.ENGINE_REQUEST_SECONDS.labels("/generate").observe(time.monotonic() - start)
+
+    async def _open_stream(self, payload: dict[str, Any], session_id: str
+                           ) -> tuple[Any, AsyncGenerator[Any, None], str, int]:
+        """A streamed `/generate` request once its first event arrived, retried like any request until then:
+        (first event, the rest, engine URL, attempts)."""
+        async def attempt(url: str) -> tuple[Any, AsyncGenerator[Any, None]]:
+            events = self._events(url, payload)
+            try:
+                return await anext(events), events
+            except StopAsyncIteration:
+                raise _AttemptError("bad_response", "the stream ended before any event") from None
+            except BaseException:
+                await events.aclose()
+                raise
+
+        (first, events), url, attempts = await self._retried("/generate", session_id, attempt)
+        return first, events, url, attempts
+
+    async def _stream_segment(self, payload: dict[str, Any], session_id: str, cursor: _StreamCursor,
+                              progress: _Progress) -> AsyncIterator[GenerateDelta]:
+        """One streamed engine request: its deltas; `progress` gets its chunks. A stream broken after its first
+        event ends the segment as an abort, to be resumed from the tokens it gave."""
+        first, events, url, attempts = await self._open_stream(payload, session_id)
+        progress.url = url
+        progress.attempts += attempts
+        chunk = None
+        try:
+            body: Any = first
+            while True:
+                chunk, delta = cursor.advance(body)
+                progress.add(delta)
+                if delta.output_ids or delta.text:
+                    yield delta
+                if chunk.finish_reason:
+                    break
+                body = await anext(events)
+        except _AttemptError as e:
+            self._count_error(e)
+            logger.info("engine %s/generate: stream broken after %d token(s): %s (%s); resuming",
+                        url, cursor.tokens, e.kind, e.reason)
+            chunk = None
+        except StopAsyncIteration:
+            chunk = None
+        finally:
+            await events.aclose()
+        progress.end_segment(cursor.tokens, cursor.text, chunk.weight_version if chunk else progress.version,
+                             chunk.finish_reason if chunk else "abort")
 
     # ------------------------------------------------------------ public API
 
@@ -385,48 +630,57 @@ class EngineClient:
         at most `max_abort_resumes` times; output ids and log-probs are concatenated. If the engine still
         aborts, the result says `finish_reason="abort"`.
         """
+        progress = _Progress()
+        async for _ in self._generation(input_ids, sampling_params, session_id, return_logprob, progress, False):
+            pass
+        return progress.result()
+
+    def generate_stream(self, input_ids: list[int], sampling_params: dict[str, Any], *, session_id: str,
+                        return_logprob: bool = True) -> GenerationStream:
+        """`generate` streamed: iterate the result for the tokens as the engine produces them (`GenerateDelta`),
+        then read `.result`, the same `GenerateResult` as `generate`'s.
+
+        Same guarantees: a request that fails before its first token is retried; an abort (a weight update)
+        or a stream broken after some tokens is resumed from the tokens already streamed, which are kept.
+        Leaving the iteration early (`aclose`) closes the engine request, which the engine then aborts.
+        """
+        progress = _Progress()
+        deltas = self._generation(input_ids, sampling_params, session_id, return_logprob, progress, True)
+        return GenerationStream(deltas, progress)
+
+    async def _generation(self, input_ids: list[int], sampling_params: dict[str, Any], session_id: str,
+                          return_logprob: bool, progress: _Progress, stream: bool) -> AsyncIterator[GenerateDelta]:
+        """The engine requests of one generation, abort resumes included; streamed ones yield their deltas."""
         params = to_sglang_sampling_params(sampling_params)
         budget = params.get("max_new_tokens")
-        out_ids: list[int] = []
-        log_probs: list[float] = []
-        texts: list[str] = []
-        segments: list[tuple[int, str | None]] = []
-        attempts = resumed = 0
-        version: str | None = None
+        stop = params.get("stop") or []
+        stops = [stop] if isinstance(stop, str) else list(stop)
         while True:
             if budget is not None:
-                params["max_new_tokens"] = budget - len(out_ids)
-            payload = {"input_ids": [*input_ids, *out_ids], "sampling_params": params,
+                params["max_new_tokens"] = budget - len(progress.out_ids)
+            payload = {"input_ids": [*input_ids, *progress.out_ids], "sampling_params": params,
                        "return_logprob": return_logprob}
-            chunk, url, n = await self._post(
-                "/generate", payload, session_id, lambda body: _parse_generate(body, return_logprob)
-            )
-            attempts += n
-            out_ids += chunk.output_ids
-            log_probs += chunk.log_probs
-            texts.append(chunk.text)
-            version = chunk.weight_version or version
-            segments.append((len(chunk.output_ids), chunk.weight_version))
-            if chunk.finish_reason != "abort" or resumed >= self.max_abort_resumes:
+            if stream:
+                payload["stream"] = True
+                async for delta in self._stream_segment(payload, session_id, _StreamCursor(return_logprob, stops),
+                                                        progress):
+                    yield delta
+            else:
+                chunk, progress.url, n = await self._post(
+                    "/generate", payload, session_id, lambda body: _parse_generate(body, return_logprob)
+                )
+                progress.attempts += n
+                progress.add(GenerateDelta(chunk.output_ids, chunk.log_probs, chunk.text, chunk.weight_version))
+                progress.end_segment(len(chunk.output_ids), chunk.text, chunk.weight_version, chunk.finish_reason)
+            if progress.finish != "abort" or progress.resumed >= self.max_abort_resumes:
                 break
-            resumed += 1
+            progress.resumed += 1
             self.stats.aborts_resumed += 1
             metrics.ENGINE_ABORT_RESUMES.inc()
-            await asyncio.sleep(self._backoff(resumed - 1))
-        metrics.TOKENS_GENERATED.inc(len(out_ids))
-        if chunk.finish_reason == "abort":
+            await asyncio.sleep(self._backoff(progress.resumed - 1))
+        metrics.TOKENS_GENERATED.inc(len(progress.out_ids))
+        if progress.finish == "abort":
             self.stats.aborted_results += 1
-        return GenerateResult(
-            output_ids=out_ids,
-            log_probs=log_probs,
-            text="".join(texts),
-            finish_reason=chunk.finish_reason,
-            weight_version=version,
-            engine_url=url,
-            attempts=attempts,
-            resumed=resumed,
-            segments=segments,
-        )
 
     async def chat(self, messages: list[dict[str, Any]], sampling_params: dict[str, Any], *, session_id: str,
                    tools: list[dict[str, Any]] | None = None) -> ChatResult:

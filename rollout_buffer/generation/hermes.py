@@ -37,16 +37,17 @@ class ToolCall:
 def parse_tool_calls(text: str) -> list[ToolCall]:
     """The tool calls of one assistant message, in order; [] when it makes none."""
     answer = text.rsplit("</think>", 1)[-1]
-    return [_parse_one(body) for body in _CALL.findall(answer)]
+    return [parse_call_body(body) for body in _CALL.findall(answer)]
 
 
 def split_tool_calls(answer: str) -> tuple[str, list[ToolCall]]:
     """(the text with every `<tool_call>` block removed, the calls in order) of a reply without reasoning."""
-    calls = [_parse_one(body) for body in _CALL.findall(answer)]
+    calls = [parse_call_body(body) for body in _CALL.findall(answer)]
     return (_CALL.sub("", answer) if calls else answer), calls
 
 
-def _parse_one(body: str) -> ToolCall:
+def parse_call_body(body: str) -> ToolCall:
+    """The call written between `<tool_call>` and `</tool_call>`, or one with the `error` that makes it unusable."""
     try:
         call = orjson.loads(body.strip())
     except orjson.JSONDecodeError as e:

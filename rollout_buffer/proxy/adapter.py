@@ -1,28 +1,39 @@
 """The wire-format contract: one small base, a few hooks per protocol.
 
 A protocol adapter turns a parsed JSON body into a `TurnRequest` (`parse`), a served turn into its
-protocol's response (`response`) or server-sent events (`stream_head` before the reply is ready,
-`stream_ping` while waiting, `stream_events` with the reply), and a `WireError` into its protocol's error
-object (`error_body`, `stream_error`). Everything else (sessions, routing in the tree, generation) is the
-same for every protocol and lives in `session`.
+protocol's response (`response`) or server-sent events (`stream_head` when the stream opens, `stream_ping`
+while waiting, `stream_parts` as the reply's parts are parsed, `stream_end` with the whole reply), and a
+`WireError` into its protocol's error object (`error_body`, `stream_error`). Everything else (sessions,
+routing in the tree, generation) is the same for every protocol and lives in `session`.
 
-Streams are sent once the turn is generated (the engine call is not streamed: it is retried and resumed as a
-whole), so a stream carries the reply in one delta per part; clients see the same events as from the vendors'
-APIs, with keep-alives while the turn is generated.
+Streams follow the engine token by token: each reasoning or text piece the reply parser gives out becomes a
+delta at once, a tool call becomes the protocol's tool-call events once its block is whole. A `StreamState`
+per stream remembers what is open (Anthropic's content blocks, OpenAI's tool-call indexes).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 import orjson
 from pydantic import BaseModel, ValidationError
 
 from rollout_buffer.proxy.messages import WireError
-from rollout_buffer.proxy.replies import Reply
+from rollout_buffer.proxy.replies import Reply, ReplyPart
 from rollout_buffer.proxy.session import TurnRequest
 
 _M = TypeVar("_M", bound=BaseModel)
+
+
+@dataclass
+class StreamState:
+    """What one stream has sent so far."""
+
+    block: int = -1  # index of the last content block opened (Anthropic)
+    open: str | None = None  # type of the content block still open (Anthropic)
+    opened: set[str] = field(default_factory=set)  # types of the blocks opened so far (Anthropic)
+    calls: int = 0  # tool calls sent
 
 
 class WireAdapter:
@@ -46,8 +57,12 @@ class WireAdapter:
         """A keep-alive the client's parser skips."""
         raise NotImplementedError
 
-    def stream_events(self, req: TurnRequest, reply: Reply, head_sent: bool) -> list[bytes]:
-        """The reply as events (after `stream_head`, which is included when `head_sent` is False)."""
+    def stream_parts(self, req: TurnRequest, parts: list[ReplyPart], state: StreamState) -> list[bytes]:
+        """Events of reply parts as they are parsed (after `stream_head`)."""
+        raise NotImplementedError
+
+    def stream_end(self, req: TurnRequest, reply: Reply, state: StreamState) -> list[bytes]:
+        """The events that close a stream, with the finish reason and usage of the whole reply."""
         raise NotImplementedError
 
     def error_body(self, err: WireError) -> dict[str, Any]:

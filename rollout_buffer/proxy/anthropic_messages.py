@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout_buffer.proxy.adapter import WireAdapter, ensure_user_turn_last
+from rollout_buffer.proxy.adapter import StreamState, WireAdapter, ensure_user_turn_last
 from rollout_buffer.proxy.messages import (
     WireError,
     arguments_of,
@@ -27,7 +27,7 @@ from rollout_buffer.proxy.messages import (
     text_of,
     tool_call,
 )
-from rollout_buffer.proxy.replies import Reply
+from rollout_buffer.proxy.replies import Reply, ReplyCall, ReplyPart
 from rollout_buffer.proxy.session import TurnRequest
 
 _ERROR_TYPES = {
@@ -40,6 +40,7 @@ _ERROR_TYPES = {
 }
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "stop_sequence": "stop_sequence"}
 _SAMPLING = ("temperature", "top_p", "top_k")
+_BLOCK_TYPES = {"reasoning": "thinking", "text": "text", "call": "tool_use"}
 
 
 class MessagesBody(BaseModel):
@@ -111,29 +112,60 @@ class AnthropicMessagesAdapter(WireAdapter):
     def stream_ping(self) -> bytes:
         return self.sse({"type": "ping"}, "ping")
 
-    def stream_events(self, req: TurnRequest, reply: Reply, head_sent: bool) -> list[bytes]:
-        events = [] if head_sent else self.stream_head(req)
-        for index, block in enumerate(_blocks(reply)):
-            kind = block["type"]
-            if kind == "thinking":
-                start = {"type": "thinking", "thinking": "", "signature": ""}
-                deltas = [{"type": "thinking_delta", "thinking": block["thinking"]},
-                          {"type": "signature_delta", "signature": block["signature"]}]
-            elif kind == "text":
-                start = {"type": "text", "text": ""}
-                deltas = [{"type": "text_delta", "text": block["text"]}]
+    def stream_parts(self, req: TurnRequest, parts: list[ReplyPart], state: StreamState) -> list[bytes]:
+        events: list[bytes] = []
+        for part in parts:
+            kind = _BLOCK_TYPES[part.kind]
+            if state.open != kind or part.call is not None:
+                events += self._close_block(state)
+                events.append(self._open_block(state, kind, part))
+            if part.call is not None:
+                delta = {"type": "input_json_delta", "partial_json": orjson.dumps(part.call.arguments).decode()}
+                events.append(self._delta(state, delta))
+                events += self._close_block(state)
+            elif kind == "thinking":
+                events.append(self._delta(state, {"type": "thinking_delta", "thinking": part.text}))
             else:
-                start = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
-                deltas = [{"type": "input_json_delta", "partial_json": orjson.dumps(block["input"]).decode()}]
-            events.append(self.sse({"type": "content_block_start", "index": index, "content_block": start},
-                                   "content_block_start"))
-            events.extend(self.sse({"type": "content_block_delta", "index": index, "delta": d}, "content_block_delta")
-                          for d in deltas)
-            events.append(self.sse({"type": "content_block_stop", "index": index}, "content_block_stop"))
+                events.append(self._delta(state, {"type": "text_delta", "text": part.text}))
+        return events
+
+    def stream_end(self, req: TurnRequest, reply: Reply, state: StreamState) -> list[bytes]:
+        events = []
+        if "text" not in state.opened and not reply.calls:  # the JSON answer has a text block, empty or not
+            events += self._close_block(state)
+            events.append(self._open_block(state, "text", None))
+        events += self._close_block(state)
         delta = {"stop_reason": _STOP_REASONS[reply.finish], "stop_sequence": reply.stop_sequence}
         usage = {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens}
         events.append(self.sse({"type": "message_delta", "delta": delta, "usage": usage}, "message_delta"))
         events.append(self.sse({"type": "message_stop"}, "message_stop"))
+        return events
+
+    def _open_block(self, state: StreamState, kind: str, part: ReplyPart | None) -> bytes:
+        state.block += 1
+        state.open = kind
+        state.opened.add(kind)
+        if part is not None and part.call is not None:
+            start: dict[str, Any] = {"type": "tool_use", "id": _tool_use_id(part.call), "name": part.call.name,
+                                     "input": {}}
+        elif kind == "thinking":
+            start = {"type": "thinking", "thinking": "", "signature": ""}
+        else:
+            start = {"type": "text", "text": ""}
+        return self.sse({"type": "content_block_start", "index": state.block, "content_block": start},
+                        "content_block_start")
+
+    def _delta(self, state: StreamState, delta: dict[str, Any]) -> bytes:
+        return self.sse({"type": "content_block_delta", "index": state.block, "delta": delta}, "content_block_delta")
+
+    def _close_block(self, state: StreamState) -> list[bytes]:
+        if state.open is None:
+            return []
+        events = []
+        if state.open == "thinking":  # the SDKs expect a signature; a local model's thinking has none
+            events.append(self._delta(state, {"type": "signature_delta", "signature": ""}))
+        events.append(self.sse({"type": "content_block_stop", "index": state.block}, "content_block_stop"))
+        state.open = None
         return events
 
     def error_body(self, err: WireError) -> dict[str, Any]:
@@ -202,6 +234,10 @@ def _blocks(reply: Reply) -> list[dict[str, Any]]:
         blocks.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
     if reply.text or not reply.calls:
         blocks.append({"type": "text", "text": reply.text})
-    blocks.extend({"type": "tool_use", "id": "toolu_" + c.id.removeprefix("call_"), "name": c.name,
-                   "input": c.arguments} for c in reply.calls)
+    blocks.extend({"type": "tool_use", "id": _tool_use_id(c), "name": c.name, "input": c.arguments}
+                  for c in reply.calls)
     return blocks
+
+
+def _tool_use_id(call: ReplyCall) -> str:
+    return "toolu_" + call.id.removeprefix("call_")

