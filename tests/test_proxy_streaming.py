@@ -298,3 +298,38 @@ def test_a_client_that_leaves_mid_stream_leaves_no_turn_and_aborts_the_engine(bu
     state = httpx.get(f"{buffer.url}/sessions/{session['session_id']}", timeout=10).json()
     assert [(b["turns"], b["messages"]) for b in state["branches"]] == [(2, 4)]  # the streamed turn was continued
     assert_engine_tokens(engine, finish(buffer.url, session))
+
+
+def test_a_template_that_opens_think_in_its_prompt_gives_the_reasoning_up_to_think_end(
+        qwen_tokenizer_path: str) -> None:
+    """Thinking models' templates (e.g. Qwen3 *-Thinking-2507) write `<think>` into the generation prompt: the
+    output holds only the reasoning's end tag, and what precedes it is still the reasoning, streamed or not."""
+    from transformers import AutoTokenizer
+
+    from rollout_buffer.generation.conversation import Conversation
+    from rollout_buffer.proxy.replies import ReplyParser
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_path)
+    prompt = "{{- '<|im_start|>assistant\\n' }}"
+    assert tokenizer.chat_template.count(prompt) == 1
+    tokenizer.chat_template = tokenizer.chat_template.replace(prompt, "{{- '<|im_start|>assistant\\n<think>\\n' }}")
+    messages = [{"role": "user", "content": "What is 3 + 4?"}]
+    assert Conversation(messages, tokenizer).prompt_opens_reasoning
+    plain = AutoTokenizer.from_pretrained(qwen_tokenizer_path)
+    assert not Conversation(messages, plain).prompt_opens_reasoning
+    assert not Conversation(messages, plain, chat_template_kwargs={"enable_thinking": False}).prompt_opens_reasoning
+
+    output = "3 plus 4 is 7.\n</think>\n\nThe answer is 7."
+    whole = ReplyParser(False, reasoning_open=True)
+    whole.feed(output)
+    whole.close()
+    streamed = ReplyParser(False, reasoning_open=True)
+    for i in range(0, len(output), 3):
+        streamed.feed(output[i:i + 3])
+    streamed.close()
+    for parser in (whole, streamed):
+        assert (parser.reasoning, parser.text) == ("3 plus 4 is 7.", "The answer is 7.")
+    closed_in_prompt = ReplyParser(False)
+    closed_in_prompt.feed("The answer is 7.")
+    closed_in_prompt.close()
+    assert (closed_in_prompt.reasoning, closed_in_prompt.text) == ("", "The answer is 7.")

@@ -84,6 +84,8 @@ class _Frame:
 
     base_text: str
     generation_prompt_ids: tuple[int, ...]
+    # The generation prompt opens a reasoning block (`<think>`): the model's output starts inside it.
+    opens_reasoning: bool
     closing_text: str  # after an assistant reply's content: end-of-turn token and what follows it
     closing_ids: tuple[int, ...]
     end_of_turn: frozenset[int]
@@ -114,6 +116,7 @@ def _frame(tokenizer: Any, tools_json: bytes, options_json: bytes) -> _Frame:
     return _Frame(
         base_text=base,
         generation_prompt_ids=tuple(tokenizer.encode(with_prompt[len(base):], add_special_tokens=False)),
+        opens_reasoning=with_prompt.rstrip().endswith("<think>"),
         closing_text=closing,
         closing_ids=tuple(closing_ids),
         end_of_turn=frozenset(eot),
@@ -271,6 +274,11 @@ class Conversation:
         return await asyncio.to_thread(functools.partial(cls, messages, tokenizer, **kwargs))
 
     # -- token mode -------------------------------------------------------------------------------
+
+    @property
+    def prompt_opens_reasoning(self) -> bool:
+        """True when the chat template's generation prompt opens `<think>` (the output starts as reasoning)."""
+        return self._frame.opens_reasoning
 
     def generation_ids(self) -> list[int]:
         """The tokens to send to the engine for the next assistant turn, generation prompt included."""

@@ -1,12 +1,13 @@
 """The model's raw output of one turn, parsed into what the wire formats send back, as it streams in.
 
-`<think>…</think>` opening the output becomes the reasoning; hermes `<tool_call>` blocks (only when the request
+`<think>…</think>` opening the output becomes the reasoning (or everything up to `</think>` when the chat
+template's generation prompt opened `<think>` itself, as thinking models' templates do); hermes `<tool_call>` blocks (only when the request
 offered tools) become tool calls and leave the visible text. A malformed call (not JSON, no name, arguments not
 an object) is not turned into a call: it stays in the text as the model wrote it, and the turn is counted as
 ill-formed in the record. Reasoning and text are trimmed of surrounding whitespace. The exact tokens are
 untouched by any of this: the session keeps the engine's ids.
 
-One parser serves streamed and whole replies (`parse_reply` feeds it everything at once), so a stream's parts
+One parser serves streamed and whole replies (a whole reply is fed at once), so a stream's parts
 add up to exactly the reply a non-streamed request gets. Fed text piece by piece, it gives out a part as soon as
 it is sure of it and holds back only what may still be reasoning, a call or trailing whitespace: a partial
 `<think>`, `</think>` or `<tool_call>` tag, a call until its `</tool_call>`. An output cut inside its reasoning
@@ -68,14 +69,16 @@ class ReplyParser:
     """Parses one reply as its text arrives (`feed`, then `close`); the parts so far add up to `text`,
     `reasoning` and `calls`."""
 
-    def __init__(self, tools_offered: bool):
+    def __init__(self, tools_offered: bool, reasoning_open: bool = False):
         self.tools_offered = tools_offered
+        # The prompt opened the reasoning (`<think>` in the template's generation prompt): the output starts in it.
+        self.reasoning_open = reasoning_open
         self.text = ""
         self.reasoning = ""
         self.calls: list[ReplyCall] = []
         self.errors: list[str] = []
         self.fed = ""  # everything fed so far
-        self._mode = "start"  # start | think | text | call
+        self._mode = "think" if reasoning_open else "start"  # start | think | text | call
         self._pending = ""  # fed but not given out yet
         self._held = {"reasoning": "", "text": ""}  # whitespace that may be trailing
         self._parts: list[ReplyPart] = []
@@ -170,14 +173,6 @@ def _tag_start(text: str, tag: str) -> int:
         if text.endswith(tag[:n]):
             return n
     return 0
-
-
-def parse_reply(raw: str, tools_offered: bool) -> tuple[str, str, list[ReplyCall], list[str]]:
-    """(visible text, reasoning, tool calls, errors of malformed calls) of a whole raw assistant output."""
-    parser = ReplyParser(tools_offered)
-    parser.feed(raw)
-    parser.close()
-    return parser.text, parser.reasoning, parser.calls, parser.errors
 
 
 def _call_id() -> str:

@@ -149,17 +149,17 @@ class Session:
 
     async def _turn(self, req: TurnRequest, sink: PartSink | None) -> TurnResult:
         keys = [message_key(m) for m in req.messages]
-        parser = ReplyParser(bool(req.tools) and req.parse_tool_calls)
+        tkey = tools_key(req.tools)
+        route = self.tree.route(keys, tkey)
+        pending = await self._prepare(route, req, keys, tkey)
+        conv = pending.branch.conv
+        parser = ReplyParser(bool(req.tools) and req.parse_tool_calls, conv.prompt_opens_reasoning)
 
         def on_delta(delta: GenerateDelta) -> None:
             parts = parser.feed(delta.text)
             if parts and sink is not None:
                 sink(parts)
 
-        tkey = tools_key(req.tools)
-        route = self.tree.route(keys, tkey)
-        pending = await self._prepare(route, req, keys, tkey)
-        conv = pending.branch.conv
         messages_before = len(conv.messages) + len(pending.remainder)
         try:
             if pending.remainder:
@@ -232,7 +232,7 @@ class Session:
         else:  # the streamed text is not the turn's (not seen from SGLang): the reply follows the turn
             log.warning("session %s: the streamed text differs from the turn's; the reply follows the turn",
                         self.session_id)
-            parser = ReplyParser(parser.tools_offered)
+            parser = ReplyParser(parser.tools_offered, parser.reasoning_open)
             parser.feed(content)
             parser.close()
         text, reasoning, calls, errors = parser.text, parser.reasoning, parser.calls, parser.errors
