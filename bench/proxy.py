@@ -201,6 +201,10 @@ def main(argv: list[str] | None = None) -> None:
             started.raise_for_status()
             proxy = measure("proxy", engine, buffer, args.sessions, args.turns, warmup, args.window_s,
                             workdir / "profile-proxy.txt" if args.profile else None)
+    for r in (direct, proxy):
+        if r.turns_per_s == 0:
+            raise SystemExit(f"{r.system}: no turn finished within the {args.window_s:g} s window; "
+                             "give a longer --window-s (or --warmup-s)")
     table = Table(title=f"Agent proxy: {args.sessions} sessions of {args.turns} turns, engine latency "
                   f"{args.latency_ms:g} ms, window {args.window_s:g} s")
     for column in ("system", "turns/s", "% of direct", "buffer CPU ms/turn", "engine CPU ms/turn",
