@@ -1,0 +1,21 @@
+"""A callable test agent that leaves a trace of the process it runs in: one model turn, then
+`<item["pid_dir"]>/<session_id>` holding its process id, then (after `item["pause_s"]`, to be caught running)
+the model's answer."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from openai import OpenAI
+
+
+def agent(item: dict[str, Any], base_url: str, api_key: str, session_id: str) -> str:
+    """Ask the model once; write this process's id; return the model's answer."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": item["prompt"]}])
+    Path(item["pid_dir"], session_id).write_text(str(os.getpid()))
+    time.sleep(float(item.get("pause_s", 0)))
+    return reply.choices[0].message.content or ""
