@@ -7,6 +7,7 @@ the real Qwen3 one.
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import tempfile
 import time
@@ -304,6 +305,7 @@ def test_subprocess_agents_run_in_the_actors_with_sessions_in_the_buffer(tmp_pat
         # Exact tokens: the prompt and the engine's own output ids, the output's log-probs, loss on the output.
         assert len(r["tokens"]) == len(r["loss_mask"]) and len(r["rollout_log_probs"]) == r["response_length"] > 0
         assert 0 < sum(r["loss_mask"]) < r["response_length"], "the tool's result is in the response, loss 0"
+        assert "tokenization_mismatch" not in info, "the tokens re-tokenize to the messages exactly"
         report = orjson.loads(next(line for line in info["agent"]["stderr_tail"].splitlines()
                                    if line.startswith("REPORT "))[7:])
         parent_pids = [pid for pid, _ in report["parents"]]
@@ -313,14 +315,15 @@ def test_subprocess_agents_run_in_the_actors_with_sessions_in_the_buffer(tmp_pat
     assert httpx.get(f"{ray_buffer.url}/sessions", headers=AUTH).json() == {"sessions": []}
 
 
-def test_a_callable_agent_runs_in_the_actors(tmp_path, engine, ray_buffer, readable_agents, qwen_tokenizer_path):
+def test_a_callable_agent_runs_in_the_actors_at_most_agent_max_running_at_once(tmp_path, engine, ray_buffer,
+                                                                               readable_agents, qwen_tokenizer_path):
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     inp = math_file(tmp_path / "math.jsonl", 4)
-    rows = [{**orjson.loads(line), "pid_dir": str(pid_dir)} for line in inp.read_bytes().splitlines()]
+    rows = [{**orjson.loads(line), "pid_dir": str(pid_dir), "pause_s": 0.05} for line in inp.read_bytes().splitlines()]
     inp.write_bytes(b"\n".join(orjson.dumps(r) for r in rows) + b"\n")
     started = start_agents(ray_buffer.url, engine.url, inp, qwen_tokenizer_path,
-                           agent=f"{readable_agents / 'pid_agent.py'}:agent")
+                           agent=f"{readable_agents / 'pid_agent.py'}:agent", agent_max_running=1)
     assert started.status_code == 200, started.text
     status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=60)
     assert status["run"]["progress"]["failed"] == 0 and status["run"]["progress"]["done"] == 8
@@ -328,10 +331,14 @@ def test_a_callable_agent_runs_in_the_actors(tmp_path, engine, ray_buffer, reada
     assert len(records) == 8 and len({r["uid"] for r in records}) == 8
     assert {r["instance_id"]: r["raw_reward"] for r in records} == {"m0": 1.0, "m1": 0.0, "m2": 1.0, "m3": 0.0}
     assert all(r["extra_info"]["scorer"] == "math" and r["response_length"] > 0 for r in records)
-    pids = {int(p.read_text()) for p in pid_dir.iterdir()}
-    assert len(list(pid_dir.iterdir())) == 8 and {r["extra_info"]["session_id"] for r in records} == {
-        p.name for p in pid_dir.iterdir()}
+    runs = [p.read_text().split() for p in pid_dir.iterdir()]
+    assert len(runs) == 8 and {r["extra_info"]["session_id"] for r in records} == {p.name for p in pid_dir.iterdir()}
+    pids = {int(pid) for pid, _, _ in runs}
     assert ray_buffer.proc.pid not in pids and all(worker_pid(pid) for pid in pids), pids
+    # agent_max_running 1: one agent at a time in each actor, though num_process lets 8 in.
+    for pid in pids:
+        spans = sorted((float(start), float(end)) for p, start, end in runs if int(p) == pid)
+        assert all(end <= next_start for (_, end), (next_start, _) in itertools.pairwise(spans)), spans
 
 
 def test_killing_an_actor_while_agents_run_loses_nothing_and_leaks_no_session(tmp_path, engine, ray_buffer,

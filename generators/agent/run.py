@@ -46,6 +46,7 @@ class AgentRun:
     scorer: Any = None
     sandbox: Sandbox | None = None
     threads: ThreadPoolExecutor | None = None
+    running: asyncio.Semaphore | None = None  # `agent_max_running` in this process (the buffer, or a Ray actor)
 
     async def aclose(self) -> None:
         """The run ended (the runner calls this): agents still running in threads are left to end alone."""
@@ -78,6 +79,8 @@ async def _build_agent_run(ctx: RolloutContext) -> AgentRun:
     """Load the run's agent and scorer, make its threads and sandbox; kept in `ctx.run.shared`."""
     opts = AgentOptions.from_run(ctx.config)
     shared = AgentRun(opts)
+    if opts.agent_max_running is not None:
+        shared.running = asyncio.Semaphore(opts.agent_max_running)
     if opts.agent is not None:
         shared.agent = await asyncio.to_thread(check_reference, opts.agent, (), "agent")
         workers = int(ctx.config.get("num_process") or 256)
@@ -98,6 +101,14 @@ async def run_agent(item: dict[str, Any], ctx: RolloutContext) -> list[dict[str,
     opts = run.options
     if not opts.runs_agents:
         raise AgentFailed("agent_config", "this agent run has neither agent nor agent_command")
+    if run.running is None:
+        return await _run_in_session(run, item, ctx)
+    async with run.running:  # taken before the session opens: a waiting row holds no session
+        return await _run_in_session(run, item, ctx)
+
+
+async def _run_in_session(run: AgentRun, item: dict[str, Any], ctx: RolloutContext) -> list[dict[str, Any]]:
+    opts = run.options
     session = await ctx.open_session({"instance_id": ctx.instance_id})
     user = agent_user(opts.agent_user) if run.sandbox is not None else current_user()
     try:
