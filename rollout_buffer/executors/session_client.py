@@ -76,7 +76,7 @@ class BufferSessionHost:
 
     async def open(self, ctx: Any, metadata: dict[str, Any] | None = None) -> RemoteSession:
         """A session recording trajectory `ctx.uid` (a `RolloutContext`) of its run, opened in the buffer."""
-        if self._client is None:  # made on the actor's event loop, where it is used
+        if self._client is None:  # made on the actor's event loop, where it is used (it lives as long as the actor)
             self._client = httpx.AsyncClient(base_url=self.buffer_url, headers=self._headers, timeout=_TIMEOUT)
         body = {"kind": "generator", "run_id": ctx.run.run_id, "uid": ctx.uid, "instance_id": ctx.instance_id,
                 "epoch": ctx.epoch, "repeat": ctx.repeat, "metadata": metadata or {}}
@@ -93,11 +93,6 @@ class BufferSessionHost:
 
     async def end_run(self, run_id: str) -> None:
         """Nothing to do here: the buffer discards the run's sessions still open when it ends."""
-
-    async def aclose(self) -> None:
-        """Close the HTTP client."""
-        if self._client is not None:
-            await self._client.aclose()
 
 
 def _is_socket(path: str) -> bool:

@@ -88,7 +88,7 @@ class SessionManager:
         await self._wait_ready(run)
         earlier = self._for_actors.pop(uid, None)
         if earlier is not None and earlier.state == "open":
-            await self._discard(earlier, "its trajectory opened a new session (the actor running it was lost)")
+            await self._discard(earlier, "its trajectory opened a new session (the actor running it was lost)", 0.0)
         ctx = RolloutContext(run.resources, instance_id, epoch, repeat, uid)
         session = self._register(ctx, "generator", public_url, metadata, run=None)
         self._for_actors[uid] = session
@@ -122,7 +122,11 @@ class SessionManager:
         await self._discard(self.for_actor(session_id), reason)
 
     @staticmethod
-    async def _discard(session: Session, reason: str) -> None:
+    async def _discard(session: Session, reason: str, wait_s: float | None = None) -> None:
+        """Discard `session`; with `wait_s`, turns still generating are cancelled after that long (nobody waits
+        for the turns of a lost actor's agent) rather than after the proxy's usual wait."""
+        if wait_s is not None:
+            await session.stop("failed", wait_s)
         await session.discard(reason)
         session.ctx.engine.release(session.ctx.uid)
 
@@ -242,7 +246,10 @@ class SessionManager:
         """Close the harness sessions of a run that ends (`SessionHost.end_run`), and discard those Ray actors
         still hold (their trajectories were cancelled, or their actors lost)."""
         for session in [s for s in self._for_actors.values() if s.ctx.run.run_id == run_id]:
-            await self._discard(session, f"run {run_id} ended")
+            try:
+                await self._discard(session, f"run {run_id} ended", 0.0)
+            except Exception as e:  # the run is ending: keep closing the others
+                log.warning("discarding session %s of run %s failed: %s", session.session_id, run_id, e)
         for session in [s for s in self.sessions.values() if s.kind == "harness" and s.ctx.run.run_id == run_id]:
             try:
                 await self.expire(session, f"run {run_id} ended before the session was finished", "failed")

@@ -174,6 +174,7 @@ def mount_proxy(app: FastAPI, config: ServerConfig) -> None:
     app.add_route(f"{root}/messages/count_tokens", count_tokens, methods=["POST"], include_in_schema=False)
     app.add_route(f"{root}/models", models, methods=["GET"], include_in_schema=False)
 
+
 def _agent_run(request: Request, run_id: str | None) -> Any:
     """The running agent run (the one `run_id` names, when given); 409 naming run_id otherwise."""
     runs: RunManager = request.app.state.runs
