@@ -24,6 +24,7 @@ from servers import Server, free_port
 from servers import sim_engine as start_sim_engine
 
 from generators.agent.sandbox import namespaces_work
+from rollout_buffer.config import ServerConfig
 
 NAMESPACE = "rollout_buffer"
 # The Ray buffer has a bearer token: its actors open their agent sessions with it.
@@ -417,3 +418,12 @@ def test_the_actor_session_endpoints_refuse_bad_input_naming_the_field(engine, r
     assert no_reason.status_code == 422 and "reason" in no_reason.json()["message"]
     finished = post(f"/sessions/{harness}/finish", {"reward": 0.0})
     assert finished.status_code == 200 and finished.json()["status"] == "empty"
+
+
+def test_the_actors_reach_the_buffer_at_its_public_url_or_its_local_one():
+    assert ServerConfig(port=9000).buffer_url == "http://127.0.0.1:9000"
+    assert ServerConfig(host="0.0.0.0", port=9000).buffer_url == "http://127.0.0.1:9000"
+    assert ServerConfig(host="10.0.0.5", port=9000).buffer_url == "http://10.0.0.5:9000"
+    assert ServerConfig(port=9000, public_url="http://buffer:9000/").buffer_url == "http://buffer:9000"
+    with pytest.raises(ValueError, match="public_url"):
+        ServerConfig(public_url="buffer:9000")
