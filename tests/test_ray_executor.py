@@ -422,6 +422,30 @@ def test_the_actor_session_endpoints_refuse_bad_input_naming_the_field(engine, r
     assert finished.status_code == 200 and finished.json()["status"] == "empty"
 
 
+def test_replacing_an_agent_run_on_ray_leaves_none_of_its_sessions_open(tmp_path, engine, ray_buffer, readable_agents,
+                                                                       qwen_tokenizer_path):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    inp = math_file(tmp_path / "math.jsonl", 4)
+    rows = [{**orjson.loads(line), "pid_dir": str(pid_dir), "pause_s": 5} for line in inp.read_bytes().splitlines()]
+    inp.write_bytes(b"\n".join(orjson.dumps(r) for r in rows) + b"\n")
+    discarded = metric(ray_buffer.url, 'rollout_buffer_proxy_sessions_closed_total{outcome="discarded"}')
+    started = start_agents(ray_buffer.url, engine.url, inp, qwen_tokenizer_path,
+                           agent=f"{readable_agents / 'pid_agent.py'}:agent")
+    assert started.status_code == 200, started.text
+    old_run = started.json()["run_id"]
+    deadline = time.monotonic() + 30
+    while len(httpx.get(f"{ray_buffer.url}/sessions", headers=AUTH).json()["sessions"]) < 8:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    # A new run replaces it while its agents run in the actors: its sessions are closed by the time it answers.
+    replaced = httpx.post(f"{ray_buffer.url}/start_rollout", headers=AUTH, timeout=30, json={
+        "task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": qwen_tokenizer_path})
+    assert replaced.status_code == 200, replaced.text
+    assert httpx.get(f"{ray_buffer.url}/sessions", headers=AUTH, params={"run_id": old_run}).json() == {"sessions": []}
+    assert metric(ray_buffer.url, 'rollout_buffer_proxy_sessions_closed_total{outcome="discarded"}') - discarded == 8
+
+
 def test_the_actors_reach_the_buffer_at_its_public_url_or_its_local_one():
     assert ServerConfig(port=9000).buffer_url == "http://127.0.0.1:9000"
     assert ServerConfig(host="0.0.0.0", port=9000).buffer_url == "http://127.0.0.1:9000"
