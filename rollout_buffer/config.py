@@ -40,6 +40,8 @@ class ServerConfig:
     ray_address: str | None = None
     # Actors of the `ray` executor's pool; None: one per CPU of the cluster (a run's `ray_actors` overrides it).
     ray_actors: int | None = None
+    # The buffer's URL as Ray actors (on any node) reach it, for the agent sessions they open; None: `local_url`.
+    public_url: str | None = None
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
@@ -52,6 +54,20 @@ class ServerConfig:
             raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}")
         if self.ray_actors is not None and self.ray_actors < 1:
             raise ValueError("ray_actors must be at least 1")
+        if self.public_url is not None and not self.public_url.startswith(("http://", "https://")):
+            raise ValueError("public_url must be an http:// or https:// URL")
+
+    @property
+    def local_url(self) -> str:
+        """The buffer as processes of this machine reach it (a wildcard bind address is reached on loopback)."""
+        host = self.host if self.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def buffer_url(self) -> str:
+        """The buffer as Ray actors reach it: `public_url`, else `local_url`."""
+        return (self.public_url or self.local_url).rstrip("/")
 
     @property
     def db_path(self) -> Path:

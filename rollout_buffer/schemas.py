@@ -259,6 +259,7 @@ class AckRequest(BaseModel):
 class OpenSessionRequest(BaseModel):
     """Body of `POST /sessions`: a harness opens an agent session in the running agent run."""
 
+    kind: Literal["harness"] = "harness"
     instance_id: str = Field(min_length=1)
     run_id: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -267,6 +268,33 @@ class OpenSessionRequest(BaseModel):
     @classmethod
     def _instance_id_as_str(cls, v: Any) -> Any:
         return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+
+class OpenGeneratorSessionRequest(BaseModel):
+    """Body of `POST /sessions` with `kind: generator`: a Ray actor of the `ray` executor opens the session of one
+    trajectory the run gave it; the buffer's proxy generates its turns, and its records go back to the actor
+    (`/sessions/{id}/close`), which returns them to the runner as the trajectory's outcome."""
+
+    kind: Literal["generator"]
+    run_id: str = Field(min_length=1)
+    uid: str = Field(min_length=1)
+    instance_id: str = Field(min_length=1)
+    epoch: NonNegativeInt
+    repeat: NonNegativeInt
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _uid_of_the_run(self) -> OpenGeneratorSessionRequest:
+        if not self.uid.startswith(f"{self.run_id}:"):
+            raise ValueError(f"uid {self.uid!r} is not a trajectory of run {self.run_id!r} (uids start with "
+                             "'{run_id}:')")
+        return self
+
+
+class DiscardSessionRequest(BaseModel):
+    """Body of `POST /sessions/{session_id}/discard`: close a generator's session without records."""
+
+    reason: str = Field(min_length=1, max_length=4000)
 
 
 class FinishSessionRequest(BaseModel):

@@ -7,6 +7,9 @@ the real Qwen3 one.
 
 from __future__ import annotations
 
+import itertools
+import shutil
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -20,7 +23,13 @@ from runs import drain_batches, wait_finished
 from servers import Server, free_port
 from servers import sim_engine as start_sim_engine
 
+from generators.agent.sandbox import namespaces_work
+from rollout_buffer.config import ServerConfig
+
 NAMESPACE = "rollout_buffer"
+# The Ray buffer has a bearer token: its actors open their agent sessions with it.
+TOKEN = "ray-buffer-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +58,8 @@ def buffer(data_dir: Path, *extra: str) -> Server:
 @pytest.fixture(scope="module")
 def ray_buffer(tmp_path_factory, ray_address: str) -> Iterator[Server]:
     data_dir = tmp_path_factory.mktemp("ray") / "data"
-    with buffer(data_dir, "--executor", "ray", "--ray-address", ray_address, "--ray-actors", "2").start() as srv:
+    with buffer(data_dir, "--executor", "ray", "--ray-address", ray_address, "--ray-actors", "2",
+                "--auth-token", TOKEN).start() as srv:
         yield srv
 
 
@@ -66,11 +76,11 @@ def start(url: str, engine: str, input_file: Path, tokenizer: str, **over) -> ht
     payload = {"task_type": "math", "input_file": str(input_file), "num_repeat_per_sample": 4, "num_epoch": 1,
                "num_process": 8, "remote_engine_url": engine, "max_tokens": 256, "tokenizer_path": tokenizer,
                "sampling_params": {"temperature": 1.0}, "ray_num_cpus": 0.5, **over}
-    return httpx.post(f"{url}/start_rollout", json=payload, timeout=30)
+    return httpx.post(f"{url}/start_rollout", json=payload, headers=AUTH, timeout=30)
 
 
 def metric(url: str, name: str) -> float:
-    lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+    lines = httpx.get(f"{url}/metrics", headers=AUTH, timeout=10).text.splitlines()
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name))
 
 
@@ -94,8 +104,8 @@ def test_a_math_run_on_ray_delivers_the_same_groups_as_locally(tmp_path, engine,
         locally = groups(drain_batches(local.url))
         local_tokens = metric(local.url, "rollout_buffer_tokens_generated_total")
         local_requests = metric(local.url, "rollout_buffer_engine_request_seconds_count")
-    ray_status = wait_finished(ray_buffer.url, timeout_s=60)
-    on_ray = groups(drain_batches(ray_buffer.url))
+    ray_status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=60)
+    on_ray = groups(drain_batches(ray_buffer.url, headers=AUTH))
     assert ray_status["executor"]["kind"] == "ray" and ray_status["executor"]["actors"] == 2
     assert local_status["executor"] == {"kind": "local"}
     assert len(on_ray) == 12 and all(len(g) == 4 for g in on_ray.values())
@@ -114,15 +124,15 @@ def test_killing_an_actor_mid_run_loses_nothing(tmp_path, engine, ray_buffer, qw
     inp = math_file(tmp_path / "math.jsonl", 48)
     assert start(ray_buffer.url, engine.url, inp, qwen_tokenizer_path, num_process=4).status_code == 200
     deadline = time.monotonic() + 30
-    while httpx.get(f"{ray_buffer.url}/status").json()["groups"].get("ready", 0) < 2:
+    while httpx.get(f"{ray_buffer.url}/status", headers=AUTH).json()["groups"].get("ready", 0) < 2:
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    before = httpx.get(f"{ray_buffer.url}/status").json()["executor"]
+    before = httpx.get(f"{ray_buffer.url}/status", headers=AUTH).json()["executor"]
     workers = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                      if a["namespace"] == NAMESPACE and a["name"].startswith("trajectory-worker-"))
     ray.kill(ray.get_actor(workers[0], namespace=NAMESPACE))
-    status = wait_finished(ray_buffer.url, timeout_s=60)
-    records = [r for batch in drain_batches(ray_buffer.url) for r in batch]
+    status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=60)
+    records = [r for batch in drain_batches(ray_buffer.url, headers=AUTH) for r in batch]
     assert status["run"]["state"] == "finished"
     assert status["run"]["progress"]["failed"] == 0 and status["run"]["progress"]["done"] == 192
     assert len(records) == 192 and len({r["uid"] for r in records}) == 192
@@ -142,13 +152,14 @@ def test_a_ray_run_resumes_after_the_buffer_is_killed(tmp_path, engine, ray_buff
     assert resp.status_code == 200
     run_id = resp.json()["run_id"]
     deadline = time.monotonic() + 30
-    while httpx.get(f"{ray_buffer.url}/status").json()["groups"].get("ready", 0) < 4:
+    while httpx.get(f"{ray_buffer.url}/status", headers=AUTH).json()["groups"].get("ready", 0) < 4:
         assert time.monotonic() < deadline
         time.sleep(0.02)
     ray_buffer.kill9()  # its actors go with it
     ray_buffer.start()  # the same data dir: the run resumes on a new pool
-    status = wait_finished(ray_buffer.url, timeout_s=60)
-    records = [r for batch in drain_batches(ray_buffer.url) for r in batch if r["extra_info"]["run_id"] == run_id]
+    status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=60)
+    records = [r for batch in drain_batches(ray_buffer.url, headers=AUTH) for r in batch
+               if r["extra_info"]["run_id"] == run_id]
     assert status["run"]["run_id"] == run_id and status["run"]["state"] == "finished"
     assert status["executor"]["actors"] == 2
     assert len(records) == 192 and len({r["uid"] for r in records}) == 192
@@ -163,7 +174,7 @@ def test_in_flight_limit_holds_and_resource_hints_place_the_actors(tmp_path, ray
     assert bad.status_code == 422 and "ray_num_cpus" in bad.json()["message"]
     with start_sim_engine(tmp_path, qwen_tokenizer_path, "--latency-ms", "40") as eng:
         assert start(ray_buffer.url, eng.url, inp, qwen_tokenizer_path, num_process=4).status_code == 200
-        status = wait_finished(ray_buffer.url, timeout_s=60)
+        status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=60)
         stats = httpx.get(f"{eng.url}/sim/stats").json()
     assert status["run"]["state"] == "finished" and status["run"]["progress"]["done"] == 32
     # num_process bounds the requests at the engine however many actors run them.
@@ -182,7 +193,7 @@ def test_failed_trajectories_are_recorded_with_their_reason(tmp_path, ray_buffer
     before = metric(ray_buffer.url, 'rollout_buffer_trajectories_failed_total{reason="engine_connection"}')
     closed = f"http://127.0.0.1:{free_port()}"  # nothing listens: every trajectory fails in its actor
     assert start(ray_buffer.url, closed, inp, qwen_tokenizer_path, max_retries=0, backoff_s=0.01).status_code == 200
-    status = wait_finished(ray_buffer.url, timeout_s=30)
+    status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=30)
     assert status["run"]["state"] == "finished"
     assert status["run"]["progress"]["failures"] == {"engine_connection": 8}
     assert status["records"] == {"failed": 8} and status["groups"] == {"filtered": 2}
@@ -195,7 +206,7 @@ def admission_when(url: str, started: int, ready: int, timeout_s: float = 30) ->
     flight; returns the admission view."""
     deadline = time.monotonic() + timeout_s
     while True:
-        s = httpx.get(f"{url}/status", timeout=10).json()
+        s = httpx.get(f"{url}/status", headers=AUTH, timeout=10).json()
         adm = s["control"]["admission"]
         if (adm.get("started_groups") == started and s["groups"].get("ready", 0) == ready
                 and s["run"]["progress"].get("in_flight") == 0):
@@ -206,7 +217,8 @@ def admission_when(url: str, started: int, ready: int, timeout_s: float = 30) ->
 
 def test_staleness_admission_and_weight_update_aborts_behave_as_locally(tmp_path, ray_buffer, qwen_tokenizer_path):
     inp = math_file(tmp_path / "math.jsonl", 40)
-    drain_batches(ray_buffer.url)  # earlier runs' groups would be delivered first (oldest first, across runs)
+    # Earlier runs' groups would be delivered first (oldest first, across runs).
+    drain_batches(ray_buffer.url, headers=AUTH)
     with start_sim_engine(tmp_path, qwen_tokenizer_path, "--latency-ms", "300") as eng:
         httpx.post(f"{eng.url}/update_weight_version", json={"new_version": "0"}, timeout=10).raise_for_status()
         assert start(ray_buffer.url, eng.url, inp, qwen_tokenizer_path, num_repeat_per_sample=2, max_staleness=1,
@@ -223,7 +235,7 @@ def test_staleness_admission_and_weight_update_aborts_behave_as_locally(tmp_path
         # (η + 1) × B = 4 groups may start before the trainer moves, as with the local executor.
         adm = admission_when(ray_buffer.url, started=4, ready=4)
         assert (adm["state"], adm["groups_ahead"], adm["capacity"]) == ("paused_staleness", 4, 0)
-        r = httpx.post(f"{ray_buffer.url}/get_rollout_data", json={"max_groups": 2, "current_version": 1},
+        r = httpx.post(f"{ray_buffer.url}/get_rollout_data", json={"max_groups": 2, "current_version": 1}, headers=AUTH,
                        timeout=30).json()
         records = r["data"]["data"]
         assert r["data"]["meta_info"]["num_groups"] == 2
@@ -235,3 +247,209 @@ def test_staleness_admission_and_weight_update_aborts_behave_as_locally(tmp_path
         # The trainer at version 1 with one batch consumed: one step, so B = 2 groups more may start.
         adm = admission_when(ray_buffer.url, started=6, ready=4)
         assert adm["state"] == "paused_staleness"
+
+
+# ---- agent runs on Ray: the agent (callable or subprocess) in the actor, its session in the buffer's proxy -------
+TEST_AGENTS = Path(__file__).resolve().parent / "agents"
+
+
+@pytest.fixture(scope="module")
+def readable_agents() -> Iterator[Path]:
+    """The test agents in a folder anyone may read: subprocess agents run as `nobody` under root."""
+    folder = Path(tempfile.mkdtemp(prefix="rb-ray-agents-"))
+    try:
+        folder.chmod(0o755)
+        for agent in TEST_AGENTS.glob("*.py"):
+            shutil.copy(agent, folder / agent.name)
+            (folder / agent.name).chmod(0o755)
+        yield folder
+    finally:
+        shutil.rmtree(folder)
+
+
+def start_agents(url: str, engine: str, input_file: Path, tokenizer: str, **over) -> httpx.Response:
+    drain_batches(url, headers=AUTH, wait_s=0)  # earlier runs' groups would be delivered first
+    payload = {"task_type": "agent", "input_file": str(input_file), "num_repeat_per_sample": 2, "num_epoch": 1,
+               "num_process": 8, "remote_engine_url": engine, "max_tokens": 512, "tokenizer_path": tokenizer,
+               "ray_num_cpus": 0.5, **over}
+    return httpx.post(f"{url}/start_rollout", json=payload, headers=AUTH, timeout=30)
+
+
+def worker_pid(pid: int) -> bool:
+    """True when `pid` is a live Ray actor of the pool (Ray names its process after the actor's class)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::TrajectoryWorker")
+    except OSError:
+        return False
+
+
+def test_subprocess_agents_run_in_the_actors_with_sessions_in_the_buffer(tmp_path, engine, ray_buffer,
+                                                                         readable_agents, qwen_tokenizer_path):
+    prompt = "What is 12 * 7 + 3? Use the calculator."
+    rows = [{"instance_id": f"c{i}", "prompt": prompt, "label": "87" if i % 2 == 0 else "86"} for i in range(3)]
+    inp = tmp_path / "calc.jsonl"
+    inp.write_bytes(b"\n".join(orjson.dumps(r) for r in rows) + b"\n")
+    started = start_agents(ray_buffer.url, engine.url, inp, qwen_tokenizer_path,
+                           agent_command=[str(readable_agents / "stdlib_agent.py")])
+    assert started.status_code == 200, started.text
+    status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=60)
+    assert status["run"]["state"] == "finished" and status["executor"]["kind"] == "ray"
+    assert status["run"]["progress"]["failed"] == 0 and status["run"]["progress"]["done"] == 6
+    batches = drain_batches(ray_buffer.url, headers=AUTH)
+    records = [r for batch in batches for r in batch]
+    assert len(records) == 6 and len({r["uid"] for r in records}) == 6, "each trajectory stored once"
+    assert {(r["instance_id"], r["raw_reward"]) for r in records} == {("c0", 1.0), ("c1", 0.0), ("c2", 1.0)}
+    buffer_pid = ray_buffer.proc.pid
+    for r in records:
+        info = r["extra_info"]
+        assert r["status"] == "completed" and info["scorer"] == "math" and info["tool_calls"] == 1
+        # Exact tokens: the prompt and the engine's own output ids, the output's log-probs, loss on the output.
+        assert len(r["tokens"]) == len(r["loss_mask"]) and len(r["rollout_log_probs"]) == r["response_length"] > 0
+        assert 0 < sum(r["loss_mask"]) < r["response_length"], "the tool's result is in the response, loss 0"
+        assert "tokenization_mismatch" not in info, "the tokens re-tokenize to the messages exactly"
+        report = orjson.loads(next(line for line in info["agent"]["stderr_tail"].splitlines()
+                                   if line.startswith("REPORT "))[7:])
+        parent_pids = [pid for pid, _ in report["parents"]]
+        assert buffer_pid not in parent_pids and any(worker_pid(pid) for pid in parent_pids), report["parents"]
+        if namespaces_work():  # the buffer's agent socket is on this machine: the actors' agents are sandboxed
+            assert info["agent"]["network"] == "isolated" and report["buffer_status"] == 403
+    assert httpx.get(f"{ray_buffer.url}/sessions", headers=AUTH).json() == {"sessions": []}
+
+
+def test_a_callable_agent_runs_in_the_actors_at_most_agent_max_running_at_once(tmp_path, engine, ray_buffer,
+                                                                               readable_agents, qwen_tokenizer_path):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    inp = math_file(tmp_path / "math.jsonl", 4)
+    rows = [{**orjson.loads(line), "pid_dir": str(pid_dir), "pause_s": 0.05} for line in inp.read_bytes().splitlines()]
+    inp.write_bytes(b"\n".join(orjson.dumps(r) for r in rows) + b"\n")
+    started = start_agents(ray_buffer.url, engine.url, inp, qwen_tokenizer_path,
+                           agent=f"{readable_agents / 'pid_agent.py'}:agent", agent_max_running=1)
+    assert started.status_code == 200, started.text
+    status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=60)
+    assert status["run"]["progress"]["failed"] == 0 and status["run"]["progress"]["done"] == 8
+    records = [r for batch in drain_batches(ray_buffer.url, headers=AUTH) for r in batch]
+    assert len(records) == 8 and len({r["uid"] for r in records}) == 8
+    assert {r["instance_id"]: r["raw_reward"] for r in records} == {"m0": 1.0, "m1": 0.0, "m2": 1.0, "m3": 0.0}
+    assert all(r["extra_info"]["scorer"] == "math" and r["response_length"] > 0 for r in records)
+    runs = [p.read_text().split() for p in pid_dir.iterdir()]
+    assert len(runs) == 8 and {r["extra_info"]["session_id"] for r in records} == {p.name for p in pid_dir.iterdir()}
+    pids = {int(pid) for pid, _, _ in runs}
+    assert ray_buffer.proc.pid not in pids and all(worker_pid(pid) for pid in pids), pids
+    # agent_max_running 1: one agent at a time in each actor, though num_process lets 8 in.
+    for pid in pids:
+        spans = sorted((float(start), float(end)) for p, start, end in runs if int(p) == pid)
+        assert all(end <= next_start for (_, end), (next_start, _) in itertools.pairwise(spans)), spans
+
+
+def test_killing_an_actor_while_agents_run_loses_nothing_and_leaks_no_session(tmp_path, engine, ray_buffer,
+                                                                                readable_agents, qwen_tokenizer_path):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    inp = math_file(tmp_path / "math.jsonl", 12)
+    # Each agent holds its open session 0.3 s after its first turn: the killed actor has sessions open.
+    rows = [{**orjson.loads(line), "pid_dir": str(pid_dir), "pause_s": 0.3} for line in inp.read_bytes().splitlines()]
+    inp.write_bytes(b"\n".join(orjson.dumps(r) for r in rows) + b"\n")
+    discarded = metric(ray_buffer.url, 'rollout_buffer_proxy_sessions_closed_total{outcome="discarded"}')
+    before = httpx.get(f"{ray_buffer.url}/status", headers=AUTH).json()["executor"]
+    started = start_agents(ray_buffer.url, engine.url, inp, qwen_tokenizer_path,
+                           agent=f"{readable_agents / 'pid_agent.py'}:agent")
+    assert started.status_code == 200, started.text
+    # 8 in flight, 4 on each actor (the pool gives each job to the actor holding fewest): with 6 sessions open, both
+    # actors hold some.
+    deadline = time.monotonic() + 30
+    while len(httpx.get(f"{ray_buffer.url}/sessions", headers=AUTH).json()["sessions"]) < 6:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    ray.kill(ray.get_actor(pool_workers(ray_buffer)[0], namespace=NAMESPACE))
+    status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=60)
+    records = [r for batch in drain_batches(ray_buffer.url, headers=AUTH) for r in batch]
+    assert status["run"]["state"] == "finished"
+    assert status["run"]["progress"]["failed"] == 0 and status["run"]["progress"]["done"] == 24
+    assert len(records) == 24 and len({r["uid"] for r in records}) == 24
+    assert Counter(r["instance_id"] for r in records) == {f"m{i}": 2 for i in range(12)}
+    assert status["executor"]["actors_lost"] == before["actors_lost"] + 1
+    assert status["executor"]["retried"] > before["retried"]
+    # The lost actor's open sessions were discarded when their trajectories ran again; none is left open.
+    assert metric(ray_buffer.url, 'rollout_buffer_proxy_sessions_closed_total{outcome="discarded"}') > discarded
+    assert httpx.get(f"{ray_buffer.url}/sessions", headers=AUTH).json() == {"sessions": []}
+
+
+def pool_workers(srv: Server) -> list[str]:
+    """The names of the live actors of `srv`'s pool (their names carry the pool's id)."""
+    pool_id = httpx.get(f"{srv.url}/status", headers=AUTH).json()["executor"]["pool_id"]
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["namespace"] == NAMESPACE and a["name"].startswith(f"trajectory-worker-{pool_id}-"))
+
+
+def test_the_actor_session_endpoints_refuse_bad_input_naming_the_field(engine, ray_buffer, qwen_tokenizer_path):
+    url = ray_buffer.url
+
+    def post(path: str, body: object, headers: dict[str, str] = AUTH) -> httpx.Response:
+        return httpx.post(f"{url}{path}", json=body, headers=headers, timeout=30)
+
+    ident = {"kind": "generator", "run_id": "r", "uid": "r:0:0:0", "instance_id": "0", "epoch": 0, "repeat": 0}
+    assert post("/sessions", ident, headers={}).status_code == 401, "bearer-protected like the rest"
+    for bad, field in (({k: v for k, v in ident.items() if k != "uid"}, "uid"), ({**ident, "epoch": -1}, "epoch"),
+                       ({**ident, "repeat": True}, "repeat"), ({**ident, "uid": "other:0:0:0"}, "uid"),
+                       ({**ident, "kind": "robot"}, "kind")):
+        resp = post("/sessions", bad)
+        assert resp.status_code == 422 and field in resp.json()["message"], (field, resp.text)
+    # A harness-only run (it runs no agents, so it stays in the buffer): actors may not open sessions in it.
+    started = httpx.post(f"{url}/start_rollout", headers=AUTH, timeout=30, json={
+        "task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": qwen_tokenizer_path})
+    assert started.status_code == 200, started.text
+    run_id = started.json()["run_id"]
+    unknown = post("/sessions", {**ident, "run_id": "nope", "uid": "nope:0:0:0"})
+    assert unknown.status_code == 409 and "run_id" in unknown.json()["message"]
+    harness_only = post("/sessions", {**ident, "run_id": run_id, "uid": f"{run_id}:0:0:0"})
+    assert harness_only.status_code == 409 and "run_id" in harness_only.json()["message"]
+    opened = post("/sessions", {"instance_id": "h"})
+    assert opened.status_code == 200, opened.text
+    harness = opened.json()["session_id"]
+    wrong_kind = post(f"/sessions/{harness}/close", {"reward": 1.0})
+    assert wrong_kind.status_code == 409 and "session_id" in wrong_kind.json()["message"]
+    assert post(f"/sessions/{harness}/discard", {"reason": "x"}).status_code == 409
+    assert post("/sessions/s-nope/close", {"reward": 1.0}).status_code == 404
+    assert "session_id" in post("/sessions/s-nope/discard", {"reason": "x"}).json()["message"]
+    assert httpx.get(f"{url}/sessions/s-nope/transcript", headers=AUTH).status_code == 404
+    assert httpx.get(f"{url}/sessions/{harness}/transcript", headers=AUTH).json()["messages"] == []
+    not_a_number = post(f"/sessions/{harness}/close", {"reward": "high"})
+    assert not_a_number.status_code == 422 and "reward" in not_a_number.json()["message"]
+    no_reason = post(f"/sessions/{harness}/discard", {})
+    assert no_reason.status_code == 422 and "reason" in no_reason.json()["message"]
+    finished = post(f"/sessions/{harness}/finish", {"reward": 0.0})
+    assert finished.status_code == 200 and finished.json()["status"] == "empty"
+
+
+def test_replacing_an_agent_run_on_ray_leaves_none_of_its_sessions_open(tmp_path, engine, ray_buffer, readable_agents,
+                                                                       qwen_tokenizer_path):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    inp = math_file(tmp_path / "math.jsonl", 4)
+    rows = [{**orjson.loads(line), "pid_dir": str(pid_dir), "pause_s": 5} for line in inp.read_bytes().splitlines()]
+    inp.write_bytes(b"\n".join(orjson.dumps(r) for r in rows) + b"\n")
+    discarded = metric(ray_buffer.url, 'rollout_buffer_proxy_sessions_closed_total{outcome="discarded"}')
+    started = start_agents(ray_buffer.url, engine.url, inp, qwen_tokenizer_path,
+                           agent=f"{readable_agents / 'pid_agent.py'}:agent")
+    assert started.status_code == 200, started.text
+    old_run = started.json()["run_id"]
+    deadline = time.monotonic() + 30
+    while len(httpx.get(f"{ray_buffer.url}/sessions", headers=AUTH).json()["sessions"]) < 8:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    # A new run replaces it while its agents run in the actors: its sessions are closed by the time it answers.
+    replaced = httpx.post(f"{ray_buffer.url}/start_rollout", headers=AUTH, timeout=30, json={
+        "task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": qwen_tokenizer_path})
+    assert replaced.status_code == 200, replaced.text
+    assert httpx.get(f"{ray_buffer.url}/sessions", headers=AUTH, params={"run_id": old_run}).json() == {"sessions": []}
+    assert metric(ray_buffer.url, 'rollout_buffer_proxy_sessions_closed_total{outcome="discarded"}') - discarded == 8
+
+
+def test_the_actors_reach_the_buffer_at_its_public_url_or_its_local_one():
+    assert ServerConfig(port=9000).buffer_url == "http://127.0.0.1:9000"
+    assert ServerConfig(host="0.0.0.0", port=9000).buffer_url == "http://127.0.0.1:9000"
+    assert ServerConfig(host="10.0.0.5", port=9000).buffer_url == "http://10.0.0.5:9000"
+    assert ServerConfig(port=9000, public_url="http://buffer:9000/").buffer_url == "http://buffer:9000"
+    with pytest.raises(ValueError, match="public_url"):
+        ServerConfig(public_url="buffer:9000")

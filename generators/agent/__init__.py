@@ -4,7 +4,8 @@ Three ways to run it (README "Agents"):
 - no `agent` and no `agent_command`: the run generates nothing by itself and needs no input file; a harness
   opens sessions with `POST /sessions` and finishes them with their reward;
 - `agent: path/to/file.py:function` (or `package.module:function`): per input row, `function(item, base_url,
-  api_key)` runs in the server (sync functions in a thread) and returns a reward, an answer or None;
+  api_key)` runs where the trajectory runs (the server, or a Ray actor with `--executor ray`; sync functions in
+  a thread) and returns a reward, an answer or None;
 - `agent_command: [...]`: per input row, a subprocess in a scratch folder with `OPENAI_BASE_URL`,
   `ANTHROPIC_BASE_URL` and their keys set, the row on stdin and in `item.json`, under a time limit, in a sandbox
   (generators/agent/sandbox.py).
@@ -21,15 +22,19 @@ from rollout_buffer.generation.context import RolloutContext
 
 TASK_TYPE = "agent"
 REQUIRED_FIELDS = ()
-# Its trajectories are agent sessions of the buffer's proxy: they run in the buffer process with any executor.
-RUNS_IN_BUFFER = True
 
-__all__ = ["TASK_TYPE", "check_payload", "input_required", "run_rollout"]
+__all__ = ["TASK_TYPE", "check_payload", "input_required", "run_rollout", "runs_in_buffer"]
 
 
 def input_required(payload: dict[str, Any]) -> bool:
     """An agent run reads an input file when it runs agents itself; a session host does not."""
     return AgentOptions.from_run(payload).runs_agents
+
+
+def runs_in_buffer(payload: dict[str, Any]) -> bool:
+    """A run that only hosts harness sessions stays in the buffer (it generates nothing); one that runs agents
+    runs them on the server's executor, a Ray actor's agent opening its session in the buffer over HTTP."""
+    return not AgentOptions.from_run(payload).runs_agents
 
 
 async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> list[dict[str, Any]]:

@@ -32,6 +32,9 @@ class AgentOptions(RunOptions):
     agent_user: str | None = Field(default=None, min_length=1)
     agent_image: str | None = Field(default=None, min_length=1, description="container image (docker sandbox)")
     agent_env: dict[str, str] = Field(default_factory=dict)
+    # Agents running at once in one process running them: the buffer, or each Ray actor (with `ray_num_cpus`, the
+    # CPUs an actor's agents share). None: as many as `num_process` lets in.
+    agent_max_running: int | None = Field(default=None, ge=1)
     agent_workdir_root: str | None = None
     scorer: str = Field(default="auto", min_length=1, description="auto, math, em, or file.py:score / module:score")
     reward_timeout_s: float = Field(default=30.0, gt=0)

@@ -32,6 +32,7 @@ from rollout_buffer.generation.sessions import AgentSession
 log = logging.getLogger(__name__)
 
 _SHARED_KEY = "agent"
+_BUILD_LOCK_KEY = "agent.build"
 RESULT_FILE = "result.json"
 _OUTPUT_IN_RECORD = 2000  # characters of stdout / stderr kept in extra_info
 
@@ -45,6 +46,7 @@ class AgentRun:
     scorer: Any = None
     sandbox: Sandbox | None = None
     threads: ThreadPoolExecutor | None = None
+    running: asyncio.Semaphore | None = None  # `agent_max_running` in this process (the buffer, or a Ray actor)
 
     async def aclose(self) -> None:
         """The run ended (the runner calls this): agents still running in threads are left to end alone."""
@@ -63,22 +65,33 @@ class Outcome:
 
 
 async def agent_run(ctx: RolloutContext) -> AgentRun:
-    """The run's shared state, built by its first row (imports go to a thread)."""
+    """The run's shared state, built once by its first rows (imports go to a thread)."""
     shared = ctx.run.shared.get(_SHARED_KEY)
-    if shared is None:
-        opts = AgentOptions.from_run(ctx.config)
-        shared = AgentRun(opts)
-        if opts.agent is not None:
-            shared.agent = await asyncio.to_thread(check_reference, opts.agent, (), "agent")
-            workers = int(ctx.config.get("num_process") or 256)
-            shared.threads = ThreadPoolExecutor(max_workers=min(workers, 1024), thread_name_prefix="agent")
-        if opts.hook_scorer:
-            shared.scorer = await asyncio.to_thread(check_reference, opts.scorer, (), "scorer")
-        if opts.agent_command is not None:
-            user = agent_user(opts.agent_user)
-            shared.sandbox = (DockerSandbox(user, opts.agent_image or "") if opts.agent_sandbox == "docker"
-                              else LocalSandbox(user))
-        ctx.run.shared[_SHARED_KEY] = shared
+    if shared is not None:
+        return shared
+    # One build: rows arriving together would otherwise import the agent's file at once in several threads, and
+    # one could see the module another is still executing (without its function yet).
+    async with ctx.run.shared.setdefault(_BUILD_LOCK_KEY, asyncio.Lock()):
+        return ctx.run.shared.get(_SHARED_KEY) or await _build_agent_run(ctx)
+
+
+async def _build_agent_run(ctx: RolloutContext) -> AgentRun:
+    """Load the run's agent and scorer, make its threads and sandbox; kept in `ctx.run.shared`."""
+    opts = AgentOptions.from_run(ctx.config)
+    shared = AgentRun(opts)
+    if opts.agent_max_running is not None:
+        shared.running = asyncio.Semaphore(opts.agent_max_running)
+    if opts.agent is not None:
+        shared.agent = await asyncio.to_thread(check_reference, opts.agent, (), "agent")
+        workers = int(ctx.config.get("num_process") or 256)
+        shared.threads = ThreadPoolExecutor(max_workers=min(workers, 1024), thread_name_prefix="agent")
+    if opts.hook_scorer:
+        shared.scorer = await asyncio.to_thread(check_reference, opts.scorer, (), "scorer")
+    if opts.agent_command is not None:
+        user = agent_user(opts.agent_user)
+        shared.sandbox = (DockerSandbox(user, opts.agent_image or "") if opts.agent_sandbox == "docker"
+                          else LocalSandbox(user))
+    ctx.run.shared[_SHARED_KEY] = shared
     return shared
 
 
@@ -88,6 +101,14 @@ async def run_agent(item: dict[str, Any], ctx: RolloutContext) -> list[dict[str,
     opts = run.options
     if not opts.runs_agents:
         raise AgentFailed("agent_config", "this agent run has neither agent nor agent_command")
+    if run.running is None:
+        return await _run_in_session(run, item, ctx)
+    async with run.running:  # taken before the session opens: a waiting row holds no session
+        return await _run_in_session(run, item, ctx)
+
+
+async def _run_in_session(run: AgentRun, item: dict[str, Any], ctx: RolloutContext) -> list[dict[str, Any]]:
+    opts = run.options
     session = await ctx.open_session({"instance_id": ctx.instance_id})
     user = agent_user(opts.agent_user) if run.sandbox is not None else current_user()
     try:
@@ -185,7 +206,7 @@ async def _reward(run: AgentRun, item: dict[str, Any], session: AgentSession, ws
     """(reward, what extra_info records about it): the agent's own reward, else the run's scorer."""
     if outcome.reward is not None:
         return outcome.reward, {"scorer": "agent"}
-    transcript = session.transcript()
+    transcript = await session.transcript()
     answer = outcome.answer
     if answer is None:
         last = next((m for m in reversed(transcript) if m.get("role") == "assistant"), None)

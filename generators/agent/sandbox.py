@@ -266,7 +266,8 @@ class LocalSandbox:
         """`isolated` or `host` for what the run asked."""
         possible = agent_socket is not None and namespaces_work()
         if requested == "isolated" and not possible:
-            why = "the server has no agent socket" if agent_socket is None else "unshare cannot create namespaces here"
+            why = ("the buffer's agent socket is not on this machine (or the server has none)" if agent_socket is None
+                   else "unshare cannot create namespaces here")
             raise AgentFailed("agent_sandbox", f"agent_network isolated is not available: {why}")
         return "isolated" if requested != "host" and possible else "host"
 
@@ -279,6 +280,10 @@ class LocalSandbox:
                 popen = {"user": self.user.uid, "group": self.user.gid, "extra_groups": []}
             return await _run_process(proc.argv, env, proc, self.user, network, **popen)
         port = urlsplit(proc.buffer_url).port or 80
+        # The namespace has only loopback, where the forwarder listens: URLs naming the buffer by another
+        # address (a Ray actor's `--public-url`) point there instead.
+        loopback = f"http://127.0.0.1:{port}"
+        env = {k: loopback + v[len(proc.buffer_url):] if v.startswith(proc.buffer_url) else v for k, v in env.items()}
         ids = ["--uid", str(self.user.uid), "--gid", str(self.user.gid)] if self.user.switch else []
         argv = [shutil.which("unshare") or "unshare", "--net", "--pid", "--fork",
                 *([] if os.geteuid() == 0 else ["--map-root-user"]),

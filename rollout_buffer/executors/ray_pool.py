@@ -65,10 +65,13 @@ class RayExecutor:
     """A pool of `TrajectoryWorker` actors on a Ray cluster (started on the first run, rebuilt when a run asks for
     other actors)."""
 
-    def __init__(self, address: str | None, actors: int | None, generator_paths: tuple[Path, ...]):
+    def __init__(self, address: str | None, actors: int | None, generator_paths: tuple[Path, ...],
+                 buffer_url: str, auth_token: str | None = None):
         self.address = address
         self.actors = actors
         self.generator_paths = [str(p) for p in generator_paths]
+        self.buffer_url = buffer_url  # where the actors open agent sessions, with the token when there is one
+        self._auth_token = auth_token
         self._pool_id = uuid.uuid4().hex[:8]
         self._slots: list[_Slot] = []
         self._options: RayRunOptions | None = None
@@ -114,7 +117,7 @@ class RayExecutor:
         self._created += 1
         name = f"trajectory-worker-{self._pool_id}-{self._created}"
         handle = self._remote.options(name=name, namespace=NAMESPACE, **self._options.actor_options()).remote(
-            self.generator_paths)
+            self.generator_paths, self.buffer_url, self._auth_token)
         return _Slot(name, handle)
 
     async def _open(self, slot: _Slot, run_id: str) -> None:
@@ -263,6 +266,7 @@ class RayExecutor:
         return {
             "kind": "ray",
             "address": self.address,
+            "pool_id": self._pool_id,
             "actors": sum(s.alive for s in self._slots),
             "options": None if self._options is None else self._options.actor_options(),
             "in_flight": sum(len(s.pending) for s in self._slots),

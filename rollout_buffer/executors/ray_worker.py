@@ -2,8 +2,9 @@
 
 Plain Python class, made a Ray actor by the pool (`ray.remote(TrajectoryWorker)`), so this module does not
 import Ray. Each run it is told about gets its own `RunResources` (engine client, tokenizer), built from the
-run's payload exactly as the buffer builds them; each job is one trajectory, run by the same `attempt` as the
-local executor. Finished outcomes wait in an outbox the pool drains with `poll` (one call carries many).
+run's payload exactly as the buffer builds them, with agent sessions opened in the buffer's proxy over HTTP
+(`session_client`); each job is one trajectory, run by the same `attempt` as the local executor. Finished
+outcomes wait in an outbox the pool drains with `poll` (one call carries many).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollout_buffer.executors.session_client import BufferSessionHost
 from rollout_buffer.generation.context import RolloutContext, RunResources
 from rollout_buffer.generation.plugins import Generator, discover
 from rollout_buffer.generation.resources import close_resources, run_resources
@@ -40,8 +42,9 @@ class Job:
 class TrajectoryWorker:
     """Runs the trajectories the pool submits; `poll` hands back the finished ones with the metric deltas."""
 
-    def __init__(self, generator_paths: list[str]):
+    def __init__(self, generator_paths: list[str], buffer_url: str, auth_token: str | None = None):
         self._generators = discover([Path(p) for p in generator_paths])
+        self._sessions = BufferSessionHost(buffer_url, auth_token)
         self._runs: dict[str, tuple[Generator, RunResources]] = {}
         self._opening: dict[str, asyncio.Task[None]] = {}
         self._tasks: dict[str, set[asyncio.Task[None]]] = {}
@@ -57,7 +60,7 @@ class TrajectoryWorker:
 
     async def _open(self, run_id: str, payload: dict[str, Any]) -> None:
         req = StartRolloutRequest.model_validate(payload)
-        self._runs[run_id] = (self._generators[req.task_type], await run_resources(run_id, req))
+        self._runs[run_id] = (self._generators[req.task_type], await run_resources(run_id, req, self._sessions))
         self._tasks[run_id] = set()
 
     async def submit(self, run_id: str, jobs: list[Job]) -> None:

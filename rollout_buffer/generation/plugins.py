@@ -43,10 +43,13 @@ class Generator:
         """True for `async def run_rollout(item, ctx)`; False for slime-style sync generators."""
         return inspect.iscoroutinefunction(self.module.run_rollout)
 
-    @property
-    def needs_buffer_process(self) -> bool:
-        """True when the generator's trajectories must run in the buffer process (`RUNS_IN_BUFFER = True`: it
-        hosts agent sessions, which live there), whatever the executor."""
+    def needs_buffer_process(self, payload: dict[str, Any]) -> bool:
+        """True when a run of the generator with this start payload must run its trajectories in the buffer
+        process whatever the executor: its optional `runs_in_buffer(payload)` hook says so, else
+        `RUNS_IN_BUFFER = True`."""
+        hook = getattr(self.module, "runs_in_buffer", None)
+        if callable(hook):
+            return bool(hook(payload))
         return bool(getattr(self.module, "RUNS_IN_BUFFER", False))
 
     def hook(self, name: str) -> Callable[..., Any] | None:

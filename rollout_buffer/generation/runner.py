@@ -466,8 +466,8 @@ class RunManager:
 
     def _launch(self, run_id: str, req: StartRolloutRequest, input_path: Path | None) -> None:
         gen = self.generators[req.task_type]
-        # Agent sessions live in this process: their trajectories cannot run anywhere else.
-        executor = LocalExecutor() if gen.needs_buffer_process else self.executor
+        # A generator may need this process for some runs (see Generator.needs_buffer_process).
+        executor = LocalExecutor() if gen.needs_buffer_process(req.model_dump(mode="json")) else self.executor
         self.current = Run(run_id, req, input_path, gen, self.buffer, self.config, self.sessions, executor)
         self.current.start()
 

@@ -1,6 +1,8 @@
 """What generation needs of agent sessions: the two protocols the agent proxy (`rollout_buffer.proxy`)
 implements. A generator opens a session with `RolloutContext.open_session()`, points an agent at its base URL,
 and closes it with the episode's reward to get the session's records (one per branch of its message tree).
+In the buffer process the proxy's `SessionManager` is the host; in a Ray actor it is
+`rollout_buffer.executors.session_client.BufferSessionHost`, which asks the buffer's proxy over HTTP.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ class AgentSession(Protocol):
     # A Unix socket that serves only the session endpoints (the way in for sandboxed agents), or None.
     agent_socket: str | None
 
-    def transcript(self) -> list[dict[str, Any]]:
+    async def transcript(self) -> list[dict[str, Any]]:
         """The messages of the branch that generated last ([] before any turn)."""
         ...
 

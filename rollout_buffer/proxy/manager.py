@@ -1,6 +1,11 @@
 """Agent sessions of the server: opened by generators (`SessionHost`) or by a harness over HTTP, found by id,
 finished into records, expired when a harness forgets them.
 
+A generator's session is opened in-process (`SessionHost.open`) or, for a trajectory running in a Ray actor, over
+HTTP (`open_for_actor`): the actor closes it into records it takes back, or discards it. Such a session has no
+owner here if its actor is lost, so it is discarded when its trajectory opens a new one (the retry, same uid)
+and when its run ends.
+
 A harness session belongs to the run it was opened in; finishing it stores its records in that run (grouped by
 instance id like any trajectory), and a session idle for longer than the run's `session_ttl_s` is closed as
 failed (its branches stored with `status: failed`, so its group is dropped rather than waiting forever).
@@ -51,15 +56,14 @@ class SessionManager:
         self.closed: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._options: dict[str, ProxyOptions] = {}
         self._repeats: dict[tuple[str, str], int] = {}
+        self._for_actors: dict[str, Session] = {}  # uid -> the open session an actor's trajectory holds
         self._wake = asyncio.Event()
         self._reaper: asyncio.Task[None] | None = None
 
     @property
     def local_url(self) -> str:
         """The buffer as this process's own agents reach it."""
-        host = self.config.host if self.config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-        host = f"[{host}]" if ":" in host else host
-        return f"http://{host}:{self.config.port}"
+        return self.config.local_url
 
     # ---- opening -------------------------------------------------------------------------------------
     async def open(self, ctx: RolloutContext, metadata: dict[str, Any] | None = None) -> Session:
@@ -76,6 +80,55 @@ class SessionManager:
         ctx = RolloutContext(run.resources, instance_id, 0, repeat, f"{run.run_id}:{instance_id}:{session_id}")
         run.progress.in_flight += 1
         return self._register(ctx, "harness", public_url, metadata, run=run, session_id=session_id)
+
+    async def open_for_actor(self, run: Any, uid: str, instance_id: str, epoch: int, repeat: int,
+                             metadata: dict[str, Any], public_url: str) -> Session:
+        """A generator session for trajectory `uid` of `run`, which a Ray actor runs: it generates through the run's
+        engine and tokenizer here; a session the trajectory opened before (on an actor since lost) is discarded."""
+        await self._wait_ready(run)
+        earlier = self._for_actors.pop(uid, None)
+        if earlier is not None and earlier.state == "open":
+            await self._discard(earlier, "its trajectory opened a new session (the actor running it was lost)", 0.0)
+        ctx = RolloutContext(run.resources, instance_id, epoch, repeat, uid)
+        session = self._register(ctx, "generator", public_url, metadata, run=None)
+        self._for_actors[uid] = session
+        return session
+
+    def for_actor(self, session_id: str) -> Session:
+        """The open session `session_id` that an actor opened; SessionError (404, 409) naming why not."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            if session_id in self.closed:
+                state = self.closed[session_id]["state"]
+                raise SessionError(409, f"session_id: session {session_id} is already {state}")
+            raise SessionError(404, f"session_id: unknown session {session_id!r}")
+        if self._for_actors.get(session.ctx.uid) is not session:
+            raise SessionError(409, f"session_id: session {session_id} is a {session.kind} session not opened by a "
+                               "Ray actor (a harness finishes it with /finish)")
+        return session
+
+    async def close_for_actor(self, session_id: str, reward: float, extra_info: dict[str, Any]
+                              ) -> list[dict[str, Any]]:
+        """Close an actor's session: its records (not stored: the actor hands them to the runner, which stamps
+        and stores them). ValueError when it generated nothing (it is closed all the same)."""
+        session = self.for_actor(session_id)
+        try:
+            return await session.close(reward, **extra_info)
+        finally:
+            session.ctx.engine.release(session.ctx.uid)
+
+    async def discard_for_actor(self, session_id: str, reason: str) -> None:
+        """Close an actor's session without records (its trajectory failed)."""
+        await self._discard(self.for_actor(session_id), reason)
+
+    @staticmethod
+    async def _discard(session: Session, reason: str, wait_s: float | None = None) -> None:
+        """Discard `session`; with `wait_s`, turns still generating are cancelled after that long (nobody waits
+        for the turns of a lost actor's agent) rather than after the proxy's usual wait."""
+        if wait_s is not None:
+            await session.stop("failed", wait_s)
+        await session.discard(reason)
+        session.ctx.engine.release(session.ctx.uid)
 
     async def _wait_ready(self, run: Any) -> None:
         if run.task is None or run.task.done():
@@ -190,7 +243,13 @@ class SessionManager:
         log.warning("session %s closed as failed: %s", session.session_id, reason)
 
     async def end_run(self, run_id: str) -> None:
-        """Close the harness sessions of a run that ends (`SessionHost.end_run`)."""
+        """Close the harness sessions of a run that ends (`SessionHost.end_run`), and discard those Ray actors
+        still hold (their trajectories were cancelled, or their actors lost)."""
+        for session in [s for s in self._for_actors.values() if s.ctx.run.run_id == run_id]:
+            try:
+                await self._discard(session, f"run {run_id} ended", 0.0)
+            except Exception as e:  # the run is ending: keep closing the others
+                log.warning("discarding session %s of run %s failed: %s", session.session_id, run_id, e)
         for session in [s for s in self.sessions.values() if s.kind == "harness" and s.ctx.run.run_id == run_id]:
             try:
                 await self.expire(session, f"run {run_id} ended before the session was finished", "failed")
@@ -202,6 +261,8 @@ class SessionManager:
     def _forget(self, session: Session, outcome: str) -> None:
         if self.sessions.pop(session.session_id, None) is None:
             return
+        if self._for_actors.get(session.ctx.uid) is session:
+            del self._for_actors[session.ctx.uid]
         if session.kind == "harness":
             session.run.progress.in_flight -= 1
         metrics.PROXY_SESSIONS_CLOSED.labels(outcome).inc()

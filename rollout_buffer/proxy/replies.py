@@ -1,11 +1,11 @@
 """The model's raw output of one turn, parsed into what the wire formats send back, as it streams in.
 
 `<think>…</think>` opening the output becomes the reasoning (or everything up to `</think>` when the chat
-template's generation prompt opened `<think>` itself, as thinking models' templates do); hermes `<tool_call>` blocks (only when the request
-offered tools) become tool calls and leave the visible text. A malformed call (not JSON, no name, arguments not
-an object) is not turned into a call: it stays in the text as the model wrote it, and the turn is counted as
-ill-formed in the record. Reasoning and text are trimmed of surrounding whitespace. The exact tokens are
-untouched by any of this: the session keeps the engine's ids.
+template's generation prompt opened `<think>` itself, as thinking models' templates do); hermes `<tool_call>`
+blocks (only when the request offered tools) become tool calls and leave the visible text. A malformed call (not
+JSON, no name, arguments not an object) is not turned into a call: it stays in the text as the model wrote it,
+and the turn is counted as ill-formed in the record. Reasoning and text are trimmed of surrounding whitespace.
+The exact tokens are untouched by any of this: the session keeps the engine's ids.
 
 One parser serves streamed and whole replies (a whole reply is fed at once), so a stream's parts
 add up to exactly the reply a non-streamed request gets. Fed text piece by piece, it gives out a part as soon as

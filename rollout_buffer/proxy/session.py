@@ -354,8 +354,8 @@ class Session:
             out.append(record)
         return out
 
-    def transcript(self) -> list[dict[str, Any]]:
-        """The messages of the branch that committed last."""
+    async def transcript(self) -> list[dict[str, Any]]:
+        """The messages of the branch that committed last (`AgentSession.transcript`)."""
         latest = self.tree.latest
         return list(latest.conv.messages[:latest.marks[-1].messages]) if latest is not None else []
 

@@ -74,7 +74,8 @@ def make_executor(config: ServerConfig) -> Executor:
     if config.executor == "ray":
         from rollout_buffer.executors.ray_pool import RayExecutor
 
-        return RayExecutor(config.ray_address, config.ray_actors, config.generator_paths)
+        return RayExecutor(config.ray_address, config.ray_actors, config.generator_paths, config.buffer_url,
+                           config.auth_token)
     return LocalExecutor()
 
 

@@ -1,5 +1,6 @@
-"""HTTP routes of the agent proxy: sessions (`/sessions`, `/sessions/{id}`, `/sessions/{id}/finish`) and each
-session's OpenAI and Anthropic endpoints under `/sessions/{id}/v1/`.
+"""HTTP routes of the agent proxy: sessions (`/sessions`, `/sessions/{id}`, `/sessions/{id}/finish`), the
+sessions Ray actors open for their trajectories (`POST /sessions` with `kind: generator`, `/sessions/{id}/close`,
+`/discard`, `/transcript`) and each session's OpenAI and Anthropic endpoints under `/sessions/{id}/v1/`.
 
 The session endpoints answer in their protocol's shapes (errors included); the session-management endpoints
 in slime's (`{"success", "message"}`). A streamed turn is an SSE response that waits for the turn while
@@ -29,13 +30,20 @@ from rollout_buffer.proxy.messages import WireError
 from rollout_buffer.proxy.openai_chat import OpenAIChatAdapter
 from rollout_buffer.proxy.replies import ReplyPart
 from rollout_buffer.proxy.session import Session, TurnRequest, TurnResult
-from rollout_buffer.schemas import FinishSessionRequest, OpenSessionRequest
-from rollout_buffer.server.bodies import documented_body, json_response, parse_body, validated
+from rollout_buffer.schemas import (
+    DiscardSessionRequest,
+    FinishSessionRequest,
+    OpenGeneratorSessionRequest,
+    OpenSessionRequest,
+)
+from rollout_buffer.server.bodies import documented_body, error_response, json_response, parse_body, validated
 from rollout_buffer.server.middleware import from_agent_socket
 
 log = logging.getLogger(__name__)
 
 OPEN_BODY: TypeAdapter[OpenSessionRequest] = TypeAdapter(OpenSessionRequest)
+OPEN_GENERATOR_BODY: TypeAdapter[OpenGeneratorSessionRequest] = TypeAdapter(OpenGeneratorSessionRequest)
+DISCARD_BODY: TypeAdapter[DiscardSessionRequest] = TypeAdapter(DiscardSessionRequest)
 FINISH_BODY: TypeAdapter[FinishSessionRequest] = TypeAdapter(FinishSessionRequest)
 OPENAI = OpenAIChatAdapter()
 ANTHROPIC = AnthropicMessagesAdapter()
@@ -51,18 +59,16 @@ def mount_proxy(app: FastAPI, config: ServerConfig) -> None:
     def manager(request: Request) -> SessionManager:
         return request.app.state.sessions
 
-    @app.post("/sessions", summary="Open an agent session in the running agent run",
-              openapi_extra=documented_body(OpenSessionRequest.model_json_schema(), required=True))
+    @app.post("/sessions", summary="Open an agent session in the running agent run (a harness's, or a Ray actor's)",
+              openapi_extra=documented_body({"oneOf": [OpenSessionRequest.model_json_schema(),
+                                                       OpenGeneratorSessionRequest.model_json_schema()]},
+                                            required=True))
     async def open_session(request: Request) -> Response:
-        body = validated(OPEN_BODY, parse_body(await request.body()))
-        runs: RunManager = request.app.state.runs
-        run = runs.current
-        if run is None or run.task is None or run.task.done():
-            raise HTTPException(409, "run_id: no run is running; start one with task_type agent")
-        if body.run_id is not None and body.run_id != run.run_id:
-            raise HTTPException(409, f"run_id: {body.run_id!r} is not the running run ({run.run_id})")
-        if run.req.task_type != "agent":
-            raise HTTPException(409, f"run_id: the running run is task_type {run.req.task_type!r}, not agent")
+        raw = parse_body(await request.body())
+        if isinstance(raw, dict) and raw.get("kind") == "generator":
+            return await _open_for_actor(request, validated(OPEN_GENERATOR_BODY, raw))
+        body = validated(OPEN_BODY, raw)
+        run = _agent_run(request, body.run_id)
         try:
             session = await manager(request).open_harness(run, body.instance_id, body.metadata,
                                                           str(request.base_url))
@@ -73,6 +79,50 @@ def mount_proxy(app: FastAPI, config: ServerConfig) -> None:
             "anthropic_base_url": session.anthropic_base_url, "api_key": session.api_key,
             "run_id": run.run_id, "instance_id": body.instance_id, "uid": session.ctx.uid,
         })
+
+    async def _open_for_actor(request: Request, body: OpenGeneratorSessionRequest) -> Response:
+        run = _agent_run(request, body.run_id)
+        if run.input_path is None:
+            raise HTTPException(409, f"run_id: run {run.run_id} hosts harness sessions; it runs no agents")
+        try:
+            session = await manager(request).open_for_actor(run, body.uid, body.instance_id, body.epoch,
+                                                            body.repeat, body.metadata, str(request.base_url))
+        except SessionError as e:
+            raise HTTPException(e.status, str(e)) from None
+        return json_response({
+            "success": True, "session_id": session.session_id, "base_url": session.base_url,
+            "anthropic_base_url": session.anthropic_base_url, "api_key": session.api_key,
+            "agent_socket": session.agent_socket, "run_id": run.run_id, "uid": body.uid,
+        })
+
+    @app.post("/sessions/{session_id}/close", summary="Close a Ray actor's session; answer its records (not stored)",
+              openapi_extra=documented_body(FinishSessionRequest.model_json_schema(), required=True))
+    async def close_session(session_id: str, request: Request) -> Response:
+        body = validated(FINISH_BODY, parse_body(await request.body()))
+        try:
+            records = await manager(request).close_for_actor(session_id, body.reward, body.extra_info)
+        except SessionError as e:
+            raise HTTPException(e.status, str(e)) from None
+        except ValueError as e:  # closed all the same; the actor fails its trajectory
+            return error_response(409, str(e), {"error_kind": "empty_session"})
+        return json_response({"success": True, "session_id": session_id, "records": records})
+
+    @app.post("/sessions/{session_id}/discard", summary="Close a Ray actor's session without records",
+              openapi_extra=documented_body(DiscardSessionRequest.model_json_schema(), required=True))
+    async def discard_session(session_id: str, request: Request) -> Response:
+        body = validated(DISCARD_BODY, parse_body(await request.body()))
+        try:
+            await manager(request).discard_for_actor(session_id, body.reason)
+        except SessionError as e:
+            raise HTTPException(e.status, str(e)) from None
+        return json_response({"success": True, "session_id": session_id})
+
+    @app.get("/sessions/{session_id}/transcript", summary="The messages of an open session's latest branch")
+    async def session_transcript(session_id: str, request: Request) -> Response:
+        session = manager(request).sessions.get(session_id)
+        if session is None:
+            raise HTTPException(404, f"session_id: no open session {session_id!r}")
+        return json_response({"session_id": session_id, "messages": await session.transcript()})
 
     @app.post("/sessions/{session_id}/finish", summary="Close a harness session with its reward; store its records",
               openapi_extra=documented_body(FinishSessionRequest.model_json_schema(), required=True))
@@ -125,6 +175,20 @@ def mount_proxy(app: FastAPI, config: ServerConfig) -> None:
     app.add_route(f"{root}/messages", messages, methods=["POST"], include_in_schema=False)
     app.add_route(f"{root}/messages/count_tokens", count_tokens, methods=["POST"], include_in_schema=False)
     app.add_route(f"{root}/models", models, methods=["GET"], include_in_schema=False)
+
+
+def _agent_run(request: Request, run_id: str | None) -> Any:
+    """The running agent run (the one `run_id` names, when given); 409 naming run_id otherwise."""
+    runs: RunManager = request.app.state.runs
+    run = runs.current
+    if run is None or run.task is None or run.task.done():
+        raise HTTPException(409, "run_id: no run is running; start one with task_type agent")
+    if run_id is not None and run_id != run.run_id:
+        raise HTTPException(409, f"run_id: {run_id!r} is not the running run ({run.run_id})")
+    if run.req.task_type != "agent":
+        raise HTTPException(409, f"run_id: the running run is task_type {run.req.task_type!r}, not agent")
+    return run
+
 
 def _session(request: Request, sessions: SessionManager, session_id: str, auth_token: str | None) -> Session:
     """The session, once the request proved it may drive it: with a server token, or through the agent socket,

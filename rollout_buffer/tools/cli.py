@@ -56,6 +56,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="the Ray cluster of --executor ray (default: RAY_ADDRESS, else a local Ray started here)")
     p.add_argument("--ray-actors", type=int, default=None,
                    help="actors of --executor ray (default: one per CPU of the cluster)")
+    p.add_argument("--public-url", default=None,
+                   help="the buffer's URL as Ray actors on other nodes reach it, for the agent sessions they open "
+                   "(default: http://127.0.0.1:PORT, or --host when it is a specific address)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one JSON object per line")
 
@@ -86,6 +89,7 @@ def serve(args: argparse.Namespace) -> None:
         executor=args.executor,
         ray_address=args.ray_address,
         ray_actors=args.ray_actors,
+        public_url=args.public_url,
     )
     with contextlib.ExitStack() as stack:
         listeners = [socket.create_server((config.host, config.port),

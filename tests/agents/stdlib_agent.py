@@ -1,10 +1,11 @@
 #!/usr/bin/python3
 """A test agent for the subprocess sandbox, standard library only (the system Python runs it as `nobody`).
 
-Reads its row from stdin (and checks it equals $ROLLOUT_ITEM_FILE), reports on stderr who and where it runs,
-which network interfaces it has, which of $PROBE_PORTS on 127.0.0.1 it can reach directly and what the buffer
-answers beyond its session; then, by row `mode`: `sleep` (past any time limit), `crash` (exit 3), `chatty` (a
-lot of stdout first), otherwise a calculator tool loop over $OPENAI_BASE_URL writing its answer to result.json.
+Reads its row from stdin (and checks it equals $ROLLOUT_ITEM_FILE), reports on stderr who and where it runs
+(its user, folder, variables and the processes above it), which network interfaces it has, which of
+$PROBE_PORTS on 127.0.0.1 it can reach directly and what the buffer answers beyond its session; then, by row
+`mode`: `sleep` (past any time limit), `crash` (exit 3), `chatty` (a lot of stdout first), otherwise a
+calculator tool loop over $OPENAI_BASE_URL writing its answer to result.json.
 """
 
 import ast
@@ -34,6 +35,25 @@ def status_of(url: str, key: str) -> int:
         return e.code
 
 
+def parents() -> list:
+    """[pid, program] of the processes above this one, as the machine sees them (/proc/self is this process in
+    the machine's PID namespace even inside a sandbox's own)."""
+    out, stat_file = [], "/proc/self/stat"
+    while len(out) < 6:
+        try:
+            with open(stat_file) as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                program = f.read().split(b"\0")[0].decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            break
+        if pid <= 1:
+            break
+        out.append([pid, program])
+        stat_file = f"/proc/{pid}/stat"
+    return out
+
+
 def chat(messages: list, tools: list) -> dict:
     request = urllib.request.Request(
         os.environ["OPENAI_BASE_URL"] + "/chat/completions",
@@ -52,7 +72,7 @@ def main() -> int:
     base = os.environ["OPENAI_BASE_URL"]
     report = {"uid": os.getuid(), "cwd": os.getcwd(), "reachable": [p for p in ports if reachable(p)],
               "interfaces": sorted(name for _, name in socket.if_nameindex()),
-              "env": sorted(os.environ),
+              "env": sorted(os.environ), "parents": parents(),
               "buffer_status": status_of(base.split("/sessions/")[0] + "/status", os.environ["OPENAI_API_KEY"]),
               "models_with_wrong_key": status_of(base + "/models", "wrong-key")}
     print("REPORT " + json.dumps(report), file=sys.stderr, flush=True)
