@@ -431,6 +431,7 @@ class EngineClient:
                 connector=aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0),
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
                 headers={"Content-Type": "application/json"},
+                cookie_jar=aiohttp.DummyCookieJar(),  # engines set none: no cookie work per response
             )
         return self._session
 

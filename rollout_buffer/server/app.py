@@ -49,7 +49,7 @@ from rollout_buffer.server.bodies import (
     validated,
 )
 from rollout_buffer.server.middleware import AgentSocketGate, BearerAuthMiddleware, BodyLimitMiddleware
-from rollout_buffer.server.proxy_routes import mount_proxy
+from rollout_buffer.server.proxy_routes import SessionApi, mount_proxy
 from rollout_buffer.server.ui_history import RunHistory
 from rollout_buffer.server.ui_routes import mount_ui
 from rollout_buffer.server.views import evals_view, run_control, status_view
@@ -122,6 +122,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         description="Asynchronous agent rollout buffer for slime (slime's /start_rollout + /get_rollout_data).",
         lifespan=lifespan,
     )
+    app.add_middleware(SessionApi)  # innermost: the checks below apply to the session API too
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.auth_token:
         app.add_middleware(BearerAuthMiddleware, token=config.auth_token)
@@ -366,6 +367,6 @@ def create_app(config: ServerConfig) -> FastAPI:
                                             len(sessions.sessions), await evals_view(request.app), roles)
         return Response(body, media_type=content_type)
 
-    mount_proxy(app, config)
+    mount_proxy(app)
     mount_ui(app)
     return app

@@ -11,16 +11,18 @@ when the client hangs up before the stream's end.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
+import re
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import Response
 from pydantic import TypeAdapter
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from rollout_buffer.config import ServerConfig
 from rollout_buffer.generation.runner import RunManager
 from rollout_buffer.observability import metrics
 from rollout_buffer.proxy.adapter import StreamState, WireAdapter
@@ -53,7 +55,7 @@ STREAM_OPEN_AFTER_S = 0.25
 KEEP_ALIVE_S = 10.0
 
 
-def mount_proxy(app: FastAPI, config: ServerConfig) -> None:
+def mount_proxy(app: FastAPI) -> None:
     """Add the agent-session routes to `app`; `app.state.sessions` (a SessionManager) serves them."""
 
     def manager(request: Request) -> SessionManager:
@@ -145,36 +147,25 @@ def mount_proxy(app: FastAPI, config: ServerConfig) -> None:
             raise HTTPException(404, f"session_id: unknown session {session_id!r}")
         return json_response(view)
 
-    # The endpoints agents call on every turn are plain Starlette routes: FastAPI's per-request dependency
-    # solving cost a tenth of a turn's CPU here, and the bodies are parsed by the protocol adapters anyway.
-    async def chat_completions(request: Request) -> Response:
-        return await _turn(request, manager(request), request.path_params["session_id"], OPENAI, config.auth_token)
 
-    async def messages(request: Request) -> Response:
-        return await _turn(request, manager(request), request.path_params["session_id"], ANTHROPIC,
-                           config.auth_token)
+# ---- the session API: what agents call on every turn -----------------------------------------------------------
 
-    async def count_tokens(request: Request) -> Response:
-        try:
-            session = _session(request, manager(request), request.path_params["session_id"], config.auth_token)
-            req = ANTHROPIC.parse(_json(await request.body()))
-            return json_response({"input_tokens": await session.count_tokens(req)})
-        except WireError as e:
-            return _error(ANTHROPIC, e)
+async def _count_tokens(request: Request, sessions: SessionManager, session_id: str) -> Response:
+    try:
+        session = _session(request, sessions, session_id)
+        req = ANTHROPIC.parse(_json(await request.body()))
+        return json_response({"input_tokens": await session.count_tokens(req)})
+    except WireError as e:
+        return _error(ANTHROPIC, e)
 
-    async def models(request: Request) -> Response:
-        adapter = ANTHROPIC if "anthropic-version" in request.headers else OPENAI
-        try:
-            session = _session(request, manager(request), request.path_params["session_id"], config.auth_token)
-        except WireError as e:
-            return _error(adapter, e)
-        return json_response(adapter.models(session.options.model_name))
 
-    root = "/sessions/{session_id}/v1"
-    app.add_route(f"{root}/chat/completions", chat_completions, methods=["POST"], include_in_schema=False)
-    app.add_route(f"{root}/messages", messages, methods=["POST"], include_in_schema=False)
-    app.add_route(f"{root}/messages/count_tokens", count_tokens, methods=["POST"], include_in_schema=False)
-    app.add_route(f"{root}/models", models, methods=["GET"], include_in_schema=False)
+async def _models(request: Request, sessions: SessionManager, session_id: str) -> Response:
+    adapter = ANTHROPIC if "anthropic-version" in request.headers else OPENAI
+    try:
+        session = _session(request, sessions, session_id)
+    except WireError as e:
+        return _error(adapter, e)
+    return json_response(adapter.models(session.options.model_name))
 
 
 def _agent_run(request: Request, run_id: str | None) -> Any:
@@ -190,10 +181,11 @@ def _agent_run(request: Request, run_id: str | None) -> Any:
     return run
 
 
-def _session(request: Request, sessions: SessionManager, session_id: str, auth_token: str | None) -> Session:
+def _session(request: Request, sessions: SessionManager, session_id: str) -> Session:
     """The session, once the request proved it may drive it: with a server token, or through the agent socket,
     the session's own key (or the server token) is required, as `Authorization: Bearer` or `x-api-key`."""
     session = sessions.get(session_id)
+    auth_token = sessions.config.auth_token
     socket = str(sessions.config.agent_socket) if sessions.config.agent_socket else None
     if auth_token or from_agent_socket(request.scope, socket):
         given = _credential(request).encode()
@@ -203,10 +195,9 @@ def _session(request: Request, sessions: SessionManager, session_id: str, auth_t
     return session
 
 
-async def _turn(request: Request, sessions: SessionManager, session_id: str, adapter: WireAdapter,
-                auth_token: str | None) -> Response:
+async def _turn(request: Request, sessions: SessionManager, session_id: str, adapter: WireAdapter) -> Response:
     try:
-        session = _session(request, sessions, session_id, auth_token)
+        session = _session(request, sessions, session_id)
         req = adapter.parse(_json(await request.body()))
         if req.stream:
             return TurnStream(session, adapter, req)
@@ -348,3 +339,42 @@ class TurnStream(Response):
     @staticmethod
     async def _body(send: Send, chunk: bytes) -> None:
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+
+SessionEndpoint = Callable[[Request, SessionManager, str], Awaitable[Response]]
+# (what follows `/sessions/{session_id}/v1/`) -> (method, endpoint)
+SESSION_API: dict[str, tuple[str, SessionEndpoint]] = {
+    "chat/completions": ("POST", functools.partial(_turn, adapter=OPENAI)),
+    "messages": ("POST", functools.partial(_turn, adapter=ANTHROPIC)),
+    "messages/count_tokens": ("POST", _count_tokens),
+    "models": ("GET", _models),
+}
+_SESSION_PATH = re.compile(r"^/sessions/(?P<session_id>[^/]+)/v1/(?P<endpoint>.+?)/?$")
+
+
+class SessionApi:
+    """Serves each session's OpenAI and Anthropic endpoints (`/sessions/{id}/v1/...`) ahead of FastAPI's router.
+
+    Innermost of the server's middleware (auth, the agent socket's gate and the body cap still apply). These
+    endpoints answer every outcome in their protocol's shape themselves, so FastAPI's router (which tries every
+    route's pattern in turn), its exception layers and its request wrapper are skipped: they cost a few percent
+    of the buffer's CPU per proxied turn (bench/proxy.py). Other paths go on to FastAPI.
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        match = _SESSION_PATH.match(scope["path"]) if scope["type"] == "http" else None
+        route = SESSION_API.get(match["endpoint"]) if match is not None else None
+        if match is None or route is None:
+            await self.app(scope, receive, send)
+            return
+        method, endpoint = route
+        if scope["method"] != method:
+            response = error_response(405, f"{match['endpoint']} takes {method}")
+            response.headers["allow"] = method
+        else:
+            request = Request(scope, receive)
+            response = await endpoint(request, request.app.state.sessions, match["session_id"])
+        await response(scope, receive, send)
