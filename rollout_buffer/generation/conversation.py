@@ -82,8 +82,9 @@ class TurnMark:
 @dataclass(frozen=True)
 class ConversationTail:
     """What a conversation gained after a point (`Conversation.tail`): the new messages, tokens with their loss
-    mask and log-probs, new weight versions, and the state it ended in (all version spans, prompt length, the
-    mark of its last assistant turn). `messages`, `tokens`, `versions`: the point, as counts."""
+    mask and log-probs, new weight versions, the version spans ending past the point, and the state it ended in
+    (prompt length, the mark of its last assistant turn). `messages`, `tokens`, `versions`: the point, as
+    counts."""
 
     messages: int
     tokens: int
@@ -525,8 +526,15 @@ class Conversation:
         versions, taken right after an assistant turn: what `extend_tail` appends to a copy standing there."""
         return ConversationTail(
             messages, tokens, versions, self.messages[messages:], self.token_ids[tokens:], self.loss_mask[tokens:],
-            self.log_probs[tokens:], self.weight_versions[versions:], [list(s) for s in self.version_spans],
-            self.prompt_length, self.mark())
+            self.log_probs[tokens:], self.weight_versions[versions:], self._spans_past(tokens), self.prompt_length,
+            self.mark())
+
+    def _spans_past(self, tokens: int) -> list[list[Any]]:
+        """Copies of the version spans that end past `tokens` (the last few: spans are in token order)."""
+        k = len(self.version_spans)
+        while k and self.version_spans[k - 1][1] > tokens:
+            k -= 1
+        return [list(s) for s in self.version_spans[k:]]
 
     def extend_tail(self, tail: ConversationTail) -> None:
         """Append a `tail` (of a conversation that stood where this one stands): this one then equals it."""
@@ -545,7 +553,8 @@ class Conversation:
         self.loss_mask.extend(tail.loss_mask)
         self.log_probs.extend(tail.log_probs)
         self.weight_versions.extend(tail.weight_versions)
-        self.version_spans = [list(s) for s in tail.version_spans]
+        self.version_spans = [*(s for s in self.version_spans if s[1] <= tail.tokens),
+                              *(list(s) for s in tail.version_spans)]
         self.prompt_length = tail.prompt_length
         self._assistant_turns = mark.assistant_turns
         self.finish_reason, self.truncated = mark.finish_reason, mark.truncated
