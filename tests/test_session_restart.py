@@ -5,9 +5,12 @@ run that did not resume closed as failed."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import sqlite3
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,6 +29,15 @@ from test_proxy import (
     tool_results,
     view,
 )
+
+from rollout_buffer.delivery.store import Store
+from rollout_buffer.generation.context import RolloutContext, RunResources
+from rollout_buffer.generation.engine import EngineClient
+from rollout_buffer.proxy.journal import Journal, replay
+from rollout_buffer.proxy.messages import message_key, tools_key
+from rollout_buffer.proxy.openai_chat import OpenAIChatAdapter
+from rollout_buffer.proxy.session import ProxyOptions, Session
+from rollout_buffer.proxy.tree import SessionTree
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +169,71 @@ def test_idle_time_counts_across_a_restart_and_a_replaced_run_fails_its_sessions
     assert "replaced while the buffer was down" in failed["extra_info"]["error"]
     with pytest.raises(openai.NotFoundError):
         orphan_client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi."}])
+
+
+def test_the_journal_replays_every_branch_exactly_and_forgets_turns_taken_back(
+        tmp_path: Path, engine: Server, qwen_tokenizer: Any) -> None:
+    """In process: a session's turns (continued, forked, rewritten afresh, and taken back) written to a real store,
+    replayed into a new tree: every branch equal, field by field, and the replayed tree routes alike."""
+
+    async def main() -> None:
+        store = Store(tmp_path / "journal.sqlite")
+        await store.open()
+        resources = RunResources("run-j", "agent", {}, EngineClient([engine.url]), qwen_tokenizer, {}, 4096)
+        try:
+            await scenario(store, resources)
+        finally:
+            await resources.engine.aclose()
+            await store.close()
+
+    async def scenario(store: Store, resources: RunResources) -> None:
+        ctx = RolloutContext(resources, "i", 0, 0, "run-j:i:s-j")
+        session = Session("s-j", "key", ctx, "harness", ProxyOptions(), "http://x/v1", "http://x",
+                          journal=Journal(store, "s-j"))
+        await session.journal.opened("run-j", "i", ctx.uid, {})  # type: ignore[union-attr]
+
+        def ask(messages: list[dict[str, Any]]) -> Any:
+            return session.turn(OpenAIChatAdapter().parse({"model": "m", "messages": messages, "tools": OPENAI_TOOLS}))
+
+        user = [{"role": "user", "content": PARALLEL_TASK}]
+        first = await ask(user)
+        calls = [{"id": f"c{i}", "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                 for i, c in enumerate(first.reply.calls)]
+        history = [*user, {"role": "assistant", "content": first.reply.text, "tool_calls": calls}]
+        results = [{"role": "tool", "tool_call_id": c["id"], "content": "87"} for c in calls]
+        second = await ask([*history, *results])  # branch 0 continues
+        await ask([*history, {**results[0], "content": "88"}, *results[1:]])  # branch 1 forks after turn 1
+        taken_back = await ask([{"role": "user", "content": "Something else entirely."}])  # branch 2, new
+        assert taken_back.new_branch and session.undo(taken_back)
+        echoed = {"role": "assistant", "content": second.reply.text}
+        again = await ask([*history, *results, echoed, {"role": "user", "content": "Thanks."}])
+        assert again.route == "continue" and again.branch.id == 0 and session.undo(again)
+        assert sorted(session.tree.branches) == [0, 1]
+
+        stored = await store.stored_sessions()
+        assert [s.session_id for s in stored] == ["s-j"] and len(stored[0].turns) == 3
+        tree = SessionTree()
+        replay(stored[0], ctx, tree)
+        assert sorted(tree.branches) == [0, 1] and tree.latest is not None and tree.latest.id == 1
+        fields = ("keys", "tools_key", "marks", "own_from", "parent", "shared_messages", "forked_at", "tool_calls",
+                  "ill_formed", "protocols", "id")
+        conv_fields = ("messages", "tools", "token_ids", "loss_mask", "log_probs", "weight_versions", "version_spans",
+                       "prompt_length", "truncated", "finish_reason")
+        for i, branch in session.tree.branches.items():
+            twin = tree.branches[i]
+            assert [getattr(twin, f) for f in fields] == [getattr(branch, f) for f in fields]
+            assert [getattr(twin.conv, f) for f in conv_fields] == [getattr(branch.conv, f) for f in conv_fields]
+            assert twin.conv.mark() == branch.conv.mark() and twin.conv.check() == branch.conv.check()
+            assert twin.updated_at <= branch.updated_at  # a turn taken back leaves its time on the live branch
+        follow_up = OpenAIChatAdapter().parse({"model": "m", "tools": OPENAI_TOOLS, "messages": [
+            *history, *results, echoed, {"role": "user", "content": "Thanks."}]})
+        keys, tools = [message_key(m) for m in follow_up.messages], tools_key(follow_up.tools)
+        replayed, live = tree.route(keys, tools), session.tree.route(keys, tools)
+        assert replayed.branch is tree.branches[0] and live.branch is session.tree.branches[0]
+        route = (replayed.kind, replayed.turns, replayed.start)
+        assert route == (live.kind, live.turns, live.start) == ("continue", 2, 5)
+
+        session.journal.closed()  # type: ignore[union-attr]
+        assert await store.stored_sessions() == []
+
+    asyncio.run(main())
