@@ -256,6 +256,18 @@ class Batch:
     expired_by_run: dict[str, int] = field(default_factory=dict)  # leases that ran out: ready again
 
 
+@dataclass(frozen=True)
+class Statement:
+    """One parameterised SQL statement as a store operation: atomic by itself, so the store thread runs it
+    without a savepoint (and alone, as its own transaction)."""
+
+    sql: str
+    params: tuple[Any, ...]
+
+    def __call__(self, conn: sqlite3.Connection) -> int:
+        return conn.execute(self.sql, self.params).rowcount
+
+
 @dataclass
 class StoredSession:
     """An agent session as stored: its row and its turns' rows `(seq, meta, tokens, loss_mask, log_probs)` in
@@ -364,20 +376,37 @@ class Store:
 
     def _run_batch(self, conn: sqlite3.Connection, batch: list) -> None:
         results: list[tuple[asyncio.Future | None, Any, BaseException | None]] = []
+        if len(batch) == 1 and isinstance(batch[0][0], Statement):
+            # Alone, one statement is its own transaction: one call into SQLite instead of five (each lets go
+            # of the GIL and takes it back, which costs the event loop's thread more than the write).
+            fn, fut = batch[0]
+            try:
+                results.append((fut, fn(conn), None))
+            except sqlite3.Error as e:
+                log.error("store statement failed: %s", e)
+                results.append((fut, None, StoreError(f"store write failed: {e}")))
+            except Exception as e:  # parameters SQLite cannot bind: nothing was written
+                results.append((fut, None, e))
+            self._resolve_all(results)
+            return
         try:
             conn.execute("BEGIN IMMEDIATE")
             for fn, fut in batch:
-                conn.execute("SAVEPOINT op")
+                savepoint = not isinstance(fn, Statement)  # a statement is atomic by itself
+                if savepoint:
+                    conn.execute("SAVEPOINT op")
                 try:
                     value = fn(conn)
                 except sqlite3.Error:
                     raise  # disk full, I/O error: SQLite may have dropped the whole transaction
                 except Exception as e:  # one bad operation must not undo the others
-                    conn.execute("ROLLBACK TO op")
-                    conn.execute("RELEASE op")
+                    if savepoint:
+                        conn.execute("ROLLBACK TO op")
+                        conn.execute("RELEASE op")
                     results.append((fut, None, e))
                     continue
-                conn.execute("RELEASE op")
+                if savepoint:
+                    conn.execute("RELEASE op")
                 results.append((fut, value, None))
             conn.execute("COMMIT")
         except sqlite3.Error as e:
@@ -387,6 +416,10 @@ class Store:
                     conn.execute("ROLLBACK")
             err = StoreError(f"store write failed: {e}")
             results = [(fut, None, err) for _, fut in batch]  # nothing of the transaction was kept
+        self._resolve_all(results)
+
+    @staticmethod
+    def _resolve_all(results: list[tuple[asyncio.Future | None, Any, BaseException | None]]) -> None:
         for fut, value, exc in results:
             if fut is None:  # submitted: nobody waits, so a failure is logged
                 if exc is not None:
@@ -704,21 +737,20 @@ class Store:
     def save_session(self, session_id: str, run_id: str, instance_id: str, uid: str, state: bytes
                      ) -> asyncio.Future[Any]:
         """Remember an opened session (resolves once committed)."""
-        return self.queue(lambda c: c.execute(
+        return self.queue(Statement(
             "INSERT OR REPLACE INTO agent_sessions(session_id, run_id, instance_id, uid, state, created_at) "
             "VALUES (?,?,?,?,?,?)", (session_id, run_id, instance_id, uid, state, time.time())))
 
     def append_session_turn(self, session_id: str, seq: int, meta: bytes, tokens: bytes, loss_mask: bytes,
                             log_probs: bytes) -> asyncio.Future[Any]:
         """Append what one committed turn added to a session (resolves once committed)."""
-        return self.queue(lambda c: c.execute(
+        return self.queue(Statement(
             "INSERT OR REPLACE INTO agent_session_turns(session_id, seq, meta, tokens, loss_mask, log_probs) "
             "VALUES (?,?,?,?,?,?)", (session_id, seq, meta, tokens, loss_mask, log_probs)))
 
     def drop_session_turn(self, session_id: str, seq: int) -> None:
         """Forget one turn of a session (a turn taken back; queued, not awaited)."""
-        self.submit(lambda c: c.execute("DELETE FROM agent_session_turns WHERE session_id=? AND seq=?",
-                                        (session_id, seq)))
+        self.submit(Statement("DELETE FROM agent_session_turns WHERE session_id=? AND seq=?", (session_id, seq)))
 
     def drop_session(self, session_id: str) -> None:
         """Forget a closed session (queued, not awaited)."""
