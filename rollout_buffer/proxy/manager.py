@@ -92,9 +92,10 @@ class SessionManager:
             await session.journal.opened(run.run_id, instance_id, ctx.uid, {
                 "api_key": session.api_key, "repeat": repeat, "public_url": public_url, "metadata": metadata,
                 "created_at": session.created_at})
-        except BaseException:
+        except BaseException:  # not answered (store failure, client gone): nobody holds it, so it goes
             self.sessions.pop(session_id, None)
             run.progress.in_flight -= 1
+            session.journal.closed()
             raise
         return session
 
