@@ -134,7 +134,7 @@ def test_sessions_continue_after_kill_9_with_exact_tokens_and_branches(
     assert delivered == {plain["uid"], *(r["uid"] for r in branch_records)}
 
 
-def test_idle_time_counts_across_a_restart_and_a_replaced_run_fails_its_sessions(
+def test_idle_time_counts_across_a_clean_restart_and_a_replaced_run_fails_its_sessions(
         buffer: Server, engine: Server, qwen_tokenizer_path: str) -> None:
     srv, ttl = buffer, 2.0
     start_agent_run(srv, engine, qwen_tokenizer_path, session_ttl_s=ttl)
@@ -142,10 +142,11 @@ def test_idle_time_counts_across_a_restart_and_a_replaced_run_fails_its_sessions
     openai.OpenAI(base_url=idle["base_url"], api_key=idle["api_key"]).chat.completions.create(
         model="m", messages=[{"role": "user", "content": "Hello?"}])
     last_request = time.monotonic()
-    srv.kill9()
+    srv.stop()  # a clean stop (SIGTERM, an upgrade) keeps the session stored too, rather than closing it
     time.sleep(max(0.0, last_request + ttl + 0.2 - time.monotonic()))
     srv.start()
-    # Idle longer than its TTL before the restart: closed at once, not after a fresh TTL from the restart.
+    # Idle longer than its TTL before the restart: closed at once, not after a fresh TTL from the restart (and
+    # expired, not closed as failed by the shutdown).
     deadline = time.monotonic() + 1.0
     while httpx.get(f"{srv.url}/trajectories/{idle['uid']}", timeout=10).status_code == 404:
         assert time.monotonic() < deadline, "the idle session was not expired right after the restart"
