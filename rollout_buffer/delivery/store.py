@@ -1,8 +1,10 @@
-"""Durable state in SQLite (WAL): runs, trajectories, groups and delivered batches.
+"""Durable state in SQLite (WAL): runs, trajectories, groups, delivered batches and open agent sessions.
 
 One thread owns the connection. Async callers queue operations; the thread runs every operation that is
 waiting in one transaction (group commit) so thousands of writes per second cost one fsync-free commit
-each batch, and the event loop never blocks on SQLite.
+each batch, and the event loop never blocks on SQLite. Writes nobody waits for (forgetting a closed session)
+are queued without a future (`submit`); an agent session's turn waits for its commit (`queue`) before the
+client gets the answer, sharing that commit with whatever else was waiting.
 """
 
 from __future__ import annotations
@@ -136,6 +138,25 @@ CREATE TABLE IF NOT EXISTS eval_samples (
     records BLOB NOT NULL,        -- the generator's records of this sample, a JSON list
     PRIMARY KEY (dataset, version, instance_id, sample)
 );
+-- Open harness sessions of the agent proxy (`proxy.journal`), so they survive a restart: one row per session,
+-- and each committed turn's additions to its branch tree. Rows go when the session closes.
+CREATE TABLE IF NOT EXISTS agent_sessions (
+    session_id TEXT PRIMARY KEY,
+    run_id TEXT NOT NULL,
+    instance_id TEXT NOT NULL,
+    uid TEXT NOT NULL,            -- the episode id its records get: a session whose records exist is closed
+    state BLOB NOT NULL,          -- the proxy's JSON (key, repeat, URLs, metadata, opening time)
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS agent_session_turns (
+    session_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    meta BLOB NOT NULL,           -- JSON: branch, route, messages and state after the turn
+    tokens BLOB NOT NULL,         -- the token ids the turn added (int32), loss mask (bytes), log-probs (float64)
+    loss_mask BLOB NOT NULL,
+    log_probs BLOB NOT NULL,
+    PRIMARY KEY (session_id, seq)
+);
 """
 
 # The dashboard's paged, read-only queries (`queries.py`) find a page's rowids in one of these without reading
@@ -235,6 +256,31 @@ class Batch:
     expired_by_run: dict[str, int] = field(default_factory=dict)  # leases that ran out: ready again
 
 
+@dataclass(frozen=True)
+class Statement:
+    """One parameterised SQL statement as a store operation: atomic by itself, so the store thread runs it
+    without a savepoint (and alone, as its own transaction)."""
+
+    sql: str
+    params: tuple[Any, ...]
+
+    def __call__(self, conn: sqlite3.Connection) -> int:
+        return conn.execute(self.sql, self.params).rowcount
+
+
+@dataclass
+class StoredSession:
+    """An agent session as stored: its row and its turns' rows `(seq, meta, tokens, loss_mask, log_probs)` in
+    the order they were appended."""
+
+    session_id: str
+    run_id: str
+    instance_id: str
+    uid: str
+    state: bytes
+    turns: list[tuple[int, bytes, bytes, bytes, bytes]]
+
+
 @dataclass
 class StoredWork:
     """What a (resumed) run already has in the store."""
@@ -249,7 +295,7 @@ class Store:
     def __init__(self, path: Path, max_bytes: int | None = None):
         self.path = path
         self.max_bytes = max_bytes
-        self._queue: queue.SimpleQueue[tuple[Callable[[sqlite3.Connection], Any], asyncio.Future, Any] | None]
+        self._queue: queue.SimpleQueue[tuple[Callable[[sqlite3.Connection], Any], asyncio.Future | None] | None]
         self._queue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._conn: sqlite3.Connection | None = None
@@ -329,21 +375,38 @@ class Store:
         conn.close()
 
     def _run_batch(self, conn: sqlite3.Connection, batch: list) -> None:
-        results: list[tuple[asyncio.Future, Any, BaseException | None]] = []
+        results: list[tuple[asyncio.Future | None, Any, BaseException | None]] = []
+        if len(batch) == 1 and isinstance(batch[0][0], Statement):
+            # Alone, one statement is its own transaction: one call into SQLite instead of five (each lets go
+            # of the GIL and takes it back, which costs the event loop's thread more than the write).
+            fn, fut = batch[0]
+            try:
+                results.append((fut, fn(conn), None))
+            except sqlite3.Error as e:
+                log.error("store statement failed: %s", e)
+                results.append((fut, None, StoreError(f"store write failed: {e}")))
+            except Exception as e:  # parameters SQLite cannot bind: nothing was written
+                results.append((fut, None, e))
+            self._resolve_all(results)
+            return
         try:
             conn.execute("BEGIN IMMEDIATE")
-            for fn, fut, _ in batch:
-                conn.execute("SAVEPOINT op")
+            for fn, fut in batch:
+                savepoint = not isinstance(fn, Statement)  # a statement is atomic by itself
+                if savepoint:
+                    conn.execute("SAVEPOINT op")
                 try:
                     value = fn(conn)
                 except sqlite3.Error:
                     raise  # disk full, I/O error: SQLite may have dropped the whole transaction
                 except Exception as e:  # one bad operation must not undo the others
-                    conn.execute("ROLLBACK TO op")
-                    conn.execute("RELEASE op")
+                    if savepoint:
+                        conn.execute("ROLLBACK TO op")
+                        conn.execute("RELEASE op")
                     results.append((fut, None, e))
                     continue
-                conn.execute("RELEASE op")
+                if savepoint:
+                    conn.execute("RELEASE op")
                 results.append((fut, value, None))
             conn.execute("COMMIT")
         except sqlite3.Error as e:
@@ -352,18 +415,39 @@ class Store:
                 with contextlib.suppress(sqlite3.Error):
                     conn.execute("ROLLBACK")
             err = StoreError(f"store write failed: {e}")
-            results = [(fut, None, err) for _, fut, _ in batch]  # nothing of the transaction was kept
+            results = [(fut, None, err) for _, fut in batch]  # nothing of the transaction was kept
+        self._resolve_all(results)
+
+    @staticmethod
+    def _resolve_all(results: list[tuple[asyncio.Future | None, Any, BaseException | None]]) -> None:
         for fut, value, exc in results:
+            if fut is None:  # submitted: nobody waits, so a failure is logged
+                if exc is not None:
+                    log.error("store write without a waiter failed: %s", exc)
+                continue
             loop = fut.get_loop()
             loop.call_soon_threadsafe(_resolve, fut, value, exc)
 
     async def call(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Run `fn(conn)` on the store thread inside the current group-commit transaction."""
+        return await self.queue(fn)
+
+    def queue(self, fn: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
+        """Queue `fn(conn)` for the next group commit; the future resolves once it is committed. Cancelling the
+        future (its waiter gave up) does not take the write back."""
         if self._thread is None:
             raise StoreError("store is closed")
         fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._queue.put((fn, fut, None))
-        return await fut
+        self._queue.put((fn, fut))
+        return fut
+
+    def submit(self, fn: Callable[[sqlite3.Connection], Any]) -> None:
+        """Queue `fn(conn)` for the next group commit without waiting for it: no future, no wake-up of the event
+        loop. Operations run in the order they were queued (`call`s included); a failure is logged."""
+        if self._thread is None:
+            log.warning("store is closed: a write was dropped")
+            return
+        self._queue.put((fn, None))
 
     # ---- runs ------------------------------------------------------------------------------------
     async def create_run(self, config: dict[str, Any], group_size: int, run_id: str | None = None) -> str:
@@ -648,6 +732,53 @@ class Store:
             return orjson.loads(row[0]) if row else None
 
         return await self.call(op)
+
+    # ---- agent sessions (written as turns complete, read once at start-up) -----------------------------
+    def save_session(self, session_id: str, run_id: str, instance_id: str, uid: str, state: bytes
+                     ) -> asyncio.Future[Any]:
+        """Remember an opened session (resolves once committed)."""
+        return self.queue(Statement(
+            "INSERT OR REPLACE INTO agent_sessions(session_id, run_id, instance_id, uid, state, created_at) "
+            "VALUES (?,?,?,?,?,?)", (session_id, run_id, instance_id, uid, state, time.time())))
+
+    def append_session_turn(self, session_id: str, seq: int, meta: bytes, tokens: bytes, loss_mask: bytes,
+                            log_probs: bytes) -> asyncio.Future[Any]:
+        """Append what one committed turn added to a session (resolves once committed)."""
+        return self.queue(Statement(
+            "INSERT OR REPLACE INTO agent_session_turns(session_id, seq, meta, tokens, loss_mask, log_probs) "
+            "VALUES (?,?,?,?,?,?)", (session_id, seq, meta, tokens, loss_mask, log_probs)))
+
+    def drop_session_turn(self, session_id: str, seq: int) -> None:
+        """Forget one turn of a session (a turn taken back; queued, not awaited)."""
+        self.submit(Statement("DELETE FROM agent_session_turns WHERE session_id=? AND seq=?", (session_id, seq)))
+
+    def drop_session(self, session_id: str) -> None:
+        """Forget a closed session (queued, not awaited)."""
+        self.submit(lambda c: _drop_session(c, session_id))
+
+    async def stored_sessions(self) -> list[StoredSession]:
+        """Every session still stored as open, oldest first. One whose records are stored already (it was
+        finished or expired just before a crash) is forgotten instead."""
+
+        def op(conn: sqlite3.Connection) -> list[StoredSession]:
+            out: list[StoredSession] = []
+            for session_id, run_id, instance_id, uid, state in conn.execute(
+                    "SELECT session_id, run_id, instance_id, uid, state FROM agent_sessions ORDER BY rowid").fetchall():
+                if conn.execute("SELECT 1 FROM trajectories WHERE run_id=? AND instance_id=? AND episode=? LIMIT 1",
+                                (run_id, instance_id, uid)).fetchone() is not None:
+                    _drop_session(conn, session_id)
+                    continue
+                turns = conn.execute("SELECT seq, meta, tokens, loss_mask, log_probs FROM agent_session_turns "
+                                     "WHERE session_id=? ORDER BY seq", (session_id,)).fetchall()
+                out.append(StoredSession(session_id, run_id, instance_id, uid, state, turns))
+            return out
+
+        return await self.call(op)
+
+
+def _drop_session(conn: sqlite3.Connection, session_id: str) -> None:
+    conn.execute("DELETE FROM agent_session_turns WHERE session_id=?", (session_id,))
+    conn.execute("DELETE FROM agent_sessions WHERE session_id=?", (session_id,))
 
 
 def _resolve(fut: asyncio.Future, value: Any, exc: BaseException | None) -> None:

@@ -25,7 +25,8 @@ Branches (the agent proxy): `mark()` after an assistant turn remembers where the
 `restore(mark)` undoes what came after it (a turn the client never received), and `fork(mark)` starts a new
 conversation from that point whose earlier tokens are context (loss 0, part of its prompt), for an agent that
 rewrote its history. `add_context` appends messages of any role at loss 0, assistant ones too (turns the
-engine did not generate for this conversation).
+engine did not generate for this conversation). `tail(...)` is what a conversation gained since a point, and
+`extend_tail` / `restored` rebuild an exact copy from tails (a persisted agent session after a restart).
 
 Chat mode (no tokenizer) keeps the messages only.
 """
@@ -76,6 +77,26 @@ class TurnMark:
     finish_reason: str | None
     truncated: bool
     log_probs_complete: bool
+
+
+@dataclass(frozen=True)
+class ConversationTail:
+    """What a conversation gained after a point (`Conversation.tail`): the new messages, tokens with their loss
+    mask and log-probs, new weight versions, the version spans ending past the point, and the state it ended in
+    (prompt length, the mark of its last assistant turn). `messages`, `tokens`, `versions`: the point, as
+    counts."""
+
+    messages: int
+    tokens: int
+    versions: int
+    new_messages: list[dict[str, Any]]
+    token_ids: list[int]
+    loss_mask: list[int]
+    log_probs: list[float]
+    weight_versions: list[str]
+    version_spans: list[list[Any]]
+    prompt_length: int
+    mark: TurnMark
 
 
 @dataclass(frozen=True)
@@ -225,11 +246,18 @@ class Conversation:
         sanity_check: SanityCheckMode = "strict",
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        if sanity_check not in ("strict", "ignore_strippable", "disable"):
-            raise ValueError(f"sanity_check must be strict, ignore_strippable or disable: {sanity_check!r}")
         if not messages:
             raise ValueError("a conversation starts with at least one message")
+        self._setup(tokenizer, tools, sanity_check, chat_template_kwargs)
         self.messages = list(messages)
+        if self.token_mode:
+            self._render_prompt(self.messages)
+
+    def _setup(self, tokenizer: Any, tools: list[dict[str, Any]] | None, sanity_check: SanityCheckMode,
+               chat_template_kwargs: dict[str, Any] | None) -> None:
+        if sanity_check not in ("strict", "ignore_strippable", "disable"):
+            raise ValueError(f"sanity_check must be strict, ignore_strippable or disable: {sanity_check!r}")
+        self.messages = []
         self.tools = tools
         self.sanity_check = sanity_check
         self.token_mode = tokenizer is not None
@@ -253,7 +281,17 @@ class Conversation:
         if self.token_mode:
             self._template_key = (orjson.dumps(tools), orjson.dumps(self._options, option=orjson.OPT_SORT_KEYS))
             self._frame = _frame(tokenizer, *self._template_key)
-            self._render_prompt(self.messages)
+
+    @classmethod
+    def restored(cls, tail: ConversationTail, tokenizer: Any, *, tools: list[dict[str, Any]] | None = None,
+                 sanity_check: SanityCheckMode = "strict", chat_template_kwargs: dict[str, Any] | None = None
+                 ) -> Conversation:
+        """A token-mode conversation rebuilt from the `tail` of one taken from its start (a persisted agent
+        session after a restart): the same tokens, masks, log-probs and messages; nothing is rendered again."""
+        conv = cls.__new__(cls)
+        conv._setup(tokenizer, tools, sanity_check, chat_template_kwargs)
+        conv.extend_tail(tail)
+        return conv
 
     @classmethod
     async def acreate(
@@ -462,6 +500,8 @@ class Conversation:
             raise ValueError("the mark is past the end of this conversation")
         del self.messages[mark.messages:], self.weight_versions[mark.weight_versions:]
         self._truncate_to(mark.tokens)
+        self.version_spans = [[start, min(end, mark.tokens), v] for start, end, v in self.version_spans
+                              if start < mark.tokens]
         self._assistant_turns = mark.assistant_turns
         self.finish_reason, self.truncated = mark.finish_reason, mark.truncated
         self._log_probs_complete = mark.log_probs_complete
@@ -481,12 +521,54 @@ class Conversation:
         other.loss_mask = [0] * mark.tokens
         other.log_probs = [0.0] * mark.tokens
         other.weight_versions = []
+        other.version_spans = []  # like its weight versions: its own output's (copy.copy would share the list)
         other.prompt_length = mark.tokens
         other.finish_reason, other.truncated, other._log_probs_complete = mark.finish_reason, False, True
         other._assistant_turns = mark.assistant_turns
         other._open, other._forked = False, True
         other._env_messages_start, other._env_tokens_start, other._env_text = mark.messages, mark.tokens, ""
         return other
+
+    def tail(self, messages: int, tokens: int, versions: int) -> ConversationTail:
+        """What the conversation holds past its first `messages` messages, `tokens` tokens and `versions` weight
+        versions, taken right after an assistant turn: what `extend_tail` appends to a copy standing there."""
+        return ConversationTail(
+            messages, tokens, versions, self.messages[messages:], self.token_ids[tokens:], self.loss_mask[tokens:],
+            self.log_probs[tokens:], self.weight_versions[versions:], self._spans_past(tokens), self.prompt_length,
+            self.mark())
+
+    def _spans_past(self, tokens: int) -> list[list[Any]]:
+        """Copies of the version spans that end past `tokens` (the last few: spans are in token order)."""
+        k = len(self.version_spans)
+        while k and self.version_spans[k - 1][1] > tokens:
+            k -= 1
+        return [list(s) for s in self.version_spans[k:]]
+
+    def extend_tail(self, tail: ConversationTail) -> None:
+        """Append a `tail` (of a conversation that stood where this one stands): this one then equals it."""
+        self._require_tokens()
+        if (len(self.messages), len(self.token_ids), len(self.weight_versions)) != (
+                tail.messages, tail.tokens, tail.versions):
+            raise ValueError("the tail does not start where this conversation stands")
+        mark = tail.mark
+        if (mark.messages, mark.tokens, mark.weight_versions) != (
+                tail.messages + len(tail.new_messages), tail.tokens + len(tail.token_ids),
+                tail.versions + len(tail.weight_versions)) or not (
+                len(tail.token_ids) == len(tail.loss_mask) == len(tail.log_probs)):
+            raise ValueError("the tail is inconsistent with its own end")
+        self.messages.extend(tail.new_messages)
+        self.token_ids.extend(tail.token_ids)
+        self.loss_mask.extend(tail.loss_mask)
+        self.log_probs.extend(tail.log_probs)
+        self.weight_versions.extend(tail.weight_versions)
+        self.version_spans = [*(s for s in self.version_spans if s[1] <= tail.tokens),
+                              *(list(s) for s in tail.version_spans)]
+        self.prompt_length = tail.prompt_length
+        self._assistant_turns = mark.assistant_turns
+        self.finish_reason, self.truncated = mark.finish_reason, mark.truncated
+        self._log_probs_complete = mark.log_probs_complete
+        self._open = self._forked = False
+        self._env_messages_start, self._env_tokens_start, self._env_text = mark.messages, mark.tokens, ""
 
     def check(self) -> dict[str, Any] | None:
         """Compare the sequence with the template's rendering of the final messages (see the module doc).

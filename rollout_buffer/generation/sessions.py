@@ -45,5 +45,6 @@ class SessionHost(Protocol):
         ...
 
     async def end_run(self, run_id: str) -> None:
-        """The run is ending: close its sessions that a harness still holds (as failed)."""
+        """The run is ending: close its sessions that a harness still holds (as failed); when the server itself
+        shuts down, the proxy keeps them stored instead (they are restored at the next start)."""
         ...

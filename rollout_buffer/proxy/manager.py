@@ -9,7 +9,13 @@ and when its run ends.
 A harness session belongs to the run it was opened in; finishing it stores its records in that run (grouped by
 instance id like any trajectory), and a session idle for longer than the run's `session_ttl_s` is closed as
 failed (its branches stored with `status: failed`, so its group is dropped rather than waiting forever).
-Sessions live in memory: a restarted server has none (their ids answer 404 and the harness opens new ones).
+
+Harness sessions are durable: each committed turn is appended to the store (`proxy.journal`), and a restarted
+server restores the open sessions of the run it resumes before it serves (`recover`): same ids, keys and URLs,
+the same branches and exact tokens, idle time counted from the last turn before the restart. Sessions of a run
+that did not resume (replaced, ended) are closed as failed. Generator sessions are not stored: the runner
+generates their unfinished trajectories again. A server shutting down keeps its harness sessions stored
+instead of closing them.
 """
 
 from __future__ import annotations
@@ -24,10 +30,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from rollout_buffer.config import ServerConfig
+from rollout_buffer.delivery.store import StoredSession
 from rollout_buffer.generation.context import RolloutContext, stamp
+from rollout_buffer.generation.runner import RunManager
 from rollout_buffer.observability import metrics
+from rollout_buffer.proxy.journal import Journal, idle_since, load_state, replay
 from rollout_buffer.proxy.messages import WireError
 from rollout_buffer.proxy.session import ProxyOptions, Session
+from rollout_buffer.proxy.tree import SessionTree
 from rollout_buffer.schemas import TrajectoryRecord
 
 log = logging.getLogger(__name__)
@@ -59,6 +69,7 @@ class SessionManager:
         self._for_actors: dict[str, Session] = {}  # uid -> the open session an actor's trajectory holds
         self._wake = asyncio.Event()
         self._reaper: asyncio.Task[None] | None = None
+        self._stopping = False  # the server shuts down: harness sessions stay stored, not closed
 
     @property
     def local_url(self) -> str:
@@ -78,8 +89,19 @@ class SessionManager:
         self._repeats[key] = repeat + 1
         session_id = _new_id()
         ctx = RolloutContext(run.resources, instance_id, 0, repeat, f"{run.run_id}:{instance_id}:{session_id}")
+        session = self._register(ctx, "harness", public_url, metadata, run=run, session_id=session_id)
         run.progress.in_flight += 1
-        return self._register(ctx, "harness", public_url, metadata, run=run, session_id=session_id)
+        session.journal = Journal(run.buffer.store, session_id)
+        try:  # answered only once stored: the session survives a restart from its first request on
+            await session.journal.opened(run.run_id, instance_id, ctx.uid, {
+                "api_key": session.api_key, "repeat": repeat, "public_url": public_url, "metadata": metadata,
+                "created_at": session.created_at})
+        except BaseException:  # not answered (store failure, client gone): nobody holds it, so it goes
+            self.sessions.pop(session_id, None)
+            run.progress.in_flight -= 1
+            session.journal.closed()
+            raise
+        return session
 
     async def open_for_actor(self, run: Any, uid: str, instance_id: str, epoch: int, repeat: int,
                              metadata: dict[str, Any], public_url: str) -> Session:
@@ -144,13 +166,13 @@ class SessionManager:
                                "capture exact tokens and need tokenizer_path")
 
     def _register(self, ctx: RolloutContext, kind: str, public_url: str, metadata: dict[str, Any], run: Any,
-                  session_id: str | None = None) -> Session:
+                  session_id: str | None = None, api_key: str | None = None) -> Session:
         if ctx.tokenizer is None:
             raise SessionError(409, "agent sessions need token mode: the run has no tokenizer")
         session_id = session_id or _new_id()
         root = f"{public_url.rstrip('/')}/sessions/{session_id}"
         session = Session(
-            session_id=session_id, api_key=secrets.token_urlsafe(24), ctx=ctx, kind=kind,
+            session_id=session_id, api_key=api_key or secrets.token_urlsafe(24), ctx=ctx, kind=kind,
             options=self.options(ctx.run.run_id, ctx.config), base_url=f"{root}/v1", anthropic_base_url=root,
             agent_socket=str(self.config.agent_socket) if self.config.agent_socket else None,
             metadata=metadata, run=run, on_closed=self._forget,
@@ -179,7 +201,7 @@ class SessionManager:
         closed = self.closed.get(session_id)
         if closed is not None:
             raise WireError("not_found", f"session {session_id} is {closed['state']}")
-        raise WireError("not_found", f"unknown session {session_id!r} (sessions do not survive a restart)")
+        raise WireError("not_found", f"unknown session {session_id!r}")
 
     def view(self, session_id: str) -> dict[str, Any] | None:
         """The state of an open or recently closed session."""
@@ -221,6 +243,8 @@ class SessionManager:
         except ValidationError as e:
             raise SessionError(422, f"the session's records are invalid: {e}") from None
         await session.run.accept(records)
+        if session.journal is not None:  # only once its records are stored: a failed write keeps it restorable
+            session.journal.closed()
         session.ctx.engine.release(session.ctx.uid)
         return records
 
@@ -243,14 +267,19 @@ class SessionManager:
         log.warning("session %s closed as failed: %s", session.session_id, reason)
 
     async def end_run(self, run_id: str) -> None:
-        """Close the harness sessions of a run that ends (`SessionHost.end_run`), and discard those Ray actors
-        still hold (their trajectories were cancelled, or their actors lost)."""
+        """Close the harness sessions of a run that ends (`SessionHost.end_run`; when the server shuts down, only
+        let go of them: they stay stored and are restored at the next start), and discard those Ray actors still
+        hold (their trajectories were cancelled, or their actors lost)."""
         for session in [s for s in self._for_actors.values() if s.ctx.run.run_id == run_id]:
             try:
                 await self._discard(session, f"run {run_id} ended", 0.0)
             except Exception as e:  # the run is ending: keep closing the others
                 log.warning("discarding session %s of run %s failed: %s", session.session_id, run_id, e)
         for session in [s for s in self.sessions.values() if s.kind == "harness" and s.ctx.run.run_id == run_id]:
+            if self._stopping:
+                await session.stop("stopped", 0)  # a turn in flight is cancelled: the client's retry reruns it
+                self.sessions.pop(session.session_id, None)
+                continue
             try:
                 await self.expire(session, f"run {run_id} ended before the session was finished", "failed")
             except Exception as e:  # the run is ending: keep closing the others
@@ -270,13 +299,85 @@ class SessionManager:
         while len(self.closed) > _CLOSED_KEPT:
             self.closed.popitem(last=False)
 
+    # ---- restart -------------------------------------------------------------------------------------
+    async def recover(self, runs: RunManager) -> None:
+        """After a (re)start, once `runs` resumed its run: restore the stored harness sessions of that run, and
+        close those of any other run as failed (a record with the reason each)."""
+        store = runs.buffer.store
+        stored = await store.stored_sessions()
+        if not stored:
+            return
+        run = runs.current
+        refused: str | None = None
+        if run is not None and any(s.run_id == run.run_id for s in stored):
+            try:
+                await self._wait_ready(run)
+            except SessionError as e:
+                refused = str(e)
+        for s in stored:
+            if run is not None and s.run_id == run.run_id and refused is None:
+                try:
+                    self._restore(run, s)
+                    continue
+                except (ValueError, KeyError, TypeError, RuntimeError, SessionError) as e:
+                    log.exception("session %s could not be restored", s.session_id)
+                    reason = f"session {s.session_id} could not be restored after a restart: {e}"
+            else:
+                reason = refused or await self._ended_reason(runs, s.run_id)
+            await self._fail_stored(runs, s, reason)
+        log.info("restored %d agent sessions after a restart",
+                 sum(1 for s in stored if s.session_id in self.sessions))
+        self._wake.set()
+
+    def _restore(self, run: Any, stored: StoredSession) -> Session:
+        state = load_state(stored)
+        ctx = RolloutContext(run.resources, stored.instance_id, 0, state["repeat"], stored.uid)
+        tree = SessionTree()
+        last_at = replay(stored, ctx, tree)
+        session = self._register(ctx, "harness", state["public_url"], state["metadata"], run=run,
+                                 session_id=stored.session_id, api_key=state["api_key"])
+        session.tree, session.created_at = tree, state["created_at"]
+        session.last_active = idle_since(last_at, state["created_at"])
+        next_seq = max((t[0] for t in stored.turns), default=-1) + 1
+        session.journal = Journal(run.buffer.store, stored.session_id, next_seq)
+        ctx.engine_stats["turns"] = len(stored.turns)
+        run.progress.in_flight += 1
+        key = (run.run_id, stored.instance_id)
+        self._repeats[key] = max(self._repeats.get(key, 0), state["repeat"] + 1)
+        return session
+
+    @staticmethod
+    async def _ended_reason(runs: RunManager, run_id: str) -> str:
+        row = await runs.buffer.store.get_run(run_id)
+        state = row["state"] if row is not None else "gone"
+        return f"run {run_id} was {state} while the buffer was down, before the session was finished"
+
+    async def _fail_stored(self, runs: RunManager, stored: StoredSession, reason: str) -> None:
+        """Close a stored session that is not restored: one failed record with the reason, in its run."""
+        store = runs.buffer.store
+        run_row = await store.get_run(stored.run_id)
+        if run_row is not None:
+            state = load_state(stored)
+            record = TrajectoryRecord(
+                uid=stored.uid, instance_id=stored.instance_id, messages=[], reward=0.0, status="failed",
+                extra_info={"error": reason, "error_kind": "session_failed", "session_id": stored.session_id,
+                            "turns": len(stored.turns), "metadata": state.get("metadata") or {}, "epoch": 0,
+                            "repeat": state.get("repeat", 0), "task_type": run_row["config"].get("task_type"),
+                            "run_id": stored.run_id, "timestamp": time.time()})
+            await runs.buffer.write([record], run_row)
+            metrics.TRAJECTORIES_FAILED.labels("session_failed").inc()
+        store.drop_session(stored.session_id)
+        log.warning("session %s closed as failed: %s", stored.session_id, reason)
+
     # ---- expiry --------------------------------------------------------------------------------------
     def start(self) -> None:
         """Start expiring idle harness sessions (call from the running event loop)."""
         self._reaper = asyncio.create_task(self._reap_loop(), name="session-reaper")
 
     async def stop(self) -> None:
-        """Stop the expiry loop."""
+        """The server shuts down: stop the expiry loop, and keep harness sessions stored rather than closing them
+        when their run stops (call before the runs stop)."""
+        self._stopping = True
         if self._reaper is not None:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)

@@ -20,11 +20,13 @@ from typing import Any, ClassVar, Literal
 from jinja2 import TemplateError
 from pydantic import Field
 
+from rollout_buffer.delivery.store import StoreError
 from rollout_buffer.generation.context import RolloutContext
 from rollout_buffer.generation.conversation import Conversation, TurnMark
 from rollout_buffer.generation.engine import EngineError, GenerateDelta
 from rollout_buffer.generation.options import RunOptions
 from rollout_buffer.observability import metrics
+from rollout_buffer.proxy.journal import Journal
 from rollout_buffer.proxy.messages import MessageKey, WireError, message_key, tools_key
 from rollout_buffer.proxy.replies import Reply, ReplyParser, ReplyPart
 from rollout_buffer.proxy.tree import Branch, Route, SessionTree
@@ -78,6 +80,7 @@ class TurnResult:
     mark: TurnMark | None = None
     keys_before: int = 0
     new_branch: bool = False
+    seq: int | None = None  # the turn's row in the session's journal
 
 
 @dataclass
@@ -106,6 +109,8 @@ class Session:
     run: Any = None  # the generation `Run` a harness session writes to
     # Called once when the session is closed, with the outcome (the manager forgets it).
     on_closed: Callable[[Session, str], None] = lambda _session, _outcome: None
+    # Persists committed turns (harness sessions, so they survive a restart); None: memory only.
+    journal: Journal | None = None
     tree: SessionTree = field(default_factory=SessionTree)
     state: str = "open"
     created_at: float = field(default_factory=time.time)
@@ -184,7 +189,24 @@ class Session:
                 raise WireError("engine", "the engine aborted the generation; send the request again")
             raise WireError("not_found", f"session {self.session_id} was closed during this turn")
         reply = self._reply(conv, before, prompt_tokens, finish, req, parser, sink)
-        return self._commit(pending, keys, reply, req)
+        result = self._commit(pending, keys, reply, req)
+        if self.journal is not None:
+            await self._persist(result, pending, req)
+        return result
+
+    async def _persist(self, result: TurnResult, pending: _Pending, req: TurnRequest) -> None:
+        """Wait until the committed turn is stored; a turn that cannot be (or whose client left meanwhile) is
+        taken back, so what the session holds is what the store holds."""
+        assert self.journal is not None and result.branch is not None
+        result.seq, stored = self.journal.turn(result.branch, pending.route, pending.base, result.reply, req.protocol)
+        try:
+            await stored
+        except asyncio.CancelledError:
+            self.undo(result)
+            raise
+        except StoreError as e:
+            self.undo(result)
+            raise WireError("server", f"the turn could not be stored: {e}") from None
 
     async def _prepare(self, route: Route, req: TurnRequest, keys: list[MessageKey], tkey: bytes) -> _Pending:
         if route.kind == "continue":
@@ -285,6 +307,8 @@ class Session:
             del branch.keys[result.keys_before:]
             branch.tool_calls -= len(result.reply.calls)
             branch.ill_formed -= result.reply.ill_formed
+        if self.journal is not None and result.seq is not None:
+            self.journal.undo(result.seq)
         log.info("session %s: a turn the client did not receive was taken back", self.session_id)
         return True
 

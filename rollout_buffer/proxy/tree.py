@@ -129,6 +129,12 @@ class SessionTree:
         self._next_id += 1
         self.branches[branch.id] = branch
 
+    def adopt(self, branch: Branch) -> None:
+        """Put back a branch that keeps its id (a session restored after a restart)."""
+        assert branch.id is not None
+        self.branches[branch.id] = branch
+        self._next_id = max(self._next_id, branch.id + 1)
+
     def remove(self, branch: Branch) -> None:
         """Drop a branch whose only turn was never delivered."""
         if branch.id is not None:

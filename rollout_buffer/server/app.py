@@ -103,16 +103,17 @@ def create_app(config: ServerConfig) -> FastAPI:
         log.info("rollout buffer ready: data dir %s, generators %s", config.data_dir, sorted(generators))
         sessions.start()
         await runs.resume()
+        await sessions.recover(runs)  # before serving: a restored session's next request finds it
         await evals.resume()
         history.start()
         try:
             yield
         finally:
             await history.stop()
+            await sessions.stop()  # first: the runs' harness sessions stay stored instead of being closed
             await evals.shutdown()
             await runs.shutdown()
             await executor.aclose()
-            await sessions.stop()
             await reader.close()
             await store.close()
 

@@ -1,0 +1,156 @@
+"""A harness session's durable form: the rows a committed turn appends to the store, and the replay that rebuilds
+the session's branch tree from them after a restart.
+
+A session's row (written when it opens) holds what identifies it: key, repeat, URLs, metadata, opening time. A
+turn's row holds only what the turn added to its branch — the messages and exact tokens (ids, loss mask,
+log-probs) past the point the branch stood at before the turn (its previous turn; the fork point of a forked
+branch; nothing for a new one), the branch's state after the turn, and the reply's match key — never the whole
+tree. The row is encoded on the event loop (a few small copies, token arrays as raw bytes) and queued to the
+store's writer thread, committed with whatever else is waiting; the turn's answer waits for that commit, so an
+answered turn survives `kill -9`. A turn taken back (its client never received it) deletes its row, and a
+closed session's rows go once its records are stored (neither is waited for).
+
+Replaying the rows in order gives the tree the session had: the same branch ids, exact tokens, routing keys and
+counters. A turn in flight at a crash was never written: the client's retry runs it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from array import array
+from typing import Any
+
+import orjson
+
+from rollout_buffer.delivery.store import Store, StoredSession
+from rollout_buffer.generation.context import RolloutContext
+from rollout_buffer.generation.conversation import Conversation, ConversationTail, TurnMark
+from rollout_buffer.proxy.messages import MessageKey, assistant_message, message_key, tool_call, tools_key
+from rollout_buffer.proxy.replies import Reply
+from rollout_buffer.proxy.tree import Branch, Route, SessionTree
+
+_IDS = "i"  # token ids as int32
+_FLOATS = "d"  # log-probs as float64: exactly what the engine sent
+
+
+class Journal:
+    """Writes one harness session's turns to the store as they are committed."""
+
+    def __init__(self, store: Store, session_id: str, next_seq: int = 0):
+        self.store = store
+        self.session_id = session_id
+        self._seq = next_seq
+
+    def opened(self, run_id: str, instance_id: str, uid: str, state: dict[str, Any]) -> asyncio.Future[Any]:
+        """The session was opened: its row (the future resolves once it is committed)."""
+        return self.store.save_session(self.session_id, run_id, instance_id, uid, orjson.dumps(state))
+
+    def turn(self, branch: Branch, route: Route, base: TurnMark | None, reply: Reply, protocol: str
+             ) -> tuple[int, asyncio.Future[Any]]:
+        """`branch` just committed a turn routed by `route` (`base`: where a continued branch stood before it):
+        the row's sequence number (which `undo` takes) and a future resolved once the row is committed."""
+        if route.kind == "continue":
+            assert base is not None
+            start = (base.messages, base.tokens, base.weight_versions)
+        elif route.kind == "fork":
+            point = branch.marks[route.turns - 1]
+            start = (point.messages, point.tokens, 0)  # a fork's weight versions are its own output's
+        else:
+            start = (0, 0, 0)
+        tail = branch.conv.tail(*start)
+        m = tail.mark
+        meta = {
+            "branch": branch.id, "route": route.kind, "parent": branch.parent, "fork_turns": branch.own_from,
+            "shared": branch.shared_messages, "tools": branch.conv.tools if route.kind == "new" else None,
+            "from": start,
+            "messages": tail.new_messages, "versions": tail.weight_versions, "spans": tail.version_spans,
+            "prompt_length": tail.prompt_length,
+            "mark": [m.messages, m.tokens, m.weight_versions, m.assistant_turns, m.finish_reason, m.truncated,
+                     m.log_probs_complete],
+            "reply": [reply.text, [[c.name, c.arguments] for c in reply.calls]],
+            "tool_calls": len(reply.calls), "ill_formed": int(reply.ill_formed), "protocol": protocol,
+            "at": branch.updated_at,
+        }
+        seq = self._seq
+        self._seq += 1
+        return seq, self.store.append_session_turn(
+            self.session_id, seq, orjson.dumps(meta), array(_IDS, tail.token_ids).tobytes(), bytes(tail.loss_mask),
+            array(_FLOATS, tail.log_probs).tobytes())
+
+    def undo(self, seq: int) -> None:
+        """The turn `seq` was taken back."""
+        self.store.drop_session_turn(self.session_id, seq)
+
+    def closed(self) -> None:
+        """The session is closed (its records stored, or it was discarded): its rows go."""
+        self.store.drop_session(self.session_id)
+
+
+def load_state(stored: StoredSession) -> dict[str, Any]:
+    """The session row's state (`Journal.opened`)."""
+    return orjson.loads(stored.state)
+
+
+def replay(stored: StoredSession, ctx: RolloutContext, tree: SessionTree) -> float | None:
+    """Rebuild the branches of `tree` from a stored session's turns; returns the wall time of the last turn
+    (None when it had none). ValueError when the rows do not fit together."""
+    last_at: float | None = None
+    for _seq, meta_blob, ids, mask, log_probs in stored.turns:
+        meta = orjson.loads(meta_blob)
+        tokens = array(_IDS)
+        tokens.frombytes(ids)
+        floats = array(_FLOATS)
+        floats.frombytes(log_probs)
+        mark = TurnMark(*meta["mark"])
+        tail = ConversationTail(*meta["from"], meta["messages"], tokens.tolist(), list(mask), floats.tolist(),
+                                meta["versions"], meta["spans"], meta["prompt_length"], mark)
+        branch = _branch_for(meta, tail, ctx, tree)
+        branch.keys.extend(message_key(m) for m in tail.new_messages[:-1])
+        branch.keys.append(_reply_key(meta["reply"]))
+        branch.marks.append(mark)
+        branch.tool_calls += meta["tool_calls"]
+        branch.ill_formed += meta["ill_formed"]
+        branch.protocols.add(meta["protocol"])
+        branch.updated_at = meta["at"]
+        last_at = max(last_at or 0.0, meta["at"])
+    tree.latest = max(tree.branches.values(), key=lambda b: b.updated_at, default=None)
+    return last_at
+
+
+def _branch_for(meta: dict[str, Any], tail: ConversationTail, ctx: RolloutContext, tree: SessionTree) -> Branch:
+    """The branch a turn row extends: an existing one, or the new (or forked) branch it starts."""
+    if meta["route"] == "continue":
+        branch = tree.branches.get(meta["branch"])
+        if branch is None:
+            raise ValueError(f"turn of unknown branch {meta['branch']}")
+        branch.conv.extend_tail(tail)
+        return branch
+    if meta["route"] == "fork":
+        parent = tree.branches.get(meta["parent"])
+        turns = meta["fork_turns"]
+        if parent is None or not 0 < turns <= len(parent.marks):
+            raise ValueError(f"fork of unknown branch {meta['parent']} or turn {turns}")
+        conv = parent.conv.fork(parent.marks[turns - 1])
+        conv.extend_tail(tail)
+        branch = Branch(conv, list(parent.keys[:tail.messages]), parent.tools_key, list(parent.marks[:turns]),
+                        turns, parent.id, meta["shared"])
+        parent.forked_at.add(turns)
+    else:
+        conv = Conversation.restored(tail, ctx.tokenizer, tools=meta["tools"],
+                                     sanity_check=ctx.run.sanity_check,  # type: ignore[arg-type]
+                                     chat_template_kwargs=ctx.run.chat_template_kwargs)
+        branch = Branch(conv, [], tools_key(meta["tools"]), parent=meta["parent"], shared_messages=meta["shared"])
+    branch.id = meta["branch"]
+    tree.adopt(branch)
+    return branch
+
+
+def _reply_key(reply: list[Any]) -> MessageKey:
+    text, calls = reply
+    return message_key(assistant_message(text, [tool_call(name, arguments) for name, arguments in calls]))
+
+
+def idle_since(last_at: float | None, created_at: float) -> float:
+    """The monotonic clock reading equal to the session's last activity (wall time) before the restart."""
+    return time.monotonic() - max(0.0, time.time() - (last_at if last_at is not None else created_at))
