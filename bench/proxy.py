@@ -188,6 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window-s", type=float, default=20.0)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--profile", action="store_true", help="py-spy the buffer during its window")
+    parser.add_argument("--no-journal", action="store_true",
+                        help="sessions not written to the store turn by turn (run option session_journal: false)")
     args = parser.parse_args(argv)
     warmup = args.warmup_s if args.warmup_s is not None else 3 + 3 * args.latency_ms / 1000
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-proxy-"))
@@ -197,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         with rollout_buffer(workdir) as buffer:
             started = httpx.post(f"{buffer.url}/start_rollout", timeout=60, json={
                 "task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": bundled_tokenizer_path(),
-                "num_repeat_per_sample": 8, "max_tokens": 4 * MAX_TOKENS})
+                "num_repeat_per_sample": 8, "max_tokens": 4 * MAX_TOKENS, "session_journal": not args.no_journal})
             started.raise_for_status()
             proxy = measure("proxy", engine, buffer, args.sessions, args.turns, warmup, args.window_s,
                             workdir / "profile-proxy.txt" if args.profile else None)

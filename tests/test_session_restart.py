@@ -172,6 +172,23 @@ def test_idle_time_counts_across_a_clean_restart_and_a_replaced_run_fails_its_se
         orphan_client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi."}])
 
 
+def test_a_run_without_the_journal_writes_no_session_rows(buffer: Server, engine: Server,
+                                                         qwen_tokenizer_path: str) -> None:
+    start_agent_run(buffer, engine, qwen_tokenizer_path, session_journal=False)
+    session = open_session(buffer.url, "memory-only")
+    openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"]).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Hello?"}])
+    db = sqlite3.connect(buffer.db)  # type: ignore[attr-defined]
+    try:
+        rows = db.execute("SELECT COUNT(*) FROM agent_sessions WHERE session_id=?", (session["session_id"],))
+        turns = db.execute("SELECT COUNT(*) FROM agent_session_turns WHERE session_id=?", (session["session_id"],))
+        assert (rows.fetchone()[0], turns.fetchone()[0]) == (0, 0)
+    finally:
+        db.close()
+    done = httpx.post(f"{buffer.url}/sessions/{session['session_id']}/finish", json={"reward": 1.0}, timeout=30)
+    assert done.status_code == 200 and record(buffer.url, session["uid"])["status"] == "completed"
+
+
 def test_the_journal_replays_every_branch_exactly_and_forgets_turns_taken_back(
         tmp_path: Path, engine: Server, qwen_tokenizer: Any) -> None:
     """In process: a session's turns (continued, forked, rewritten afresh, and taken back) written to a real store,

@@ -91,6 +91,8 @@ class SessionManager:
         ctx = RolloutContext(run.resources, instance_id, 0, repeat, f"{run.run_id}:{instance_id}:{session_id}")
         session = self._register(ctx, "harness", public_url, metadata, run=run, session_id=session_id)
         run.progress.in_flight += 1
+        if not session.options.session_journal:
+            return session
         session.journal = Journal(run.buffer.store, session_id)
         try:  # answered only once stored: the session survives a restart from its first request on
             await session.journal.opened(run.run_id, instance_id, ctx.uid, {
