@@ -12,12 +12,13 @@ than aiohttp against the same server), and the buffer must not become the bottle
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
 import time
 from collections import Counter, OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -457,26 +458,33 @@ class EngineClient:
 
     # ------------------------------------------------------------ HTTP with retries
 
-    async def _attempt(self, url: str, path: str, payload: dict[str, Any]) -> Any:
+    @contextlib.contextmanager
+    def _counted(self, url: str, path: str) -> Iterator[None]:
+        """One request to `url`: in the stats while it runs, its time observed; aiohttp's failures raised as
+        `_AttemptError`s (timeout, connection)."""
         stats = self.stats
         stats.requests += 1
         stats.requests_by_url[url] += 1
         stats.in_flight[url] += 1
         start = time.monotonic()
         try:
-            async with self._http().post(url + path, data=orjson.dumps(payload)) as response:
-                status, content = response.status, await response.read()
+            yield
         except TimeoutError as e:
             # Before ClientError: aiohttp's timeout errors are connection errors too.
-            reason = f"no answer within {self.timeout_s}s ({type(e).__name__})"
-            raise _AttemptError("timeout", reason) from None
+            raise _AttemptError("timeout", f"no answer within {self.timeout_s}s ({type(e).__name__})") from None
         except (aiohttp.ClientError, OSError) as e:
             raise _AttemptError("connection", f"{type(e).__name__}: {e}") from None
         finally:
+            elapsed = time.monotonic() - start
             stats.in_flight[url] -= 1
-            stats.latency_sum_s += time.monotonic() - start
+            stats.latency_sum_s += elapsed
             stats.latency_count += 1
-            metrics.ENGINE_REQUEST_SECONDS.labels(path).observe(time.monotonic() - start)
+            metrics.ENGINE_REQUEST_SECONDS.labels(path).observe(elapsed)
+
+    async def _attempt(self, url: str, path: str, payload: dict[str, Any]) -> Any:
+        with self._counted(url, path):
+            async with self._http().post(url + path, data=orjson.dumps(payload)) as response:
+                status, content = response.status, await response.read()
         if status >= 400:
             kind = "http_5xx" if status >= 500 else "http_4xx"
             raise _AttemptError(kind, f"HTTP {status}: {_error_text(content)}", status)
@@ -538,12 +546,7 @@ class EngineClient:
         connection and an undecodable event. Closing the iterator closes the connection: SGLang then aborts
         the request.
         """
-        stats = self.stats
-        stats.requests += 1
-        stats.requests_by_url[url] += 1
-        stats.in_flight[url] += 1
-        start = time.monotonic()
-        try:
+        with self._counted(url, "/generate"):
             async with self._http().post(url + "/generate", data=orjson.dumps(payload)) as response:
                 if response.status >= 400:
                     kind = "http_5xx" if response.status >= 500 else "http_4xx"
@@ -564,15 +567,6 @@ class EngineClient:
                 if pending.strip():
                     _event_body(pending)  # raises: a stream cut inside an event
                 raise _AttemptError("bad_response", "the stream ended without data: [DONE]")
-        except TimeoutError as e:
-            raise _AttemptError("timeout", f"no answer within {self.timeout_s}s ({type(e).__name__})") from None
-        except (aiohttp.ClientError, OSError) as e:
-            raise _AttemptError("connection", f"{type(e).__name__}: {e}") from None
-        finally:
-            stats.in_flight[url] -= 1
-            stats.latency_sum_s += time.monotonic() - start
-            stats.latency_count += 1
-            metrics.ENGINE_REQUEST_SECONDS.labels("/generate").observe(time.monotonic() - start)
 
     async def _open_stream(self, payload: dict[str, Any], session_id: str
                            ) -> tuple[Any, AsyncGenerator[Any, None], str, int]:
