@@ -17,6 +17,7 @@ import anthropic
 import httpx
 import openai
 import orjson
+import psutil
 import pytest
 from runs import drain, wait_finished
 from servers import Server, free_port, running, sim_engine
@@ -243,3 +244,43 @@ def test_a_scorer_hook_sees_the_row_the_workdir_and_the_transcript(buffer: Serve
     record = httpx.get(f"{buffer.url}/trajectories/{run_id}:calc-000:0:0", timeout=10, headers=AUTH).json()
     assert record["status"] == "completed" and record["extra_info"]["scorer"] == f"{hook}:score"
     assert record["raw_reward"] in (0.25, -1.0)
+
+
+@pytest.mark.parametrize("network", ["host", "isolated"])
+def test_agents_die_with_a_buffer_killed_by_sigkill(tmp_path: Path, engine: Server, roots: Path,
+                                                    qwen_tokenizer_path: str, stdlib_agent: Path, network: str) -> None:
+    """A crashed buffer leaves no agent running (its session is gone with it): the agents share its fate."""
+    if network == "isolated" and not namespaces_work():
+        pytest.skip("unshare cannot create namespaces here")
+    port = free_port()
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--group-size", "2"]
+    srv = Server(args, "/healthz", port, tmp_path / "buffer.log").start()
+    try:
+        prompt = "What is 12 * 7 + 3? Use the calculator."
+        items = [{"instance_id": f"slow{i}", "prompt": prompt, "label": "87", "mode": "sleep"} for i in range(2)]
+        body = {"task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": qwen_tokenizer_path,
+                "input_file": rows(roots, f"fate-{network}", items), "agent_command": [str(stdlib_agent)],
+                "agent_network": network, "num_repeat_per_sample": 1}
+        started = httpx.post(f"{srv.url}/start_rollout", json=body, timeout=60)
+        assert started.status_code == 200, started.text
+
+        def agents() -> list[psutil.Process]:
+            found = []
+            for p in psutil.process_iter(["cmdline"]):
+                if str(stdlib_agent) in (p.info["cmdline"] or []):
+                    found.append(p)
+            return found
+
+        deadline = time.monotonic() + 30
+        while len(agents()) < 2:
+            assert time.monotonic() < deadline, f"the agents did not start; log:\n{srv.log()[-2000:]}"
+            time.sleep(0.1)
+        if network == "host" and os.geteuid() == 0:  # the user switch without subprocess's own (uvloop lacks it)
+            assert {p.uids().real for p in agents()} == {65534}
+        srv.kill9()
+        deadline = time.monotonic() + 10
+        while left := [p for p in agents() if p.status() != psutil.STATUS_ZOMBIE]:
+            assert time.monotonic() < deadline, f"agents outlived the buffer: {[p.cmdline() for p in left]}"
+            time.sleep(0.1)
+    finally:
+        srv.stop()

@@ -6,8 +6,8 @@ removed with everything in it when the agent is done (after scoring).
 `LocalSandbox` (the default): a subprocess on this machine, in its own session (killed as a group at the time
 limit), its stdout and stderr kept up to a cap, with only the variables given (no inherited environment but
 PATH, LANG and LC_ALL). Network (`agent_network`):
-- `isolated`: a new network and PID namespace (`unshare --net --pid --fork`, plus `--map-root-user` when the
-  buffer is not root) holding nothing but loopback; `forward.py`, the namespace's first process, listens on
+- `isolated`: a new network and PID namespace (`unshare --net --pid --kill-child`, plus `--map-root-user` when
+  the buffer is not root) holding nothing but loopback; `forward.py`, the namespace's first process, listens on
   127.0.0.1 at the buffer's port and pipes to the buffer's agent socket, which answers only the session
   endpoints, and only with the session's key. So the agent reaches its own session and nothing else: not the
   buffer's other endpoints, not the engine, not the internet. When the agent ends, the kernel kills whatever
@@ -15,7 +15,8 @@ PATH, LANG and LC_ALL). Network (`agent_network`):
 - `host`: the machine's network, as the buffer has it (no isolation).
 - `auto` (default): `isolated` when `unshare` works here and the server has an agent socket, else `host`.
 The agent runs as `agent_user`: by default `nobody` when the buffer runs as root, the buffer's own user
-otherwise (switching users needs root).
+otherwise (switching users needs root). It dies with the process that started it (the buffer, or a Ray actor),
+even one killed by SIGKILL (`setpriv --pdeathsig`; isolated: the whole namespace).
 
 `DockerSandbox` (`agent_sandbox: docker`): `docker run --rm --network none` of `agent_image` (never pulled: the
 image must be on the engine), as the agent's user with every capability dropped and no privilege gain. Mounted:
@@ -193,15 +194,15 @@ class _Tail:
         return self.data.decode(errors="replace")
 
 
-async def _run_process(argv: list[str], env: dict[str, str], proc: AgentProcess, user: AgentUser, network: str,
-                       stop: Callable[[], Awaitable[object]] | None = None, **popen: object) -> ProcessOutcome:
+async def _run_process(argv: list[str], env: dict[str, str], proc: AgentProcess, runs_as: AgentUser, network: str,
+                       stop: Callable[[], Awaitable[object]] | None = None) -> ProcessOutcome:
     """Run `argv` in its own session; at the time limit (or on cancellation) call `stop` if given and give the
     process `_STOP_GRACE_S` to end by itself (the docker CLI waits while the engine removes its container),
     then kill its process group."""
     start = time.monotonic()
     child = await asyncio.create_subprocess_exec(
         *argv, cwd=proc.workspace.work, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, start_new_session=True, **popen,  # type: ignore[arg-type]
+        stderr=subprocess.PIPE, start_new_session=True,
     )
     out, err = _Tail(proc.max_output_bytes), _Tail(proc.max_output_bytes)
 
@@ -233,7 +234,7 @@ async def _run_process(argv: list[str], env: dict[str, str], proc: AgentProcess,
         await asyncio.wait_for(io, 5.0)  # output of processes that escaped the group is not waited for
     return ProcessOutcome(
         exit_code=None if timed_out else child.returncode, timed_out=timed_out, stdout=out.text(),
-        stderr=err.text(), output_truncated=out.dropped or err.dropped, network=network, user=user.name,
+        stderr=err.text(), output_truncated=out.dropped or err.dropped, network=network, user=runs_as.name,
         duration_s=time.monotonic() - start,
     )
 
@@ -249,7 +250,7 @@ def namespaces_work() -> bool:
     unshare = shutil.which("unshare")
     if unshare is None:
         return False
-    argv = [unshare, "--net", "--pid", "--fork", *([] if os.geteuid() == 0 else ["--map-root-user"]), "true"]
+    argv = [unshare, "--net", "--pid", "--kill-child", *([] if os.geteuid() == 0 else ["--map-root-user"]), "true"]
     try:
         return subprocess.run(argv, capture_output=True, timeout=10).returncode == 0
     except (OSError, subprocess.SubprocessError):
@@ -275,21 +276,35 @@ class LocalSandbox:
         network = self.network_for(proc.network, proc.agent_socket)
         env = _base_env({**proc.env, "HOME": str(proc.workspace.work)})
         if network == "host":
-            popen: dict[str, object] = {}
-            if self.user.switch:
-                popen = {"user": self.user.uid, "group": self.user.gid, "extra_groups": []}
-            return await _run_process(proc.argv, env, proc, self.user, network, **popen)
+            return await _run_process(_fate_shared(proc.argv, self.user), env, proc, self.user, network)
         port = urlsplit(proc.buffer_url).port or 80
         # The namespace has only loopback, where the forwarder listens: URLs naming the buffer by another
         # address (a Ray actor's `--public-url`) point there instead.
         loopback = f"http://127.0.0.1:{port}"
         env = {k: loopback + v[len(proc.buffer_url):] if v.startswith(proc.buffer_url) else v for k, v in env.items()}
         ids = ["--uid", str(self.user.uid), "--gid", str(self.user.gid)] if self.user.switch else []
-        argv = [shutil.which("unshare") or "unshare", "--net", "--pid", "--fork",
+        # --kill-child: when unshare dies (with the buffer, see `_fate_shared`), so does the namespace's first
+        # process, and with it everything in the namespace.
+        argv = [shutil.which("unshare") or "unshare", "--net", "--pid", "--kill-child",
                 *([] if os.geteuid() == 0 else ["--map-root-user"]),
                 sys.executable, str(FORWARDER), "--socket", str(proc.agent_socket), "--port", str(port), *ids,
                 "--", *proc.argv]
-        return await _run_process(argv, env, proc, self.user, network)
+        return await _run_process(_fate_shared(argv), env, proc, self.user, network)
+
+
+def _fate_shared(argv: list[str], user: AgentUser | None = None) -> list[str]:
+    """`argv` killed when the process that started it (the buffer, or a Ray actor) dies, even by SIGKILL, and run
+    as `user` when that is another user than the buffer's: `setpriv` (util-linux) switches the user, then sets the
+    parent-death signal, which the exec keeps. (Not subprocess's own `user=`: uvloop's subprocesses lack it.)
+    Without setpriv the agent may outlive a crashed buffer (its session is gone, so its next request fails)."""
+    setpriv = shutil.which("setpriv")
+    switch = user is not None and user.switch
+    if setpriv is None:
+        if switch:
+            raise AgentFailed("agent_sandbox", "running the agent as another user needs setpriv (util-linux)")
+        return argv
+    ids = ["--reuid", str(user.uid), "--regid", str(user.gid), "--clear-groups"] if switch and user else []
+    return [setpriv, *ids, "--pdeathsig", "KILL", "--", *argv]
 
 
 def _bind(source: str, target: str, read_only: bool = False) -> list[str]:
