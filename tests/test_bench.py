@@ -32,7 +32,7 @@ def summary_line(output: str) -> str:
 
 def test_throughput_measures_buffer_bare_client_and_baseline(tmp_path: Path) -> None:
     out = run_bench("throughput", "--quick", "--latency-ms", "20", "--in-flight", "16", "--modes", "token,chat",
-                    "--window-s", "2", "--workdir", str(tmp_path))
+                    "--window-s", "1", "--workdir", str(tmp_path))
     line = summary_line(out)
     token = re.search(rf"16@20ms/token {NUMBER}% {NUMBER}×base {NUMBER}MB", line)
     chat = re.search(rf"16@20ms/chat {NUMBER}% {NUMBER}×base {NUMBER}MB", line)
@@ -64,8 +64,8 @@ def test_trainer_wait_measures_both_fetch_loops() -> None:
 
 
 def test_staleness_measures_throughput_and_lag_per_bound() -> None:
-    # Generation (8 in flight × 50 ms) and a 0.2 s trainer step, three steps per bound: only the rows count here.
-    out = run_bench("staleness", "--steps", "3", "--train-s", "0.2", "--latency-ms", "50", "--in-flight", "8",
+    # Generation (8 in flight × 50 ms) and a 0.2 s trainer step, two steps per bound: only the rows count here.
+    out = run_bench("staleness", "--steps", "2", "--train-s", "0.2", "--latency-ms", "50", "--in-flight", "8",
                     "--batch-groups", "2", "--group-size", "2", "--etas", "1,inf")
     line = summary_line(out)
     bounded = re.search(rf"η=1 {NUMBER}/s {NUMBER}% lag mean {NUMBER} max (\d+)", line)

@@ -316,13 +316,21 @@ def test_subprocess_agents_run_in_the_actors_with_sessions_in_the_buffer(tmp_pat
     assert httpx.get(f"{ray_buffer.url}/sessions", headers=AUTH).json() == {"sessions": []}
 
 
-def test_a_callable_agent_runs_in_the_actors_at_most_agent_max_running_at_once(tmp_path, engine, ray_buffer,
-                                                                               readable_agents, qwen_tokenizer_path):
+def pid_agent_rows(tmp_path: Path, n: int, pause_s: float) -> tuple[Path, Path]:
+    """A math input of `n` rows for `pid_agent.py` (it notes its process and times in the folder, and holds its
+    session `pause_s` after its first turn): (the input file, that folder)."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    inp = math_file(tmp_path / "math.jsonl", 4)
-    rows = [{**orjson.loads(line), "pid_dir": str(pid_dir), "pause_s": 0.05} for line in inp.read_bytes().splitlines()]
+    inp = math_file(tmp_path / "math.jsonl", n)
+    rows = [{**orjson.loads(line), "pid_dir": str(pid_dir), "pause_s": pause_s}
+            for line in inp.read_bytes().splitlines()]
     inp.write_bytes(b"\n".join(orjson.dumps(r) for r in rows) + b"\n")
+    return inp, pid_dir
+
+
+def test_a_callable_agent_runs_in_the_actors_at_most_agent_max_running_at_once(tmp_path, engine, ray_buffer,
+                                                                               readable_agents, qwen_tokenizer_path):
+    inp, pid_dir = pid_agent_rows(tmp_path, 4, pause_s=0.05)
     started = start_agents(ray_buffer.url, engine.url, inp, qwen_tokenizer_path,
                            agent=f"{readable_agents / 'pid_agent.py'}:agent", agent_max_running=1)
     assert started.status_code == 200, started.text
@@ -344,12 +352,8 @@ def test_a_callable_agent_runs_in_the_actors_at_most_agent_max_running_at_once(t
 
 def test_killing_an_actor_while_agents_run_loses_nothing_and_leaks_no_session(tmp_path, engine, ray_buffer,
                                                                                 readable_agents, qwen_tokenizer_path):
-    pid_dir = tmp_path / "pids"
-    pid_dir.mkdir()
-    inp = math_file(tmp_path / "math.jsonl", 12)
     # Each agent holds its open session 0.3 s after its first turn: the killed actor has sessions open.
-    rows = [{**orjson.loads(line), "pid_dir": str(pid_dir), "pause_s": 0.3} for line in inp.read_bytes().splitlines()]
-    inp.write_bytes(b"\n".join(orjson.dumps(r) for r in rows) + b"\n")
+    inp, _ = pid_agent_rows(tmp_path, 12, pause_s=0.3)
     discarded = metric(ray_buffer.url, 'rollout_buffer_proxy_sessions_closed_total{outcome="discarded"}')
     before = httpx.get(f"{ray_buffer.url}/status", headers=AUTH).json()["executor"]
     started = start_agents(ray_buffer.url, engine.url, inp, qwen_tokenizer_path,
@@ -424,11 +428,7 @@ def test_the_actor_session_endpoints_refuse_bad_input_naming_the_field(engine, r
 
 def test_replacing_an_agent_run_on_ray_leaves_none_of_its_sessions_open(tmp_path, engine, ray_buffer, readable_agents,
                                                                        qwen_tokenizer_path):
-    pid_dir = tmp_path / "pids"
-    pid_dir.mkdir()
-    inp = math_file(tmp_path / "math.jsonl", 4)
-    rows = [{**orjson.loads(line), "pid_dir": str(pid_dir), "pause_s": 5} for line in inp.read_bytes().splitlines()]
-    inp.write_bytes(b"\n".join(orjson.dumps(r) for r in rows) + b"\n")
+    inp, _ = pid_agent_rows(tmp_path, 4, pause_s=5)
     discarded = metric(ray_buffer.url, 'rollout_buffer_proxy_sessions_closed_total{outcome="discarded"}')
     started = start_agents(ray_buffer.url, engine.url, inp, qwen_tokenizer_path,
                            agent=f"{readable_agents / 'pid_agent.py'}:agent")
