@@ -128,8 +128,7 @@ def test_killing_an_actor_mid_run_loses_nothing(tmp_path, engine, ray_buffer, qw
         assert time.monotonic() < deadline
         time.sleep(0.02)
     before = httpx.get(f"{ray_buffer.url}/status", headers=AUTH).json()["executor"]
-    workers = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                     if a["namespace"] == NAMESPACE and a["name"].startswith("trajectory-worker-"))
+    workers = pool_workers(ray_buffer)
     ray.kill(ray.get_actor(workers[0], namespace=NAMESPACE))
     status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=60)
     records = [r for batch in drain_batches(ray_buffer.url, headers=AUTH) for r in batch]
@@ -141,7 +140,7 @@ def test_killing_an_actor_mid_run_loses_nothing(tmp_path, engine, ray_buffer, qw
     assert after["actors_lost"] == before["actors_lost"] + 1
     assert after["retried"] > before["retried"], "the killed actor's trajectories ran again"
     assert metric(ray_buffer.url, "rollout_buffer_executor_retries_total") == after["retried"]
-    now = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE}
+    now = set(pool_workers(ray_buffer))
     assert workers[0] not in now and len(now - set(workers)) == 1, "a new actor was started in its place"
 
 
