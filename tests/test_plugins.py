@@ -23,6 +23,23 @@ def test_builtin_package_and_path() -> None:
     assert found["two_turn"].origin == str(PLUGINS / "two_turn.py")
 
 
+def test_a_generator_says_when_its_runs_stay_in_the_buffer_process(tmp_path: Path) -> None:
+    """`RUNS_IN_BUFFER = True`, or per run a `runs_in_buffer(payload)` hook (which wins): the runner then uses
+    the local executor whatever `--executor` is."""
+    (tmp_path / "pinned.py").write_text("TASK_TYPE = 'pinned'\nRUNS_IN_BUFFER = True\n"
+                                        "async def run_rollout(item, ctx):\n    return []\n")
+    (tmp_path / "per_run.py").write_text("TASK_TYPE = 'per_run'\nRUNS_IN_BUFFER = True\n"
+                                         "def runs_in_buffer(payload):\n    return payload.get('here', False)\n"
+                                         "async def run_rollout(item, ctx):\n    return []\n")
+    found = discover([tmp_path / "pinned.py", tmp_path / "per_run.py"], include_entry_points=False)
+    assert found["pinned"].needs_buffer_process({})
+    assert not found["per_run"].needs_buffer_process({}) and found["per_run"].needs_buffer_process({"here": True})
+    assert not found["math"].needs_buffer_process({})
+    agent = found["agent"]  # hosting harness sessions stays; running agents goes to the executor
+    assert agent.needs_buffer_process({"task_type": "agent"})
+    assert not agent.needs_buffer_process({"task_type": "agent", "agent_command": ["./run.sh"]})
+
+
 def test_directory_path_and_duplicate_names_both_files() -> None:
     with pytest.raises(PluginError) as err:
         discover([PLUGINS / "flaky.py", PLUGINS / "dup"], include_entry_points=False)
