@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,8 +130,10 @@ class Agents:
                 await asyncio.sleep(1)
             i += self.sessions
 
-    async def run(self, warmup_s: float, window_s: float, meters: list[Any]) -> tuple[int, float]:
-        """Turns completed in the window, and its length."""
+    async def run(self, warmup_s: float, window_s: float, meters: list[Any],
+                  at_end: Callable[[], None]) -> tuple[int, float]:
+        """Turns completed in the window, and its length. `meters` are marked when the window opens and
+        `at_end` runs when it closes, before the agents finish the episodes they are in."""
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600),
                                          headers={"Content-Type": "application/json"}) as http:
@@ -140,6 +144,7 @@ class Agents:
             start = time.monotonic()
             await asyncio.sleep(window_s)
             end = time.monotonic()
+            at_end()
             self.stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
         return sum(1 for t in self.done_at if start <= t < end), end - start
@@ -160,23 +165,26 @@ def measure(system: str, engine: Service, buffer: Service | None, sessions: int,
             window_s: float, profile: Path | None = None) -> Result:
     agents = Agents(sessions, turns, system, engine.url, buffer.url if buffer else None)
     machine = MachineCpu()
-    with Meter(engine.pid) as engine_meter:
-        if buffer is None:
-            turns, window = asyncio.run(agents.run(warmup_s, window_s, [engine_meter, machine]))
-            buffer_cores = None
-        else:
-            with Meter(buffer.pid) as buffer_meter:
-                meters: list[Any] = [engine_meter, machine, buffer_meter]
-                spy = _Profile(buffer.pid, window_s, profile) if profile is not None else None
-                turns, window = asyncio.run(agents.run(warmup_s, window_s, [*meters, *([spy] if spy else [])]))
-                buffer_cores = buffer_meter.usage().cpu_s / window
-            if spy is not None and spy.spy is not None:
-                spy.spy.wait(window_s + 30)
-                profiler.print_profile(spy.out, f"buffer serving {sessions} agent sessions", console)
-        engine_cores, busy = engine_meter.usage().cpu_s / window, machine.busy_cores()
+    cpu_s: dict[str, float] = {}
+    with contextlib.ExitStack() as stack:
+        engine_meter = stack.enter_context(Meter(engine.pid))
+        buffer_meter = stack.enter_context(Meter(buffer.pid)) if buffer else None
+        spy = _Profile(buffer.pid, window_s, profile) if buffer and profile is not None else None
+
+        def window_closed() -> None:
+            cpu_s["engine"], cpu_s["machine"] = engine_meter.usage().cpu_s, machine.busy_cores()
+            if buffer_meter is not None:
+                cpu_s["buffer"] = buffer_meter.usage().cpu_s
+
+        meters = [engine_meter, machine, *([buffer_meter] if buffer_meter else []), *([spy] if spy else [])]
+        turns, window = asyncio.run(agents.run(warmup_s, window_s, meters, window_closed))
+    if spy is not None and spy.spy is not None:
+        spy.spy.wait(window_s + 30)
+        profiler.print_profile(spy.out, f"buffer serving {sessions} agent sessions", console)
     if agents.errors:
         console.print(f"[yellow]{system}: {agents.errors} failed episodes[/]")
-    return Result(system, turns / window, buffer_cores, engine_cores, busy)
+    buffer_cores = cpu_s["buffer"] / window if "buffer" in cpu_s else None
+    return Result(system, turns / window, buffer_cores, cpu_s["engine"] / window, cpu_s["machine"])
 
 
 def main(argv: list[str] | None = None) -> None:
