@@ -79,9 +79,11 @@ class Agents:
     """`sessions` agents looping over episodes of `turns` turns until `stop` (a tool call, its answer, then
     follow-up questions); turn completion times in `done_at`."""
 
-    def __init__(self, sessions: int, turns: int, target: str, engine_url: str, buffer_url: str | None):
+    def __init__(self, sessions: int, turns: int, latency_s: float, target: str, engine_url: str,
+                 buffer_url: str | None):
         self.sessions = sessions
         self.turns = turns
+        self.latency_s = latency_s
         self.target = target  # direct | proxy
         self.engine_url = engine_url
         self.buffer_url = buffer_url
@@ -96,7 +98,7 @@ class Agents:
                 raise RuntimeError(f"{url}: HTTP {resp.status}: {data[:300]!r}")
             return orjson.loads(data)
 
-    async def _episode(self, http: aiohttp.ClientSession, i: int) -> None:
+    async def _episode(self, http: aiohttp.ClientSession, i: int, turns: int) -> None:
         messages, value = _question(i)
         if self.target == "proxy":
             assert self.buffer_url is not None
@@ -104,7 +106,7 @@ class Agents:
             url = opened["base_url"] + "/chat/completions"
         else:
             url = self.engine_url + "/v1/chat/completions"
-        for turn in range(self.turns):
+        for turn in range(turns):
             body = {"model": "policy", "messages": messages, "tools": TOOLS, "max_tokens": MAX_TOKENS}
             reply = (await self._post(http, url, body))["choices"][0]["message"]
             self.done_at.append(time.monotonic())
@@ -120,10 +122,14 @@ class Agents:
             await self._post(http, f"{self.buffer_url}/sessions/{opened['session_id']}/finish", {"reward": 1.0})
 
     async def _agent(self, http: aiohttp.ClientSession, k: int) -> None:
-        i = k
+        # Agents start spread over one engine latency, and their first episodes are cut short by 0 to turns-1
+        # turns: turns and finishes then come at an even pace, as from agents that did not start together.
+        await asyncio.sleep(k / self.sessions * self.latency_s)
+        i, turns = k, self.turns - k % self.turns
         while not self.stop.is_set():
             try:
-                await self._episode(http, i)
+                await self._episode(http, i, turns)
+                turns = self.turns
             except Exception as e:
                 self.errors += 1
                 console.print(f"[red]{self.target} agent {k}: {e}[/]")
@@ -161,9 +167,9 @@ class _Profile:
         self.spy = profiler.record(self.pid, self.seconds, self.out)
 
 
-def measure(system: str, engine: Service, buffer: Service | None, sessions: int, turns: int, warmup_s: float,
-            window_s: float, profile: Path | None = None) -> Result:
-    agents = Agents(sessions, turns, system, engine.url, buffer.url if buffer else None)
+def measure(system: str, engine: Service, buffer: Service | None, sessions: int, turns: int, latency_s: float,
+            warmup_s: float, window_s: float, profile: Path | None = None) -> Result:
+    agents = Agents(sessions, turns, latency_s, system, engine.url, buffer.url if buffer else None)
     machine = MachineCpu()
     cpu_s: dict[str, float] = {}
     with contextlib.ExitStack() as stack:
@@ -203,14 +209,14 @@ def main(argv: list[str] | None = None) -> None:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-proxy-"))
     workdir.mkdir(parents=True, exist_ok=True)
     with sim_engine(workdir, args.latency_ms) as engine:
-        direct = measure("direct", engine, None, args.sessions, args.turns, warmup, args.window_s)
+        shape = (args.sessions, args.turns, args.latency_ms / 1000, warmup, args.window_s)
+        direct = measure("direct", engine, None, *shape)
         with rollout_buffer(workdir) as buffer:
             started = httpx.post(f"{buffer.url}/start_rollout", timeout=60, json={
                 "task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": bundled_tokenizer_path(),
                 "num_repeat_per_sample": 8, "max_tokens": 4 * MAX_TOKENS, "session_journal": not args.no_journal})
             started.raise_for_status()
-            proxy = measure("proxy", engine, buffer, args.sessions, args.turns, warmup, args.window_s,
-                            workdir / "profile-proxy.txt" if args.profile else None)
+            proxy = measure("proxy", engine, buffer, *shape, workdir / "profile-proxy.txt" if args.profile else None)
     for r in (direct, proxy):
         if r.turns_per_s == 0:
             raise SystemExit(f"{r.system}: no turn finished within the {args.window_s:g} s window; "

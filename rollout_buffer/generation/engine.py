@@ -4,9 +4,10 @@ One instance per run, shared by every trajectory of the run: one pooled HTTP ses
 with exponential backoff for transient failures, resumption of aborted generations, and least-in-flight
 engine choice with session affinity so the turns of one trajectory hit one engine's prefix cache.
 
-The session is aiohttp's rather than httpx's: httpcore's pool scans every connection for every request,
-which at a thousand requests in flight costs several milliseconds of CPU per request (measured 4x slower
-than aiohttp against the same server), and the buffer must not become the bottleneck.
+Requests go through `http_pool.HttpPool` (keep-alive HTTP/1.1 parsed by httptools), not httpx or aiohttp:
+httpcore's pool scans every connection for every request (several milliseconds of CPU per request at a thousand
+in flight), and aiohttp's client costs about four times this one's CPU per request; the buffer must not
+become the bottleneck.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import aiohttp
 import orjson
 
+from rollout_buffer.generation.http_pool import HttpPool
 from rollout_buffer.observability import metrics
 
 logger = logging.getLogger(__name__)
@@ -423,18 +424,13 @@ class EngineClient:
         self.max_connections = max_connections
         self.stats = EngineStats()
         self._affinity: OrderedDict[str, str] = OrderedDict()
-        self._session: aiohttp.ClientSession | None = None
+        self._pool: HttpPool | None = None
 
-    def _http(self) -> aiohttp.ClientSession:
-        # Created on first use: an aiohttp session belongs to the running event loop.
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0),
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                headers={"Content-Type": "application/json"},
-                cookie_jar=aiohttp.DummyCookieJar(),  # engines set none: no cookie work per response
-            )
-        return self._session
+    def _http(self) -> HttpPool:
+        # Created on first use, and again under another event loop: connections belong to the loop.
+        if self._pool is None or self._pool.closed or self._pool.loop is not asyncio.get_running_loop():
+            self._pool = HttpPool(self.max_connections, self.timeout_s)
+        return self._pool
 
     # ------------------------------------------------------------ routing
 
@@ -460,7 +456,7 @@ class EngineClient:
 
     @contextlib.contextmanager
     def _counted(self, url: str, path: str) -> Iterator[None]:
-        """One request to `url`: in the stats while it runs, its time observed; aiohttp's failures raised as
+        """One request to `url`: in the stats while it runs, its time observed; transport failures raised as
         `_AttemptError`s (timeout, connection)."""
         stats = self.stats
         stats.requests += 1
@@ -469,10 +465,9 @@ class EngineClient:
         start = time.monotonic()
         try:
             yield
-        except TimeoutError as e:
-            # Before ClientError: aiohttp's timeout errors are connection errors too.
+        except TimeoutError as e:  # before OSError, of which it is one
             raise _AttemptError("timeout", f"no answer within {self.timeout_s}s ({type(e).__name__})") from None
-        except (aiohttp.ClientError, OSError) as e:
+        except OSError as e:
             raise _AttemptError("connection", f"{type(e).__name__}: {e}") from None
         finally:
             elapsed = time.monotonic() - start
@@ -483,8 +478,7 @@ class EngineClient:
 
     async def _attempt(self, url: str, path: str, payload: dict[str, Any]) -> Any:
         with self._counted(url, path):
-            async with self._http().post(url + path, data=orjson.dumps(payload)) as response:
-                status, content = response.status, await response.read()
+            status, content = await self._http().post(url, path, orjson.dumps(payload))
         if status >= 400:
             kind = "http_5xx" if status >= 500 else "http_4xx"
             raise _AttemptError(kind, f"HTTP {status}: {_error_text(content)}", status)
@@ -547,15 +541,13 @@ class EngineClient:
         the request.
         """
         with self._counted(url, "/generate"):
-            async with self._http().post(url + "/generate", data=orjson.dumps(payload)) as response:
+            async with self._http().stream(url, "/generate", orjson.dumps(payload)) as response:
                 if response.status >= 400:
                     kind = "http_5xx" if response.status >= 500 else "http_4xx"
                     reason = f"HTTP {response.status}: {_error_text(await response.read())}"
                     raise _AttemptError(kind, reason, response.status)
                 pending = b""
-                # Events are split here rather than by aiohttp's readline, whose line limit an event that holds
-                # a long output with its log-probs can pass.
-                async for data in response.content.iter_any():
+                async for data in response:
                     pending += data
                     *events, pending = pending.split(b"\n\n")
                     for event in events:
@@ -708,5 +700,5 @@ class EngineClient:
 
     async def aclose(self) -> None:
         """Close the pooled connections."""
-        if self._session is not None:
-            await self._session.close()
+        if self._pool is not None:
+            await self._pool.aclose()
