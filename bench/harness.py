@@ -34,15 +34,17 @@ def free_port() -> int:
 
 
 class Service:
-    """One server subprocess (`python -m <module> <args>`) with its log in `log_path`."""
+    """One server subprocess (`python -m <module> <args>`) with its log in `log_path`, run from the source tree
+    `src` (this checkout by default)."""
 
-    def __init__(self, module: str, args: list[str], port: int, health_path: str, log_path: Path):
+    def __init__(self, module: str, args: list[str], port: int, health_path: str, log_path: Path, src: Path = REPO):
         self.module = module
         self.args = args
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.health_url = self.url + health_path
         self.log_path = log_path
+        self.src = src
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -52,10 +54,10 @@ class Service:
 
     def start(self, timeout_s: float = 60.0) -> Service:
         """Launch and wait until the health URL answers 200."""
-        env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "PYTHONPATH": str(self.src), "TOKENIZERS_PARALLELISM": "false"}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args], stdout=log,
-                                         stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+                                         stderr=subprocess.STDOUT, env=env, cwd=self.src, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -98,11 +100,11 @@ def sim_engine(workdir: Path, latency_ms: float, seed: int = 0) -> Service:
     return Service("rollout_buffer.cli", args, port, "/health", workdir / f"sim-{port}.log")
 
 
-def rollout_buffer(workdir: Path) -> Service:
-    """`rollout-buffer serve` with a fresh data dir under `workdir`."""
+def rollout_buffer(workdir: Path, src: Path = REPO) -> Service:
+    """`rollout-buffer serve` with a fresh data dir under `workdir`, from the source tree `src`."""
     port = free_port()
     args = ["serve", "--port", str(port), "--data-dir", str(workdir / f"data-{port}"), "--log-level", "WARNING"]
-    return Service("rollout_buffer.cli", args, port, "/healthz", workdir / f"buffer-{port}.log")
+    return Service("rollout_buffer.cli", args, port, "/healthz", workdir / f"buffer-{port}.log", src)
 
 
 @dataclass

@@ -84,6 +84,17 @@ def test_proxy_measures_agent_turns_against_the_engine_directly(tmp_path: Path) 
     assert re.search(r"│ direct +│ +\d", out) and re.search(r"│ proxy +│ +\d", out), out[-3000:]
 
 
+def test_proxy_pair_measures_two_buffers_over_the_same_windows(tmp_path: Path) -> None:
+    out = run_bench("proxy_pair", "--sessions", "4", "--latency-ms", "20", "--warmup-s", "4", "--window-s", "1",
+                    "--rounds", "2", "--candidate-option", "session_journal=false", "--workdir", str(tmp_path))
+    line = summary_line(out)
+    found = re.search(rf"proxy pair 4x2@20ms: candidate/baseline CPU per turn {NUMBER} \(rounds: {NUMBER}, {NUMBER}\)",
+                      line)
+    assert found and float(found.group(1)) > 0, line
+    rounds = re.findall(rf"round \d: baseline {NUMBER} turns/s {NUMBER} ms/turn \| candidate {NUMBER} turns/s", out)
+    assert len(rounds) == 2 and all(float(r[0]) > 0 and float(r[2]) > 0 for r in rounds), out[-3000:]
+
+
 def test_ui_queries_times_every_dashboard_query() -> None:
     out = run_bench("ui_queries", "--records", "1024", "--repeat", "2")
     line = summary_line(out)

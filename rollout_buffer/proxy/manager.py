@@ -68,6 +68,7 @@ class SessionManager:
         self._repeats: dict[tuple[str, str], int] = {}
         self._for_actors: dict[str, Session] = {}  # uid -> the open session an actor's trajectory holds
         self._wake = asyncio.Event()
+        self._reap_at = 0.0  # when the expiry loop looks again, unless woken earlier
         self._reaper: asyncio.Task[None] | None = None
         self._stopping = False  # the server shuts down: harness sessions stay stored, not closed
 
@@ -180,7 +181,8 @@ class SessionManager:
             metadata=metadata, run=run, on_closed=self._forget,
         )
         self.sessions[session_id] = session
-        self._wake.set()
+        if kind == "harness" and session.last_active + session.options.session_ttl_s < self._reap_at:
+            self._wake.set()  # expires before the loop looks again (sessions usually open in expiry order)
         log.debug("session %s opened (%s) for %s", session_id, kind, ctx.uid)
         return session
 
@@ -399,9 +401,10 @@ class SessionManager:
             waits = [s.last_active + s.options.session_ttl_s - time.monotonic()
                      for s in self.sessions.values() if s.kind == "harness" and s.state == "open"]
             self._wake.clear()
-            timeout = min([_REAP_MAX_SLEEP_S, *waits])
+            timeout = max(min([_REAP_MAX_SLEEP_S, *waits]), 0.05)
+            self._reap_at = time.monotonic() + timeout
             try:
-                await asyncio.wait_for(self._wake.wait(), max(timeout, 0.05))
+                await asyncio.wait_for(self._wake.wait(), timeout)
             except TimeoutError:
                 pass
 

@@ -1,0 +1,101 @@
+"""Agent proxy, paired: a baseline buffer and a candidate buffer served at the same time, the ratio of their CPU
+per turn.
+
+This VM's speed drifts by ±20% between runs minutes apart, more than most changes to the proxy; two buffers
+measured over the same windows see the same drift. One simulated engine serves both; each buffer gets its own
+`--sessions` agents (the episodes of `bench.proxy`, started spread over one engine latency). The candidate differs
+by its source tree (`--candidate-src`, e.g. a `git worktree` of a branch) and/or its run options
+(`--candidate-option session_journal=false`). Each round prints both buffers' CPU per turn and the ratio; the
+last line is the mean ratio (candidate / baseline: below 1 is cheaper). Two copies of the same build gave ratios
+of 0.95–1.01 over four 30 s rounds.
+
+    python -m bench.proxy_pair --candidate-option session_journal=false
+    python -m bench.proxy_pair --baseline-src ../base-worktree --rounds 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+from rich.console import Console
+
+from bench.harness import REPO, Meter, Service, rollout_buffer, sim_engine
+from bench.proxy import MAX_TOKENS, Agents
+from rollout_buffer.tokenizer import bundled_tokenizer_path
+
+console = Console(width=200)
+
+
+def _options(pairs: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--candidate-option {pair!r}: expected KEY=JSON")
+        out[key] = orjson.loads(value)
+    return out
+
+
+async def _round(engine: Service, buffers: list[Service], sessions: int, latency_s: float, warmup_s: float,
+                 window_s: float) -> list[tuple[float, float]]:
+    """(turns/s, buffer CPU ms per turn) of each buffer over one shared window."""
+    results: dict[int, tuple[int, float]] = {}
+    cpu: dict[int, float] = {}
+    with contextlib.ExitStack() as stack:
+        meters = [stack.enter_context(Meter(b.pid)) for b in buffers]
+
+        async def drive(i: int) -> None:
+            agents = Agents(sessions, 8, latency_s, "proxy", engine.url, buffers[i].url)
+            results[i] = await agents.run(warmup_s, window_s, [meters[i]],
+                                          lambda: cpu.__setitem__(i, meters[i].usage().cpu_s))
+
+        await asyncio.gather(*(drive(i) for i in range(len(buffers))))
+    return [(results[i][0] / results[i][1], 1000 * cpu[i] / results[i][0]) for i in range(len(buffers))]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline-src", type=Path, default=REPO, help="source tree of the baseline buffer")
+    parser.add_argument("--candidate-src", type=Path, default=REPO, help="source tree of the candidate buffer")
+    parser.add_argument("--candidate-option", action="append", default=[], metavar="KEY=JSON",
+                        help="a run option of the candidate's /start_rollout, e.g. session_journal=false")
+    parser.add_argument("--sessions", type=int, default=128, help="agent sessions per buffer")
+    parser.add_argument("--latency-ms", type=float, default=1000.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--window-s", type=float, default=30.0)
+    parser.add_argument("--warmup-s", type=float, default=None, help="default: 3 engine latencies + 3 s")
+    parser.add_argument("--workdir", type=Path, default=None)
+    args = parser.parse_args(argv)
+    candidate_options = _options(args.candidate_option)
+    warmup = args.warmup_s if args.warmup_s is not None else 3 + 3 * args.latency_ms / 1000
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-proxy-pair-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    ratios = []
+    with sim_engine(workdir, args.latency_ms) as engine, \
+            rollout_buffer(workdir, args.baseline_src.resolve()) as baseline, \
+            rollout_buffer(workdir, args.candidate_src.resolve()) as candidate:
+        for buffer, extra in ((baseline, {}), (candidate, candidate_options)):
+            httpx.post(f"{buffer.url}/start_rollout", timeout=60, json={
+                "task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": bundled_tokenizer_path(),
+                "num_repeat_per_sample": 8, "max_tokens": 4 * MAX_TOKENS, **extra}).raise_for_status()
+        for r in range(args.rounds):
+            (base_rate, base_ms), (cand_rate, cand_ms) = asyncio.run(
+                _round(engine, [baseline, candidate], args.sessions, args.latency_ms / 1000, warmup, args.window_s))
+            if not base_rate or not cand_rate:
+                raise SystemExit(f"no turn finished within the {args.window_s:g} s window; give a longer --window-s")
+            ratios.append(cand_ms / base_ms)
+            console.print(f"round {r + 1}: baseline {base_rate:.0f} turns/s {base_ms:.3f} ms/turn | candidate "
+                          f"{cand_rate:.0f} turns/s {cand_ms:.3f} ms/turn | candidate/baseline {ratios[-1]:.3f}")
+    console.print(f"SUMMARY proxy pair {args.sessions}x2@{args.latency_ms:g}ms: candidate/baseline CPU per turn "
+                  f"{sum(ratios) / len(ratios):.3f} (rounds: {', '.join(f'{x:.3f}' for x in ratios)})")
+
+
+if __name__ == "__main__":
+    main()
