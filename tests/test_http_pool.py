@@ -9,8 +9,12 @@ test_proxy_streaming.py.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
+import ssl
+import subprocess
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 
@@ -22,8 +26,9 @@ Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]
 class Scripted:
     """A loopback server running `handler` per connection; counts connections and requests."""
 
-    def __init__(self, handler: Handler):
+    def __init__(self, handler: Handler, tls: ssl.SSLContext | None = None):
         self.handler = handler
+        self.tls = tls
         self.connections = 0
         self.open = 0
         self.most_open = 0
@@ -44,8 +49,9 @@ class Scripted:
                 self.open -= 1
                 writer.close()
 
-        self.server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        self.server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=self.tls)
+        scheme = "https" if self.tls else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -238,5 +244,59 @@ def test_the_pool_caps_connections_in_use_and_keeps_a_path_prefix() -> None:
         assert answers == [(200, b"ok")] * 6
         assert server.most_open == 2 and server.connections == 2
         assert all(r.startswith(b"POST /engine/generate HTTP/1.1\r\n") for r in server.requests)
+
+    run(main())
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_https_engines_are_reached_with_verified_certificates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(cert, key)
+
+    async def main() -> None:
+        async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                writer.write(answer(await server.request(reader)))
+
+        async with Scripted(echo, server_tls) as server:
+            with pytest.raises(TransportError, match="CERTIFICATE_VERIFY_FAILED"):
+                await HttpPool(timeout_s=10).post(server.url, "/generate", b"{}")  # not trusted yet
+            monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+            pool = HttpPool(timeout_s=10)
+            assert await pool.post(server.url, "/generate", b'{"a": 1}') == (200, b'{"a": 1}')
+            assert await pool.post(server.url, "/generate", b'{"a": 2}') == (200, b'{"a": 2}')
+            await pool.aclose()
+        assert server.connections == 1  # both on one kept-alive connection (the refused handshake never got one)
+
+    run(main())
+
+
+def test_answers_larger_than_the_stream_buffer_arrive_whole_read_or_streamed() -> None:
+    big = bytes(range(256)) * (3 * 4096)  # 3 MiB: past the bytes a stream holds before it stops reading
+
+    async def main() -> None:
+        async def large(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                await server.request(reader)
+                writer.write(answer(big))
+                await writer.drain()
+
+        async with Scripted(large) as server:
+            pool = HttpPool(timeout_s=10)
+            assert await pool.post(server.url, "/generate", b"{}") == (200, big)
+            got = []
+            async with pool.stream(server.url, "/generate", b"{}") as response:
+                async for data in response:
+                    got.append(data)
+                    await asyncio.sleep(0.01)  # a slow consumer: the connection pauses and resumes
+            assert b"".join(got) == big
+            assert await pool.post(server.url, "/generate", b"{}") == (200, big)
+            await pool.aclose()
+        assert server.connections == 1
 
     run(main())
