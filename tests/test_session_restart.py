@@ -30,13 +30,13 @@ from test_proxy import (
     view,
 )
 
-from rollout_buffer.delivery.store import Store
 from rollout_buffer.generation.context import RolloutContext, RunResources
 from rollout_buffer.generation.engine import EngineClient
-from rollout_buffer.proxy.journal import Journal, replay
+from rollout_buffer.proxy.journal import Journal, load_sessions, replay
 from rollout_buffer.proxy.messages import message_key, tools_key
 from rollout_buffer.proxy.openai_chat import OpenAIChatAdapter
 from rollout_buffer.proxy.session import ProxyOptions, Session
+from rollout_buffer.proxy.session_files import SessionFiles
 from rollout_buffer.proxy.tree import SessionTree
 
 
@@ -178,37 +178,29 @@ def test_a_run_without_the_journal_writes_no_session_rows(buffer: Server, engine
     session = open_session(buffer.url, "memory-only")
     openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"]).chat.completions.create(
         model="m", messages=[{"role": "user", "content": "Hello?"}])
-    db = sqlite3.connect(buffer.db)  # type: ignore[attr-defined]
-    try:
-        rows = db.execute("SELECT COUNT(*) FROM agent_sessions WHERE session_id=?", (session["session_id"],))
-        turns = db.execute("SELECT COUNT(*) FROM agent_session_turns WHERE session_id=?", (session["session_id"],))
-        assert (rows.fetchone()[0], turns.fetchone()[0]) == (0, 0)
-    finally:
-        db.close()
+    assert not (Path(buffer.db).parent / "sessions" / f"{session['session_id']}.session").exists()  # type: ignore[attr-defined]
     done = httpx.post(f"{buffer.url}/sessions/{session['session_id']}/finish", json={"reward": 1.0}, timeout=30)
     assert done.status_code == 200 and record(buffer.url, session["uid"])["status"] == "completed"
 
 
 def test_the_journal_replays_every_branch_exactly_and_forgets_turns_taken_back(
         tmp_path: Path, engine: Server, qwen_tokenizer: Any) -> None:
-    """In process: a session's turns (continued, forked, rewritten afresh, and taken back) written to a real store,
+    """In process: a session's turns (continued, forked, rewritten afresh, and taken back) written to its file,
     replayed into a new tree: every branch equal, field by field, and the replayed tree routes alike."""
+    files = SessionFiles(tmp_path / "sessions")
 
     async def main() -> None:
-        store = Store(tmp_path / "journal.sqlite")
-        await store.open()
         resources = RunResources("run-j", "agent", {}, EngineClient([engine.url]), qwen_tokenizer, {}, 4096)
         try:
-            await scenario(store, resources)
+            await scenario(resources)
         finally:
             await resources.engine.aclose()
-            await store.close()
 
-    async def scenario(store: Store, resources: RunResources) -> None:
+    async def scenario(resources: RunResources) -> None:
         ctx = RolloutContext(resources, "i", 0, 0, "run-j:i:s-j")
         session = Session("s-j", "key", ctx, "harness", ProxyOptions(), "http://x/v1", "http://x",
-                          journal=Journal(store, "s-j"))
-        await session.journal.opened("run-j", "i", ctx.uid, {})  # type: ignore[union-attr]
+                          journal=Journal(files, "s-j"))
+        session.journal.opened("run-j", "i", ctx.uid, {})  # type: ignore[union-attr]
 
         def ask(messages: list[dict[str, Any]]) -> Any:
             return session.turn(OpenAIChatAdapter().parse({"model": "m", "messages": messages, "tools": OPENAI_TOOLS}))
@@ -228,7 +220,7 @@ def test_the_journal_replays_every_branch_exactly_and_forgets_turns_taken_back(
         assert again.route == "continue" and again.branch.id == 0 and session.undo(again)
         assert sorted(session.tree.branches) == [0, 1]
 
-        stored = await store.stored_sessions()
+        stored = load_sessions(files)
         assert [s.session_id for s in stored] == ["s-j"] and len(stored[0].turns) == 3
         tree = SessionTree()
         replay(stored[0], ctx, tree)
@@ -252,6 +244,6 @@ def test_the_journal_replays_every_branch_exactly_and_forgets_turns_taken_back(
         assert route == (live.kind, live.turns, live.start) == ("continue", 2, 5)
 
         session.journal.closed()  # type: ignore[union-attr]
-        assert await store.stored_sessions() == []
+        assert load_sessions(files) == []
 
     asyncio.run(main())

@@ -138,8 +138,9 @@ CREATE TABLE IF NOT EXISTS eval_samples (
     records BLOB NOT NULL,        -- the generator's records of this sample, a JSON list
     PRIMARY KEY (dataset, version, instance_id, sample)
 );
--- Open harness sessions of the agent proxy (`proxy.journal`), so they survive a restart: one row per session,
--- and each committed turn's additions to its branch tree. Rows go when the session closes.
+-- Open harness sessions of the agent proxy as versions before the session files (`proxy.session_files`) kept
+-- them: one row per session, and each committed turn's additions to its branch tree. Read once at start-up and
+-- moved to files.
 CREATE TABLE IF NOT EXISTS agent_sessions (
     session_id TEXT PRIMARY KEY,
     run_id TEXT NOT NULL,
@@ -270,8 +271,8 @@ class Statement:
 
 @dataclass
 class StoredSession:
-    """An agent session as stored: its row and its turns' rows `(seq, meta, tokens, loss_mask, log_probs)` in
-    the order they were appended."""
+    """An open agent session as written down (`proxy.journal`): what identifies it, its state (JSON), and its
+    turns `(seq, meta, tokens, loss_mask, log_probs)` in order."""
 
     session_id: str
     run_id: str
@@ -733,39 +734,22 @@ class Store:
 
         return await self.call(op)
 
-    # ---- agent sessions (written as turns complete, read once at start-up) -----------------------------
-    def save_session(self, session_id: str, run_id: str, instance_id: str, uid: str, state: bytes
-                     ) -> asyncio.Future[Any]:
-        """Remember an opened session (resolves once committed)."""
-        return self.queue(Statement(
-            "INSERT OR REPLACE INTO agent_sessions(session_id, run_id, instance_id, uid, state, created_at) "
-            "VALUES (?,?,?,?,?,?)", (session_id, run_id, instance_id, uid, state, time.time())))
-
-    def append_session_turn(self, session_id: str, seq: int, meta: bytes, tokens: bytes, loss_mask: bytes,
-                            log_probs: bytes) -> asyncio.Future[Any]:
-        """Append what one committed turn added to a session (resolves once committed)."""
-        return self.queue(Statement(
-            "INSERT OR REPLACE INTO agent_session_turns(session_id, seq, meta, tokens, loss_mask, log_probs) "
-            "VALUES (?,?,?,?,?,?)", (session_id, seq, meta, tokens, loss_mask, log_probs)))
-
-    def drop_session_turn(self, session_id: str, seq: int) -> None:
-        """Forget one turn of a session (a turn taken back; queued, not awaited)."""
-        self.submit(Statement("DELETE FROM agent_session_turns WHERE session_id=? AND seq=?", (session_id, seq)))
-
+    # ---- agent sessions --------------------------------------------------------------------------------
+    # Open harness sessions are journaled in files (`proxy.session_files`); versions before that kept them in
+    # the tables `agent_sessions` and `agent_session_turns`, read here once at start-up to be moved to files.
     def drop_session(self, session_id: str) -> None:
-        """Forget a closed session (queued, not awaited)."""
+        """Forget a session of the tables (queued, not awaited)."""
         self.submit(lambda c: _drop_session(c, session_id))
 
     async def stored_sessions(self) -> list[StoredSession]:
-        """Every session still stored as open, oldest first. One whose records are stored already (it was
-        finished or expired just before a crash) is forgotten instead."""
+        """Every session the tables still hold as open, oldest first. One whose records are stored already (it
+        was finished or expired just before a crash) is forgotten instead."""
 
         def op(conn: sqlite3.Connection) -> list[StoredSession]:
             out: list[StoredSession] = []
             for session_id, run_id, instance_id, uid, state in conn.execute(
                     "SELECT session_id, run_id, instance_id, uid, state FROM agent_sessions ORDER BY rowid").fetchall():
-                if conn.execute("SELECT 1 FROM trajectories WHERE run_id=? AND instance_id=? AND episode=? LIMIT 1",
-                                (run_id, instance_id, uid)).fetchone() is not None:
+                if _episode_stored(conn, run_id, instance_id, uid):
                     _drop_session(conn, session_id)
                     continue
                 turns = conn.execute("SELECT seq, meta, tokens, loss_mask, log_probs FROM agent_session_turns "
@@ -774,6 +758,19 @@ class Store:
             return out
 
         return await self.call(op)
+
+    async def episodes_stored(self, episodes: list[tuple[str, str, str]]) -> set[str]:
+        """Of `(run_id, instance_id, episode uid)`s, the uids some record is stored under."""
+
+        def op(conn: sqlite3.Connection) -> set[str]:
+            return {uid for run_id, instance_id, uid in episodes if _episode_stored(conn, run_id, instance_id, uid)}
+
+        return await self.call(op) if episodes else set()
+
+
+def _episode_stored(conn: sqlite3.Connection, run_id: str, instance_id: str, uid: str) -> bool:
+    return conn.execute("SELECT 1 FROM trajectories WHERE run_id=? AND instance_id=? AND episode=? LIMIT 1",
+                        (run_id, instance_id, uid)).fetchone() is not None
 
 
 def _drop_session(conn: sqlite3.Connection, session_id: str) -> None:

@@ -1,55 +1,71 @@
-"""A harness session's durable form: the rows a committed turn appends to the store, and the replay that rebuilds
-the session's branch tree from them after a restart.
+"""A harness session's durable form: the frames a committed turn appends to the session's file
+(`proxy.session_files`), and the replay that rebuilds the session's branch tree from them after a restart.
 
-A session's row (written when it opens) holds what identifies it: key, repeat, URLs, metadata, opening time. A
-turn's row holds only what the turn added to its branch — the messages and exact tokens (ids, loss mask,
-log-probs) past the point the branch stood at before the turn (its previous turn; the fork point of a forked
-branch; nothing for a new one), the branch's state after the turn, and the reply's match key — never the whole
-tree. The row is encoded on the event loop (a few small copies, token arrays as raw bytes) and queued to the
-store's writer thread, committed with whatever else is waiting; the turn's answer waits for that commit, so an
-answered turn survives `kill -9`. A turn taken back (its client never received it) deletes its row, and a
-closed session's rows go once its records are stored (neither is waited for).
+The session's first frame holds what identifies it: run, instance, episode uid, key, repeat, URLs, metadata,
+opening time. A turn's frame holds only what the turn added to its branch — the messages and exact tokens (ids,
+loss mask, log-probs) past the point the branch stood at before the turn (its previous turn; the fork point of a
+forked branch; nothing for a new one), the branch's state after the turn, and the reply's match key — never the
+whole tree. It is encoded and written on the event loop (a few small copies, token arrays as raw bytes, one
+`write`) before the turn is answered, so an answered turn survives `kill -9`. A turn taken back (its client never
+received it) appends an undo frame; a closed session's file goes once its records are stored.
 
-Replaying the rows in order gives the tree the session had: the same branch ids, exact tokens, routing keys and
+Replaying the frames in order gives the tree the session had: the same branch ids, exact tokens, routing keys and
 counters. A turn in flight at a crash was never written: the client's retry runs it again.
 """
 
 from __future__ import annotations
 
-import asyncio
+import logging
+import struct
 import time
 from array import array
 from typing import Any
 
 import orjson
 
-from rollout_buffer.delivery.store import Store, StoredSession
+from rollout_buffer.delivery.store import StoredSession, StoreError
 from rollout_buffer.generation.context import RolloutContext
 from rollout_buffer.generation.conversation import Conversation, ConversationTail, TurnMark
 from rollout_buffer.proxy.messages import MessageKey, assistant_message, message_key, tool_call, tools_key
 from rollout_buffer.proxy.replies import Reply
+from rollout_buffer.proxy.session_files import SessionFiles
 from rollout_buffer.proxy.tree import Branch, Route, SessionTree
+
+log = logging.getLogger(__name__)
 
 _IDS = "i"  # token ids as int32
 _FLOATS = "d"  # log-probs as float64: exactly what the engine sent
+# Frame kinds (the body's first byte), and a turn frame's fixed part: seq, then the lengths of its four parts.
+_SESSION, _TURN, _UNDO = b"S", b"T", b"U"
+_TURN_HEAD = struct.Struct("<I4I")
+_SEQ = struct.Struct("<I")
 
 
 class Journal:
-    """Writes one harness session's turns to the store as they are committed."""
+    """Writes one harness session's frames to its file as its turns are committed. A write the disk refuses
+    raises StoreError (nothing of it is kept)."""
 
-    def __init__(self, store: Store, session_id: str, next_seq: int = 0):
-        self.store = store
+    def __init__(self, files: SessionFiles, session_id: str, next_seq: int = 0):
+        self.files = files
         self.session_id = session_id
         self._seq = next_seq
 
-    def opened(self, run_id: str, instance_id: str, uid: str, state: dict[str, Any]) -> asyncio.Future[Any]:
-        """The session was opened: its row (the future resolves once it is committed)."""
-        return self.store.save_session(self.session_id, run_id, instance_id, uid, orjson.dumps(state))
+    def _write(self, body: bytes, first: bool = False) -> None:
+        try:
+            if first:
+                self.files.create(self.session_id, body)
+            else:
+                self.files.append(self.session_id, body)
+        except OSError as e:
+            raise StoreError(f"session {self.session_id} could not be written: {e}") from None
 
-    def turn(self, branch: Branch, route: Route, base: TurnMark | None, reply: Reply, protocol: str
-             ) -> tuple[int, asyncio.Future[Any]]:
+    def opened(self, run_id: str, instance_id: str, uid: str, state: dict[str, Any]) -> None:
+        """The session was opened: its first frame."""
+        self._write(_SESSION + orjson.dumps([run_id, instance_id, uid, state]), first=True)
+
+    def turn(self, branch: Branch, route: Route, base: TurnMark | None, reply: Reply, protocol: str) -> int:
         """`branch` just committed a turn routed by `route` (`base`: where a continued branch stood before it):
-        the row's sequence number (which `undo` takes) and a future resolved once the row is committed."""
+        written; returns the frame's sequence number (which `undo` takes)."""
         if route.kind == "continue":
             assert base is not None
             start = (base.messages, base.tokens, base.weight_versions)
@@ -72,19 +88,60 @@ class Journal:
             "tool_calls": len(reply.calls), "ill_formed": int(reply.ill_formed), "protocol": protocol,
             "at": branch.updated_at,
         }
+        parts = (orjson.dumps(meta), array(_IDS, tail.token_ids).tobytes(), bytes(tail.loss_mask),
+                 array(_FLOATS, tail.log_probs).tobytes())
         seq = self._seq
+        self._write(_turn_frame(seq, parts))
         self._seq += 1
-        return seq, self.store.append_session_turn(
-            self.session_id, seq, orjson.dumps(meta), array(_IDS, tail.token_ids).tobytes(), bytes(tail.loss_mask),
-            array(_FLOATS, tail.log_probs).tobytes())
+        return seq
 
     def undo(self, seq: int) -> None:
         """The turn `seq` was taken back."""
-        self.store.drop_session_turn(self.session_id, seq)
+        self._write(_UNDO + _SEQ.pack(seq))
 
     def closed(self) -> None:
-        """The session is closed (its records stored, or it was discarded): its rows go."""
-        self.store.drop_session(self.session_id)
+        """The session is closed (its records stored, or it was discarded): its file goes."""
+        self.files.remove(self.session_id)
+
+
+def load_sessions(files: SessionFiles) -> list[StoredSession]:
+    """Every session written to `files`, as stored (turns taken back left out), oldest first. A file whose first
+    frame is not a session's is skipped with a warning."""
+    out: list[StoredSession] = []
+    for session_id, frames in files.load():
+        if not frames or frames[0][:1] != _SESSION:
+            log.warning("session file %s has no session frame; ignored", session_id)
+            continue
+        run_id, instance_id, uid, state = orjson.loads(frames[0][1:])
+        turns: dict[int, tuple[int, bytes, bytes, bytes, bytes]] = {}
+        for body in frames[1:]:
+            kind = body[:1]
+            if kind == _UNDO:
+                turns.pop(_SEQ.unpack_from(body, 1)[0], None)
+            elif kind == _TURN:
+                seq, *lengths = _TURN_HEAD.unpack_from(body, 1)
+                at, parts = 1 + _TURN_HEAD.size, []
+                for n in lengths:
+                    parts.append(body[at:at + n])
+                    at += n
+                turns[seq] = (seq, *parts)  # type: ignore[assignment]
+        out.append(StoredSession(session_id, run_id, instance_id, uid, orjson.dumps(state),
+                                 [turns[k] for k in sorted(turns)]))
+    return sorted(out, key=lambda s: (load_state(s).get("created_at", 0.0), s.session_id))
+
+
+def save_session(files: SessionFiles, stored: StoredSession) -> None:
+    """Write a session read from elsewhere (the store of an older version) to its file, turns included."""
+    journal = Journal(files, stored.session_id)
+    journal._write(_SESSION + orjson.dumps([stored.run_id, stored.instance_id, stored.uid,
+                                            orjson.loads(stored.state)]), first=True)
+    for seq, *parts in stored.turns:
+        journal._write(_turn_frame(seq, parts))
+
+
+def _turn_frame(seq: int, parts: tuple[bytes, ...] | list[bytes]) -> bytes:
+    """A turn's frame body: its sequence number, then its meta JSON, ids, loss mask and log-probs."""
+    return b"".join((_TURN, _TURN_HEAD.pack(seq, *map(len, parts)), *parts))
 
 
 def load_state(stored: StoredSession) -> dict[str, Any]:

@@ -30,13 +30,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from rollout_buffer.config import ServerConfig
-from rollout_buffer.delivery.store import StoredSession
+from rollout_buffer.delivery.store import StoredSession, StoreError
 from rollout_buffer.generation.context import RolloutContext, stamp
 from rollout_buffer.generation.runner import RunManager
 from rollout_buffer.observability import metrics
-from rollout_buffer.proxy.journal import Journal, idle_since, load_state, replay
+from rollout_buffer.proxy.journal import Journal, idle_since, load_sessions, load_state, replay, save_session
 from rollout_buffer.proxy.messages import WireError
 from rollout_buffer.proxy.session import ProxyOptions, Session
+from rollout_buffer.proxy.session_files import SessionFiles
 from rollout_buffer.proxy.tree import SessionTree
 from rollout_buffer.schemas import TrajectoryRecord
 
@@ -67,6 +68,7 @@ class SessionManager:
         self._options: dict[str, ProxyOptions] = {}
         self._repeats: dict[tuple[str, str], int] = {}
         self._for_actors: dict[str, Session] = {}  # uid -> the open session an actor's trajectory holds
+        self.files = SessionFiles(config.data_dir / "sessions")  # harness sessions' journals
         self._wake = asyncio.Event()
         self._reap_at = 0.0  # when the expiry loop looks again, unless woken earlier
         self._reaper: asyncio.Task[None] | None = None
@@ -94,12 +96,12 @@ class SessionManager:
         run.progress.in_flight += 1
         if not session.options.session_journal:
             return session
-        session.journal = Journal(run.buffer.store, session_id)
-        try:  # answered only once stored: the session survives a restart from its first request on
-            await session.journal.opened(run.run_id, instance_id, ctx.uid, {
+        session.journal = Journal(self.files, session_id)
+        try:  # answered only once written: the session survives a restart from its first request on
+            session.journal.opened(run.run_id, instance_id, ctx.uid, {
                 "api_key": session.api_key, "repeat": repeat, "public_url": public_url, "metadata": metadata,
                 "created_at": session.created_at})
-        except BaseException:  # not answered (store failure, client gone): nobody holds it, so it goes
+        except StoreError:  # not answered: nobody holds it, so it goes
             self.sessions.pop(session_id, None)
             run.progress.in_flight -= 1
             session.journal.closed()
@@ -308,7 +310,15 @@ class SessionManager:
         """After a (re)start, once `runs` resumed its run: restore the stored harness sessions of that run, and
         close those of any other run as failed (a record with the reason each)."""
         store = runs.buffer.store
-        stored = await store.stored_sessions()
+        for legacy in await store.stored_sessions():  # written to the store by an older version: moved to files
+            if not self.files.has(legacy.session_id):  # else moved already, and maybe gone on since
+                save_session(self.files, legacy)
+            store.drop_session(legacy.session_id)
+        stored = load_sessions(self.files)
+        done = await store.episodes_stored([(s.run_id, s.instance_id, s.uid) for s in stored])
+        for s in [s for s in stored if s.uid in done]:  # finished or expired just before a crash: its records stand
+            self.files.remove(s.session_id)
+        stored = [s for s in stored if s.uid not in done]
         if not stored:
             return
         run = runs.current
@@ -343,7 +353,7 @@ class SessionManager:
         session.tree, session.created_at = tree, state["created_at"]
         session.last_active = idle_since(last_at, state["created_at"])
         next_seq = max((t[0] for t in stored.turns), default=-1) + 1
-        session.journal = Journal(run.buffer.store, stored.session_id, next_seq)
+        session.journal = Journal(self.files, stored.session_id, next_seq)
         ctx.engine_stats["turns"] = len(stored.turns)
         run.progress.in_flight += 1
         key = (run.run_id, stored.instance_id)
@@ -370,7 +380,7 @@ class SessionManager:
                             "run_id": stored.run_id, "timestamp": time.time()})
             await runs.buffer.write([record], run_row)
             metrics.TRAJECTORIES_FAILED.labels("session_failed").inc()
-        store.drop_session(stored.session_id)
+        self.files.remove(stored.session_id)
         log.warning("session %s closed as failed: %s", stored.session_id, reason)
 
     # ---- expiry --------------------------------------------------------------------------------------

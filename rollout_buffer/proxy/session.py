@@ -193,19 +193,15 @@ class Session:
         reply = self._reply(conv, before, prompt_tokens, finish, req, parser, sink)
         result = self._commit(pending, keys, reply, req)
         if self.journal is not None:
-            await self._persist(result, pending, req)
+            self._persist(result, pending, req)
         return result
 
-    async def _persist(self, result: TurnResult, pending: _Pending, req: TurnRequest) -> None:
-        """Wait until the committed turn is stored; a turn that cannot be (or whose client left meanwhile) is
-        taken back, so what the session holds is what the store holds."""
+    def _persist(self, result: TurnResult, pending: _Pending, req: TurnRequest) -> None:
+        """Write the committed turn to the session's file; a turn that cannot be written is taken back, so what
+        the session holds is what the file holds."""
         assert self.journal is not None and result.branch is not None
-        result.seq, stored = self.journal.turn(result.branch, pending.route, pending.base, result.reply, req.protocol)
         try:
-            await stored
-        except asyncio.CancelledError:
-            self.undo(result)
-            raise
+            result.seq = self.journal.turn(result.branch, pending.route, pending.base, result.reply, req.protocol)
         except StoreError as e:
             self.undo(result)
             raise WireError("server", f"the turn could not be stored: {e}") from None
@@ -310,7 +306,10 @@ class Session:
             branch.tool_calls -= len(result.reply.calls)
             branch.ill_formed -= result.reply.ill_formed
         if self.journal is not None and result.seq is not None:
-            self.journal.undo(result.seq)
+            try:
+                self.journal.undo(result.seq)
+            except StoreError as e:  # the file keeps the turn: a restart would bring it back
+                log.error("session %s: a turn taken back could not be written as such: %s", self.session_id, e)
         log.info("session %s: a turn the client did not receive was taken back", self.session_id)
         return True
 
