@@ -10,7 +10,7 @@ A harness session belongs to the run it was opened in; finishing it stores its r
 instance id like any trajectory), and a session idle for longer than the run's `session_ttl_s` is closed as
 failed (its branches stored with `status: failed`, so its group is dropped rather than waiting forever).
 
-Harness sessions are durable: each committed turn is appended to the store (`proxy.journal`), and a restarted
+Harness sessions are durable: each committed turn is appended to the session's file (`proxy.journal`), and a restarted
 server restores the open sessions of the run it resumes before it serves (`recover`): same ids, keys and URLs,
 the same branches and exact tokens, idle time counted from the last turn before the restart. Sessions of a run
 that did not resume (replaced, ended) are closed as failed. Generator sessions are not stored: the runner
