@@ -301,6 +301,12 @@ def test_bad_requests_get_protocol_shaped_errors_and_the_session_stays_consisten
     assert [b["turns"] for b in view(buffer.url, session)["branches"]] == [1, 2]
     assert finish(buffer.url, session, 0.5)["records"] == 2
 
+    # Finishing it again, or a session that never was: slime's error shape with the status and the reason.
+    again = httpx.post(f"{buffer.url}/sessions/{session['session_id']}/finish", json={"reward": 1.0}, timeout=10)
+    assert again.status_code == 409 and again.json()["success"] is False and "already" in again.json()["message"]
+    nope = httpx.post(f"{buffer.url}/sessions/s-nope/finish", json={"reward": 1.0}, timeout=10)
+    assert nope.status_code == 404 and "unknown session 's-nope'" in nope.json()["message"]
+
 
 def test_a_template_that_cannot_render_the_tools_is_a_client_error(qwen_tokenizer: Any) -> None:
     tokenizer = copy.deepcopy(qwen_tokenizer)

@@ -50,7 +50,7 @@ class ProxyOptions(RunOptions):
     max_context_tokens: int | None = Field(default=None, ge=1)
     model_name: str = Field(default="policy", min_length=1)
     tool_call_parser: Literal["hermes"] = "hermes"
-    # Harness sessions written to the store turn by turn (they survive a restart); off saves the write per turn.
+    # Harness sessions written to their files turn by turn (they survive a restart); off saves the write per turn.
     session_journal: bool = True
 
 

@@ -61,6 +61,10 @@ def mount_proxy(app: FastAPI) -> None:
     def manager(request: Request) -> SessionManager:
         return request.app.state.sessions
 
+    @app.exception_handler(SessionError)
+    async def _refused(_: Request, exc: SessionError) -> Response:
+        return error_response(exc.status, str(exc))
+
     @app.post("/sessions", summary="Open an agent session in the running agent run (a harness's, or a Ray actor's)",
               openapi_extra=documented_body({"oneOf": [OpenSessionRequest.model_json_schema(),
                                                        OpenGeneratorSessionRequest.model_json_schema()]},
@@ -71,11 +75,7 @@ def mount_proxy(app: FastAPI) -> None:
             return await _open_for_actor(request, validated(OPEN_GENERATOR_BODY, raw))
         body = validated(OPEN_BODY, raw)
         run = _agent_run(request, body.run_id)
-        try:
-            session = await manager(request).open_harness(run, body.instance_id, body.metadata,
-                                                          str(request.base_url))
-        except SessionError as e:
-            raise HTTPException(e.status, str(e)) from None
+        session = await manager(request).open_harness(run, body.instance_id, body.metadata, str(request.base_url))
         return json_response({
             "success": True, "session_id": session.session_id, "base_url": session.base_url,
             "anthropic_base_url": session.anthropic_base_url, "api_key": session.api_key,
@@ -86,11 +86,8 @@ def mount_proxy(app: FastAPI) -> None:
         run = _agent_run(request, body.run_id)
         if run.input_path is None:
             raise HTTPException(409, f"run_id: run {run.run_id} hosts harness sessions; it runs no agents")
-        try:
-            session = await manager(request).open_for_actor(run, body.uid, body.instance_id, body.epoch,
-                                                            body.repeat, body.metadata, str(request.base_url))
-        except SessionError as e:
-            raise HTTPException(e.status, str(e)) from None
+        session = await manager(request).open_for_actor(run, body.uid, body.instance_id, body.epoch, body.repeat,
+                                                        body.metadata, str(request.base_url))
         return json_response({
             "success": True, "session_id": session.session_id, "base_url": session.base_url,
             "anthropic_base_url": session.anthropic_base_url, "api_key": session.api_key,
@@ -103,8 +100,6 @@ def mount_proxy(app: FastAPI) -> None:
         body = validated(FINISH_BODY, parse_body(await request.body()))
         try:
             records = await manager(request).close_for_actor(session_id, body.reward, body.extra_info)
-        except SessionError as e:
-            raise HTTPException(e.status, str(e)) from None
         except ValueError as e:  # closed all the same; the actor fails its trajectory
             return error_response(409, str(e), {"error_kind": "empty_session"})
         return json_response({"success": True, "session_id": session_id, "records": records})
@@ -113,10 +108,7 @@ def mount_proxy(app: FastAPI) -> None:
               openapi_extra=documented_body(DiscardSessionRequest.model_json_schema(), required=True))
     async def discard_session(session_id: str, request: Request) -> Response:
         body = validated(DISCARD_BODY, parse_body(await request.body()))
-        try:
-            await manager(request).discard_for_actor(session_id, body.reason)
-        except SessionError as e:
-            raise HTTPException(e.status, str(e)) from None
+        await manager(request).discard_for_actor(session_id, body.reason)
         return json_response({"success": True, "session_id": session_id})
 
     @app.get("/sessions/{session_id}/transcript", summary="The messages of an open session's latest branch")
@@ -130,10 +122,7 @@ def mount_proxy(app: FastAPI) -> None:
               openapi_extra=documented_body(FinishSessionRequest.model_json_schema(), required=True))
     async def finish_session(session_id: str, request: Request) -> Response:
         body = validated(FINISH_BODY, parse_body(await request.body()))
-        try:
-            stored = await manager(request).finish(session_id, body.reward, body.extra_info)
-        except SessionError as e:
-            raise HTTPException(e.status, str(e)) from None
+        stored = await manager(request).finish(session_id, body.reward, body.extra_info)
         return json_response({"success": True, **stored})
 
     @app.get("/sessions", summary="Open agent sessions (of one run)")
