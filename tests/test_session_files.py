@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from rollout_buffer.delivery.store import Store, StoredSession
-from rollout_buffer.proxy.journal import load_sessions, save_session
+from rollout_buffer.proxy.journal import Journal, load_sessions
 from rollout_buffer.proxy.session_files import SessionFiles
 
 
@@ -62,7 +62,7 @@ def test_sessions_an_older_version_stored_in_sqlite_move_to_files_unchanged(tmp_
             await store.call(lambda c: _legacy_rows(c, state, turns))
             legacy = await store.stored_sessions()
             for s in legacy:
-                save_session(SessionFiles(tmp_path / "sessions"), s)
+                Journal.of_stored(SessionFiles(tmp_path / "sessions"), s)
                 store.drop_session(s.session_id)
             assert await store.stored_sessions() == []
             return legacy

@@ -90,10 +90,25 @@ class Journal:
         }
         parts = (orjson.dumps(meta), array(_IDS, tail.token_ids).tobytes(), bytes(tail.loss_mask),
                  array(_FLOATS, tail.log_probs).tobytes())
+        return self._append_turn(parts)
+
+    def _append_turn(self, parts: tuple[bytes, ...] | list[bytes]) -> int:
+        """Write a turn frame (meta JSON, ids, loss mask, log-probs) under the next sequence number; returns it."""
         seq = self._seq
-        self._write(_turn_frame(seq, parts))
+        self._write(b"".join((_TURN, _TURN_HEAD.pack(seq, *map(len, parts)), *parts)))
         self._seq += 1
         return seq
+
+    @classmethod
+    def of_stored(cls, files: SessionFiles, stored: StoredSession) -> Journal:
+        """Write a session read from elsewhere (the store of an older version) to its file, turns included (their
+        sequence numbers kept); the journal then takes its next turn."""
+        journal = cls(files, stored.session_id)
+        journal.opened(stored.run_id, stored.instance_id, stored.uid, load_state(stored))
+        for seq, *parts in stored.turns:
+            journal._seq = seq
+            journal._append_turn(parts)
+        return journal
 
     def undo(self, seq: int) -> None:
         """The turn `seq` was taken back."""
@@ -107,7 +122,7 @@ class Journal:
 def load_sessions(files: SessionFiles) -> list[StoredSession]:
     """Every session written to `files`, as stored (turns taken back left out), oldest first. A file whose first
     frame is not a session's is skipped with a warning."""
-    out: list[StoredSession] = []
+    out: list[tuple[float, str, StoredSession]] = []
     for session_id, frames in files.load():
         if not frames or frames[0][:1] != _SESSION:
             log.warning("session file %s has no session frame; ignored", session_id)
@@ -125,23 +140,9 @@ def load_sessions(files: SessionFiles) -> list[StoredSession]:
                     parts.append(body[at:at + n])
                     at += n
                 turns[seq] = (seq, *parts)  # type: ignore[assignment]
-        out.append(StoredSession(session_id, run_id, instance_id, uid, orjson.dumps(state),
-                                 [turns[k] for k in sorted(turns)]))
-    return sorted(out, key=lambda s: (load_state(s).get("created_at", 0.0), s.session_id))
-
-
-def save_session(files: SessionFiles, stored: StoredSession) -> None:
-    """Write a session read from elsewhere (the store of an older version) to its file, turns included."""
-    journal = Journal(files, stored.session_id)
-    journal._write(_SESSION + orjson.dumps([stored.run_id, stored.instance_id, stored.uid,
-                                            orjson.loads(stored.state)]), first=True)
-    for seq, *parts in stored.turns:
-        journal._write(_turn_frame(seq, parts))
-
-
-def _turn_frame(seq: int, parts: tuple[bytes, ...] | list[bytes]) -> bytes:
-    """A turn's frame body: its sequence number, then its meta JSON, ids, loss mask and log-probs."""
-    return b"".join((_TURN, _TURN_HEAD.pack(seq, *map(len, parts)), *parts))
+        out.append((state.get("created_at", 0.0), session_id, StoredSession(
+            session_id, run_id, instance_id, uid, orjson.dumps(state), [turns[k] for k in sorted(turns)])))
+    return [stored for *_, stored in sorted(out)]
 
 
 def load_state(stored: StoredSession) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from rollout_buffer.delivery.store import StoredSession, StoreError
 from rollout_buffer.generation.context import RolloutContext, stamp
 from rollout_buffer.generation.runner import RunManager
 from rollout_buffer.observability import metrics
-from rollout_buffer.proxy.journal import Journal, idle_since, load_sessions, load_state, replay, save_session
+from rollout_buffer.proxy.journal import Journal, idle_since, load_sessions, load_state, replay
 from rollout_buffer.proxy.messages import WireError
 from rollout_buffer.proxy.session import ProxyOptions, Session
 from rollout_buffer.proxy.session_files import SessionFiles
@@ -312,7 +312,7 @@ class SessionManager:
         store = runs.buffer.store
         for legacy in await store.stored_sessions():  # written to the store by an older version: moved to files
             if not self.files.has(legacy.session_id):  # else moved already, and maybe gone on since
-                save_session(self.files, legacy)
+                Journal.of_stored(self.files, legacy)
             store.drop_session(legacy.session_id)
         stored = load_sessions(self.files)
         done = await store.episodes_stored([(s.run_id, s.instance_id, s.uid) for s in stored])
