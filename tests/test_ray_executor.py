@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -118,6 +119,19 @@ def test_a_math_run_on_ray_delivers_the_same_groups_as_locally(tmp_path, engine,
     assert metric(ray_buffer.url, "rollout_buffer_engine_request_seconds_count") == local_requests == 48
 
 
+def kill_an_actor_and_finish(ray_buffer: Server, instances: int, repeats: int) -> dict[str, Any]:
+    """Kill the pool's first actor mid-run; once the run finished, nothing failed and each of the `instances` ×
+    `repeats` trajectories was delivered exactly once. The run's final status."""
+    ray.kill(ray.get_actor(pool_workers(ray_buffer)[0], namespace=NAMESPACE))
+    status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=60)
+    records = [r for batch in drain_batches(ray_buffer.url, headers=AUTH) for r in batch]
+    assert status["run"]["state"] == "finished"
+    assert status["run"]["progress"]["failed"] == 0 and status["run"]["progress"]["done"] == instances * repeats
+    assert len(records) == instances * repeats and len({r["uid"] for r in records}) == instances * repeats
+    assert Counter(r["instance_id"] for r in records) == {f"m{i}": repeats for i in range(instances)}
+    return status
+
+
 def test_killing_an_actor_mid_run_loses_nothing(tmp_path, engine, ray_buffer, qwen_tokenizer_path):
     # 192 trajectories, 4 at a time: the run lasts well over a second after the kill, so the killed actor holds
     # some of them.
@@ -129,19 +143,14 @@ def test_killing_an_actor_mid_run_loses_nothing(tmp_path, engine, ray_buffer, qw
         time.sleep(0.02)
     before = httpx.get(f"{ray_buffer.url}/status", headers=AUTH).json()["executor"]
     workers = pool_workers(ray_buffer)
-    ray.kill(ray.get_actor(workers[0], namespace=NAMESPACE))
-    status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=60)
-    records = [r for batch in drain_batches(ray_buffer.url, headers=AUTH) for r in batch]
-    assert status["run"]["state"] == "finished"
-    assert status["run"]["progress"]["failed"] == 0 and status["run"]["progress"]["done"] == 192
-    assert len(records) == 192 and len({r["uid"] for r in records}) == 192
-    assert Counter(r["instance_id"] for r in records) == {f"m{i}": 4 for i in range(48)}
+    status = kill_an_actor_and_finish(ray_buffer, instances=48, repeats=4)
     after = status["executor"]
     assert after["actors_lost"] == before["actors_lost"] + 1
     assert after["retried"] > before["retried"], "the killed actor's trajectories ran again"
     assert metric(ray_buffer.url, "rollout_buffer_executor_retries_total") == after["retried"]
     now = set(pool_workers(ray_buffer))
     assert workers[0] not in now and len(now - set(workers)) == 1, "a new actor was started in its place"
+
 
 
 def test_a_ray_run_resumes_after_the_buffer_is_killed(tmp_path, engine, ray_buffer, qwen_tokenizer_path):
@@ -364,13 +373,7 @@ def test_killing_an_actor_while_agents_run_loses_nothing_and_leaks_no_session(tm
     while len(httpx.get(f"{ray_buffer.url}/sessions", headers=AUTH).json()["sessions"]) < 6:
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    ray.kill(ray.get_actor(pool_workers(ray_buffer)[0], namespace=NAMESPACE))
-    status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=60)
-    records = [r for batch in drain_batches(ray_buffer.url, headers=AUTH) for r in batch]
-    assert status["run"]["state"] == "finished"
-    assert status["run"]["progress"]["failed"] == 0 and status["run"]["progress"]["done"] == 24
-    assert len(records) == 24 and len({r["uid"] for r in records}) == 24
-    assert Counter(r["instance_id"] for r in records) == {f"m{i}": 2 for i in range(12)}
+    status = kill_an_actor_and_finish(ray_buffer, instances=12, repeats=2)
     assert status["executor"]["actors_lost"] == before["actors_lost"] + 1
     assert status["executor"]["retried"] > before["retried"]
     # The lost actor's open sessions were discarded when their trajectories ran again; none is left open.
