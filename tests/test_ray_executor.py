@@ -151,6 +151,20 @@ def test_killing_an_actor_mid_run_loses_nothing(tmp_path, engine, ray_buffer, qw
     now = set(pool_workers(ray_buffer))
     assert workers[0] not in now and len(now - set(workers)) == 1, "a new actor was started in its place"
 
+    # An actor lost between runs: the next run, started while the replacement actor starts, runs on it too (the
+    # replacement once opened only the runs there were when it was made, then refused the new run's jobs, which
+    # hung).
+    lost = status["executor"]["actors_lost"]
+    ray.kill(ray.get_actor(pool_workers(ray_buffer)[0], namespace=NAMESPACE))
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{ray_buffer.url}/status", headers=AUTH).json()["executor"]["actors_lost"] == lost:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert start(ray_buffer.url, engine.url, math_file(tmp_path / "next.jsonl", 8), qwen_tokenizer_path,
+                 num_process=8).status_code == 200
+    status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=60)
+    assert status["run"]["progress"]["done"] == 32 and status["run"]["progress"]["failed"] == 0
+    assert len([r for batch in drain_batches(ray_buffer.url, headers=AUTH) for r in batch]) == 32
 
 
 def test_a_ray_run_resumes_after_the_buffer_is_killed(tmp_path, engine, ray_buffer, qwen_tokenizer_path):

@@ -174,6 +174,12 @@ class RayExecutor:
             await slot.handle.submit.remote(run_id, jobs)
         except RayActorError as e:
             self._on_lost(slot, e)
+        except Exception as e:  # the actor refused the jobs: they fail with the reason rather than wait forever
+            log.error("ray executor: actor %s refused %d trajectories of run %s: %s", slot.name, len(jobs), run_id, e)
+            for job in jobs:
+                pending = slot.pending.pop(job.uid, None)
+                if pending is not None and not pending.future.done():
+                    pending.future.set_result(Failure("executor_error", f"the Ray actor refused it: {e}"))
 
     async def _poll(self, slot: _Slot) -> None:
         linger = (self._options.ray_batch_ms if self._options else 0.0) / 1000
@@ -223,8 +229,7 @@ class RayExecutor:
                 return  # the pool was rebuilt meanwhile
             slot = self._new_slot()
             try:
-                for run_id in list(self._runs):
-                    await slot.handle.open_run.remote(run_id, self._runs[run_id])
+                await self._open_all(slot)
             except RayActorError as e:
                 log.warning("ray executor: replacement actor %s did not start: %s", slot.name, e)
                 continue
@@ -245,6 +250,24 @@ class RayExecutor:
             for pending in waiting:
                 if not pending.future.done():
                     pending.future.set_result(Failure("executor_worker_lost", "no Ray actor could be started"))
+
+    async def _open_all(self, slot: _Slot) -> None:
+        """Open every run on a new actor: those that start while it opens the others too (a run started then
+        opened only the actors already in the pool), and close again those that end meanwhile. Returns when the
+        actor holds exactly the running runs (the caller puts it in the pool without awaiting anything first)."""
+        opened: set[str] = set()
+        while True:
+            for run_id in [r for r in opened if r not in self._runs]:
+                await slot.handle.close_run.remote(run_id)
+                opened.discard(run_id)
+            todo = [run_id for run_id in self._runs if run_id not in opened]
+            if not todo:
+                return
+            for run_id in todo:
+                payload = self._runs.get(run_id)
+                if payload is not None:
+                    await slot.handle.open_run.remote(run_id, payload)
+                    opened.add(run_id)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
