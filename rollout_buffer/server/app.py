@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import TypeAdapter
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.buffer import RecordError, RolloutBuffer
@@ -79,6 +81,22 @@ def make_executor(config: ServerConfig) -> Executor:
     return LocalExecutor()
 
 
+class BufferApp(FastAPI):
+    """The buffer's ASGI app: FastAPI behind the request body cap, with the agent sessions' own API served
+    before FastAPI's middleware stack and router (see `SessionApi`)."""
+
+    def __init__(self, max_body_bytes: int, **kwargs: Any):
+        super().__init__(**kwargs)
+        fastapi = functools.partial(FastAPI.__call__, self)
+        self.front = BodyLimitMiddleware(SessionApi(fastapi, self.state), max_body_bytes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await self.front(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+
+
 def create_app(config: ServerConfig) -> FastAPI:
     """Build the FastAPI app; the store opens and the active run resumes at start-up."""
     generators = discover(config.generator_paths)
@@ -117,14 +135,13 @@ def create_app(config: ServerConfig) -> FastAPI:
             await reader.close()
             await store.close()
 
-    app = FastAPI(
+    app = BufferApp(
+        config.max_body_bytes,
         title="rollout-buffer",
         version="0.1.0",
         description="Asynchronous agent rollout buffer for slime (slime's /start_rollout + /get_rollout_data).",
         lifespan=lifespan,
     )
-    app.add_middleware(SessionApi)  # innermost: the checks below apply to the session API too
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.auth_token:
         app.add_middleware(BearerAuthMiddleware, token=config.auth_token)
     if config.agent_socket is not None:

@@ -342,16 +342,19 @@ _SESSION_PATH = re.compile(r"^/sessions/(?P<session_id>[^/]+)/v1/(?P<endpoint>.+
 
 
 class SessionApi:
-    """Serves each session's OpenAI and Anthropic endpoints (`/sessions/{id}/v1/...`) ahead of FastAPI's router.
+    """Serves each session's OpenAI and Anthropic endpoints (`/sessions/{id}/v1/...`) ahead of FastAPI.
 
-    Innermost of the server's middleware (auth, the agent socket's gate and the body cap still apply). These
-    endpoints answer every outcome in their protocol's shape themselves, so FastAPI's router (which tries every
-    route's pattern in turn), its exception layers and its request wrapper are skipped: they cost a few percent
-    of the buffer's CPU per proxied turn (bench/proxy.py). Other paths go on to FastAPI.
+    The server's app (`server.app.BufferApp`) hands every HTTP request here first; other paths go on to
+    FastAPI. These endpoints answer every outcome in their protocol's shape and check the session's key
+    themselves, so FastAPI's stack is skipped: its error and telemetry layers, the bearer check and the agent
+    socket's gate (both of which let the session API through), its router (which tries every route's pattern in
+    turn) and its request wrapper. They cost several percent of the buffer's CPU per proxied turn
+    (bench/proxy.py). The body cap, applied in front of both, still holds.
     """
 
-    def __init__(self, app: ASGIApp):
+    def __init__(self, app: ASGIApp, state: Any):
         self.app = app
+        self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         match = _SESSION_PATH.match(scope["path"]) if scope["type"] == "http" else None
@@ -364,6 +367,5 @@ class SessionApi:
             response = error_response(405, f"{match['endpoint']} takes {method}")
             response.headers["allow"] = method
         else:
-            request = Request(scope, receive)
-            response = await endpoint(request, request.app.state.sessions, match["session_id"])
+            response = await endpoint(Request(scope, receive), self.state.sessions, match["session_id"])
         await response(scope, receive, send)
