@@ -43,6 +43,7 @@ from typing import Any, Literal
 import orjson
 
 from rollout_buffer.delivery.versions import mask_older_versions
+from rollout_buffer.generation.chat_render import chat_renderer
 from rollout_buffer.generation.tokenizer import end_of_turn_ids
 
 SanityCheckMode = Literal["strict", "ignore_strippable", "disable"]
@@ -116,14 +117,7 @@ class _Frame:
 
 @functools.lru_cache(maxsize=256)
 def _frame(tokenizer: Any, tools_json: bytes, options_json: bytes) -> _Frame:
-    tools = orjson.loads(tools_json)
-    options = orjson.loads(options_json)
-
-    def render(messages: list[dict[str, Any]], generation_prompt: bool) -> str:
-        return tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False, **options
-        )
-
+    render = chat_renderer(tokenizer, tools_json, options_json).render
     base = render(BASE_HISTORY, False)
     with_prompt = render(BASE_HISTORY, True)
     replied = render([*BASE_HISTORY, {"role": "assistant", "content": _PROBE_REPLY}], False)
@@ -179,10 +173,7 @@ class _Prompt:
 
 @functools.lru_cache(maxsize=256)
 def _prompt(tokenizer: Any, messages_json: bytes, tools_json: bytes, options_json: bytes) -> _Prompt:
-    text = tokenizer.apply_chat_template(
-        orjson.loads(messages_json), tools=orjson.loads(tools_json), add_generation_prompt=True, tokenize=False,
-        **orjson.loads(options_json),
-    )
+    text = chat_renderer(tokenizer, tools_json, options_json).render(orjson.loads(messages_json), True)
     ids = tuple(encode(tokenizer, text))
     return _Prompt(text, ids, _head(tokenizer, _frame(tokenizer, tools_json, options_json), text, ids))
 
@@ -281,6 +272,7 @@ class Conversation:
         if self.token_mode:
             self._template_key = (orjson.dumps(tools), orjson.dumps(self._options, option=orjson.OPT_SORT_KEYS))
             self._frame = _frame(tokenizer, *self._template_key)
+            self._renderer = chat_renderer(tokenizer, *self._template_key)
 
     @classmethod
     def restored(cls, tail: ConversationTail, tokenizer: Any, *, tools: list[dict[str, Any]] | None = None,
@@ -599,10 +591,7 @@ class Conversation:
     # -- internals --------------------------------------------------------------------------------
 
     def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
-        return self._tokenizer.apply_chat_template(
-            messages, tools=self.tools, add_generation_prompt=generation_prompt, tokenize=False,
-            **self._options,
-        )
+        return self._renderer.render(messages, generation_prompt)
 
     def _encode(self, text: str) -> list[int]:
         return encode(self._tokenizer, text)

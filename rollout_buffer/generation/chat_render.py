@@ -1,0 +1,99 @@
+"""Chat-template renders as `tokenizer.apply_chat_template(..., tokenize=False)` gives them, without the work
+transformers repeats on every call.
+
+Each call of `apply_chat_template` looks the template up, rebuilds the special-token map, and copies the
+tools, the template options and every message through `_plain_template_data` (which turns rich objects into
+plain JSON values, so the sandboxed template cannot call their methods). The buffer renders once per turn
+(the new messages) and once per trajectory (the tokenization check), always with the same tools and options:
+that repeated work was about 40% of a render. A `ChatRenderer` does the per-template part once, and renders
+messages that are already plain JSON (dicts with string keys, lists, strings, numbers, booleans, None) with
+the compiled template directly, after the two per-message steps transformers applies to them: keys whose
+value is None are left out, and reasoning given under any of its names is offered under all of them. Other
+messages (objects, tuples, numpy values) and tokenizers without a jinja template go through
+`apply_chat_template` itself. `tests/test_chat_render.py` holds the renders equal to transformers'.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import orjson
+
+# transformers' `_REASONING_FIELDS`: reasoning under one name is offered to the template under all three.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_SCALARS = (str, int, float, bool)
+
+
+class ChatRenderer:
+    """Renders one tokenizer's chat template with one tool list and one set of template options."""
+
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None, options: dict[str, Any]):
+        self._tokenizer = tokenizer
+        self._tools = tools
+        self._options = options
+        self._template: Any = None
+        self._variables: dict[str, Any] = {}
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template, _plain_template_data
+
+            source = tokenizer.get_chat_template(None, tools)
+            special = tokenizer.special_tokens_map
+        except (ImportError, AttributeError, ValueError):
+            return  # not a transformers tokenizer with a template: every render goes through apply_chat_template
+        if tools is not None and not all(type(t) is dict for t in tools):
+            return  # callables become schemas in transformers
+        self._template = _compile_jinja_template(source)
+        self._variables = {"tools": _plain_template_data(tools), "documents": None,
+                           **_plain_template_data({**special, **options})}
+
+    def render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        """`apply_chat_template(messages, tools=..., add_generation_prompt=generation_prompt, tokenize=False,
+        **options)` of this renderer's tokenizer, tools and options."""
+        chat = _template_messages(messages) if self._template is not None else None
+        if chat is None:
+            return self._tokenizer.apply_chat_template(
+                messages, tools=self._tools, add_generation_prompt=generation_prompt, tokenize=False,
+                **self._options,
+            )
+        return self._template.render(messages=chat, add_generation_prompt=generation_prompt, **self._variables)
+
+
+@functools.lru_cache(maxsize=256)
+def chat_renderer(tokenizer: Any, tools_json: bytes, options_json: bytes) -> ChatRenderer:
+    """The renderer of `tokenizer` with the tools and template options given as JSON (one per combination)."""
+    return ChatRenderer(tokenizer, orjson.loads(tools_json), orjson.loads(options_json))
+
+
+def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The messages as transformers hands them to the template, or None when one is not plain JSON."""
+    if not messages:
+        return None  # transformers refuses an empty conversation with its own error
+    chat = []
+    for message in messages:
+        if type(message) is not dict:
+            return None
+        kept = {}
+        for key, value in message.items():
+            if value is None:
+                continue
+            if type(key) is not str or not (type(value) in _SCALARS or _plain(value)):
+                return None
+            kept[key] = value
+        reasoning = next((kept[k] for k in _REASONING_FIELDS if k in kept), None)
+        if reasoning is not None:
+            kept = {"thinking": reasoning, **kept, "reasoning_content": reasoning}
+        chat.append(kept)
+    return chat
+
+
+def _plain(value: Any) -> bool:
+    """True for JSON values built from exact dicts with string keys, lists and scalars (no subclasses)."""
+    kind = type(value)
+    if value is None or kind in _SCALARS:
+        return True
+    if kind is dict:
+        return all(type(k) is str and _plain(v) for k, v in value.items())
+    if kind is list:
+        return all(_plain(v) for v in value)
+    return False

@@ -1,0 +1,108 @@
+"""ChatRenderer renders what transformers' apply_chat_template renders, for the real Qwen3 template."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import pytest
+from transformers import AutoTokenizer
+
+from rollout_buffer.generation.chat_render import ChatRenderer, _template_messages
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a"]}}},
+    {"type": "function", "function": {"name": "noop", "description": None, "parameters": {}}}]
+CALL = {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": None}}}
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi", "name": None},
+     {"role": "assistant", "content": "Hello!", "reasoning_content": "greet them"},
+     {"role": "user", "content": "Sum 1, 2"},
+     {"role": "assistant", "content": "", "tool_calls": [CALL, CALL]},
+     {"role": "tool", "content": "3"}, {"role": "tool", "content": ""},
+     {"role": "assistant", "content": "<think>\nok\n</think>\n\n3"}],
+    # Reasoning under each of its names, and a None one that must not hide the next.
+    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "reasoning": "r1"},
+     {"role": "user", "content": "c"}, {"role": "assistant", "content": "d", "thinking": "r2"},
+     {"role": "user", "content": "e"}, {"role": "assistant", "content": "f", "reasoning_content": None,
+                                        "reasoning": "r3"}],
+    [{"role": "user", "content": "parts"},
+     {"role": "assistant", "content": "y", "tool_calls": [{"type": "function", "function": {
+         "name": "add", "arguments": '{"a": 1}'}}, {"type": "function", "function": {
+             "name": "add", "arguments": {"a": [1.5, True, None, {"deep": "x"}]}}}]}, {"role": "tool", "content": "1"}],
+]
+OPTIONS = [{}, {"enable_thinking": False}]
+
+
+@pytest.fixture()
+def tokenizer(qwen_tokenizer_path):
+    return AutoTokenizer.from_pretrained(qwen_tokenizer_path)
+
+
+def _transformers(tok, messages, tools, options, generation_prompt):
+    return tok.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False,
+                                   **options)
+
+
+def test_plain_messages_render_as_transformers_renders_them(tokenizer):
+    for tools in (None, TOOLS):
+        for options in OPTIONS:
+            renderer = ChatRenderer(tokenizer, tools, options)
+            for messages in CONVERSATIONS:
+                assert _template_messages(messages) is not None  # rendered by the compiled template itself
+                for generation_prompt in (False, True):
+                    expected = _transformers(tokenizer, messages, tools, options, generation_prompt)
+                    assert renderer.render(messages, generation_prompt) == expected
+    assert CONVERSATIONS[1][1]["name"] is None  # the caller's messages are left as they were
+
+
+class Role(enum.StrEnum):
+    USER = "user"
+
+
+@dataclasses.dataclass
+class Part:
+    type: str
+    text: str
+
+
+def test_other_messages_go_through_transformers(tokenizer):
+    renderer = ChatRenderer(tokenizer, TOOLS, {})
+    # Each is something transformers converts (enum members to their text, dataclasses to dicts, tuples kept).
+    odd = [
+        [{"role": Role.USER, "content": "hi"}],
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "add", "arguments": {"a": Part("text", "hi")}}}]}],
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "tool_calls": (CALL,)}],
+        [{"role": "user", "content": "hi", 1: "int key"}],
+    ]
+    for messages in odd:
+        assert _template_messages(messages) is None
+        for generation_prompt in (False, True):
+            expected = _transformers(tokenizer, messages, TOOLS, {}, generation_prompt)
+            assert renderer.render(messages, generation_prompt) == expected
+    with pytest.raises(ValueError, match="empty conversation"):
+        renderer.render([], True)
+
+
+def test_the_template_for_tools_is_chosen_as_transformers_chooses_it(tokenizer):
+    tokenizer.chat_template = {
+        "default": "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}",
+        "tool_use": "tools={{ tools | map(attribute='function.name') | join(',') }} "
+                    "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{{ bos_token }}",
+    }
+    messages = CONVERSATIONS[0]
+    for tools in (None, TOOLS):
+        expected = _transformers(tokenizer, messages, tools, {}, True)
+        assert ChatRenderer(tokenizer, tools, {}).render(messages, True) == expected
+    assert ChatRenderer(tokenizer, None, {}).render(messages, True).startswith("[user]")
+
+
+def test_a_tokenizer_without_a_jinja_template_renders_through_its_own_method():
+    class Tokenizer:
+        def apply_chat_template(self, messages, tools, add_generation_prompt, tokenize, **options):
+            return f"{len(messages)} {tools} {add_generation_prompt} {tokenize} {options}"
+
+    renderer = ChatRenderer(Tokenizer(), None, {"x": 1})
+    assert renderer.render([{"role": "user", "content": "hi"}], True) == "1 None True False {'x': 1}"
