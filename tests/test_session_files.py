@@ -1,9 +1,10 @@
-"""Open harness sessions' files: frames read back as written, a torn or corrupted tail cut off cleanly, and the
-sessions an older version kept in the store moved to files unchanged."""
+"""Open harness sessions' files: frames read back as written (with at most `max_open` files open), a torn or
+corrupted tail cut off cleanly, and the sessions an older version kept in the store moved to files unchanged."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 from pathlib import Path
 
@@ -33,6 +34,28 @@ def test_frames_read_back_in_order_and_a_removed_session_is_gone(tmp_path: Path)
     for bad in ("", "../x", ".hidden"):
         with pytest.raises(ValueError):
             files.create(bad, b"x")
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_at_most_max_open_files_stay_open_and_every_frame_lands(tmp_path: Path) -> None:
+    before = _open_fds()
+    files = SessionFiles(tmp_path, max_open=2)
+    for k in range(5):
+        files.create(f"s-{k}", b"first")
+    for turn in range(3):  # each session written to again after others pushed its file out
+        for k in range(5):
+            files.append(f"s-{k}", b"turn %d" % turn)
+            assert _open_fds() <= before + 2
+    assert files.load() == [(f"s-{k}", [b"first", b"turn 0", b"turn 1", b"turn 2"]) for k in range(5)]
+    files.remove("s-4")  # its file was open: closed with it
+    files.close()
+    assert _open_fds() == before
+    files.append("s-0", b"after close")  # opened again
+    assert files.load()[0] == ("s-0", [b"first", b"turn 0", b"turn 1", b"turn 2", b"after close"])
+    files.close()
 
 
 @pytest.mark.parametrize("damage", ["cut", "flipped"])

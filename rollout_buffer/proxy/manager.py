@@ -395,6 +395,7 @@ class SessionManager:
         if self._reaper is not None:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
+        self.files.close()
 
     async def _reap_loop(self) -> None:
         while True:
