@@ -1,13 +1,15 @@
-"""Memoized sandbox decisions: same renders, same refusals, for the real Qwen3 chat template."""
+"""The faster sandbox (memoized decisions, dict keys read first): same renders, same refusals, for the real Qwen3
+chat template."""
 
 from __future__ import annotations
 
 import pytest
+from jinja2 import Undefined
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from transformers import AutoTokenizer
 
-from rollout_buffer.generation.template_sandbox import _MemoizedSafety, memoize_attribute_checks
+from rollout_buffer.generation.template_sandbox import _DictKeysFirst, _MemoizedSafety, speed_up_sandbox
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2 + 2?"}],
@@ -31,21 +33,41 @@ def test_decisions_are_the_sandboxs_own():
             assert memo(obj, attr, getattr(obj, attr)) == env.is_safe_attribute(obj, attr, getattr(obj, attr))
 
 
+def test_dict_lookups_are_the_sandboxs_own():
+    env = ImmutableSandboxedEnvironment()
+    fast = _DictKeysFirst(env)
+
+    class Sub(dict):
+        pass
+
+    for obj in ({"role": "user", "items": 5, "get": "shadowed"}, Sub(role="user"), "text", [1]):
+        for name in ("role", "missing", "items", "get", "update", "__class__", "upper"):
+            mine, theirs = fast(obj, name), env.getattr(obj, name)
+            assert type(mine) is type(theirs), (obj, name)
+            if isinstance(theirs, Undefined):
+                assert (mine._undefined_obj, mine._undefined_name) == (theirs._undefined_obj, theirs._undefined_name)
+            elif not callable(theirs):
+                assert mine == theirs
+    template = env.from_string("{{ m.role }}|{{ m.missing is defined }}|{{ m.items is defined }}|{{ m.missing }}")
+    env.getattr = fast  # type: ignore[method-assign]
+    assert template.render(m={"role": "tool"}) == "tool|False|True|"
+
+
 def test_renders_and_refusals_are_unchanged(qwen_tokenizer_path):
     tok = AutoTokenizer.from_pretrained(qwen_tokenizer_path)
     # A comment makes a template of its own (transformers caches compiled templates by their text).
     tok.chat_template += "{#- memo test -#}"
     before = [tok.apply_chat_template(c, tools=TOOLS, tokenize=False, add_generation_prompt=g)
               for c in CONVERSATIONS for g in (False, True)]
-    assert memoize_attribute_checks(tok) == 1
-    assert memoize_attribute_checks(tok) == 0  # already done
+    assert speed_up_sandbox(tok) == 1
+    assert speed_up_sandbox(tok) == 0  # already done
     for _ in range(2):
         after = [tok.apply_chat_template(c, tools=TOOLS, tokenize=False, add_generation_prompt=g)
                  for c in CONVERSATIONS for g in (False, True)]
         assert after == before
 
     tok.chat_template = "{{ messages.append(messages[0]) }}{{ messages | length }}"
-    assert memoize_attribute_checks(tok) == 1
+    assert speed_up_sandbox(tok) == 1
     for _ in range(2):
         with pytest.raises(SecurityError):
             tok.apply_chat_template(CONVERSATIONS[0], tokenize=False)

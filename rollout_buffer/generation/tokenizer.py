@@ -8,7 +8,7 @@ import os
 import threading
 from typing import Any
 
-from rollout_buffer.generation.template_sandbox import memoize_attribute_checks
+from rollout_buffer.generation.template_sandbox import speed_up_sandbox
 
 # A user turn and an assistant reply: enough history for any chat template to render an assistant turn.
 _PROBE_REPLY = "rollout-buffer probe reply"
@@ -41,7 +41,7 @@ def _load(folder: str) -> Any:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except Exception as e:  # OSError, ValueError, KeyError...: depends on what the folder lacks
         raise ValueError(f"cannot load a tokenizer from {folder!r}: {e}") from e
-    memoize_attribute_checks(tokenizer)
+    speed_up_sandbox(tokenizer)
     return tokenizer
 
 
