@@ -344,7 +344,7 @@ _SESSION_PATH = re.compile(r"^/sessions/(?P<session_id>[^/]+)/v1/(?P<endpoint>.+
 class SessionApi:
     """Serves each session's OpenAI and Anthropic endpoints (`/sessions/{id}/v1/...`) ahead of FastAPI.
 
-    The server's app (`server.app.BufferApp`) hands every HTTP request here first; other paths go on to
+    The server's app (`server.app.BufferApp`) hands every HTTP request here first; other requests go on to
     FastAPI. These endpoints answer every outcome in their protocol's shape and check the session's key
     themselves, so FastAPI's stack is skipped: its error and telemetry layers, the bearer check and the agent
     socket's gate (both of which let the session API through), its router (which tries every route's pattern in
@@ -357,7 +357,7 @@ class SessionApi:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        match = _SESSION_PATH.match(scope["path"]) if scope["type"] == "http" else None
+        match = _SESSION_PATH.match(scope["path"])
         route = SESSION_API.get(match["endpoint"]) if match is not None else None
         if match is None or route is None:
             await self.app(scope, receive, send)
