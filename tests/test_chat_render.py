@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import gc
 
 import pytest
 from transformers import AutoTokenizer
@@ -106,3 +107,23 @@ def test_a_tokenizer_without_a_jinja_template_renders_through_its_own_method():
 
     renderer = ChatRenderer(Tokenizer(), None, {"x": 1})
     assert renderer.render([{"role": "user", "content": "hi"}], True) == "1 None True False {'x': 1}"
+
+
+def test_tool_schemas_keep_their_json_text_while_a_renderer_holds_them(tokenizer):
+    # A template writing the schemas twice, with the filter's own options: each text cached per options.
+    tokenizer.chat_template = ("{% for t in tools %}{{ t | tojson }}|{{ t | tojson(indent=2) }}|"
+                               "{{ t.function | tojson }}{% endfor %}"
+                               "{% for m in messages %}{{ m.content }}{% endfor %}")
+    renderer = ChatRenderer(tokenizer, TOOLS, {})
+    filters = renderer._template.environment.filters
+    held = filters["tojson"]._held
+    assert len(held) == len(TOOLS)
+    for messages in CONVERSATIONS[:2]:
+        for _ in range(2):
+            assert renderer.render(messages, True) == _transformers(tokenizer, messages, TOOLS, {}, True)
+    other = ChatRenderer(tokenizer, TOOLS[:1], {})
+    assert other.render(CONVERSATIONS[0], False) == _transformers(tokenizer, CONVERSATIONS[0], TOOLS[:1], {}, False)
+    assert len(held) == len(TOOLS) + 1
+    del renderer, other
+    gc.collect()
+    assert held == {}  # what they held is let go with them

@@ -11,11 +11,16 @@ the compiled template directly, after the two per-message steps transformers app
 value is None are left out, and reasoning given under any of its names is offered under all of them. Other
 messages (objects, tuples, numpy values) and tokenizers without a jinja template go through
 `apply_chat_template` itself. `tests/test_chat_render.py` holds the renders equal to transformers'.
+
+Templates write every tool's schema as JSON (`tool | tojson`) at the top of every render: with 20 tools that
+was two thirds of the render of a turn's new messages. The renderer's copies of the tools are its own and never
+change (the sandbox forbids templates to), so the template's `tojson` filter keeps their text (`_HeldJson`).
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 import orjson
@@ -44,8 +49,13 @@ class ChatRenderer:
         if tools is not None and not all(type(t) is dict for t in tools):
             return  # callables become schemas in transformers
         self._template = _compile_jinja_template(source)
-        self._variables = {"tools": _plain_template_data(tools), "documents": None,
-                           **_plain_template_data({**special, **options})}
+        plain_tools = _plain_template_data(tools)
+        self._variables = {"tools": plain_tools, "documents": None, **_plain_template_data({**special, **options})}
+        filters = self._template.environment.filters
+        if "tojson" in filters and plain_tools:
+            if not isinstance(filters["tojson"], _HeldJson):
+                filters["tojson"] = _HeldJson(filters["tojson"])
+            weakref.finalize(self, filters["tojson"].release, filters["tojson"].hold(plain_tools))
 
     def render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
         """`apply_chat_template(messages, tools=..., add_generation_prompt=generation_prompt, tokenize=False,
@@ -57,6 +67,40 @@ class ChatRenderer:
                 **self._options,
             )
         return self._template.render(messages=chat, add_generation_prompt=generation_prompt, **self._variables)
+
+
+class _HeldJson:
+    """A template environment's `tojson` filter that keeps the text of the objects renderers hold (their tool
+    schemas) while they hold them; any other value is encoded afresh, as before."""
+
+    def __init__(self, tojson: Any):
+        self._tojson = tojson
+        self._held: dict[int, tuple[Any, dict[Any, str]]] = {}  # id -> (the object, its text by filter options)
+
+    def hold(self, values: list[Any]) -> list[int]:
+        """Keep the text of `values` (objects nothing changes) until `release` of the ids returned."""
+        ids = [id(v) for v in values]
+        for v in values:
+            self._held[id(v)] = (v, {})  # the reference keeps the id from being reused while held
+        return ids
+
+    def release(self, ids: list[int]) -> None:
+        """Forget the objects `hold` returned these ids for."""
+        for i in ids:
+            self._held.pop(i, None)
+
+    def __call__(self, value: Any, *args: Any, **kwargs: Any) -> str:
+        held = self._held.get(id(value))
+        if held is None or held[0] is not value or args:
+            return self._tojson(value, *args, **kwargs)
+        try:
+            options = tuple(sorted(kwargs.items()))
+            return held[1][options]
+        except KeyError:
+            text = held[1][options] = self._tojson(value, **kwargs)
+            return text
+        except TypeError:  # an option that cannot be a key (a list of separators)
+            return self._tojson(value, **kwargs)
 
 
 @functools.lru_cache(maxsize=256)
