@@ -206,13 +206,13 @@ async def _unless_client_leaves(session: Session, task: asyncio.Task[TurnResult]
                                 ) -> TurnResult | None:
     """The turn's result, or None when the client disconnected first (the turn is then cancelled)."""
     gone = asyncio.create_task(_client_gone(receive))
+    gone.add_done_callback(lambda g: g.cancelled() or task.cancel())
     try:
-        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return await session.outcome(task)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        return None
+        return await session.outcome(task)
+    except (asyncio.CancelledError, WireError):
+        if gone.done() and not gone.cancelled():
+            return None  # the turn was cancelled when the client left, and is taken back
+        raise
     finally:
         gone.cancel()
         if not task.done():
