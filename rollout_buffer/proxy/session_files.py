@@ -50,8 +50,13 @@ class SessionFiles:
         """Start the session's file with its first frame (an existing file of that id is replaced)."""
         path = self._path(session_id)
         self._forget(session_id)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self._write(session_id, os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o600), body)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileNotFoundError:  # the folder's first file
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, flags, 0o600)
+        self._write(session_id, fd, body)
 
     def append(self, session_id: str, body: bytes) -> None:
         """Add a frame to the session's file (FileNotFoundError when it has none)."""
