@@ -323,6 +323,44 @@ def test_a_template_that_cannot_render_the_tools_is_a_client_error(qwen_tokenize
     assert "this model has no tool format" in refused.value.message
 
 
+def test_bodies_over_the_cap_are_refused_in_the_clients_protocol(tmp_path, engine: Server,
+                                                                    qwen_tokenizer_path: str) -> None:
+    port = free_port()
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--max-body-bytes", "4096"]
+    with running(args, "/healthz", port, tmp_path / "buffer.log") as srv:
+        httpx.post(f"{srv.url}/start_rollout", timeout=30, json={
+            "task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": qwen_tokenizer_path,
+        }).raise_for_status()
+        session = open_session(srv.url, "big")
+        base, key = session["base_url"], session["api_key"]
+        huge = [{"role": "user", "content": "x" * 5000}]
+        with pytest.raises(openai.APIStatusError) as declared:
+            openai.OpenAI(base_url=base, api_key=key, max_retries=0).chat.completions.create(model="m", messages=huge)
+        assert declared.value.status_code == 413 and declared.value.body["code"] == "request_too_large"
+        assert "4096" in declared.value.body["message"]
+        with pytest.raises(anthropic.APIStatusError) as declared_a:
+            anthropic.Anthropic(base_url=session["anthropic_base_url"], api_key=key, max_retries=0).messages.create(
+                model="m", max_tokens=10, messages=huge)
+        assert declared_a.value.status_code == 413
+        assert declared_a.value.body["error"]["type"] == "request_too_large"
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: the cap is found while the body is read
+            yield b'{"model": "m", "messages": [{"role": "user", "content": "'
+            for _ in range(10):
+                yield b"y" * 1000
+            yield b'"}]}'
+
+        streamed = httpx.post(f"{base}/chat/completions", content=chunks(), timeout=10,
+                              headers={"content-type": "application/json", "authorization": f"Bearer {key}"})
+        assert streamed.status_code == 413, streamed.text
+        assert streamed.json()["error"]["code"] == "request_too_large"
+        small = [{"role": "user", "content": "What is 2 + 3?"}]
+        openai.OpenAI(base_url=base, api_key=key, max_retries=0).chat.completions.create(model="m", messages=small)
+        assert [(b["turns"], b["messages"]) for b in view(srv.url, session)["branches"]] == [(1, 2)]
+        big_record = httpx.post(f"{srv.url}/buffer/write", json={"content": "z" * 5000}, timeout=10)
+        assert big_record.status_code == 413 and "4096" in big_record.json()["message"]  # slime's shape elsewhere
+
+
 def test_a_client_that_hangs_up_leaves_no_half_turn(buffer: Server, engine: Server) -> None:
     session = open_session(buffer.url, "hang-up")
     client = openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)

@@ -35,6 +35,7 @@ _ERROR_TYPES = {
     "context_length": "invalid_request_error",
     "authentication": "authentication_error",
     "not_found": "not_found_error",
+    "too_large": "request_too_large",
     "server": "api_error",
     "engine": "api_error",
 }

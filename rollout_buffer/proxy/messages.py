@@ -25,6 +25,7 @@ ERROR_STATUS = {
     "context_length": 400,
     "authentication": 401,
     "not_found": 404,
+    "too_large": 413,
     "server": 500,
     "engine": 503,
 }

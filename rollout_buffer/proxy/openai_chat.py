@@ -36,6 +36,7 @@ _ERROR_TYPES = {
     "context_length": ("invalid_request_error", "context_length_exceeded"),
     "authentication": ("invalid_request_error", "invalid_api_key"),
     "not_found": ("invalid_request_error", "not_found"),
+    "too_large": ("invalid_request_error", "request_too_large"),
     "server": ("server_error", None),
     "engine": ("server_error", "engine_unavailable"),
 }

@@ -82,13 +82,13 @@ def make_executor(config: ServerConfig) -> Executor:
 
 
 class BufferApp(FastAPI):
-    """The buffer's ASGI app: FastAPI behind the request body cap, with the agent sessions' own API served
-    before FastAPI's middleware stack and router (see `SessionApi`)."""
+    """The buffer's ASGI app: the agent sessions' own API served before FastAPI's middleware stack and router
+    (see `SessionApi`), everything else by FastAPI behind the request body cap."""
 
     def __init__(self, max_body_bytes: int, **kwargs: Any):
         super().__init__(**kwargs)
-        fastapi = functools.partial(FastAPI.__call__, self)
-        self.front = BodyLimitMiddleware(SessionApi(fastapi, self.state), max_body_bytes)
+        fastapi = BodyLimitMiddleware(functools.partial(FastAPI.__call__, self), max_body_bytes)
+        self.front = SessionApi(fastapi, self.state, max_body_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

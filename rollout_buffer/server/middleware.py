@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import re
+from collections.abc import Callable
 
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -69,6 +70,28 @@ class AgentSocketGate:
         await self.app(scope, receive, send)
 
 
+def declared_length(scope: Scope) -> int | None:
+    """The request's Content-Length, when it declares a valid one."""
+    length = dict(scope["headers"]).get(b"content-length")
+    return int(length) if length is not None and length.isdigit() else None
+
+
+def capped(receive: Receive, max_bytes: int, exceeded: Callable[[], Exception]) -> Receive:
+    """`receive` that raises `exceeded()` once the body has grown past `max_bytes` (a body sent in chunks)."""
+    seen = 0
+
+    async def limited() -> Message:
+        nonlocal seen
+        msg = await receive()
+        if msg["type"] == "http.request":
+            seen += len(msg.get("body", b""))
+            if seen > max_bytes:
+                raise exceeded()
+        return msg
+
+    return limited
+
+
 class BodyLimitMiddleware:
     """Refuse request bodies larger than the configured cap with 413, before they are buffered."""
 
@@ -80,19 +103,9 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await error_response(413, f"request body exceeds {self.max_bytes} bytes")(scope, receive, send)
+        message = f"request body exceeds {self.max_bytes} bytes"
+        length = declared_length(scope)
+        if length is not None and length > self.max_bytes:
+            await error_response(413, message)(scope, receive, send)
             return
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.max_bytes:
-                    raise HTTPException(413, f"request body exceeds {self.max_bytes} bytes")
-            return msg
-
-        await self.app(scope, limited, send)
+        await self.app(scope, capped(receive, self.max_bytes, lambda: HTTPException(413, message)), send)

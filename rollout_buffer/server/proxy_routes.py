@@ -39,7 +39,7 @@ from rollout_buffer.schemas import (
     OpenSessionRequest,
 )
 from rollout_buffer.server.bodies import documented_body, error_response, json_response, parse_body, validated
-from rollout_buffer.server.middleware import from_agent_socket
+from rollout_buffer.server.middleware import capped, declared_length, from_agent_socket
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +149,22 @@ async def _count_tokens(request: Request, sessions: SessionManager, session_id: 
 
 
 async def _models(request: Request, sessions: SessionManager, session_id: str) -> Response:
-    adapter = ANTHROPIC if "anthropic-version" in request.headers else OPENAI
+    adapter = _adapter_of("models", request.scope)
     try:
         session = _session(request, sessions, session_id)
     except WireError as e:
         return _error(adapter, e)
     return json_response(adapter.models(session.options.model_name))
+
+
+def _adapter_of(endpoint: str, scope: Scope) -> WireAdapter:
+    """The protocol a session endpoint answers in (`models` serves both: Anthropic's clients send
+    `anthropic-version`)."""
+    if endpoint.startswith("messages"):
+        return ANTHROPIC
+    if endpoint == "models" and any(name == b"anthropic-version" for name, _ in scope["headers"]):
+        return ANTHROPIC
+    return OPENAI
 
 
 def _agent_run(request: Request, run_id: str | None) -> Any:
@@ -349,12 +359,15 @@ class SessionApi:
     themselves, so FastAPI's stack is skipped: its error and telemetry layers, the bearer check and the agent
     socket's gate (both of which let the session API through), its router (which tries every route's pattern in
     turn) and its request wrapper. They cost several percent of the buffer's CPU per proxied turn
-    (bench/proxy.py). The body cap, applied in front of both, still holds.
+    (bench/proxy.py). The body cap holds for them too, refused in their protocol's shape (a declared length over
+    it before anything is read; a body sent in chunks once it grows past it).
     """
 
-    def __init__(self, app: ASGIApp, state: Any):
+    def __init__(self, app: ASGIApp, state: Any, max_body_bytes: int):
         self.app = app
         self.state = state
+        self.max_body_bytes = max_body_bytes
+        self._too_large = f"request body exceeds {max_body_bytes} bytes"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         match = _SESSION_PATH.match(scope["path"])
@@ -366,6 +379,9 @@ class SessionApi:
         if scope["method"] != method:
             response = error_response(405, f"{match['endpoint']} takes {method}")
             response.headers["allow"] = method
+        elif (declared_length(scope) or 0) > self.max_body_bytes:
+            response = _error(_adapter_of(match["endpoint"], scope), WireError("too_large", self._too_large))
         else:
+            receive = capped(receive, self.max_body_bytes, lambda: WireError("too_large", self._too_large))
             response = await endpoint(Request(scope, receive), self.state.sessions, match["session_id"])
         await response(scope, receive, send)
