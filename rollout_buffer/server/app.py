@@ -83,12 +83,11 @@ def make_executor(config: ServerConfig) -> Executor:
 
 class BufferApp(FastAPI):
     """The buffer's ASGI app: the agent sessions' own API served before FastAPI's middleware stack and router
-    (see `SessionApi`), everything else by FastAPI behind the request body cap."""
+    (see `SessionApi`), everything else by FastAPI."""
 
     def __init__(self, max_body_bytes: int, **kwargs: Any):
         super().__init__(**kwargs)
-        fastapi = BodyLimitMiddleware(functools.partial(FastAPI.__call__, self), max_body_bytes)
-        self.front = SessionApi(fastapi, self.state, max_body_bytes)
+        self.front = SessionApi(functools.partial(FastAPI.__call__, self), self.state, max_body_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -142,6 +141,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         description="Asynchronous agent rollout buffer for slime (slime's /start_rollout + /get_rollout_data).",
         lifespan=lifespan,
     )
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.auth_token:
         app.add_middleware(BearerAuthMiddleware, token=config.auth_token)
     if config.agent_socket is not None:

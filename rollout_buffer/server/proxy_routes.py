@@ -359,8 +359,9 @@ class SessionApi:
     themselves, so FastAPI's stack is skipped: its error and telemetry layers, the bearer check and the agent
     socket's gate (both of which let the session API through), its router (which tries every route's pattern in
     turn) and its request wrapper. They cost several percent of the buffer's CPU per proxied turn
-    (bench/proxy.py). The body cap holds for them too, refused in their protocol's shape (a declared length over
-    it before anything is read; a body sent in chunks once it grows past it).
+    (bench/proxy.py). The body cap (`BodyLimitMiddleware` in FastAPI's stack) is applied here too, refused in the
+    protocol's shape: a declared length over it before anything is read, a body sent in chunks once it grows
+    past it.
     """
 
     def __init__(self, app: ASGIApp, state: Any, max_body_bytes: int):
