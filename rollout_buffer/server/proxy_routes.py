@@ -219,7 +219,7 @@ async def _unless_client_leaves(session: Session, task: asyncio.Task[TurnResult]
     gone.add_done_callback(lambda g: g.cancelled() or task.cancel())
     try:
         return await session.outcome(task)
-    except (asyncio.CancelledError, WireError):
+    except WireError:  # what `outcome` makes of the cancelled turn
         if gone.done() and not gone.cancelled():
             return None  # the turn was cancelled when the client left, and is taken back
         raise
