@@ -742,16 +742,13 @@ class Store:
         self.submit(lambda c: _drop_session(c, session_id))
 
     async def stored_sessions(self) -> list[StoredSession]:
-        """Every session the tables still hold as open, oldest first. One whose records are stored already (it
-        was finished or expired just before a crash) is forgotten instead."""
+        """Every session the tables still hold, oldest first (whether its records were stored since is for the
+        caller to ask, as of the sessions in files: `episodes_stored`)."""
 
         def op(conn: sqlite3.Connection) -> list[StoredSession]:
             out: list[StoredSession] = []
             for session_id, run_id, instance_id, uid, state in conn.execute(
                     "SELECT session_id, run_id, instance_id, uid, state FROM agent_sessions ORDER BY rowid").fetchall():
-                if _episode_stored(conn, run_id, instance_id, uid):
-                    _drop_session(conn, session_id)
-                    continue
                 turns = conn.execute("SELECT seq, meta, tokens, loss_mask, log_probs FROM agent_session_turns "
                                      "WHERE session_id=? ORDER BY seq", (session_id,)).fetchall()
                 out.append(StoredSession(session_id, run_id, instance_id, uid, state, turns))
@@ -763,14 +760,11 @@ class Store:
         """Of `(run_id, instance_id, episode uid)`s, the uids some record is stored under."""
 
         def op(conn: sqlite3.Connection) -> set[str]:
-            return {uid for run_id, instance_id, uid in episodes if _episode_stored(conn, run_id, instance_id, uid)}
+            query = "SELECT 1 FROM trajectories WHERE run_id=? AND instance_id=? AND episode=? LIMIT 1"
+            return {uid for run_id, instance_id, uid in episodes
+                    if conn.execute(query, (run_id, instance_id, uid)).fetchone() is not None}
 
         return await self.call(op) if episodes else set()
-
-
-def _episode_stored(conn: sqlite3.Connection, run_id: str, instance_id: str, uid: str) -> bool:
-    return conn.execute("SELECT 1 FROM trajectories WHERE run_id=? AND instance_id=? AND episode=? LIMIT 1",
-                        (run_id, instance_id, uid)).fetchone() is not None
 
 
 def _drop_session(conn: sqlite3.Connection, session_id: str) -> None:
