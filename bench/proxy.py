@@ -193,6 +193,18 @@ def measure(system: str, engine: Service, buffer: Service | None, sessions: int,
     return Result(system, turns / window, buffer_cores, cpu_s["engine"] / window, cpu_s["machine"])
 
 
+def start_agent_run(buffer: Service, engine: Service, **options: Any) -> None:
+    """Start the agent run the measured sessions open in (sessions only, no input), with extra run `options`."""
+    httpx.post(f"{buffer.url}/start_rollout", timeout=60, json={
+        "task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": bundled_tokenizer_path(),
+        "num_repeat_per_sample": 8, "max_tokens": 4 * MAX_TOKENS, **options}).raise_for_status()
+
+
+def warmup_s(given: float | None, latency_ms: float) -> float:
+    """The warm-up before a window: `given`, or 3 engine latencies + 3 s (every agent past its first turns)."""
+    return given if given is not None else 3 + 3 * latency_ms / 1000
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=256)
@@ -203,19 +215,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--profile", action="store_true", help="py-spy the buffer during its window")
     parser.add_argument("--no-journal", action="store_true",
-                        help="sessions not written to the store turn by turn (run option session_journal: false)")
+                        help="sessions not written to their files turn by turn (run option session_journal: false)")
     args = parser.parse_args(argv)
-    warmup = args.warmup_s if args.warmup_s is not None else 3 + 3 * args.latency_ms / 1000
+    warmup = warmup_s(args.warmup_s, args.latency_ms)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-proxy-"))
     workdir.mkdir(parents=True, exist_ok=True)
     with sim_engine(workdir, args.latency_ms) as engine:
         shape = (args.sessions, args.turns, args.latency_ms / 1000, warmup, args.window_s)
         direct = measure("direct", engine, None, *shape)
         with rollout_buffer(workdir) as buffer:
-            started = httpx.post(f"{buffer.url}/start_rollout", timeout=60, json={
-                "task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": bundled_tokenizer_path(),
-                "num_repeat_per_sample": 8, "max_tokens": 4 * MAX_TOKENS, "session_journal": not args.no_journal})
-            started.raise_for_status()
+            start_agent_run(buffer, engine, session_journal=not args.no_journal)
             proxy = measure("proxy", engine, buffer, *shape, workdir / "profile-proxy.txt" if args.profile else None)
     for r in (direct, proxy):
         if r.turns_per_s == 0:

@@ -22,13 +22,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import httpx
 import orjson
 from rich.console import Console
 
 from bench.harness import REPO, Meter, Service, rollout_buffer, sim_engine
-from bench.proxy import MAX_TOKENS, Agents
-from rollout_buffer.tokenizer import bundled_tokenizer_path
+from bench.proxy import Agents, start_agent_run, warmup_s
 
 console = Console(width=200)
 
@@ -74,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args(argv)
     candidate_options = _options(args.candidate_option)
-    warmup = args.warmup_s if args.warmup_s is not None else 3 + 3 * args.latency_ms / 1000
+    warmup = warmup_s(args.warmup_s, args.latency_ms)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-proxy-pair-"))
     workdir.mkdir(parents=True, exist_ok=True)
     ratios = []
@@ -82,9 +80,7 @@ def main(argv: list[str] | None = None) -> None:
             rollout_buffer(workdir, args.baseline_src.resolve()) as baseline, \
             rollout_buffer(workdir, args.candidate_src.resolve()) as candidate:
         for buffer, extra in ((baseline, {}), (candidate, candidate_options)):
-            httpx.post(f"{buffer.url}/start_rollout", timeout=60, json={
-                "task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": bundled_tokenizer_path(),
-                "num_repeat_per_sample": 8, "max_tokens": 4 * MAX_TOKENS, **extra}).raise_for_status()
+            start_agent_run(buffer, engine, **extra)
         for r in range(args.rounds):
             (base_rate, base_ms), (cand_rate, cand_ms) = asyncio.run(
                 _round(engine, [baseline, candidate], args.sessions, args.latency_ms / 1000, warmup, args.window_s))
