@@ -5,21 +5,61 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 TrajectoryStatus = Literal["completed", "truncated", "aborted", "failed"]
 
 
-def _no_bool(value: Any) -> Any:
-    # pydantic takes true/false as 1/0 for an int field; a version or a bound given as a boolean is a mistake.
+def _wire_int(value: Any) -> Any:
+    # slime sends counts as numeric strings ("8"); a boolean for a count or version is a mistake (pydantic
+    # would take true as 1).
     if isinstance(value, bool):
         raise ValueError("must be an integer, not a boolean")
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        return int(value)
     return value
 
 
-# A count or version that must be a non-negative integer; numeric strings ("3", as slime sends numbers) pass.
-NonNegativeInt = Annotated[int, BeforeValidator(_no_bool), Field(ge=0)]
-PositiveInt = Annotated[int, BeforeValidator(_no_bool), Field(ge=1)]
+def _int_schema(ge: int, le: int | None = None) -> WithJsonSchema:
+    """The documented form of a wire integer: a JSON integer in bounds, or its decimal digits as a string."""
+    bounds: dict[str, int] = {"minimum": ge} | ({"maximum": le} if le is not None else {})
+    return WithJsonSchema({"anyOf": [{"type": "integer", **bounds}, {"type": "string", "pattern": "^[0-9]+$"}]})
+
+
+# Counts and versions: an integer, or its digits as a string (as slime sends numbers). Request models are strict
+# otherwise, so what they accept is what the OpenAPI document says.
+NonNegativeInt = Annotated[int, BeforeValidator(_wire_int), Field(ge=0), _int_schema(0)]
+PositiveInt = Annotated[int, BeforeValidator(_wire_int), Field(ge=1), _int_schema(1)]
+# A whole number (a seed): any sign.
+WireInt = Annotated[int, BeforeValidator(_wire_int),
+                    WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string", "pattern": "^[0-9]+$"}]})]
+# A non-empty string.
+Text = Annotated[str, Field(min_length=1)]
+
+
+def _id_as_str(value: Any) -> Any:
+    # slime's data often has integer ids; the store keys on strings.
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+# An id slime's data may give as an integer: stored as its string.
+Id = Annotated[str, BeforeValidator(_id_as_str), Field(min_length=1),
+               WithJsonSchema({"anyOf": [{"type": "string", "minLength": 1}, {"type": "integer"}]})]
+# A role stream's name: a record's `extra_info.agent_id`.
+AgentId = Annotated[str, Field(min_length=1, max_length=128)]
+# An eval dataset's name: non-empty, no '/', no surrounding spaces.
+DatasetName = Annotated[str, Field(pattern=r"^[^/\s](?:[^/]*[^/\s])?$")]
+# Request bodies: no silent coercion (true is no 1, "1.5" no number) beyond the wire integers above.
+STRICT = ConfigDict(strict=True)
 
 
 def check_http_urls(value: str | list[str] | None, what: str = "engine URL") -> None:
@@ -48,10 +88,15 @@ class TrajectoryRecord(BaseModel):
     token fields are filled when the generator ran in token mode. Unknown keys are kept.
     """
 
-    model_config = ConfigDict(extra="allow")
+    # Not strict itself: generators' own records (numpy numbers, tuples) are validated with it too. A record sent
+    # over HTTP is validated strictly (`server.bodies.validated`).
+    model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [{
+        "uid": "run-1:q7:0:0", "instance_id": "q7", "reward": 1.0, "extra_info": {"epoch": 0},
+        "messages": [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"}],
+    }]})
 
-    uid: str = Field(min_length=1)
-    instance_id: str
+    uid: Text
+    instance_id: Id
     messages: list[dict[str, Any]]
     reward: float
     extra_info: dict[str, Any] = Field(default_factory=dict)
@@ -62,12 +107,6 @@ class TrajectoryRecord(BaseModel):
     rollout_log_probs: list[float] | None = None
     response_length: int | None = None
     weight_versions: list[str] | None = None
-
-    @field_validator("instance_id", mode="before")
-    @classmethod
-    def _instance_id_as_str(cls, v: Any) -> Any:
-        # slime's data often has integer ids; the store keys on strings.
-        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
     @field_validator("reward", "raw_reward")
     @classmethod
@@ -99,25 +138,29 @@ class TrajectoryRecord(BaseModel):
 class StartRolloutRequest(BaseModel):
     """slime's `/start_rollout` payload. Numbers may arrive as strings, as slime sends them."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"examples": [{
+        "task_type": "math", "input_file": "/data/math.jsonl", "num_repeat_per_sample": "8", "num_epoch": "1",
+        "num_process": "256", "remote_engine_url": "http://127.0.0.1:30000", "max_tokens": "1024",
+        "sampling_params": {"temperature": 1.0, "top_p": 1.0}, "tokenizer_path": "/models/Qwen3-4B",
+    }]})
 
-    task_type: str = Field(min_length=1)
+    task_type: Text
     # Required unless the generator runs without input (an `agent` run that only hosts sessions).
-    input_file: str | None = Field(default=None, min_length=1)
-    num_repeat_per_sample: int = Field(default=8, ge=1, le=4096)
-    num_epoch: int = Field(default=1, ge=1)
-    num_process: int = Field(default=256, ge=1, le=1_000_000)
+    input_file: Text | None = None
+    num_repeat_per_sample: Annotated[int, BeforeValidator(_wire_int), Field(ge=1, le=4096), _int_schema(1, 4096)] = 8
+    num_epoch: PositiveInt = 1
+    num_process: Annotated[int, BeforeValidator(_wire_int), Field(ge=1, le=1_000_000), _int_schema(1, 1_000_000)] = 256
     remote_engine_url: EngineUrls = None
     remote_buffer_url: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: PositiveInt | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     tokenizer_path: str | None = None
-    skip_instance_ids: list[str] | None = None
+    skip_instance_ids: list[Id] | None = None
     # Group policy: slime's validity rule by default, DAPO dynamic sampling on request.
     drop_zero_variance: bool = False
     normalize_rewards: bool = True
     shuffle: bool = True
-    seed: int = 42
+    seed: WireInt = 42
     # Fully asynchronous control (README "Staleness and weight versions").
     max_staleness: NonNegativeInt | None = None
     rollout_batch_size: PositiveInt | None = None
@@ -126,13 +169,6 @@ class StartRolloutRequest(BaseModel):
     mask_offpolicy_in_partial_rollout: bool = False
     max_abort_requeues: NonNegativeInt = 8
     current_version: NonNegativeInt | None = None
-
-    @field_validator("skip_instance_ids", mode="before")
-    @classmethod
-    def _ids_as_str(cls, v: Any) -> Any:
-        if isinstance(v, list):
-            return [str(x) if isinstance(x, int) and not isinstance(x, bool) else x for x in v]
-        return v
 
     @model_validator(mode="after")
     def _staleness_needs_batch(self) -> StartRolloutRequest:
@@ -149,9 +185,9 @@ class StartRolloutRequest(BaseModel):
 class EvalDatasetSpec(BaseModel):
     """One eval dataset of `/start_eval`: its file and what it overrides of the call's defaults."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    path: str = Field(min_length=1)
+    path: Text
     n_samples_per_eval_prompt: PositiveInt | None = None
     sampling_params: dict[str, Any] | None = None
     max_tokens: PositiveInt | None = None
@@ -164,29 +200,24 @@ class StartEvalRequest(BaseModel):
     (extra keys) are taken from that run too, then overridden by this body's.
     """
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"examples": [{
+        "eval_datasets": {"aime": "/data/aime.jsonl", "gsm8k": {"path": "/data/gsm8k.jsonl", "max_tokens": 512}},
+        "n_samples_per_eval_prompt": 4, "current_version": 3,
+    }]})
 
     mode: Literal["eval"] = "eval"
-    eval_datasets: dict[str, str | EvalDatasetSpec] = Field(min_length=1)
+    eval_datasets: dict[DatasetName, Text | EvalDatasetSpec] = Field(min_length=1)
     n_samples_per_eval_prompt: PositiveInt = 1
     eval_num_process: PositiveInt = 32
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     max_tokens: PositiveInt | None = None
     # The trainer's weight version the eval stands for; default: the latest run's trainer version, else 0.
     current_version: NonNegativeInt | None = None
-    task_type: str | None = Field(default=None, min_length=1)
+    task_type: Text | None = None
     remote_engine_url: EngineUrls = None
     tokenizer_path: str | None = None
     # A sample is correct (for pass@k) when its reward is at least this (slime: reward == 1).
     pass_threshold: float = 1.0
-
-    @field_validator("eval_datasets")
-    @classmethod
-    def _names(cls, v: dict[str, str | EvalDatasetSpec]) -> dict[str, str | EvalDatasetSpec]:
-        for name in v:
-            if not name or "/" in name or name != name.strip():
-                raise ValueError(f"dataset name {name!r}: must be non-empty, without '/' or surrounding spaces")
-        return v
 
     @field_validator("pass_threshold")
     @classmethod
@@ -212,7 +243,7 @@ class StartEvalRequest(BaseModel):
 class EvalResultsRequest(BaseModel):
     """Body of `/eval_results`: summaries (and records) of evals, waiting up to `wait_s` for them to finish."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     version: NonNegativeInt | None = None  # default: each dataset's newest version
     datasets: list[str] | None = None
@@ -220,16 +251,15 @@ class EvalResultsRequest(BaseModel):
     records: bool = False
 
 
-# A role stream's name: a record's `extra_info.agent_id`.
-AgentId = Annotated[str, Field(min_length=1, max_length=128)]
 
 
 class GetRolloutDataRequest(BaseModel):
     """Body of `/get_rollout_data`; slime's original client sends `{}`."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={"examples": [
+        {"max_groups": 4, "wait_s": 30, "lease_s": 600, "current_version": 12}, {}]})
 
-    max_groups: int | None = Field(default=None, ge=1)
+    max_groups: PositiveInt | None = None
     wait_s: float = Field(default=0.0, ge=0.0, le=600.0)
     lease_s: float | None = Field(default=None, gt=0.0, le=86_400.0)
     ack: str | None = None
@@ -238,10 +268,14 @@ class GetRolloutDataRequest(BaseModel):
     order: Literal["oldest", "newest"] = "oldest"
     # A role stream (plan/act's "planner" / "actor"): only that role's records, its own leases and counters.
     agent_id: AgentId | None = None
+    # The run to fetch from; default: the current run (an earlier run's leftovers only when named here).
+    run_id: Text | None = None
 
 
 class TrainerVersionRequest(BaseModel):
     """Body of `/trainer_version`: the trainer updated its weights without fetching."""
+
+    model_config = STRICT
 
     current_version: NonNegativeInt
     # A trainer restarted from an older checkpoint reports an older version on purpose.
@@ -252,6 +286,8 @@ class TrainerVersionRequest(BaseModel):
 class AckRequest(BaseModel):
     """Body of `/ack`."""
 
+    model_config = STRICT
+
     batch_id: str = Field(min_length=1)
     agent_id: AgentId | None = None  # the stream the batch was fetched from
 
@@ -259,15 +295,12 @@ class AckRequest(BaseModel):
 class OpenSessionRequest(BaseModel):
     """Body of `POST /sessions`: a harness opens an agent session in the running agent run."""
 
+    model_config = ConfigDict(strict=True, json_schema_extra={"examples": [{"instance_id": "task-17"}]})
+
     kind: Literal["harness"] = "harness"
-    instance_id: str = Field(min_length=1)
+    instance_id: Id
     run_id: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("instance_id", mode="before")
-    @classmethod
-    def _instance_id_as_str(cls, v: Any) -> Any:
-        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
 
 class OpenGeneratorSessionRequest(BaseModel):
@@ -275,10 +308,12 @@ class OpenGeneratorSessionRequest(BaseModel):
     trajectory the run gave it; the buffer's proxy generates its turns, and its records go back to the actor
     (`/sessions/{id}/close`), which returns them to the runner as the trajectory's outcome."""
 
+    model_config = STRICT
+
     kind: Literal["generator"]
-    run_id: str = Field(min_length=1)
-    uid: str = Field(min_length=1)
-    instance_id: str = Field(min_length=1)
+    run_id: Text
+    uid: Text
+    instance_id: Text
     epoch: NonNegativeInt
     repeat: NonNegativeInt
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -294,11 +329,15 @@ class OpenGeneratorSessionRequest(BaseModel):
 class DiscardSessionRequest(BaseModel):
     """Body of `POST /sessions/{session_id}/discard`: close a generator's session without records."""
 
+    model_config = STRICT
+
     reason: str = Field(min_length=1, max_length=4000)
 
 
 class FinishSessionRequest(BaseModel):
     """Body of `POST /sessions/{session_id}/finish`: the episode's reward, shared by every branch."""
+
+    model_config = ConfigDict(strict=True, json_schema_extra={"examples": [{"reward": 1.0, "extra_info": {}}]})
 
     reward: float
     extra_info: dict[str, Any] = Field(default_factory=dict)

@@ -279,3 +279,33 @@ def test_writes_follow_the_latest_run(tmp_path) -> None:
         assert httpx.post(f"{srv.url}/buffer/write", json=record("late", "late", 1.0)).status_code == 200
         late = httpx.get(f"{srv.url}/groups", params={"run_id": run_id}).json()["groups"]
         assert "late" in {g["instance_id"] for g in late}
+
+
+def test_a_fetch_gets_its_own_runs_groups(tmp_path) -> None:
+    port = free_port()
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "d"), "--group-size", "2"]
+    with running(args, "/healthz", port, tmp_path / "log") as srv:
+        write_group(srv.url, "old", [1.0, 0.0])  # left ready by an earlier run (here: the default run)
+        old_run = httpx.get(f"{srv.url}/status").json()["run"]["run_id"]
+        inp = tmp_path / "math.jsonl"
+        inp.write_text('{"prompt": "What is 1 + 1?", "label": "2"}\n')
+        started = httpx.post(f"{srv.url}/start_rollout", timeout=30, json={
+            "task_type": "math", "input_file": str(inp), "num_repeat_per_sample": 2, "num_process": 1,
+            "remote_engine_url": f"http://127.0.0.1:{free_port()}", "max_retries": 0, "backoff_s": 0.01})
+        assert started.status_code == 200, started.text
+        new_run = started.json()["run_id"]
+        write_group(srv.url, "new", [1.0, 0.0])
+
+        out = get(srv.url, {"lease_s": 30})
+        assert {r["instance_id"] for r in out["data"]["data"]} == {"new"}
+        assert out["data"]["meta_info"]["run_id"] == new_run
+        assert get(srv.url)["success"] is False, "the earlier run's leftovers are never mixed in"
+        status = httpx.get(f"{srv.url}/status").json()
+        assert status["run"]["run_id"] == new_run and status["earlier_runs"] == {old_run: 1}
+
+        named = get(srv.url, {"run_id": old_run})
+        assert {r["instance_id"] for r in named["data"]["data"]} == {"old"}
+        assert named["data"]["meta_info"]["run_id"] == old_run
+        assert httpx.get(f"{srv.url}/status").json()["earlier_runs"] == {}
+        unknown = httpx.post(f"{srv.url}/get_rollout_data", json={"run_id": "no-such-run"})
+        assert unknown.status_code == 404 and "run_id" in unknown.json()["message"]

@@ -121,5 +121,7 @@ def test_new_run_replaces_old_and_keeps_its_data(buffer_server: Server, math_fil
     assert second != first
     status = httpx.get(f"{url}/status").json()
     assert status["run"]["run_id"] == second and status["run"]["state"] in ("running", "finished")
-    out = httpx.post(f"{url}/get_rollout_data", json={"max_groups": 10}).json()
+    current = httpx.post(f"{url}/get_rollout_data", json={"max_groups": 10}).json()
+    assert "old" not in {r["instance_id"] for r in current["data"]["data"]}, "the new run's fetch is its own"
+    out = httpx.post(f"{url}/get_rollout_data", json={"max_groups": 10, "run_id": first}).json()
     assert "old" in {r["instance_id"] for r in out["data"]["data"]}

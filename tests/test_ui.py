@@ -306,3 +306,21 @@ def test_an_open_capture_proxy_session_shows_its_branches(page, agent_buffer: Se
     lines = page.locator("#sessions .branch").all_inner_texts()
     assert lines[0].startswith("branch 0 · root") and "forked from 0 at turn 1" in lines[1], lines
     assert opened["session_id"][:12] in page.inner_text("#sessions")
+
+
+def test_an_earlier_runs_undelivered_groups_show_beside_the_current_run(page, tmp_path: Path) -> None:
+    port = free_port()
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--auth-token", TOKEN,
+            "--group-size", "1"]
+    with running(args, "/healthz", port, tmp_path / "buffer.log") as srv:
+        leftover = {"uid": "left-0", "instance_id": "left", "reward": 1.0, "extra_info": {},
+                    "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+        httpx.post(f"{srv.url}/buffer/write", json=leftover, headers=AUTH, timeout=30).raise_for_status()
+        earlier = httpx.get(f"{srv.url}/status", headers=AUTH, timeout=10).json()["run"]["run_id"]
+        data = write_jsonl(tmp_path / "math.jsonl", math_rows(1))
+        current = start_run(srv.url, f"http://127.0.0.1:{free_port()}", data, None, headers=AUTH, max_retries=0)
+        connect(page, srv, TOKEN)
+        page.wait_for_function("id => document.querySelector('#run-id')?.textContent === id", arg=current)
+        page.wait_for_selector("#count-earlier")
+        assert page.inner_text("#count-earlier") == "1"
+        assert earlier in page.locator("#count-earlier").locator("..").get_attribute("title")

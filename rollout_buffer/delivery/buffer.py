@@ -250,6 +250,7 @@ class RolloutBuffer:
         order: Order = "oldest",
         current_version: int | None = None,
         stream: str | None = None,
+        run_id: str | None = None,
     ) -> Delivery:
         """Whole ready groups, oldest (or newest) first; waits up to `wait_s` for the first one to be ready.
 
@@ -261,6 +262,9 @@ class RolloutBuffer:
 
         With a `stream` (a role's `agent_id`) all of this happens on that role's own stream: its records of
         each ready group, its leases and acks, its trainer's version and staleness, its counters.
+
+        Groups come from one run: `run_id`, else the current run (the latest: the one its trainer started or
+        resumed). An earlier run's leftovers are never mixed into the current run's batches.
         """
         if stream is not None:
             self._since_read_by_role.setdefault(stream, ReadCounters())
@@ -270,12 +274,13 @@ class RolloutBuffer:
         deadline = time.monotonic() + wait_s
         stale: list[StaleGroup] = []
         while True:
+            of_run = run_id or await self._current_run_id()
             changed = self._changed
             if client_gone is not None and await client_gone():
                 return Delivery([], {})  # nobody is listening; keep the counters for the next reader
             trainer = await self._trainer_version(stream)
             batch = await self.store.take(max_groups, lease_s, order=order, current_version=trainer.current,
-                                          stream=stream)
+                                          stream=stream, run_id=of_run)
             self._account(batch, stream)
             stale += batch.stale
             remaining = deadline - time.monotonic()
@@ -292,8 +297,14 @@ class RolloutBuffer:
         lags = [trainer.lag(v) for v in batch.versions]
         metrics.count_delivery(batch.groups, batch.redelivered, [lag for lag in lags if lag is not None])
         meta = self._meta_info(batch.groups, batch.batch_id, acked, batch.redelivered, stream)
+        if meta:
+            meta["run_id"] = of_run
         meta.update(_version_meta(trainer, lags, stale))
         return Delivery(records, meta)
+
+    async def _current_run_id(self) -> str | None:
+        run = await self.store.latest_run()
+        return run["run_id"] if run else None
 
     async def _trainer_version(self, role: str | None = None) -> TrainerVersion:
         run = await self.store.latest_run()
@@ -401,6 +412,8 @@ class RolloutBuffer:
             "records": await self.store.record_counts(run_id) if run_id else {},
             "filtered": await self.store.filter_counts(run_id) if run_id else {},
             "all_groups": await self.store.group_counts(),
+            # Ready or leased groups earlier runs left: a fetch gets them only by naming the run.
+            "earlier_runs": await self.store.undelivered_by_run(run_id) if run_id else {},
             "roles": await self.role_counts(run_id) if run_id else {},
         }
 

@@ -109,7 +109,8 @@ def read_summaries(conn: sqlite3.Connection, version: int | None = None,
                    datasets: list[str] | None = None) -> list[EvalSummary]:
     """Summaries of the evals asked for (each dataset's newest version when `version` is None; every version
     with `version` -1), newest version first. Runs on any connection: the store's thread or a read-only one."""
-    where, args = [], []
+    where: list[str] = []
+    args: list[Any] = []
     if version is not None and version >= 0:
         where.append("e.version=?")
         args.append(version)

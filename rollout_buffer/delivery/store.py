@@ -517,7 +517,8 @@ class Store:
 
     # ---- reads -----------------------------------------------------------------------------------
     async def take(self, max_groups: int | None, lease_s: float | None, now: float | None = None,
-                   order: Order = "oldest", current_version: int | None = None, stream: str | None = None) -> Batch:
+                   order: Order = "oldest", current_version: int | None = None, stream: str | None = None,
+                   run_id: str | None = None) -> Batch:
         """Hand out ready groups (oldest or newest first), at most one per instance id: leased for `lease_s`,
         or consumed when lease_s is None. With the trainer's `current_version`, ready groups of runs with
         `max_staleness` whose oldest turn lags it by more than η are dropped first (reason `stale`), and queued
@@ -525,7 +526,8 @@ class Store:
 
         With a `stream` (a role, `agent_id`), the same over that role's own delivery state: each group with
         records of the role, only those records, and the role's versions against `current_version` (the
-        role's trainer); a role's stale group is dropped for that role only and not generated again."""
+        role's trainer); a role's stale group is dropped for that role only and not generated again.
+        With a `run_id`, only that run's groups are handed out (other runs' stay ready)."""
 
         def op(conn: sqlite3.Connection) -> Batch:
             when = now or time.time()
@@ -533,12 +535,12 @@ class Store:
                 expired = _expire_stream_leases(conn, stream, when)
                 stale = (_drop_stale_stream(conn, stream, current_version, self._staleness_rule)
                          if current_version is not None else [])
-                batch = _take(conn, max_groups, lease_s, when, order, stream)
+                batch = _take(conn, max_groups, lease_s, when, order, stream, run_id)
             else:
                 expired = _expire_leases(conn, when)
                 stale = (_drop_stale(conn, current_version, self._staleness_rule)
                          if current_version is not None else [])
-                batch = _take(conn, max_groups, lease_s, when, order)
+                batch = _take(conn, max_groups, lease_s, when, order, run_id=run_id)
             batch.expired_by_run, batch.stale = expired, stale
             return batch
 
@@ -572,6 +574,12 @@ class Store:
             return cur.rowcount
 
         return await self.call(op)
+
+    async def undelivered_by_run(self, but: str) -> dict[str, int]:
+        """Ready or leased groups of every run but `but`: what earlier runs left (fetchable by naming the run)."""
+        return dict(await self.call(lambda c: c.execute(
+            "SELECT run_id, count(*) FROM groups WHERE state IN ('ready','leased') AND run_id<>? GROUP BY run_id",
+            (but,)).fetchall()))
 
     async def group_counts(self, run_id: str | None = None) -> dict[str, int]:
         """Groups by state (one run, or all)."""
@@ -998,13 +1006,15 @@ def _expire_leases(conn: sqlite3.Connection, now: float) -> dict[str, int]:
 
 
 def _take(conn: sqlite3.Connection, max_groups: int | None, lease_s: float | None, now: float,
-          order: Order = "oldest", stream: str | None = None) -> Batch:
+          order: Order = "oldest", stream: str | None = None, run_id: str | None = None) -> Batch:
     """Lease (or deliver) up to `max_groups` ready groups, one per instance: the default stream's (`groups`), or
-    with `stream` that role stream's (its `stream_groups` rows, and only that role's records)."""
+    with `stream` that role stream's (its `stream_groups` rows, and only that role's records); with `run_id`,
+    of that run only."""
     table, where, args = ("groups", "", ()) if stream is None else ("stream_groups", "stream=? AND ", (stream,))
+    of_run, run_args = ("run_id=? AND ", (run_id,)) if run_id is not None else ("", ())
     ready = conn.execute(
-        f"SELECT run_id, instance_id, epoch, part, batch_id, version_min FROM {table} WHERE {where}state='ready' "
-        f"ORDER BY {_ORDER_SQL[order]}", args
+        f"SELECT run_id, instance_id, epoch, part, batch_id, version_min FROM {table} WHERE {where}{of_run}"
+        f"state='ready' ORDER BY {_ORDER_SQL[order]}", (*args, *run_args)
     )
     try:
         rows = _one_per_instance(ready, max_groups)

@@ -202,9 +202,16 @@ PROXY_TURNS = Counter(
     ["protocol", "route"],
     registry=REGISTRY,
 )
+# Why the proxy refused or failed a request (a fixed set: never free text or ids in labels).
+PROXY_ERROR_REASONS = (
+    "unknown_session", "session_closed", "unknown_route", "method_not_allowed", "bad_request", "context_length",
+    "unauthorized", "body_too_large", "engine_error", "server_error", "client_gone",
+)
 PROXY_ERRORS = Counter(
-    "rollout_buffer_proxy_errors", "Agent requests answered with an error, by protocol and kind",
-    ["protocol", "kind"], registry=REGISTRY,
+    "rollout_buffer_proxy_errors",
+    "Agent requests to a session's API (/sessions/{id}/v1/...) answered with a 4xx/5xx, by protocol and reason ("
+    + ", ".join(PROXY_ERROR_REASONS) + ")",
+    ["protocol", "reason"], registry=REGISTRY,
 )
 PROXY_SESSIONS_CLOSED = Counter(
     "rollout_buffer_proxy_sessions_closed",
@@ -213,6 +220,14 @@ PROXY_SESSIONS_CLOSED = Counter(
     registry=REGISTRY,
 )
 PROXY_SESSIONS_OPEN = Gauge("rollout_buffer_proxy_sessions_open", "Agent sessions open", registry=REGISTRY)
+
+# ---- the buffer's own routes ---------------------------------------------------------------------------
+HTTP_ERRORS = Counter(
+    "rollout_buffer_http_errors",
+    "Requests to the buffer's own routes (slime's protocol, sessions, inspection) answered with a 4xx/5xx, by "
+    "route template (unmatched: no route) and status",
+    ["route", "status"], registry=REGISTRY,
+)
 
 # ---- evals (read at scrape time: each dataset's newest eval, as /status shows it) ----------------------
 EVAL_IN_FLIGHT = Gauge(
@@ -402,7 +417,7 @@ def engine_latency() -> dict[str, dict[str, float]]:
 # executor ships what they gained (`Deltas.take`) with its records; the buffer adds it (`apply_deltas`), so
 # /metrics counts the same with either executor.
 TRAJECTORY_METRICS: dict[str, Counter | Histogram] = {
-    m._name: m  # type: ignore[attr-defined]
+    m._name: m
     for m in (ENGINE_REQUEST_SECONDS, ENGINE_ERRORS, ENGINE_RETRIES, ENGINE_ABORT_RESUMES, TOKENS_GENERATED,
               TOKENIZATION_MISMATCHES)
 }

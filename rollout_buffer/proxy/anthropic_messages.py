@@ -12,7 +12,7 @@ message_stop. Errors: `{"type": "error", "error": {"type", "message"}}`, inside 
 from __future__ import annotations
 
 import secrets
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,6 +22,7 @@ from rollout_buffer.proxy.messages import (
     WireError,
     arguments_of,
     assistant_message,
+    documented_messages,
     function_tool,
     merge_assistant_runs,
     text_of,
@@ -44,13 +45,22 @@ _SAMPLING = ("temperature", "top_p", "top_k")
 _BLOCK_TYPES = {"reasoning": "thinking", "text": "text", "call": "tool_use"}
 
 
+# An assistant message's blocks beside text: tool calls, and reasoning (which the template drops).
+_ASSISTANT_BLOCKS = (
+    {"type": "object", "required": ["type", "name"],
+     "properties": {"type": {"const": "tool_use"}, "name": {"type": "string"}}},
+    {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["thinking", "redacted_thinking"]}}},
+)
+
+
 class MessagesBody(BaseModel):
     """The fields of a Messages request the proxy reads (count_tokens takes the same, max_tokens aside)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str = "policy"
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: Annotated[list[dict[str, Any]], documented_messages(["user", "assistant"], *_ASSISTANT_BLOCKS)] = Field(
+        min_length=1)
     system: str | list[dict[str, Any]] | None = None
     tools: list[Any] | None = None
     tool_choice: dict[str, Any] | None = None

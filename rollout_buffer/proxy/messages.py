@@ -18,6 +18,7 @@ import re
 from typing import Any
 
 import orjson
+from pydantic import WithJsonSchema
 
 # Kinds of refusal → HTTP status; the adapters map the kind onto their protocol's error types.
 ERROR_STATUS = {
@@ -52,6 +53,23 @@ class WireError(Exception):
         return ERROR_STATUS[self.kind]
 
 
+def documented_messages(roles: list[str], *blocks: dict[str, Any]) -> WithJsonSchema:
+    """The OpenAPI form of a request's `messages`, as `text_of` (and a protocol's own `blocks`) read them: each with
+    a role, and its content a string or a list of parts (text, images, anything holding `content`)."""
+    parts = [
+        {"type": "string"},
+        {"type": "object", "required": ["type", "text"],
+         "properties": {"type": {"enum": sorted(_TEXT_PARTS)}, "text": {"type": "string"}}},
+        {"type": "object", "required": ["type"], "properties": {"type": {"enum": sorted(_IMAGE_PARTS)}}},
+        {"type": "object", "required": ["content"]},  # a tool result: its content read the same way
+        *blocks,
+    ]
+    # No content (null or absent) reads as empty text: an assistant turn that only called tools.
+    content = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": parts}}, {"type": "null"}]}
+    message = {"type": "object", "required": ["role"], "properties": {"role": {"enum": roles}, "content": content}}
+    return WithJsonSchema({"type": "array", "minItems": 1, "items": message})
+
+
 def text_of(content: Any, where: str) -> str:
     """Plain text of a message's content: a string, or a list of parts (text parts joined by newlines, images
     replaced by a placeholder, tool results flattened). WireError naming `where` for anything else."""
@@ -67,6 +85,8 @@ def text_of(content: Any, where: str) -> str:
             parts.append(part)
             continue
         kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str):  # a part's type given as an object or list is no type (and unhashable)
+            kind = None
         if kind in _TEXT_PARTS:
             text = part.get("text")
             if not isinstance(text, str):

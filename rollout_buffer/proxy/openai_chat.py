@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
@@ -23,6 +23,7 @@ from rollout_buffer.proxy.messages import (
     WireError,
     arguments_of,
     assistant_message,
+    documented_messages,
     function_tool,
     merge_assistant_runs,
     text_of,
@@ -44,12 +45,13 @@ _SAMPLING = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequ
 
 
 class ChatBody(BaseModel):
-    """The fields of a chat-completions request the proxy reads."""
+    """The fields of a chat-completions request the proxy reads (typed as OpenAI's API types them: no coercion)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str = "policy"
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: Annotated[list[dict[str, Any]], documented_messages(["system", "developer", "user", "assistant",
+                                                                    "tool", "function"])] = Field(min_length=1)
     tools: list[Any] | None = None
     tool_choice: Any = None
     stream: bool = False

@@ -28,9 +28,11 @@ from rollout_buffer.delivery.versions import VersionConflict
 from rollout_buffer.generation.evaluation import EvalManager, eval_config
 from rollout_buffer.generation.executor import Executor, LocalExecutor
 from rollout_buffer.generation.inputs import InputFileError, confined_path, resolve_input_path, validate_file
+from rollout_buffer.generation.options import check_engine_options
 from rollout_buffer.generation.plugins import discover
 from rollout_buffer.generation.runner import RunManager, reads_input
 from rollout_buffer.observability import metrics
+from rollout_buffer.observability.logs import RefusalLog
 from rollout_buffer.proxy.manager import SessionManager
 from rollout_buffer.schemas import (
     AckRequest,
@@ -41,10 +43,13 @@ from rollout_buffer.schemas import (
     TrainerVersionRequest,
     TrajectoryRecord,
 )
+from rollout_buffer.server import openapi
 from rollout_buffer.server.bodies import (
+    component,
     describe_errors,
     documented_body,
     error_response,
+    input_locations,
     json_response,
     jsonable,
     parse_body,
@@ -146,16 +151,17 @@ def create_app(config: ServerConfig) -> FastAPI:
         app.add_middleware(BearerAuthMiddleware, token=config.auth_token)
     if config.agent_socket is not None:
         app.add_middleware(AgentSocketGate, socket_path=str(config.agent_socket))
+    app.add_middleware(RefusalLog)  # outermost: logs and counts the refusals of every layer inside it
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> Response:
-        errors = exc.errors()
+        errors = input_locations(exc.errors(), exc.body)
         return error_response(422, "invalid request: " + describe_errors(errors), jsonable(errors))
 
     # Starlette's class: FastAPI raises it too (e.g. for an unparseable body), not only its own subclass.
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> Response:
-        return error_response(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(RecordError)
     async def _record(_: Request, exc: RecordError) -> Response:
@@ -182,7 +188,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         summary="Start (or replace) the rollout run; with mode \"eval\", start evals (as /start_eval)",
         # Parsed by hand: the body is a rollout payload or, with `mode: "eval"`, an eval payload.
         openapi_extra=documented_body(
-            {"anyOf": [StartRolloutRequest.model_json_schema(), StartEvalRequest.model_json_schema()]}, True),
+            {"anyOf": [component(StartRolloutRequest), component(StartEvalRequest)]}, True),
     )
     async def start_rollout(request: Request) -> Response:
         body = parse_body(await request.body())
@@ -203,6 +209,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             if check is not None:  # the generator's own options (it may resolve files: off the loop)
                 await asyncio.to_thread(check, payload, config.data_roots)
             request.app.state.runs.executor.check_options(payload)
+            await check_engine_options(payload)  # the engines' context length; keys a router would drop
             path: Path | None = None
             num_items = 0
             if reads_input(gen, payload):
@@ -289,7 +296,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         summary="Persist one trajectory, or a list written together (idempotent on uid)",
         # Parsed by hand with orjson: FastAPI's body handling (stdlib json, dependency solving) cost more
         # CPU than storing the record. The schema is documented all the same.
-        openapi_extra=documented_body(WRITE_BODY.json_schema(), required=True),
+        openapi_extra=documented_body(
+            {"anyOf": [component(TrajectoryRecord), {"type": "array", "items": component(TrajectoryRecord)}]}, True),
     )
     async def buffer_write(request: Request) -> Response:
         body = validated(WRITE_BODY, parse_body(await request.body()))
@@ -314,7 +322,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         "/get_rollout_data",
         summary="Whole ready groups, oldest first (long-poll, lease/ack)",
         # The body is parsed by hand (slime may send none at all); document its schema anyway.
-        openapi_extra=documented_body(GetRolloutDataRequest.model_json_schema(), required=False),
+        openapi_extra=documented_body(component(GetRolloutDataRequest), required=False),
     )
     async def get_rollout_data(request: Request) -> Response:
         # slime's original client may send an empty body: treat it as {}.
@@ -323,8 +331,11 @@ def create_app(config: ServerConfig) -> FastAPI:
         req = validated(GET_BODY, body)
         buffer: RolloutBuffer = request.app.state.buffer
         runs: RunManager = request.app.state.runs
+        if req.run_id is not None and await buffer.store.get_run(req.run_id) is None:
+            raise HTTPException(404, f"run_id: no run {req.run_id!r}")
         d = await buffer.deliver(req.max_groups, req.wait_s, req.lease_s, req.ack, request.is_disconnected,
-                                 order=req.order, current_version=req.current_version, stream=req.agent_id)
+                                 order=req.order, current_version=req.current_version, stream=req.agent_id,
+                                 run_id=req.run_id)
         if d.meta_info and (admission := runs.admission()) is not None:
             d.meta_info |= {"admission_state": admission["state"], "groups_ahead": admission["groups_ahead"]}
         message = f"{d.meta_info['num_groups']} groups" if d.success else "no complete group is ready"
@@ -373,7 +384,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         buffer: RolloutBuffer = request.app.state.buffer
         return json_response({"groups": await buffer.store.list_groups(state, run_id, limit)})
 
-    @app.get("/metrics", summary="Prometheus metrics (text exposition format)")
+    @app.get("/metrics", summary="Prometheus metrics (text exposition format)",
+             responses={200: {"content": {"text/plain": {}, "application/openmetrics-text": {}}}})
     async def prometheus_metrics(request: Request) -> Response:
         buffer: RolloutBuffer = request.app.state.buffer
         runs: RunManager = request.app.state.runs
@@ -387,4 +399,5 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     mount_proxy(app)
     mount_ui(app)
+    openapi.install(app)
     return app

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 
 def json_response(body: Any, status_code: int = 200) -> Response:
@@ -15,12 +16,27 @@ def json_response(body: Any, status_code: int = 200) -> Response:
     return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), status_code, media_type="application/json")
 
 
-def error_response(status_code: int, message: str, detail: Any = None) -> Response:
-    """slime's shape for failures: success false and a message naming the problem."""
+def error_response(status_code: int, message: str, detail: Any = None,
+                   headers: Mapping[str, str] | None = None) -> Response:
+    """slime's shape for failures: success false and a message naming the problem (and the headers the refusal
+    needs, such as a 405's `Allow`)."""
     body: dict[str, Any] = {"success": False, "message": message}
     if detail is not None:
         body["detail"] = detail
-    return json_response(body, status_code)
+    response = json_response(body, status_code)
+    if headers:
+        response.headers.update(headers)
+    return response
+
+
+# Request models documented as components of the OpenAPI document (`server.openapi` adds their schemas).
+COMPONENTS: dict[str, type[BaseModel]] = {}
+
+
+def component(model: type[BaseModel]) -> dict[str, str]:
+    """A reference to `model`'s schema among the document's components, for `documented_body`."""
+    COMPONENTS[model.__name__] = model
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
 def documented_body(schema: dict[str, Any], required: bool) -> dict[str, Any]:
@@ -29,11 +45,35 @@ def documented_body(schema: dict[str, Any], required: bool) -> dict[str, Any]:
 
 
 def validated(adapter: TypeAdapter[Any], body: Any) -> Any:
-    """Validate a hand-parsed body; errors surface as FastAPI's 422 with `body.<field>` locations."""
+    """Validate a hand-parsed body strictly (no coercion the OpenAPI document does not name); errors surface as
+    FastAPI's 422 with `body.<field>` locations."""
     try:
-        return adapter.validate_python(body)
+        return adapter.validate_python(body, strict=True)
     except ValidationError as e:
-        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+        errors = e.errors(include_url=False)
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in errors], body=body) from None
+
+
+def input_locations(errors: Any, body: Any) -> list[Any]:
+    """The errors with each location as it stands in the request: pydantic's union-branch and constraint tags
+    (`str`, `constrained-str`, `list[...]`, a model's name) are no keys of the body, so they are left out."""
+    return [{**err, "loc": _input_loc(body, err)} for err in errors]
+
+
+def _input_loc(body: Any, err: Any) -> list[Any]:
+    loc = list(err.get("loc", ()))
+    if not loc or loc[0] != "body":
+        return loc  # a query or path parameter: FastAPI's location is already the request's
+    node, out = body, ["body"]
+    for i, part in enumerate(loc[1:], 1):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif not (i == len(loc) - 1 and err.get("type") == "missing"):
+            continue
+        out.append(part)
+    return out
 
 
 def parse_body(raw: bytes) -> Any:

@@ -6,6 +6,10 @@ The session endpoints answer in their protocol's shapes (errors included); the s
 in slime's (`{"success", "message"}`). A streamed turn is an SSE response that waits for the turn while
 sending the reply's parts as the engine generates them (keep-alives while none come), and takes the turn back
 when the client hangs up before the stream's end.
+
+Every request to a session's API gets one access line (logger `rollout_buffer.access`, at the level
+`serve --access-log` sets); every 4xx/5xx it answers is logged at WARNING with its reason and counted in
+`rollout_buffer_proxy_errors_total{protocol, reason}`, so that an agent's failing requests show on the buffer.
 """
 
 from __future__ import annotations
@@ -15,16 +19,18 @@ import functools
 import hmac
 import logging
 import re
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import orjson
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import Response
 from pydantic import TypeAdapter
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rollout_buffer.generation.runner import RunManager
-from rollout_buffer.observability import metrics
+from rollout_buffer.observability import logs, metrics
 from rollout_buffer.proxy.adapter import StreamState, WireAdapter
 from rollout_buffer.proxy.anthropic_messages import AnthropicMessagesAdapter
 from rollout_buffer.proxy.manager import SessionError, SessionManager
@@ -139,30 +145,48 @@ def mount_proxy(app: FastAPI) -> None:
 
 # ---- the session API: what agents call on every turn -----------------------------------------------------------
 
+# The session API's endpoints raise WireError for what they refuse; `SessionApi` answers it in the protocol's
+# shape, logs and counts it.
+
+class Refusal(WireError):
+    """A WireError whose reason (the `proxy_errors` label) is decided where it is raised: its kind alone cannot
+    tell, e.g. an unknown session from one closed during the turn (both `not_found`)."""
+
+    def __init__(self, reason: str, kind: str, message: str):
+        super().__init__(kind, message)
+        self.reason = reason
+
+
+# The reason of a WireError raised without one, by kind (a session found closed once the turn started: `not_found`).
+KIND_REASONS = {
+    "invalid_request": "bad_request", "context_length": "context_length", "authentication": "unauthorized",
+    "not_found": "session_closed", "too_large": "body_too_large", "server": "server_error", "engine": "engine_error",
+}
+CLIENT_GONE = "the client hung up before the reply; the turn was taken back"
+
+
+def reason_of(err: WireError) -> str:
+    """The bounded label naming why the proxy refused or failed a request."""
+    return err.reason if isinstance(err, Refusal) else KIND_REASONS.get(err.kind, "server_error")
+
+
 async def _count_tokens(request: Request, sessions: SessionManager, session_id: str) -> Response:
-    try:
-        session = _session(request, sessions, session_id)
-        req = ANTHROPIC.parse(_json(await request.body()))
-        return json_response({"input_tokens": await session.count_tokens(req)})
-    except WireError as e:
-        return _error(ANTHROPIC, e)
+    session = _session(request, sessions, session_id)
+    req = ANTHROPIC.parse(_json(await request.body()))
+    return json_response({"input_tokens": await session.count_tokens(req)})
 
 
 async def _models(request: Request, sessions: SessionManager, session_id: str) -> Response:
-    adapter = _adapter_of("models", request.scope)
-    try:
-        session = _session(request, sessions, session_id)
-    except WireError as e:
-        return _error(adapter, e)
-    return json_response(adapter.models(session.options.model_name))
+    session = _session(request, sessions, session_id)
+    return json_response(_adapter_of("models", request.scope).models(session.options.model_name))
 
 
 def _adapter_of(endpoint: str, scope: Scope) -> WireAdapter:
-    """The protocol a session endpoint answers in (`models` serves both: Anthropic's clients send
-    `anthropic-version`)."""
+    """The protocol a session endpoint answers in. `models`, and a route the proxy does not serve, answer in the
+    client's: Anthropic's clients send `anthropic-version`."""
     if endpoint.startswith("messages"):
         return ANTHROPIC
-    if endpoint == "models" and any(name == b"anthropic-version" for name, _ in scope["headers"]):
+    if endpoint != "chat/completions" and any(name == b"anthropic-version" for name, _ in scope["headers"]):
         return ANTHROPIC
     return OPENAI
 
@@ -183,7 +207,11 @@ def _agent_run(request: Request, run_id: str | None) -> Any:
 def _session(request: Request, sessions: SessionManager, session_id: str) -> Session:
     """The session, once the request proved it may drive it: with a server token, or through the agent socket,
     the session's own key (or the server token) is required, as `Authorization: Bearer` or `x-api-key`."""
-    session = sessions.get(session_id)
+    try:
+        session = sessions.get(session_id)
+    except WireError as e:
+        raise Refusal("session_closed" if session_id in sessions.closed else "unknown_session", e.kind,
+                      e.message) from None
     auth_token = sessions.config.auth_token
     socket = str(sessions.config.agent_socket) if sessions.config.agent_socket else None
     if auth_token or from_agent_socket(request.scope, socket):
@@ -195,21 +223,25 @@ def _session(request: Request, sessions: SessionManager, session_id: str) -> Ses
 
 
 async def _turn(request: Request, sessions: SessionManager, session_id: str, adapter: WireAdapter) -> Response:
-    try:
-        session = _session(request, sessions, session_id)
-        req = adapter.parse(_json(await request.body()))
-        if req.stream:
-            return TurnStream(session, adapter, req)
-        task = session.start_turn(req)
-        result = await _unless_client_leaves(session, task, request.receive)
-        if result is None:
-            return Response(status_code=499)  # nobody reads it; the turn was cancelled and taken back
-        return json_response(adapter.response(req, result.reply))
-    except WireError as e:
-        return _error(adapter, e)
-    except Exception as e:  # a bug must still answer in the client's protocol
-        log.exception("session %s: %s request failed", session_id, adapter.protocol)
-        return _error(adapter, WireError("server", f"internal error: {type(e).__name__}: {e}"))
+    session = _session(request, sessions, session_id)
+    req = adapter.parse(_json(await request.body()))
+    if req.stream:
+        return TurnStream(session, adapter, req)
+    task = session.start_turn(req)
+    result = await _unless_client_leaves(session, task, request.receive)
+    if result is None:
+        return Response(status_code=499)  # nobody reads it; the turn was cancelled and taken back
+    return TurnReply(adapter.response(req, result.reply), result.reply.completion_tokens)
+
+
+class TurnReply(Response):
+    """A turn's JSON answer; it carries the tokens the turn generated, for the access line."""
+
+    media_type = "application/json"
+
+    def __init__(self, body: Any, new_tokens: int):
+        super().__init__(orjson.dumps(body), 200)
+        self.new_tokens = new_tokens
 
 
 async def _unless_client_leaves(session: Session, task: asyncio.Task[TurnResult], receive: Receive
@@ -248,11 +280,6 @@ def _credential(request: Request) -> str:
     return request.headers.get("x-api-key", "").strip()
 
 
-def _error(adapter: WireAdapter, err: WireError) -> Response:
-    metrics.PROXY_ERRORS.labels(adapter.protocol, err.kind).inc()
-    return json_response(adapter.error_body(err), err.status)
-
-
 class TurnStream(Response):
     """A streamed turn: the reply's parts as the engine generates them, in the protocol's events.
 
@@ -260,6 +287,8 @@ class TurnStream(Response):
     `STREAM_OPEN_AFTER_S` to start; a turn that fails before it opened answers a plain error response, after
     that an error event. A client gone before the end cancels the turn (the engine request is closed), or takes
     back a turn that was generated but not wholly delivered: a streamed turn is recorded whole or not at all.
+    Once sent, `status_code` is the outcome the access line reports (the error's status, also when the stream had
+    opened; 499 when the client left), `error` the WireError and `new_tokens` what the delivered turn generated.
     """
 
     media_type = "text/event-stream"
@@ -270,6 +299,8 @@ class TurnStream(Response):
         self.background = None
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
         self.session, self.adapter, self.req = session, adapter, req
+        self.error: WireError | None = None
+        self.new_tokens = 0
         # Lists of reply parts from the turn, then None when the turn is over.
         self.parts: asyncio.Queue[list[ReplyPart] | None] = asyncio.Queue()
         self.task = session.start_turn(req, self.parts.put_nowait)
@@ -287,12 +318,14 @@ class TurnStream(Response):
                 getter = getter or asyncio.create_task(self.parts.get())
                 done, _ = await asyncio.wait({getter, gone}, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 if gone in done:
+                    self.status_code = 499
                     return
-                parts = getter.result() if getter in done else []
+                parts: list[ReplyPart] = []
                 if getter in done:
-                    getter = None
-                    if parts is None:
+                    got, getter = getter.result(), None
+                    if got is None:
                         break
+                    parts = got
                 if not opened:
                     await self._open(send)
                     opened = True
@@ -305,7 +338,7 @@ class TurnStream(Response):
             try:
                 result = await self.session.outcome(self.task)
             except WireError as e:
-                metrics.PROXY_ERRORS.labels(self.adapter.protocol, e.kind).inc()
+                self.error, self.status_code = e, e.status
                 if not opened:
                     await json_response(self.adapter.error_body(e), e.status)(scope, receive, send)
                     return
@@ -319,9 +352,11 @@ class TurnStream(Response):
             for event in self.adapter.stream_end(self.req, result.reply, state):
                 await self._body(send, event)
             if gone.done():
+                self.status_code = 499
                 return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             delivered = True
+            self.new_tokens = result.reply.completion_tokens
         finally:
             gone.cancel()
             if getter is not None:
@@ -361,7 +396,8 @@ class SessionApi:
     turn) and its request wrapper. They cost several percent of the buffer's CPU per proxied turn
     (bench/proxy.py). The body cap (`BodyLimitMiddleware` in FastAPI's stack) is applied here too, refused in the
     protocol's shape: a declared length over it before anything is read, a body sent in chunks once it grows
-    past it.
+    past it. A route no session serves is refused here too (404 in the client's protocol), so that it is logged
+    and counted like every other refusal of the session API.
     """
 
     def __init__(self, app: ASGIApp, state: Any, max_body_bytes: int):
@@ -372,17 +408,61 @@ class SessionApi:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         match = _SESSION_PATH.match(scope["path"])
-        route = SESSION_API.get(match["endpoint"]) if match is not None else None
-        if match is None or route is None:
+        if match is None:
             await self.app(scope, receive, send)
             return
-        method, endpoint = route
-        if scope["method"] != method:
-            response = error_response(405, f"{match['endpoint']} takes {method}")
-            response.headers["allow"] = method
-        elif (declared_length(scope) or 0) > self.max_body_bytes:
-            response = _error(_adapter_of(match["endpoint"], scope), WireError("too_large", self._too_large))
-        else:
-            receive = capped(receive, self.max_body_bytes, lambda: WireError("too_large", self._too_large))
-            response = await endpoint(Request(scope, receive), self.state.sessions, match["session_id"])
-        await response(scope, receive, send)
+        started = time.perf_counter()
+        name, session_id = match["endpoint"], match["session_id"]
+        adapter = _adapter_of(name, scope)
+        route = SESSION_API.get(name)
+        error: WireError | None = None
+        receive = capped(receive, self.max_body_bytes, lambda: WireError("too_large", self._too_large))
+        try:  # inline, not a helper coroutine: the hot path allocates nothing the access line does not need
+            if route is None:
+                raise Refusal("unknown_route", "not_found", f"no route {name!r} under /sessions/{{session_id}}/v1/; "
+                              f"a session serves {', '.join(SESSION_API)}")
+            if scope["method"] != route[0]:
+                response = error_response(405, f"{name} takes {route[0]}")
+                response.headers["allow"] = route[0]
+            elif (declared_length(scope) or 0) > self.max_body_bytes:
+                raise WireError("too_large", self._too_large)
+            else:
+                response = await route[1](Request(scope, receive), self.state.sessions, session_id)
+        except WireError as e:
+            error, response = e, json_response(adapter.error_body(e), e.status)
+        except Exception as e:  # a bug must still answer in the client's protocol
+            log.exception("session %s: %s request to %s failed", session_id, adapter.protocol, name)
+            error = WireError("server", f"internal error: {type(e).__name__}: {e}")
+            response = json_response(adapter.error_body(error), error.status)
+        try:
+            await response(scope, receive, send)
+        except Exception as e:
+            _account(session_id, adapter, name, 500, WireError("server", f"answering failed: {e!r}"), 0, started)
+            raise
+        new_tokens = 0
+        if isinstance(response, TurnStream):
+            error, new_tokens = response.error, response.new_tokens
+        elif isinstance(response, TurnReply):
+            new_tokens = response.new_tokens
+        _account(session_id, adapter, name, response.status_code, error, new_tokens, started)
+
+
+def _account(session_id: str, adapter: WireAdapter, name: str, status: int, error: WireError | None,
+             new_tokens: int, started: float) -> None:
+    """The access line of one session API request and, for a 4xx/5xx, its WARNING and `proxy_errors` count.
+
+    The success path costs one `isEnabledFor` and, when enabled, one log call."""
+    if status >= 400:
+        if error is not None:
+            reason, message = reason_of(error), error.message
+        elif status == 499:
+            reason, message = "client_gone", CLIENT_GONE
+        else:  # the only other answer built without a WireError: 405
+            reason, message = "method_not_allowed", f"{name} takes {SESSION_API[name][0]}"
+        metrics.PROXY_ERRORS.labels(adapter.protocol, reason).inc()
+        log.warning("session=%s protocol=%s route=%s status=%d reason=%s: %s", session_id, adapter.protocol, name,
+                    status, reason, message)
+    level = logs.access_level
+    if logs.access.isEnabledFor(level):
+        logs.access.log(level, "session=%s protocol=%s route=%s status=%d new_tokens=%d ms=%.1f", session_id,
+                        adapter.protocol, name, status, new_tokens, (time.perf_counter() - started) * 1000)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import orjson
 from fastapi import FastAPI, HTTPException, Query, Request
-from fastapi.responses import FileResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, HTMLResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
 from rollout_buffer.delivery.queries import MAX_PAGE, Reader, TrajectoryFilter
@@ -44,7 +44,8 @@ def mount_ui(app: FastAPI) -> None:
     # Slightly younger than the stream's interval, so each stream still gets a fresh body every tick.
     app.state.shared_status = SharedStatus(max_age_s=SNAPSHOT_INTERVAL_S * 0.8)
 
-    @app.get(UI_PREFIX, summary="The dashboard (an HTML page; no token needed to load it)")
+    @app.get(UI_PREFIX, summary="The dashboard (an HTML page; no token needed to load it)",
+             response_class=HTMLResponse)
     @app.get(UI_PREFIX + "/", include_in_schema=False)
     async def page() -> Response:
         return FileResponse(ASSETS / "index.html", media_type="text/html")

@@ -22,7 +22,7 @@ from rollout_buffer.config import (
     EXECUTORS,
     ServerConfig,
 )
-from rollout_buffer.observability.logs import setup_logging
+from rollout_buffer.observability.logs import ACCESS_LOG_MODES, setup_logging
 from rollout_buffer.tools import demo
 
 
@@ -61,6 +61,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    "(default: http://127.0.0.1:PORT, or --host when it is a specific address)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one JSON object per line")
+    p.add_argument("--access-log", choices=ACCESS_LOG_MODES, default="info",
+                   help="one line per agent request to a session's API (session, protocol, route, status, new "
+                   "tokens, ms), logged at INFO, at DEBUG, or off (default: %(default)s)")
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -145,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, (_, help_text) in DELEGATED.items():
         sub.add_parser(name, help=f"{help_text} (see `rollout-buffer {name} --help`)", add_help=False)
     args = parser.parse_args(argv)
-    setup_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", "text"))
+    setup_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", "text"),
+                  getattr(args, "access_log", "info"))
     if args.command == "serve":
         serve(args)
     elif args.command == "demo":

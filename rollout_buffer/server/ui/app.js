@@ -190,7 +190,15 @@ function renderRun(s) {
     ["version lag", "count-lag", control.trainer_lead ?? "–"],
     ["admission", "count-admission", admission || "–"],
   ];
-  for (const [label, id, value] of items) counts.append(el("div", {}, el("dt", {}, label), el("dd", { id }, value)));
+  // Groups earlier runs left undelivered: a fetch gets them only by naming their run (`run_id`).
+  const earlier = Object.values(s.earlier_runs || {}).reduce((a, b) => a + b, 0);
+  if (earlier) {
+    const runs = Object.entries(s.earlier_runs).map(([id, n]) => `${id}: ${n}`).join("\n");
+    items.push(["earlier runs' groups", "count-earlier", earlier, `not delivered by default; fetch with run_id\n${runs}`]);
+  }
+  for (const [label, id, value, title] of items) {
+    counts.append(el("div", title ? { title } : {}, el("dt", {}, label), el("dd", { id }, value)));
+  }
 }
 
 // A chart point of a snapshot, in the shape of the server's history samples.
