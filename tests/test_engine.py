@@ -5,13 +5,23 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
-from servers import free_port
+from ops_helpers import math_rows, write_jsonl
+from servers import free_port, running
 from sim_engine_process import SimEngineProcess, sim_engines
 
-from rollout_buffer.generation.engine import EngineClient, EngineError, to_sglang_sampling_params
+from rollout_buffer.generation.context import RolloutContext, RunResources
+from rollout_buffer.generation.engine import (
+    EngineClient,
+    EngineError,
+    EngineLimits,
+    GenerateResult,
+    to_sglang_sampling_params,
+)
 from rollout_buffer.sim.engine import token_logprob
 from rollout_buffer.sim.policy import Draw, scripted_reply
 
@@ -36,6 +46,14 @@ def prompt(tokenizer: Any, question: str) -> list[int]:
         [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
     )
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def long_prompt(tokenizer: Any, tokens: int) -> list[int]:
+    """A chat prompt of exactly `tokens` tokens: "ok" filler (one token a word) before a question."""
+    ids = prompt(tokenizer, "What is 2 + 2?")
+    ids = prompt(tokenizer, "ok " * (tokens - len(ids)) + "What is 2 + 2?")
+    assert len(ids) == tokens
+    return ids
 
 
 def run(coro: Any) -> Any:
@@ -280,3 +298,242 @@ def test_a_thousand_concurrent_generations(engines: list[SimEngineProcess], qwen
     assert time.monotonic() - start < 15  # 1000 x 50 ms would take 50 s one after another
     assert all(r.finish_reason == "stop" and "\\boxed{42}" in r.text for r in results)
     assert sorted(stats["requests_by_url"].values()) == [500, 500] and stats["in_flight"] == {}
+
+
+# ---- what real SGLang does (the sim imitates it): context limits, refusal aborts, per-token weight versions
+
+CONTEXT = 320
+
+
+@pytest.fixture(scope="module")
+def fidelity(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[SimEngineProcess]]:
+    """A small-context engine, and one that spends 20 ms per output token (to act on requests mid-way)."""
+    small = ["--correct-rate", "1.0", "--latency-ms", "5", "--context-length", str(CONTEXT)]
+    slow = ["--correct-rate", "1.0", "--token-latency-ms", "20", "--sglang-version", "0.5.23"]
+    with sim_engines(tmp_path_factory.mktemp("sim-fidelity"), small, slow) as procs:
+        yield procs
+
+
+def context(client: EngineClient, tokenizer: Any, max_tokens: int) -> RolloutContext:
+    resources = RunResources(run_id="r", task_type="math", config={}, engine=client, tokenizer=tokenizer,
+                             sampling_params={"max_tokens": max_tokens}, max_tokens=None)
+    return RolloutContext(resources, "i", 0, 0, "uid")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_growing_multi_turn_prompt_is_clamped_then_truncated(
+    fidelity: list[SimEngineProcess], qwen_tokenizer: Any, stream: bool
+) -> None:
+    engine = fidelity[0]
+    before = len(engine.requests())
+
+    async def call(client: EngineClient) -> tuple[list[str], dict[str, Any], dict[str, Any]]:
+        ctx = context(client, qwen_tokenizer, 96)
+        conv = await ctx.conversation([{"role": "user", "content": "What is 17 + 25?"}])
+        finishes = []
+        while not finishes or finishes[-1] == "stop":
+            finishes.append(await ctx.generate(conv, on_delta=(lambda _: None) if stream else None))
+            if finishes[-1] == "stop":
+                conv.add_messages([{"role": "user", "content": "Check it again, step by step."}])
+        return finishes, await ctx.trajectory(conv, 1.0, finishes[-1]), client.stats.snapshot()
+
+    finishes, record, stats = run(with_client([engine.url], call))
+    sent = engine.requests()[before:]
+    assert finishes[-1] == "length" and len(finishes) > 2 and record["status"] == "truncated"
+    assert all(r["prompt_tokens"] + r["max_new_tokens"] <= CONTEXT for r in sent)  # nothing the engine refuses
+    assert sent[-1]["max_new_tokens"] < 96 and stats["clamped"] >= 1  # the last turn was cut to fit
+    assert all(r["status_code"] is None for r in sent) and stats["errors"] == {}
+    assert len(record["tokens"]) <= CONTEXT
+
+
+def test_a_prompt_past_the_engines_max_input_is_not_sent(fidelity: list[SimEngineProcess], qwen_tokenizer: Any) -> None:
+    engine = fidelity[0]
+    before = engine.generate_count()
+    # The engine's scheduler refuses prompts of CONTEXT - 6 tokens or more (max_req_input_len).
+    ids = long_prompt(qwen_tokenizer, CONTEXT - 6)
+    result = run(with_client([engine.url], lambda c: c.generate(ids, {"max_tokens": 16}, session_id="p")))
+    assert result.context_full and result.finish_reason == "length" and result.attempts == 0
+    assert engine.generate_count() == before
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_400_refusal_abort_fails_once_with_its_reason(
+    fidelity: list[SimEngineProcess], qwen_tokenizer: Any, stream: bool
+) -> None:
+    engine = fidelity[0]
+    before = engine.generate_count()
+    engine.queue_faults("refuse_400")
+
+    async def call(client: EngineClient) -> EngineError:
+        with pytest.raises(EngineError) as info:
+            ids = prompt(qwen_tokenizer, "What is 3 + 3?")
+            if stream:
+                async for _ in client.generate_stream(ids, {"max_tokens": 64}, session_id="f"):
+                    pass
+            else:
+                await client.generate(ids, {"max_tokens": 64}, session_id="f")
+        return info.value
+
+    error = run(with_client([engine.url], call))
+    assert engine.generate_count() == before + 1  # not resent, not resumed
+    assert (error.kind, error.status, error.attempts) == ("refused" if stream else "http_4xx", 400, 1)
+    assert "exceeds the maximum allowed length" in error.reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_503_refusal_is_retried_and_succeeds(
+    fidelity: list[SimEngineProcess], qwen_tokenizer: Any, im_end: int, stream: bool
+) -> None:
+    engine = fidelity[0]
+    before = engine.generate_count()
+    engine.queue_faults("refuse_503")
+
+    async def call(client: EngineClient) -> tuple[GenerateResult, dict[str, Any]]:
+        ids = prompt(qwen_tokenizer, "What is 4 + 4?")
+        if stream:
+            streamed = client.generate_stream(ids, {"max_tokens": 128}, session_id="q")
+            async for _ in streamed:
+                pass
+            return streamed.result, client.stats.snapshot()
+        return await client.generate(ids, {"max_tokens": 128}, session_id="q"), client.stats.snapshot()
+
+    result, stats = run(with_client([engine.url], call))
+    assert result.finish_reason == "stop" and result.output_ids[-1] == im_end and "\\boxed{8}" in result.text
+    assert (result.attempts, result.resumed) == (2, 0) and engine.generate_count() == before + 2
+    assert stats["errors"] == {"http_5xx": 1} and stats["retries"] == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_weight_update_during_a_held_request_gives_per_token_versions(
+    fidelity: list[SimEngineProcess], qwen_tokenizer: Any, stream: bool
+) -> None:
+    engine = fidelity[1]
+    version = f"v{int(stream)}"
+
+    async def call(client: EngineClient) -> GenerateResult:
+        ids = prompt(qwen_tokenizer, "Compute 3 * (4 + 5).")
+        if stream:
+            streamed = client.generate_stream(ids, {"max_tokens": 200}, session_id="w")
+
+            async def drain() -> GenerateResult:
+                async for _ in streamed:
+                    pass
+                return streamed.result
+
+            task = asyncio.create_task(drain())
+        else:
+            task = asyncio.create_task(client.generate(ids, {"max_tokens": 200}, session_id="w"))
+        await asyncio.sleep(0.25)  # some tokens out, not all
+        async with httpx.AsyncClient(base_url=engine.url, timeout=10) as control:
+            (await control.post("/pause_generation", json={"mode": "in_place"})).raise_for_status()
+            (await control.post("/update_weight_version",
+                                json={"new_version": version, "abort_all_requests": False})).raise_for_status()
+            (await control.post("/continue_generation", json={})).raise_for_status()
+        return await task
+
+    result = run(with_client([engine.url], call))
+    assert result.finish_reason == "stop" and result.resumed == 0 and result.attempts == 1
+    (old_n, old), (new_n, new) = result.segments
+    assert old != new == version == result.weight_version
+    assert old_n > 0 and new_n > 0 and old_n + new_n == len(result.output_ids)
+
+
+# ---- the same through the real sglang-router (Rust, 0.3.2) in front of two small-context engines
+
+
+@pytest.fixture(scope="module")
+def routed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[SimEngineProcess]]]:
+    launch = pytest.importorskip("test_router").sglang_router  # skipped without sglang_router
+    tmp = tmp_path_factory.mktemp("sim-routed")
+    small = ["--correct-rate", "1.0", "--latency-ms", "5", "--context-length", str(CONTEXT)]
+    with sim_engines(tmp, small, small) as procs, launch([p.url for p in procs], tmp / "router.log") as (url, _):
+        yield url, procs
+
+
+def test_through_the_router_the_context_of_its_workers_is_clamped(
+    routed: tuple[str, list[SimEngineProcess]], qwen_tokenizer: Any
+) -> None:
+    router, procs = routed
+    ids = long_prompt(qwen_tokenizer, CONTEXT - 20)  # room for 20 of the ~40 tokens of the reply
+    too_long = long_prompt(qwen_tokenizer, CONTEXT - 6)  # the workers' max_req_input_len
+    before = sum(p.generate_count() for p in procs)
+
+    async def call(client: EngineClient) -> tuple[GenerateResult, GenerateResult, EngineLimits]:
+        clamped = await client.generate(ids, {"max_tokens": 96}, session_id="c")
+        full = await client.generate(too_long, {"max_tokens": 96}, session_id="c")
+        return clamped, full, await client.limits(router)
+
+    clamped, full, limits = run(with_client([router], call))
+    assert limits == EngineLimits(CONTEXT, CONTEXT - 6, router=True)  # read from the router's first worker
+    assert clamped.finish_reason == "length" and clamped.attempts == 1
+    assert full.context_full and full.attempts == 0
+    sent = [r for p in procs for r in p.requests() if r["prompt_tokens"] == len(ids)]
+    assert [r["max_new_tokens"] for r in sent] == [20] and sum(p.generate_count() for p in procs) == before + 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_through_the_router_a_400_refusal_fails_at_once(
+    routed: tuple[str, list[SimEngineProcess]], qwen_tokenizer: Any, stream: bool
+) -> None:
+    router, procs = routed
+    before = sum(p.generate_count() for p in procs)
+    for p in procs:  # whichever engine the router picks refuses
+        p.queue_faults("refuse_400")
+
+    async def call(client: EngineClient) -> list[EngineError]:
+        errors = []
+        for _ in procs:  # one request per engine, so that no queued fault is left behind
+            with pytest.raises(EngineError) as info:
+                ids = prompt(qwen_tokenizer, "What is 5 + 5?")
+                if stream:
+                    async for _ in client.generate_stream(ids, {"max_tokens": 64}, session_id=f"r{len(errors)}"):
+                        pass
+                else:
+                    await client.generate(ids, {"max_tokens": 64}, session_id=f"r{len(errors)}")
+            errors.append(info.value)
+        return errors
+
+    errors = run(with_client([router], call))
+    assert sum(p.generate_count() for p in procs) == before + 2  # one request each: the router does not retry 400s
+    for error in errors:
+        assert (error.kind, error.status, error.attempts) == ("refused" if stream else "http_4xx", 400, 1)
+        assert "exceeds the maximum allowed length" in error.reason
+
+
+def test_through_the_router_a_streamed_503_refusal_is_retried(
+    routed: tuple[str, list[SimEngineProcess]], qwen_tokenizer: Any
+) -> None:
+    router, procs = routed
+    for p in procs:  # a 503 inside a 200 stream: the router passes it on, the client retries
+        p.queue_faults("refuse_503")
+
+    async def call(client: EngineClient) -> tuple[GenerateResult, dict[str, Any]]:
+        streamed = client.generate_stream(prompt(qwen_tokenizer, "What is 6 + 6?"), {"max_tokens": 128},
+                                          session_id="t")
+        async for _ in streamed:
+            pass
+        return streamed.result, client.stats.snapshot()
+
+    result, stats = run(with_client([router], call))
+    assert result.finish_reason == "stop" and "\\boxed{12}" in result.text
+    assert result.attempts == 3 and stats["errors"] == {"http_5xx": 2} and stats["retries"] == 2
+
+
+def test_start_rollout_refuses_what_the_router_would_drop(
+    routed: tuple[str, list[SimEngineProcess]], tmp_path: Path, qwen_tokenizer_path: str
+) -> None:
+    router, _ = routed
+    inp = write_jsonl(tmp_path / "math.jsonl", math_rows(1))
+    port = free_port()
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data")]
+    base = {"task_type": "math", "input_file": str(inp), "remote_engine_url": router,
+            "tokenizer_path": qwen_tokenizer_path}
+    with running(args, "/healthz", port, tmp_path / "buffer.log") as buffer:
+        dropped = httpx.post(f"{buffer.url}/start_rollout", timeout=30,
+                             json={**base, "sampling_params": {"temperature": 1.0, "stop_regex": "\\n\\n"}})
+        too_long = httpx.post(f"{buffer.url}/start_rollout", json={**base, "max_tokens": CONTEXT + 1}, timeout=30)
+        fine = httpx.post(f"{buffer.url}/start_rollout", json={**base, "max_tokens": 64}, timeout=30)
+    assert dropped.status_code == 422 and "sampling_params.stop_regex" in dropped.text, dropped.text
+    assert "sglang-router" in dropped.text
+    assert too_long.status_code == 422 and "max_tokens" in too_long.text, too_long.text
+    assert fine.status_code == 200, fine.text

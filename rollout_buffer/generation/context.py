@@ -83,7 +83,9 @@ class RolloutContext:
         """One assistant turn: ask the engine, append its output to `conv`, return the finish reason.
 
         Token mode sends the exact token sequence and appends the engine's own output ids; chat mode
-        sends the messages. The response budget (`max_tokens` over the whole trajectory) is enforced here.
+        sends the messages. The response budget (`max_tokens` over the whole trajectory) is enforced here; the
+        engine client cuts each turn to what fits the engine's context, and a prompt that fills it ends the
+        conversation with "length" without a turn, as a spent budget does.
         With `on_delta` (token mode), the engine streams and `on_delta` sees the tokens as they come; `conv`
         gets the turn only once it is whole, exactly as without streaming.
         """
@@ -108,6 +110,8 @@ class RolloutContext:
                 finally:
                     await stream.aclose()  # a turn cancelled mid-stream closes (aborts) the engine request
                 result = stream.result
+            if result.context_full:
+                return "length"
             self._count_turn(result.engine_url, result.resumed)
             await conv.aadd_assistant(
                 result.output_ids, result.log_probs if return_logprob else None, result.text,
@@ -119,6 +123,8 @@ class RolloutContext:
         if per_turn is not None:
             chat_params["max_tokens"] = per_turn
         chat = await engine.chat(conv.messages, chat_params, session_id=session, tools=conv.tools)
+        if chat.context_full:
+            return "length"
         self._count_turn(chat.engine_url, 0)
         conv.add_assistant_text(chat.text, finish_reason=chat.finish_reason, tool_calls=chat.tool_calls,
                                 reasoning_content=chat.reasoning_content, weight_version=chat.weight_version)

@@ -4,6 +4,12 @@ One instance per run, shared by every trajectory of the run: one pooled HTTP ses
 with exponential backoff for transient failures, resumption of aborted generations, and least-in-flight
 engine choice with session affinity so the turns of one trajectory hit one engine's prefix cache.
 
+What real SGLang does that this client follows (sources cited in tests/fixtures/sglang/): it refuses (HTTP 400) a
+prompt plus `max_new_tokens` over the context length, so each request's `max_new_tokens` is cut to what fits
+(`EngineLimits`); its scheduler refuses some requests inside an abort (`finish_reason.status_code` 400 or 503),
+which fail or are retried rather than resumed; 0.5.23 reports which weights made which output tokens
+(`meta_info.weight_versions`), kept per token in `GenerateResult.segments`.
+
 Requests go through `http_pool.HttpPool` (keep-alive HTTP/1.1 parsed by httptools), not httpx or aiohttp:
 httpcore's pool scans every connection for every request (several milliseconds of CPU per request at a thousand
 in flight), and aiohttp's client costs about four times this one's CPU per request; the buffer must not
@@ -17,12 +23,14 @@ import contextlib
 import json
 import logging
 import random
+import re
 import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+import httpx
 import orjson
 
 from rollout_buffer.generation.http_pool import HttpPool
@@ -56,11 +64,29 @@ _CHAT_KEYS = frozenset(
         "stream_reasoning", "continue_final_message", "rid",
     }
 )
+# What sglang-router (sgl-router 0.3.2) does not pass on: its typed `SamplingParams` for `/generate`
+# (sgl-router/src/protocols/sampling_params.rs) has none of these fields and re-serialises the request without
+# them; its chat request drops `rid`. /start_rollout refuses them when the engine URL is a router.
+ROUTER_DROPPED_SAMPLING_KEYS = frozenset(
+    {"stop_regex", "logit_bias", "spaces_between_special_tokens", "structural_tag", "custom_params"}
+)
+ROUTER_DROPPED_CHAT_KEYS = frozenset({"rid"})
+ROUTER_MAX_CHAT_STOPS = 4  # the router's chat validation: "maximum 4 stop sequences allowed"
 _AFFINITY_SIZE = 100_000
 # A router's queue timeout and rate limit: the request was fine, the engines were busy.
 _RETRYABLE_4XX = frozenset({408, 429})
 _T = TypeVar("_T")
 _ERROR_TEXT_CHARS = 500
+# Engine info (`probe_engine`): asked once per engine, again this long after it did not answer.
+_PROBE_TIMEOUT_S = 10.0
+_PROBE_RETRY_S = 30.0
+# SGLang's refusals of a request that does not fit (TokenizerManager._validate_one_request; the scheduler's
+# validate_input_length), with the numbers they carry. Input counts include speculative-decoding reserved tokens.
+_TOTAL_OVER = re.compile(
+    r"maximum context length of (\d+) tokens\. You requested a total of (\d+) tokens: (\d+) tokens"
+)
+_INPUT_OVER = re.compile(r"The input \((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)")
+_INPUT_LIMIT = re.compile(r"Input length \((\d+) tokens\) exceeds the maximum allowed length \((\d+) tokens\)")
 
 
 def to_sglang_sampling_params(params: dict[str, Any], max_new_tokens: int | None = None) -> dict[str, Any]:
@@ -114,9 +140,12 @@ class GenerateResult:
     engine_url: str
     attempts: int  # HTTP requests sent, over all resumes
     resumed: int  # abort resumes done
-    # (output tokens, weight_version) of each engine answer in order: an abort resume that crosses a weight
-    # update continues with another version than the part before it.
+    # (output tokens, weight_version) in order, over the output: one per engine answer, or per span of SGLang's
+    # `weight_versions` when the answer has them (weights updated in place during the request); an abort resume
+    # that crosses a weight update continues with another version than the part before it.
     segments: list[tuple[int, str | None]] = field(default_factory=list)
+    # The prompt fills the engine's context: no request was sent, nothing generated (`finish_reason` "length").
+    context_full: bool = False
 
 
 @dataclass
@@ -132,23 +161,33 @@ class _Progress:
     version: str | None = None
     url: str = ""
     finish: str = ""
+    refusal: tuple[int, str] | None = None  # the last answer's refusal abort: (status_code, message)
+    context_full: bool = False
 
     def add(self, delta: GenerateDelta) -> None:
         self.out_ids += delta.output_ids
         self.log_probs += delta.log_probs
 
-    def end_segment(self, tokens: int, text: str, version: str | None, finish: str) -> None:
-        """One engine answer is over: `tokens` output ids (already added), its whole text, weights, finish."""
+    def end_segment(self, tokens: int, text: str, last: _Chunk | None) -> None:
+        """One engine answer is over: `tokens` output ids (already added), its whole text, and its last event
+        (None: a stream broken after some tokens, ended as an abort to resume)."""
         self.texts.append(text)
-        self.version = version or self.version
-        self.segments.append((tokens, version))
-        self.finish = finish
+        if last is None:
+            self.segments.append((tokens, self.version))
+            self.finish, self.refusal = "abort", None
+            return
+        spans = last.spans
+        if spans is None or sum(n for n, _ in spans) != tokens:
+            spans = [(tokens, last.weight_version)]
+        self.segments += spans
+        self.version = spans[-1][1] or self.version
+        self.finish, self.refusal = last.finish_reason, last.refusal
 
     def result(self) -> GenerateResult:
         return GenerateResult(
             output_ids=self.out_ids, log_probs=self.log_probs, text="".join(self.texts), finish_reason=self.finish,
             weight_version=self.version, engine_url=self.url, attempts=self.attempts, resumed=self.resumed,
-            segments=self.segments,
+            segments=self.segments, context_full=self.context_full,
         )
 
 
@@ -199,6 +238,8 @@ class ChatResult:
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI shape: {"id", "type", "function": {"name", "arguments"}}
     reasoning_content: str | None = None  # set when the server separates reasoning (`--reasoning-parser`)
     weight_version: str | None = None  # SGLang's `metadata.weight_version`, when the answer has it
+    # The prompt fills the engine's context (SGLang refused it): nothing generated, `finish_reason` "length".
+    context_full: bool = False
 
 
 class EngineError(Exception):
@@ -206,7 +247,8 @@ class EngineError(Exception):
 
     def __init__(self, kind: str, url: str, attempts: int, reason: str, status: int | None = None):
         super().__init__(f"engine {url} failed ({kind}) after {attempts} attempt(s): {reason}")
-        self.kind = kind  # "http_5xx" | "http_4xx" | "timeout" | "connection" | "bad_response"
+        # "http_5xx" | "http_4xx" | "timeout" | "connection" | "bad_response" | "refused" (a refusal abort)
+        self.kind = kind
         self.url = url
         self.attempts = attempts
         self.reason = reason
@@ -234,6 +276,8 @@ class EngineStats:
     in_flight: Counter[str] = field(default_factory=Counter)
     latency_sum_s: float = 0.0
     latency_count: int = 0
+    clamped: int = 0  # requests whose max_new_tokens was cut to the engine's context
+    context_full: int = 0  # generations not sent (or not resumed): the prompt fills the context
 
     def snapshot(self) -> dict[str, Any]:
         """A plain-dict copy, for logs and `/status`."""
@@ -247,6 +291,8 @@ class EngineStats:
             "in_flight": {u: n for u, n in self.in_flight.items() if n},
             "latency_sum_s": self.latency_sum_s,
             "latency_count": self.latency_count,
+            "clamped": self.clamped,
+            "context_full": self.context_full,
         }
 
 
@@ -272,6 +318,8 @@ class _Chunk:
     text: str
     finish_reason: str  # "" for a stream's event before the last
     weight_version: str | None
+    spans: list[tuple[int, str | None]] | None = None  # SGLang 0.5.23's weight_versions: (tokens, version) in order
+    refusal: tuple[int, str] | None = None  # an abort with a status_code: (status_code, message)
 
 
 @dataclass
@@ -302,12 +350,20 @@ class _StreamCursor:
     def advance(self, body: Any) -> tuple[_Chunk, GenerateDelta]:
         """(the event read as an answer, what it adds); `_AttemptError("bad_response")` when it is not that shape."""
         chunk = _parse_generate(body, self.want_logprobs, partial=True)
+        if chunk.refusal is not None and not chunk.output_ids:
+            return chunk, GenerateDelta([], [], "", chunk.weight_version)
         try:
             total = int(body["meta_info"].get("completion_tokens", len(chunk.output_ids)))
         except (TypeError, ValueError) as e:
             raise _AttemptError("bad_response", f"unexpected /generate stream event: {e}") from None
         new = max(0, total - self.tokens)
-        cumulative = len(chunk.output_ids) == total
+        if new > len(chunk.output_ids):  # tokens the event does not carry (an abort's [last id] without log-probs)
+            raise _AttemptError("bad_response", f"stream event with {len(chunk.output_ids)} of {new} new tokens")
+        # The output so far, or only its new part (incremental); an abort answered by the tokenizer manager's
+        # `_handle_abort_req` (a request in the waiting queue; its meta_info has no prompt_tokens) has the whole
+        # text whatever its ids.
+        cumulative = len(chunk.output_ids) == total or (chunk.finish_reason == "abort" and
+                                                        "prompt_tokens" not in body["meta_info"])
         ids = chunk.output_ids[len(chunk.output_ids) - new:] if new else []
         log_probs = chunk.log_probs[len(chunk.log_probs) - new:] if new and self.want_logprobs else []
         self.tokens = total
@@ -315,7 +371,7 @@ class _StreamCursor:
         end = len(self.text) if chunk.finish_reason else len(self.text) - _stop_prefix(self.text, self.stops)
         text = self.text[self.sent_chars:end] if end > self.sent_chars else ""
         self.sent_chars = max(self.sent_chars, end)
-        return _Chunk(ids, log_probs, self.text, chunk.finish_reason, chunk.weight_version), \
+        return replace(chunk, output_ids=ids, log_probs=log_probs, text=self.text), \
             GenerateDelta(ids, log_probs, text, chunk.weight_version)
 
 
@@ -354,22 +410,36 @@ def _parse_generate(body: Any, want_logprobs: bool, partial: bool = False) -> _C
     """Read SGLang's `/generate` answer; `_AttemptError("bad_response")` when it is not that shape.
 
     `partial`: a stream's event, whose `finish_reason` is null (`_Chunk.finish_reason` "") until the last one.
+    An abort whose finish_reason carries an error `status_code` (the scheduler's FINISH_ABORT / AbortReq refusals)
+    is a refusal; a 4xx one carries no output of the request (Req.set_finish_with_abort prefills a stand-in
+    token without log-probs), a 5xx one its real partial output. `weight_versions` (SGLang 0.5.23, in a finished
+    answer) are read as (tokens, version) spans.
     """
     try:
         meta = body["meta_info"]
         finish = meta.get("finish_reason")
-        kind = finish.get("type") if isinstance(finish, dict) else str(finish or "")
+        kind = str(finish.get("type")) if isinstance(finish, dict) else str(finish or "")
         if kind not in ("stop", "length", "abort") and not (partial and finish is None):
             raise ValueError(f"unknown finish_reason {finish!r}")
+        version = meta.get("weight_version")
+        version = None if version is None else str(version)
+        refusal = None
+        status = finish.get("status_code") if kind == "abort" and isinstance(finish, dict) else None
+        if isinstance(status, int) and 400 <= status < 600:  # as TokenizerManager._handle_abort_finish_reason
+            refusal = (status, str(finish.get("message") or "aborted"))
+            if status < 500:
+                return _Chunk([], [], "", kind, version, refusal=refusal)
         entries = meta.get("output_token_logprobs") or []
         ids = body.get("output_ids")
-        ids = [int(e[1]) for e in entries] if ids is None else [int(t) for t in ids]
+        # Fewer ids than log-prob entries: 0.5.15's streamed `_handle_abort_req` keeps only the last output id.
+        ids = [int(e[1]) for e in entries] if ids is None or len(ids) < len(entries) else [int(t) for t in ids]
         log_probs = [float(e[0]) for e in entries] if want_logprobs else []
         if want_logprobs and len(log_probs) != len(ids):
             raise ValueError(f"{len(log_probs)} log-probs for {len(ids)} output tokens")
-        version = meta.get("weight_version")
-        text = str(body.get("text") or "")
-        return _Chunk(ids, log_probs, text, kind, None if version is None else str(version))
+        spans = meta.get("weight_versions")
+        if spans:
+            spans = [(int(s["end"]) - int(s["start"]), str(s["version"])) for s in spans]
+        return _Chunk(ids, log_probs, str(body.get("text") or ""), kind, version, spans or None, refusal)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
         raise _AttemptError("bad_response", f"unexpected /generate response: {e}") from None
 
@@ -392,12 +462,103 @@ def _tool_calls(calls: Any) -> list[dict[str, Any]] | None:
     return out
 
 
+@dataclass(frozen=True)
+class EngineLimits:
+    """What one engine URL takes. SGLang refuses (HTTP 400) a prompt plus `max_new_tokens` over `context_length`
+    and a prompt of `max_input_tokens` or more (its scheduler's `max_req_input_len`); `router`: the URL is an
+    sglang-router, and the limits (when known) are those of its first worker."""
+
+    context_length: int | None = None
+    max_input_tokens: int | None = None
+    router: bool = False
+
+    def room(self, prompt_tokens: int) -> int | None:
+        """Output tokens that fit after a prompt of `prompt_tokens`; None when the context length is unknown."""
+        if self.max_input_tokens is not None and prompt_tokens >= self.max_input_tokens:
+            return 0
+        return None if self.context_length is None else max(0, self.context_length - prompt_tokens)
+
+
+_UNKNOWN = EngineLimits()
+
+
+def _positive(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+async def _get_json(http: httpx.AsyncClient, url: str) -> Any:
+    """The decoded JSON of a GET, None when it is not a 200 with JSON; transport failures raise httpx.HTTPError."""
+    response = await http.get(url)
+    if response.status_code != 200:
+        return None
+    try:
+        return orjson.loads(response.content)
+    except orjson.JSONDecodeError:
+        return None
+
+
+async def _engine_limits(http: httpx.AsyncClient, url: str, info: Any) -> EngineLimits:
+    """An SGLang engine's limits: `/v1/models` `max_model_len` (its model_config.context_len, what its length
+    check uses), else `/get_server_info` `context_length` (the --context-length flag, null when not given);
+    `max_req_input_len` from `/get_server_info` (the scheduler's, merged in there)."""
+    if not isinstance(info, dict):
+        info = {}
+    models = await _get_json(http, f"{url}/v1/models")
+    cards = models.get("data") if isinstance(models, dict) else None
+    card = cards[0] if isinstance(cards, list) and cards and isinstance(cards[0], dict) else {}
+    context = _positive(card.get("max_model_len")) or _positive(info.get("context_length"))
+    return EngineLimits(context, _positive(info.get("max_req_input_len")))
+
+
+async def probe_engine(url: str, timeout_s: float = _PROBE_TIMEOUT_S) -> EngineLimits | None:
+    """Ask an engine URL what it takes; None when it does not answer.
+
+    `/get_server_info` tells a router from an engine: sglang-router answers it itself with
+    `{"router_manager": true, ...}` (and serves its own `/v1/models`, without `max_model_len`), so behind a router
+    the limits are read from its first worker listed by `/workers`, when that worker answers this process.
+    """
+    url = url.rstrip("/")
+    async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as http:  # no proxies, as HttpPool
+        try:
+            info = await _get_json(http, f"{url}/get_server_info")
+            if not (isinstance(info, dict) and "router_manager" in info):
+                return await _engine_limits(http, url, info)
+        except httpx.HTTPError:
+            return None
+        try:
+            listed = await _get_json(http, f"{url}/workers")
+            workers = listed.get("workers") if isinstance(listed, dict) else None
+            worker = workers[0].get("url") if isinstance(workers, list) and workers else None
+            if isinstance(worker, str):
+                worker = worker.rstrip("/")
+                return replace(await _engine_limits(http, worker, await _get_json(http, f"{worker}/get_server_info")),
+                               router=True)
+        except (httpx.HTTPError, AttributeError):
+            pass
+        return EngineLimits(router=True)
+
+
+def _overflow(reason: str, prompt_tokens: int) -> EngineLimits | None:
+    """The limits SGLang's context refusal `reason` tells of, for a prompt of `prompt_tokens`; None for another
+    refusal, or one whose numbers do not say the request overflows. The context length learnt is net of the tokens
+    the engine reserves (speculative decoding)."""
+    if (m := _TOTAL_OVER.search(reason)) and int(m[2]) > int(m[1]):
+        return EngineLimits(int(m[1]) - int(m[3]) + prompt_tokens)
+    if (m := _INPUT_OVER.search(reason)) and int(m[1]) >= int(m[2]):
+        return EngineLimits(int(m[2]) - int(m[1]) + prompt_tokens)
+    if (m := _INPUT_LIMIT.search(reason)) and int(m[1]) >= int(m[2]):
+        return EngineLimits(max_input_tokens=int(m[2]))
+    return None
+
+
 class EngineClient:
     """Calls SGLang engines with retries, abort resumption and least-in-flight + session-affinity routing.
 
     Give one URL for a router (or a single engine), several for engines balanced by this client.
     Connection errors, timeouts, 5xx, undecodable answers and a router's 408/429 are retried with
-    exponential backoff; other 4xx fail at once.
+    exponential backoff; other 4xx fail at once; SGLang's refusal aborts (an abort with a `status_code`) go by
+    their status the same way. Each engine's context length is read once (`limits`) and every request fitted
+    to it; `context_length` overrides what the engines report.
     """
 
     def __init__(
@@ -410,6 +571,7 @@ class EngineClient:
         max_backoff_s: float = 10.0,
         max_abort_resumes: int = 3,
         max_connections: int = 4096,
+        context_length: int | None = None,
     ):
         if not urls:
             raise ValueError("EngineClient needs at least one engine URL")
@@ -425,6 +587,12 @@ class EngineClient:
         self.stats = EngineStats()
         self._affinity: OrderedDict[str, str] = OrderedDict()
         self._pool: HttpPool | None = None
+        # Per engine URL: its limits, probed once (or the run's context_length), refined by its refusals.
+        self._limits: dict[str, EngineLimits] = {}
+        if context_length is not None:
+            self._limits = dict.fromkeys(self.urls, EngineLimits(int(context_length)))
+        self._probes: dict[str, asyncio.Future[EngineLimits | None]] = {}
+        self._probe_after: dict[str, float] = {}
 
     def _http(self) -> HttpPool:
         # Created on first use, and again under another event loop: connections belong to the loop.
@@ -451,6 +619,45 @@ class EngineClient:
     def release(self, session_id: str) -> None:
         """Forget the engine of a finished session."""
         self._affinity.pop(session_id, None)
+
+    async def limits(self, url: str) -> EngineLimits:
+        """What the engine at `url` takes: probed on first use (one probe shared by concurrent callers), then
+        kept; an engine that did not answer is asked again after a while, unknown meanwhile."""
+        limits = self._limits.get(url)
+        if limits is not None:
+            return limits
+        probe = self._probes.get(url)
+        if probe is None or probe.get_loop() is not asyncio.get_running_loop():
+            if time.monotonic() < self._probe_after.get(url, 0.0):
+                return _UNKNOWN
+            probe = self._probes[url] = asyncio.ensure_future(probe_engine(url, min(self.timeout_s, _PROBE_TIMEOUT_S)))
+        found = await asyncio.shield(probe)  # a cancelled turn leaves the shared probe running
+        if self._probes.get(url) is probe:
+            del self._probes[url]
+        if found is None:
+            self._probe_after[url] = time.monotonic() + _PROBE_RETRY_S
+            return _UNKNOWN
+        return self._limits.setdefault(url, found)
+
+    async def _probe_all(self) -> None:
+        """Probe every engine whose limits are not known yet, so that choosing one and sending to it needs no
+        await between them (least-in-flight counts a request only once it is sent)."""
+        now = time.monotonic()
+        unknown = [u for u in self.urls if u not in self._limits and now >= self._probe_after.get(u, 0.0)]
+        if unknown:
+            await asyncio.gather(*map(self.limits, unknown))
+
+    def _fit(self, url: str, reason: str, prompt_tokens: int, sent: int | None) -> bool:
+        """Whether `reason` is SGLang's refusal of a request that does not fit (asking `sent` new tokens), one that
+        fitting changes; the limits it tells of are kept."""
+        seen = _overflow(reason, prompt_tokens)
+        if seen is None:
+            return False
+        known = self._limits.get(url, _UNKNOWN)
+        self._limits[url] = replace(known, context_length=seen.context_length or known.context_length,
+                                    max_input_tokens=seen.max_input_tokens or known.max_input_tokens)
+        room = seen.room(prompt_tokens)
+        return room is not None and (room == 0 or sent is None or room < sent)
 
     # ------------------------------------------------------------ HTTP with retries
 
@@ -533,7 +740,7 @@ class EngineClient:
 
     # ------------------------------------------------------------ streams
 
-    async def _events(self, url: str, payload: dict[str, Any]) -> AsyncIterator[Any]:
+    async def _events(self, url: str, payload: dict[str, Any]) -> AsyncGenerator[Any, None]:
         """The decoded `data:` events of one streamed `/generate` request, up to `data: [DONE]`.
 
         Raises `_AttemptError` for a refused request (status, or SGLang's `{"error"}` event, a 400), a broken
@@ -604,8 +811,7 @@ class EngineClient:
             chunk = None
         finally:
             await events.aclose()
-        progress.end_segment(cursor.tokens, cursor.text, chunk.weight_version if chunk else progress.version,
-                             chunk.finish_reason if chunk else "abort")
+        progress.end_segment(cursor.tokens, cursor.text, chunk)
 
     # ------------------------------------------------------------ public API
 
@@ -636,29 +842,75 @@ class EngineClient:
         return GenerationStream(deltas, progress)
 
     async def _generation(self, input_ids: list[int], sampling_params: dict[str, Any], session_id: str,
-                          return_logprob: bool, progress: _Progress, stream: bool) -> AsyncIterator[GenerateDelta]:
-        """The engine requests of one generation, abort resumes included; streamed ones yield their deltas."""
+                          return_logprob: bool, progress: _Progress, stream: bool
+                          ) -> AsyncGenerator[GenerateDelta, None]:
+        """The engine requests of one generation, abort resumes included; streamed ones yield their deltas.
+
+        Each request's `max_new_tokens` is cut to what fits the engine's context; a prompt that fills it is not
+        sent (finish "length"). A context refusal (400) teaches the engine's limits and is fitted once. A refusal
+        abort with a 4xx fails at once (kind "refused"), one with a 5xx is retried like a 5xx (`max_retries`,
+        backoff) from the output so far; a plain abort (a weight update) is resumed.
+        """
         params = to_sglang_sampling_params(sampling_params)
         budget = params.get("max_new_tokens")
         stop = params.get("stop") or []
         stops = [stop] if isinstance(stop, str) else list(stop)
+        refusals = 0
+        fitted = False
         while True:
-            if budget is not None:
-                params["max_new_tokens"] = budget - len(progress.out_ids)
-            payload = {"input_ids": [*input_ids, *progress.out_ids], "sampling_params": params,
-                       "return_logprob": return_logprob}
-            if stream:
-                payload["stream"] = True
-                async for delta in self._stream_segment(payload, session_id, _StreamCursor(return_logprob, stops),
-                                                        progress):
-                    yield delta
-            else:
-                chunk, progress.url, n = await self._post(
-                    "/generate", payload, session_id, lambda body: _parse_generate(body, return_logprob)
-                )
-                progress.attempts += n
-                progress.add(GenerateDelta(chunk.output_ids, chunk.log_probs, chunk.text, chunk.weight_version))
-                progress.end_segment(len(chunk.output_ids), chunk.text, chunk.weight_version, chunk.finish_reason)
+            prompt = [*input_ids, *progress.out_ids]
+            if len(self._limits) < len(self.urls):
+                await self._probe_all()
+            progress.url = self._pick(session_id, set())
+            room = self._limits.get(progress.url, _UNKNOWN).room(len(prompt))
+            want = None if budget is None else budget - len(progress.out_ids)
+            if room == 0:
+                progress.finish, progress.context_full = "length", not progress.out_ids
+                self.stats.context_full += 1
+                break
+            if room is not None and want is not None and want > room:
+                want = room
+                self.stats.clamped += 1
+            if want is not None:
+                params["max_new_tokens"] = want
+            payload = {"input_ids": prompt, "sampling_params": params, "return_logprob": return_logprob}
+            try:
+                if stream:
+                    payload["stream"] = True
+                    async for delta in self._stream_segment(payload, session_id, _StreamCursor(return_logprob, stops),
+                                                            progress):
+                        yield delta
+                else:
+                    chunk, progress.url, n = await self._post(
+                        "/generate", payload, session_id, lambda body: _parse_generate(body, return_logprob)
+                    )
+                    progress.attempts += n
+                    progress.add(GenerateDelta(chunk.output_ids, chunk.log_probs, chunk.text, chunk.weight_version))
+                    progress.end_segment(len(chunk.output_ids), chunk.text, chunk)
+            except EngineError as e:
+                progress.attempts += e.attempts
+                if fitted or e.status != 400 or not self._fit(e.url, e.reason, len(prompt), want):
+                    raise
+                fitted = True
+                continue
+            if progress.refusal is not None:
+                status, message = progress.refusal
+                progress.refusal = None
+                kind = "http_5xx" if status >= 500 else "http_4xx" if status in _RETRYABLE_4XX else "refused"
+                self._count_error(_AttemptError(kind, message, status))
+                if kind == "refused" and not fitted and self._fit(progress.url, message, len(prompt), want):
+                    fitted = True
+                    continue
+                if kind == "refused" or refusals >= self.max_retries:
+                    raise EngineError(kind, progress.url, progress.attempts, message, status)
+                refusals += 1
+                self.stats.retries += 1
+                metrics.ENGINE_RETRIES.inc()
+                delay = self._backoff(refusals - 1)
+                logger.info("engine %s/generate refused (%d: %s); retry %d/%d in %.2fs", progress.url, status,
+                            message, refusals, self.max_retries, delay)
+                await asyncio.sleep(delay)
+                continue
             if progress.finish != "abort" or progress.resumed >= self.max_abort_resumes:
                 break
             progress.resumed += 1
@@ -671,7 +923,12 @@ class EngineClient:
 
     async def chat(self, messages: list[dict[str, Any]], sampling_params: dict[str, Any], *, session_id: str,
                    tools: list[dict[str, Any]] | None = None) -> ChatResult:
-        """OpenAI chat completion (messages in, message out); no abort resumption in this mode."""
+        """OpenAI chat completion (messages in, message out); no abort resumption in this mode.
+
+        The engine counts the prompt's tokens here, so the context is fitted only from its refusal: a request
+        refused for overflowing the context is sent once more with `max_tokens` what the refusal leaves, or not at
+        all when the prompt alone fills it (`context_full`).
+        """
         payload: dict[str, Any] = {"model": "default", **_chat_params(sampling_params), "messages": messages}
         if tools:
             payload["tools"] = tools
@@ -691,7 +948,25 @@ class EngineClient:
                               reasoning_content=message.get("reasoning_content") or None,
                               weight_version=None if version is None else str(version))
 
-        result, url, attempts = await self._post("/v1/chat/completions", payload, session_id, check)
+        try:
+            result, url, attempts = await self._post("/v1/chat/completions", payload, session_id, check)
+        except EngineError as e:
+            seen = _overflow(e.reason, 0) if e.status == 400 else None
+            if seen is None:
+                raise
+            room = seen.room(0) or 0  # with 0 for the prompt: what the refusal leaves of the context
+            sent = payload.get("max_completion_tokens") or payload.get("max_tokens")
+            if room and sent is not None and room >= sent:
+                raise
+            if room == 0:
+                self.stats.context_full += 1
+                return ChatResult(text="", finish_reason="length", engine_url=e.url, attempts=e.attempts, raw={},
+                                  context_full=True)
+            self.stats.clamped += 1
+            payload.pop("max_completion_tokens", None)
+            payload["max_tokens"] = room
+            result, url, attempts = await self._post("/v1/chat/completions", payload, session_id, check)
+            attempts += e.attempts
         result.engine_url, result.attempts = url, attempts
         metrics.TOKENS_GENERATED.inc(metrics.chat_tokens(result.raw))
         if result.finish_reason == "abort":
@@ -699,6 +974,8 @@ class EngineClient:
         return result
 
     async def aclose(self) -> None:
-        """Close the pooled connections."""
+        """Close the pooled connections (and stop engine probes still running)."""
+        for probe in self._probes.values():
+            probe.cancel()
         if self._pool is not None:
             await self._pool.aclose()

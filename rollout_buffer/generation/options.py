@@ -1,11 +1,26 @@
 """The base of run options read from a run's `/start_rollout` payload (generators' options, agent sessions'):
-typed fields, bad values reported as one ValueError naming them."""
+typed fields, bad values reported as one ValueError naming them; and the checks of a run's engine options
+against what its engines report, made before the run starts."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, ClassVar, Self
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
+
+from rollout_buffer.generation.engine import (
+    ROUTER_DROPPED_CHAT_KEYS,
+    ROUTER_DROPPED_SAMPLING_KEYS,
+    ROUTER_MAX_CHAT_STOPS,
+    probe_engine,
+)
+
+# /start_rollout waits this long for the engines' answers; one that is slower is not judged there.
+_START_PROBE_TIMEOUT_S = 3.0
+# Where a run asks for a number of output tokens (the trajectory's budget, or one turn's).
+_BUDGETS = ("max_tokens", "sampling_params.max_tokens", "sampling_params.max_new_tokens",
+            "sampling_params.max_completion_tokens")
 
 
 class RunOptions(BaseModel):
@@ -24,3 +39,45 @@ class RunOptions(BaseModel):
         except ValidationError as e:
             # Not pydantic's error: the runner would read that as a bad trajectory record.
             raise ValueError(f"{cls.error_prefix}: {e}") from None
+
+
+class EngineOptions(RunOptions):
+    """The engine client's run option checked here: `context_length` overrides what the engines report."""
+
+    error_prefix: ClassVar[str] = "engine options"
+
+    context_length: PositiveInt | None = None
+
+
+async def check_engine_options(payload: dict[str, Any]) -> None:
+    """ValueError naming what a run asks that its engines cannot serve, before the run starts.
+
+    A token budget over the context length (the run's `context_length`, else the smallest its engines report) can
+    never be generated; sampling params sglang-router would drop without a word are refused when
+    `remote_engine_url` answers as a router (the buffer cannot tell otherwise: an unreachable URL is not judged).
+    """
+    options = EngineOptions.from_run(payload)
+    url = payload.get("remote_engine_url")
+    urls = [] if url is None else [url] if isinstance(url, str) else list(url)
+    probed = await asyncio.gather(*(probe_engine(u, _START_PROBE_TIMEOUT_S) for u in urls))
+    found = [f for f in probed if f is not None]
+    context = options.context_length or min((f.context_length for f in found if f.context_length), default=None)
+    params = payload.get("sampling_params") or {}
+    if context is not None:
+        for name in _BUDGETS:
+            value = params.get(name.removeprefix("sampling_params.")) if "." in name else payload.get(name)
+            if isinstance(value, int) and value > context:
+                whose = "the run's context_length" if options.context_length else "the engine's context length"
+                raise ValueError(f"{name}: {value} tokens cannot fit {whose} ({context} tokens, prompt included)")
+    if not any(f.router for f in found):
+        return
+    chat = not payload.get("tokenizer_path") or payload.get("engine_mode") == "chat"
+    dropped = sorted((ROUTER_DROPPED_CHAT_KEYS if chat else ROUTER_DROPPED_SAMPLING_KEYS) & params.keys())
+    if dropped:
+        endpoint = "/v1/chat/completions" if chat else "/generate"
+        raise ValueError(f"sampling_params.{dropped[0]}: remote_engine_url is an sglang-router, whose {endpoint} "
+                         f"drops {', '.join(dropped)} without a word; leave it out or give the engines' URLs")
+    stop = params.get("stop")
+    if chat and isinstance(stop, list) and len(stop) > ROUTER_MAX_CHAT_STOPS:
+        raise ValueError(f"sampling_params.stop: remote_engine_url is an sglang-router, whose chat requests take "
+                         f"at most {ROUTER_MAX_CHAT_STOPS} stop strings ({len(stop)} given)")

@@ -18,7 +18,7 @@ from rollout_buffer.schemas import StartRolloutRequest
 
 log = logging.getLogger(__name__)
 
-_ENGINE_OPTIONS = ("timeout_s", "max_retries", "backoff_s", "max_abort_resumes")
+_ENGINE_OPTIONS = ("timeout_s", "max_retries", "backoff_s", "max_abort_resumes", "context_length")
 
 
 async def run_resources(run_id: str, req: StartRolloutRequest, sessions: SessionHost | None = None) -> RunResources:
@@ -82,6 +82,7 @@ def sampling_params(req: StartRolloutRequest) -> dict[str, Any]:
 
 
 def engine_options(req: StartRolloutRequest) -> dict[str, Any]:
-    """The engine client's options given in the run's payload (timeouts, retries, backoff, abort resumes)."""
+    """The engine client's options given in the run's payload (timeouts, retries, backoff, abort resumes, the
+    context length overriding the engines')."""
     extra = req.model_extra or {}
     return {k: extra[k] for k in _ENGINE_OPTIONS if k in extra}
