@@ -3,7 +3,9 @@
 A simulated trainer runs slime's fully asynchronous loop against a fresh buffer per η: it takes one batch of
 `--batch-groups` groups (long-poll with `current_version`, lease, ack), "trains" for `--train-s`, moves to the
 next version and updates the engines' weights the way slime does (`/pause_generation` aborting in-flight
-requests, `/update_weight_version`, `/continue_generation`). Generation runs `--in-flight` trajectories on the
+requests, `/update_weight_version` — which aborts whatever is still in the engine, SGLang's default —,
+`/continue_generation`; with `--pause-mode in_place` / `retract` the update is sent with `abort_all_requests: false`
+so the held requests survive it). Generation runs `--in-flight` trajectories on the
 simulated engine at `--latency-ms` per turn. Reported per η: samples/s the trainer got (from its first batch to
 its last, so start-up is left out) as a share of the unbounded run's, and the version lag of every delivered
 group (trainer version − the oldest weight version in the group): mean, p90, max and its distribution, plus
@@ -60,9 +62,12 @@ class Point:
 
 def bump_engine(engine_url: str, version: int, mode: str) -> None:
     """slime's weight update seen from the engine: pause, new version, continue."""
+    update: dict[str, object] = {"new_version": str(version)}
+    if mode != "abort":  # SGLang's default abort_all_requests (true) would abort the requests the pause holds
+        update["abort_all_requests"] = False
     with httpx.Client(base_url=engine_url, timeout=30) as http:
         http.post("/pause_generation", json={"mode": mode}).raise_for_status()
-        http.post("/update_weight_version", json={"new_version": str(version)}).raise_for_status()
+        http.post("/update_weight_version", json=update).raise_for_status()
         http.post("/continue_generation", json={}).raise_for_status()
 
 

@@ -23,6 +23,7 @@ from rollout_buffer.delivery.evals import EvalKey, EvalSample, EvalStore, EvalSu
 from rollout_buffer.generation.context import RolloutContext, RunResources
 from rollout_buffer.generation.engine import EngineClient
 from rollout_buffer.generation.plugins import Generator
+from rollout_buffer.generation.resources import engine_options_of
 from rollout_buffer.generation.runner import LineIndex
 from rollout_buffer.generation.sessions import SessionHost
 from rollout_buffer.generation.tokenizer import load_tokenizer
@@ -35,7 +36,6 @@ log = logging.getLogger(__name__)
 _TRAINING_ONLY = ("input_file", "num_items", "skip_instance_ids", "num_epoch", "num_repeat_per_sample",
                   "num_process", "sampling_params", "max_tokens", "current_version", "max_staleness",
                   "rollout_batch_size", "max_ready_groups", "regenerate_stale", "shuffle", "seed")
-_ENGINE_OPTIONS = ("timeout_s", "max_retries", "backoff_s", "max_abort_resumes")
 
 
 class EvalBudget:
@@ -140,7 +140,7 @@ class EvalJob:
         index = await asyncio.to_thread(LineIndex, Path(cfg["input_file"]))
         stored = await self.evals.stored(self.key)
         self.progress.total = len(index.offsets) * self.n
-        engine = EngineClient(_engine_urls(cfg), **{k: cfg[k] for k in _ENGINE_OPTIONS if k in cfg})
+        engine = EngineClient(_engine_urls(cfg), **engine_options_of(cfg))
         resources = RunResources(
             run_id=self.run_id, task_type=cfg["task_type"], config=cfg, engine=engine,
             tokenizer=await _tokenizer(cfg, self.run_id), sampling_params=dict(cfg.get("sampling_params") or {}),

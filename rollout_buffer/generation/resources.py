@@ -84,5 +84,9 @@ def sampling_params(req: StartRolloutRequest) -> dict[str, Any]:
 def engine_options(req: StartRolloutRequest) -> dict[str, Any]:
     """The engine client's options given in the run's payload (timeouts, retries, backoff, abort resumes, the
     context length overriding the engines')."""
-    extra = req.model_extra or {}
-    return {k: extra[k] for k in _ENGINE_OPTIONS if k in extra}
+    return engine_options_of(req.model_extra or {})
+
+
+def engine_options_of(config: dict[str, Any]) -> dict[str, Any]:
+    """The engine client's options among a payload's keys (a run's extra keys, or an eval's config)."""
+    return {k: config[k] for k in _ENGINE_OPTIONS if k in config}

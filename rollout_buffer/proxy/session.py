@@ -178,7 +178,7 @@ class Session:
         except BaseException as e:
             self._roll_back(pending)
             if isinstance(e, EngineError):
-                if e.kind == "http_4xx" and e.status == 400:
+                if e.kind == "refused" or (e.kind == "http_4xx" and e.status == 400):
                     raise WireError("invalid_request", f"the engine refused the request: {e.reason}") from None
                 raise WireError("engine", f"the engine failed: {e.reason}") from None
             raise
@@ -258,6 +258,7 @@ class Session:
         text, reasoning, calls, errors = parser.text, parser.reasoning, parser.calls, parser.errors
         stop_sequence = None
         if finish == "stop" and req.stops and output:
+            assert self.ctx.tokenizer is not None  # sessions open in token mode only (SessionManager)
             tail = self.ctx.tokenizer.decode(output[-_STOP_TAIL_TOKENS:], skip_special_tokens=True)
             stop_sequence = next((s for s in req.stops if s in tail), None)
         wire_finish = ("tool_calls" if calls else "length" if finish == "length"

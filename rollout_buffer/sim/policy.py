@@ -363,7 +363,7 @@ def _operand(value: Fraction) -> str:
 def _reduce(node: ast.expr, known: dict[str, Fraction], steps: list[str]) -> Fraction | None:
     """The value of `node` from reported results, or None; operations ready to compute go to `steps`."""
     if isinstance(node, ast.Constant):
-        return Fraction(node.value)
+        return Fraction(node.value) if isinstance(node.value, int | float | str) else None
     if isinstance(node, ast.UnaryOp):
         inner = _reduce(node.operand, known, steps)
         return None if inner is None else -inner

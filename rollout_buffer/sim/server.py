@@ -8,19 +8,24 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import orjson
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rollout_buffer.generation.tokenizer import bundled_tokenizer_path
 from rollout_buffer.sim.engine import (
+    ALL_ERROR_KINDS,
     ERROR_KINDS,
+    HEALTH_CHECK_TIMEOUT_S,
+    PAUSE_MODES,
+    SGLANG_VERSIONS,
     SIM_MODEL_NAME,
+    WEIGHT_VERSION_GONE,
     ChatRequest,
     GenerateRequest,
     SimConfig,
@@ -28,6 +33,7 @@ from rollout_buffer.sim.engine import (
     SimStats,
     error_response,
     json_response,
+    openai_error,
 )
 from rollout_buffer.sim.tool_calls import TOOL_CALL_PARSERS
 
@@ -70,9 +76,22 @@ async def _body(request: Request, model: type[_Body]) -> _Body | Response:
     try:
         return model.model_validate(orjson.loads(await request.body()))
     except orjson.JSONDecodeError as e:
-        return error_response(400, f"request body is not JSON: {e}")
+        return _invalid(f"request body is not JSON: {e}")
     except ValidationError as e:
-        return error_response(400, str(e))
+        return _invalid(str(e))
+
+
+def _invalid(message: str) -> Response:
+    """SGLang's answer to a body its request model refuses (RequestValidationError turned into a 400)."""
+    return openai_error(400, message, "Bad Request")
+
+
+async def _json(request: Request) -> dict[str, Any] | Response:
+    try:
+        body = orjson.loads(await request.body() or b"{}")
+    except orjson.JSONDecodeError as e:
+        return _invalid(f"request body is not JSON: {e}")
+    return body if isinstance(body, dict) else _invalid("the request body must be a JSON object")
 
 
 def create_app(config: SimConfig) -> FastAPI:
@@ -102,7 +121,7 @@ def create_app(config: SimConfig) -> FastAPI:
     @app.get("/health")
     @app.get("/health_generate")
     async def health() -> Response:
-        return Response(status_code=200)
+        return Response(status_code=await engine.health())
 
     @app.get("/model_info")
     @app.get("/get_model_info")
@@ -124,41 +143,52 @@ def create_app(config: SimConfig) -> FastAPI:
     async def get_load() -> Response:
         return json_response(engine.load())
 
-    @app.post("/flush_cache")
-    async def flush_cache() -> Response:
-        return Response("Cache flushed.\n", status_code=200)
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(timeout_s: float = Query(0.0, ge=0.0, alias="timeout")) -> Response:
+        status, content = await engine.flush_cache(timeout_s)
+        return Response(content, status_code=status)
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
-        body = orjson.loads(await request.body() or b"{}")
-        count = engine.abort(body.get("rid"), bool(body.get("abort_all", False)))
-        logger.info("abort_request: %d running request(s) signalled", count)
+        body = await _json(request)
+        if isinstance(body, Response):
+            return body
+        count = engine.abort(body.get("rid") or "", bool(body.get("abort_all", False)))
+        logger.info("abort_request: %d request(s) signalled", count)
         return Response(status_code=200)
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> Response:
-        body = orjson.loads(await request.body() or b"{}")
+        body = await _json(request)
+        if isinstance(body, Response):
+            return body
         if not isinstance(body.get("new_version"), str):
-            return error_response(400, "new_version (a string) is required")
-        if body.get("abort_all_requests"):
+            return _invalid("new_version: Field required (a string)")
+        # UpdateWeightVersionReqInput.abort_all_requests defaults to true.
+        if body.get("abort_all_requests", True):
             engine.abort(None, abort_all=True)
-        engine.weight_version = body["new_version"]
+        engine.set_weight_version(body["new_version"])
         logger.info("weight version is now %s", engine.weight_version)
         return json_response({"success": True, "message": f"Weight version updated to {engine.weight_version}",
                               "new_version": engine.weight_version})
 
-    @app.get("/get_weight_version")
-    async def get_weight_version() -> Response:
-        return json_response({"weight_version": engine.weight_version})
+    if not engine.v23:  # 0.5.15 answers 404 with a deprecation message; 0.5.23 has no such route
+
+        @app.get("/get_weight_version")
+        @app.get("/weight_version")
+        async def get_weight_version() -> Response:
+            return openai_error(404, WEIGHT_VERSION_GONE, "404")
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> Response:
-        body = orjson.loads(await request.body() or b"{}")
-        try:
-            count = engine.pause(str(body.get("mode", "abort")))
-        except ValueError as e:
-            return error_response(400, str(e))
-        logger.info("generation paused (%s): %d running request(s)", engine.paused, count)
+        body = await _json(request)
+        if isinstance(body, Response):
+            return body
+        mode = body.get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            return _invalid(f"mode: Input should be {', '.join(repr(m) for m in PAUSE_MODES)} (got {mode!r})")
+        count = await engine.pause(mode)
+        logger.info("generation paused (%s): %d request(s)", engine.paused, count)
         return json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     @app.post("/continue_generation")
@@ -211,10 +241,17 @@ def _rate(value: str) -> float:
 
 def _error_kinds(value: str) -> tuple[str, ...]:
     kinds = tuple(k.strip() for k in value.split(",") if k.strip())
-    bad = [k for k in kinds if k not in ERROR_KINDS]
+    bad = [k for k in kinds if k not in ALL_ERROR_KINDS]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown error kind(s) {bad}; known: {', '.join(ERROR_KINDS)}")
+        raise argparse.ArgumentTypeError(f"unknown error kind(s) {bad}; known: {', '.join(ALL_ERROR_KINDS)}")
     return kinds
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return number
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -237,13 +274,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--abort-rate", type=_rate, default=0.0, help="share of requests aborted mid-way")
     p.add_argument("--error-rate", type=_rate, default=0.0, help="share of requests that fail")
     p.add_argument("--error-kinds", type=_error_kinds, default=ERROR_KINDS,
-                   help=f"comma-separated failure kinds to draw from ({','.join(ERROR_KINDS)})")
+                   help=f"comma-separated failure kinds to draw from ({','.join(ALL_ERROR_KINDS)}; default "
+                   f"{','.join(ERROR_KINDS)}): refuse_400 / refuse_503 are SGLang's scheduler refusals (input too "
+                   "long, queue full), answered as SGLang does")
     p.add_argument("--correct-rate", type=_rate, default=0.6, help="share of right answers")
     p.add_argument("--invalid-rate", type=_rate, default=0.0, help="share of invalid search-policy actions")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--weight-version", default="default")
     p.add_argument("--hang-s", type=float, default=3600.0, help="how long a 'hang' fault stalls")
-    p.add_argument("--context-length", type=int, default=32768)
+    p.add_argument("--context-length", type=int, default=32768,
+                   help="the model's context length C: prompt + max_new_tokens > C is refused (400), as is a prompt "
+                   "of C - 6 tokens or more")
+    p.add_argument("--sglang-version", choices=SGLANG_VERSIONS, default="0.5.23",
+                   help="the SGLang release imitated where releases differ (0.5.15: 0.5.15.post1, which slime pins)")
+    p.add_argument("--stream-interval", type=_positive_int, default=1,
+                   help="SGLang's --stream-interval: output tokens per streamed event")
+    p.add_argument("--incremental-streaming-output", action="store_true",
+                   help="SGLang's flag: each streamed event holds only its new output, not the output so far")
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="answer hermes tool calls as OpenAI message.tool_calls in /v1/chat/completions, as "
                    "SGLang's flag of the same name does (qwen: Qwen 2.5 / Qwen3)")
@@ -254,7 +301,9 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of `rollout-buffer sim-engine` and `python -m rollout_buffer.sim.engine`."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(SimConfig(**vars(args)))
+    # The environment variable SGLang reads for the same rule.
+    timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", HEALTH_CHECK_TIMEOUT_S))
+    serve(SimConfig(**vars(args), health_check_timeout_s=timeout))
 
 
 if __name__ == "__main__":
