@@ -118,8 +118,13 @@ def measure_bare(engine: Service, latency_ms: float, in_flight: int, mode: str, 
     """The bare client straight at the engine: the engine-side ceiling, with the engine's CPU."""
     machine = MachineCpu()
     with Meter(engine.pid) as engine_meter:
+
+        def window_opens() -> None:
+            engine_meter.mark()
+            machine.mark()
+
         bare = bare_client.measure(engine.url, mode, in_flight, timing.settle_s, timing.window_s,
-                                   on_window=lambda: (engine_meter.mark(), machine.mark()))
+                                   on_window=window_opens)
         engine_s, busy = engine_meter.usage().cpu_s, machine.busy_cores()
     return Result(latency_ms, in_flight, mode, "bare", bare["rate"], engine_cores=engine_s / bare["window_s"],
                   machine_cores=busy)

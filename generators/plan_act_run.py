@@ -38,7 +38,7 @@ class PlanActOptions(RunOptions):
     max_turns: int = Field(default=4, ge=1, le=64, description="planner turns (planning rounds) at most")
     max_subtasks_per_turn: int = Field(default=4, ge=1, le=64, description="steps of one plan given to the actor")
     max_actor_turns: int = Field(default=4, ge=1, le=64, description="actor turns per sub-task")
-    actor_tools: list[ActorTools] = Field(default_factory=lambda: ["function"])
+    actor_tools: list[ActorTools] = Field(default_factory=lambda: list[ActorTools](["function"]))
     tool_config_path: str | None = Field(default=None, description="function tools (default: the calculator)")
     max_parallel_calls: int = Field(default=1, ge=1)
     max_tool_response_length: int = Field(default=1024, ge=1)

@@ -23,6 +23,8 @@ class RecordGroup:
         stamps = []
         for r in self.records:
             value = r.get("timestamp", (r.get("extra_info") or {}).get("timestamp"))
+            if value is None:
+                continue
             try:
                 stamps.append(float(value))
             except (TypeError, ValueError):

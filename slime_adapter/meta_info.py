@@ -7,10 +7,12 @@ enable them; `logging` always does.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import numbers
 from collections import Counter
 from collections.abc import Iterable
+from types import ModuleType
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -112,11 +114,19 @@ def rollout_step(args: Any, rollout_id: int) -> int:
     return rollout_id
 
 
+def _slime_module(name: str) -> ModuleType | None:
+    """slime's `observability.<name>` (current slime), else `utils.<name>` (before the move); None without slime."""
+    for package in ("slime.observability", "slime.utils"):
+        try:
+            return importlib.import_module(f"{package}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name not in ("slime", package, f"{package}.{name}"):
+                raise  # it is there but cannot import (e.g. no wandb): log_raw_info warns
+    return None
+
+
 def _send_to_trackers(args: Any, metrics: dict[str, float], step: int) -> None:
-    try:
-        from slime.utils import logging_utils
-    except ImportError:
-        logging_utils = None
+    logging_utils = _slime_module("logging_utils")
     if logging_utils is not None and hasattr(logging_utils, "log"):
         # Current slime: one call reaches every tracker the run enabled (wandb, tensorboard, mlflow).
         logging_utils.log(args, metrics, step_key=f"{PREFIX}step")
@@ -126,9 +136,10 @@ def _send_to_trackers(args: Any, metrics: dict[str, float], step: int) -> None:
 
         wandb.log(metrics)
     if getattr(args, "use_tensorboard", False):
-        from slime.utils.tensorboard_utils import _TensorboardAdapter
-
-        _TensorboardAdapter(args).log(metrics, step)
+        tensorboard_utils = _slime_module("tensorboard_utils")
+        if tensorboard_utils is None:
+            raise ImportError("use_tensorboard needs slime's tensorboard_utils")
+        tensorboard_utils._TensorboardAdapter(args).log(metrics, step)
 
 
 def log_raw_info(args: Any, all_meta_info: list[dict[str, Any]], rollout_id: int,

@@ -37,7 +37,8 @@ class StandaloneSample:
     session_id: str | None = None
 
 
-def _slime_sample() -> type | None:
+def _slime_sample() -> type[StandaloneSample] | None:
+    """slime's `Sample`, typed as the standalone class: it has (at least) the same fields and `Status` members."""
     try:
         from slime.utils.types import Sample as SlimeSample
     except ImportError:
@@ -45,9 +46,9 @@ def _slime_sample() -> type | None:
     return SlimeSample
 
 
-SLIME_SAMPLE: type | None = _slime_sample()
+SLIME_SAMPLE: type[StandaloneSample] | None = _slime_sample()
 # The class samples are built from: slime's when it is importable, so slime's isinstance checks hold.
-Sample: type = SLIME_SAMPLE or StandaloneSample
+Sample: type[StandaloneSample] = SLIME_SAMPLE or StandaloneSample
 
 
 # Both are asked once per sample; `Sample` is fixed at import, so the answers are computed once.

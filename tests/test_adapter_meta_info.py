@@ -10,11 +10,13 @@ from argparse import Namespace
 from typing import Any
 
 import pytest
+from slime_src import needs_slime_src, slime_on_path
 
 from slime_adapter import log_raw_info
 from slime_adapter.meta_info import aggregate_meta_info
 
-# With slime installed its own tracking manager receives the metrics instead of wandb directly.
+# With slime installed its own tracking manager receives the metrics instead of wandb directly (checked against
+# SLIME_SRC's slime below).
 without_slime = pytest.mark.skipif(importlib.util.find_spec("slime") is not None, reason="slime is installed")
 
 BATCHES: list[dict[str, Any]] = [
@@ -127,3 +129,14 @@ def test_a_failing_tracker_does_not_stop_training(
         metrics = log_raw_info(Namespace(use_wandb=True), BATCHES, rollout_id=1)
     assert metrics["rollout/no_filter/total_samples"] == 32
     assert "wandb is down" in caplog.text
+
+
+@needs_slime_src
+def test_slimes_own_tracking_gets_the_metrics_inside_slime(fake_wandb: list[dict[str, Any]]) -> None:
+    """Inside a slime process the metrics go through slime's `logging_utils.log` (its trackers), not wandb directly."""
+    args = Namespace(use_wandb=True, use_tensorboard=False, wandb_always_use_train_step=False)
+    with slime_on_path():
+        metrics = log_raw_info(args, BATCHES, rollout_id=3)
+        used = [m for m in sys.modules if m.endswith(".logging_utils") and m.startswith("slime.")]
+    assert used and fake_wandb == [metrics]
+    assert metrics["rollout/step"] == 3 and metrics["rollout/no_filter/total_samples"] == 32

@@ -1,4 +1,4 @@
-"""Conformance with slime's own code, run when `SLIME_SRC` points at a slime checkout (skipped otherwise).
+"""Conformance with slime's own code, run when `SLIME_SRC` points at a slime checkout (`.ci/run`: ../shared/slime).
 
 - slime's agent client, `slime_plugins/rollout_buffer/rollout_buffer_example.generate_rollout`, unchanged,
   against a live `rollout-buffer serve` and a simulated engine over HTTP, with slime's own data buffer
@@ -8,17 +8,15 @@
 - slime's `MultiTurnLossMaskGenerator` against the adapter's `LossMaskGenerator` (qwen, qwen3, distill_qwen,
   real Qwen3 tokenizer) on the conversations below and on chat-mode tool-call records of a live run.
 
-slime's sources import with torch (CPU) and Pillow installed; `wandb` is replaced by a bare module when it is
-not installed. Everything slime adds to `sys.path` / `sys.modules` is removed again after this module.
+slime's sources import with torch (CPU) and Pillow installed (the `conformance` extra); `wandb` is replaced by a
+bare module when it is not installed. Everything slime adds to `sys.path` / `sys.modules` is removed again after
+this module (slime_src.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import importlib.util
 import json
-import os
 import sys
 import types
 from argparse import Namespace
@@ -31,41 +29,20 @@ import httpx
 import pytest
 from runs import drain, wait_finished
 from servers import free_port, running, sim_engine
+from slime_src import needs_slime_src, require, slime_on_path
 
 from slime_adapter.loss_mask import LossMaskGenerator
 
-SLIME_SRC = os.environ.get("SLIME_SRC")
-pytestmark = pytest.mark.skipif(not SLIME_SRC, reason="SLIME_SRC is not set (a checkout of THUDM/slime)")
+pytestmark = needs_slime_src
 
 CLIENT = "slime_plugins.rollout_buffer.rollout_buffer_example"
 N_SAMPLES, NUM_EPOCH, INSTANCES, BATCH = 2, 2, 8, 2
 
 
-@contextlib.contextmanager
-def slime_on_path() -> Iterator[None]:
-    """SLIME_SRC on sys.path (and a bare `wandb` when it is not installed); slime leaves both afterwards."""
-    pytest.importorskip("torch", reason="slime's sources need torch (the CPU build is enough)")
-    assert SLIME_SRC is not None
-    saved_path = list(sys.path)
-    sys.path.insert(0, SLIME_SRC)
-    # Nested uses (a test's fixture inside the module's) find the outer stub in sys.modules and leave it.
-    stub_wandb = "wandb" not in sys.modules and importlib.util.find_spec("wandb") is None
-    if stub_wandb:
-        sys.modules["wandb"] = types.ModuleType("wandb")  # slime's client imports it; nothing here logs to it
-    try:
-        yield
-    finally:
-        sys.path[:] = saved_path
-        for name in [m for m in sys.modules if m.split(".")[0] in ("slime", "slime_plugins")]:
-            del sys.modules[name]
-        if stub_wandb:
-            del sys.modules["wandb"]
-
-
 @pytest.fixture(scope="module")
 def slime() -> Iterator[types.SimpleNamespace]:
     """slime's modules, imported from SLIME_SRC; slime leaves sys.path and sys.modules afterwards."""
-    pytest.importorskip("PIL", reason="slime's data source imports Pillow")
+    require("PIL")  # slime's data source imports Pillow
     with slime_on_path():
         data_source = importlib.import_module("slime.rollout.data_source")
         mask_utils = importlib.import_module("slime.utils.mask_utils")

@@ -411,7 +411,7 @@ class Conversation:
             return {}
         loss_mask = list(self.loss_mask)
         if mask_offpolicy:
-            mask_older_versions(loss_mask, self.version_spans)
+            mask_older_versions(loss_mask, ((start, end, v) for start, end, v in self.version_spans))
         fields: dict[str, Any] = {
             "tokens": list(self.token_ids),
             "loss_mask": loss_mask,

@@ -108,8 +108,8 @@ class LineIndex:
             self._positions = {}
             for i in range(len(self.offsets)):
                 self._positions.setdefault(self.read(i)["instance_id"], i)
-        i = self._positions.get(instance_id)
-        return None if i is None else self.read(i)
+        at = self._positions.get(instance_id)
+        return None if at is None else self.read(at)
 
     def read(self, i: int) -> dict[str, Any]:
         """The i-th task, with `instance_id` defaulting to its position."""

@@ -19,7 +19,7 @@ import logging
 import struct
 import time
 from array import array
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
@@ -33,8 +33,8 @@ from rollout_buffer.proxy.tree import Branch, Route, SessionTree
 
 log = logging.getLogger(__name__)
 
-_IDS = "i"  # token ids as int32
-_FLOATS = "d"  # log-probs as float64: exactly what the engine sent
+_IDS: Final = "i"  # token ids as int32
+_FLOATS: Final = "d"  # log-probs as float64: exactly what the engine sent
 # Frame kinds (the body's first byte), and a turn frame's fixed part: seq, then the lengths of its four parts.
 _SESSION, _TURN, _UNDO = b"S", b"T", b"U"
 _TURN_HEAD = struct.Struct("<I4I")
@@ -139,7 +139,8 @@ def load_sessions(files: SessionFiles) -> list[StoredSession]:
                 for n in lengths:
                     parts.append(body[at:at + n])
                     at += n
-                turns[seq] = (seq, *parts)  # type: ignore[assignment]
+                meta, ids, mask, log_probs = parts
+                turns[seq] = (seq, meta, ids, mask, log_probs)
         out.append((state.get("created_at", 0.0), session_id, StoredSession(
             session_id, run_id, instance_id, uid, orjson.dumps(state), [turns[k] for k in sorted(turns)])))
     return [stored for *_, stored in sorted(out)]
@@ -161,8 +162,9 @@ def replay(stored: StoredSession, ctx: RolloutContext, tree: SessionTree) -> flo
         floats = array(_FLOATS)
         floats.frombytes(log_probs)
         mark = TurnMark(*meta["mark"])
-        tail = ConversationTail(*meta["from"], meta["messages"], tokens.tolist(), list(mask), floats.tolist(),
-                                meta["versions"], meta["spans"], meta["prompt_length"], mark)
+        messages_at, tokens_at, versions_at = meta["from"]
+        tail = ConversationTail(messages_at, tokens_at, versions_at, meta["messages"], tokens.tolist(), list(mask),
+                                floats.tolist(), meta["versions"], meta["spans"], meta["prompt_length"], mark)
         branch = _branch_for(meta, tail, ctx, tree)
         branch.keys.extend(message_key(m) for m in tail.new_messages[:-1])
         branch.keys.append(_reply_key(meta["reply"]))

@@ -21,6 +21,7 @@ instead of closing them.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import logging
 import secrets
 import time
@@ -241,7 +242,8 @@ class SessionManager:
         return {"session_id": session_id, "records": len(records), "uids": [r.uid for r in records],
                 "branches": len(session.tree.branches), "status": outcome}
 
-    async def _store(self, session: Session, raw: list[dict[str, Any]]) -> list[TrajectoryRecord]:
+    # `builtins.list`: in the class body below `def list`, `list` is that method.
+    async def _store(self, session: Session, raw: builtins.list[dict[str, Any]]) -> builtins.list[TrajectoryRecord]:
         several = len(raw) > 1
         try:
             records = [TrajectoryRecord.model_validate(stamp(r, session.ctx, k if several else None))

@@ -13,12 +13,14 @@ import json
 import operator
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from openai import OpenAI
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
 SYSTEM_PROMPT = "You are a careful assistant. Use the calculator tool for arithmetic."
-TOOLS = [
+TOOLS: list[ChatCompletionToolParam] = [
     {
         "type": "function",
         "function": {
@@ -32,8 +34,9 @@ TOOLS = [
         },
     }
 ]
-_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-              ast.USub: operator.neg}
+_OPERATORS: dict[type[ast.AST], Callable[..., float]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+    ast.USub: operator.neg}
 
 
 def calculator(expression: str) -> str:
@@ -58,16 +61,18 @@ def calculator(expression: str) -> str:
 def agent(item: dict[str, Any], base_url: str, api_key: str, max_turns: int = 8) -> str:
     """Ask the model, run its calculator calls, until it answers; return the answer."""
     client = OpenAI(base_url=base_url, api_key=api_key)
-    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT},
-                                      {"role": "user", "content": item["prompt"]}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "system", "content": SYSTEM_PROMPT},
+                                                  {"role": "user", "content": item["prompt"]}]
     for _ in range(max_turns):
         reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
         message = reply.choices[0].message
         if not message.tool_calls:
             return message.content or ""
-        messages.append({"role": "assistant", "content": message.content,
-                         "tool_calls": [call.model_dump() for call in message.tool_calls]})
-        for call in message.tool_calls:
+        calls = [call for call in message.tool_calls if call.type == "function"]  # the only tools offered
+        messages.append({"role": "assistant", "content": message.content, "tool_calls": [
+            {"id": call.id, "type": "function",
+             "function": {"name": call.function.name, "arguments": call.function.arguments}} for call in calls]})
+        for call in calls:
             arguments = json.loads(call.function.arguments)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": calculator(**arguments)})
     return ""
