@@ -7,8 +7,12 @@ the real Qwen3 one.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 import shutil
+import signal
+import sqlite3
 import tempfile
 import time
 from collections import Counter
@@ -18,6 +22,7 @@ from typing import Any
 
 import httpx
 import orjson
+import psutil
 import pytest
 import ray
 from runs import drain_batches, wait_finished
@@ -28,14 +33,16 @@ from generators.agent.sandbox import namespaces_work
 from rollout_buffer.config import ServerConfig
 
 NAMESPACE = "rollout_buffer"
-# The Ray buffer has a bearer token: its actors open their agent sessions with it.
+# The Ray buffer has a bearer token (from the environment, where it is no process's argument): its actors open
+# their agent sessions with it.
 TOKEN = "ray-buffer-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
 def ray_address() -> Iterator[str]:
-    info = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE)
+    info = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE,
+                    _node_ip_address="127.0.0.1")  # tests reach servers on loopback only
     try:
         yield info.address_info["gcs_address"]
     finally:
@@ -59,8 +66,9 @@ def buffer(data_dir: Path, *extra: str) -> Server:
 @pytest.fixture(scope="module")
 def ray_buffer(tmp_path_factory, ray_address: str) -> Iterator[Server]:
     data_dir = tmp_path_factory.mktemp("ray") / "data"
-    with buffer(data_dir, "--executor", "ray", "--ray-address", ray_address, "--ray-actors", "2",
-                "--auth-token", TOKEN).start() as srv:
+    srv = buffer(data_dir, "--executor", "ray", "--ray-address", ray_address, "--ray-actors", "2")
+    srv.env["ROLLOUT_BUFFER_AUTH_TOKEN"] = TOKEN
+    with srv.start():
         yield srv
 
 
@@ -469,3 +477,176 @@ def test_the_actors_reach_the_buffer_at_its_public_url_or_its_local_one():
     assert ServerConfig(port=9000, public_url="http://buffer:9000/").buffer_url == "http://buffer:9000"
     with pytest.raises(ValueError, match="public_url"):
         ServerConfig(public_url="buffer:9000")
+
+
+# ---- the buffer's token on Ray, and a buffer with a Ray of its own ------------------------------------------------
+def processes_with(needle: str) -> list[int]:
+    """The ids of the processes whose command line holds `needle`."""
+    return [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
+            if needle in " ".join(p.info["cmdline"] or ())]
+
+
+def memory_holds(pid: int, needle: bytes) -> bool | None:
+    """Whether process `pid`'s readable memory holds `needle`; None when it may not be read here."""
+    try:
+        with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
+            for line in maps:
+                span, perms = line.split()[:2]
+                start, end = (int(x, 16) for x in span.split("-"))
+                if "r" not in perms or end - start > 1 << 30:
+                    continue
+                try:
+                    mem.seek(start)
+                    if needle in mem.read(end - start):
+                        return True
+                except (OSError, OverflowError, ValueError):  # guard pages, [vvar]
+                    continue
+    except PermissionError:
+        return None
+    return False
+
+
+def ray_records(address: str) -> list[Any]:
+    """What the GCS at `address` holds of the actors, jobs and tasks, and the state API's listings of them when it
+    answers."""
+    from ray.util.state import list_actors, list_jobs, list_tasks
+    from ray.util.state.exception import ServerUnavailable
+
+    state = ray._private.state.state
+    records = [state.actor_table(None), state.job_table(), state._get_all_task_events()]
+    try:
+        return [*records, *(ls(address=address, detail=True) for ls in (list_actors, list_jobs, list_tasks))]
+    except ServerUnavailable:  # no dashboard (Ray without its `default` extra)
+        return records
+
+
+def test_the_token_reaches_the_actors_in_no_command_line_and_no_ray_record(tmp_path, engine, ray_address, ray_buffer,
+                                                                          readable_agents, qwen_tokenizer_path):
+    # An agent run: its trajectories open their sessions in the buffer with the token, so it completes only if the
+    # actors hold it.
+    inp, _ = pid_agent_rows(tmp_path, 2, pause_s=0)
+    started = start_agents(ray_buffer.url, engine.url, inp, qwen_tokenizer_path,
+                           agent=f"{readable_agents / 'pid_agent.py'}:agent")
+    assert started.status_code == 200, started.text
+    status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=60)
+    assert status["run"]["progress"]["done"] == 4 and status["run"]["progress"]["failed"] == 0
+    assert processes_with(TOKEN) == []
+    # Ray's records of the actors, jobs and tasks, which its state API serves (where Ray's dashboard runs).
+    assert TOKEN not in str(ray_records(ray_address))
+    # Nor anywhere in the memory of Ray's GCS and raylet, which keep an actor's constructor arguments.
+    ray_system = [p.pid for p in psutil.Process().children() if p.name() in ("gcs_server", "raylet")]
+    assert len(ray_system) == 2
+    assert all(memory_holds(pid, TOKEN.encode()) in (False, None) for pid in ray_system)
+
+
+def test_a_token_given_on_the_command_line_is_masked_in_the_ray_job(tmp_path, ray_address, qwen_tokenizer_path):
+    # Ray records the command line of the buffer (its driver) as its job's entrypoint.
+    secret = "command-line-token"
+    port = free_port()
+    with Server(["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--executor", "ray",
+                 "--ray-address", ray_address, "--ray-actors", "1", "--auth-token", secret], "/healthz", port,
+                tmp_path / "buffer.log").start() as srv:
+        closed = f"http://127.0.0.1:{free_port()}"  # the run fails at once; it only makes the buffer join Ray
+        resp = httpx.post(f"{srv.url}/start_rollout", headers={"Authorization": f"Bearer {secret}"}, timeout=30, json={
+            "task_type": "math", "input_file": str(math_file(tmp_path / "math.jsonl", 1)), "num_repeat_per_sample": 1,
+            "remote_engine_url": closed, "tokenizer_path": qwen_tokenizer_path, "max_retries": 0, "ray_num_cpus": 0.5})
+        assert resp.status_code == 200, resp.text
+        wait_finished(srv.url, headers={"Authorization": f"Bearer {secret}"}, timeout_s=60)
+        job = next(j for j in ray._private.state.state.job_table() if j["DriverPid"] == srv.proc.pid)
+        assert "--auth-token ***" in job["Entrypoint"] and secret not in job["Entrypoint"]
+        assert secret not in " ".join(psutil.Process(srv.proc.pid).cmdline()), "ps shows no token either"
+        assert secret not in str(ray_records(ray_address))
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def session_and_environ(proc: psutil.Process) -> tuple[int, dict[str, str]] | None:
+    """The session id and the environment of `proc`; None once it exited."""
+    try:
+        return os.getsid(proc.pid), proc.environ()
+    except (ProcessLookupError, psutil.NoSuchProcess):
+        return None
+
+
+def wait_gone(procs: list[psutil.Process], timeout_s: float = 30) -> None:
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    assert not alive, [" ".join(p.cmdline()[:3]) for p in alive]
+
+
+def test_a_buffer_with_a_ray_of_its_own_stops_in_order_on_sigterm_to_its_process_group(tmp_path,
+                                                                                       qwen_tokenizer_path):
+    data_dir = tmp_path / "data"
+    secret = "local-ray-buffer-token"
+    auth = {"Authorization": f"Bearer {secret}"}
+
+    def local_ray_buffer() -> Server:
+        srv = buffer(data_dir, "--executor", "ray", "--ray-actors", "2")
+        srv.env["ROLLOUT_BUFFER_AUTH_TOKEN"] = secret  # not on its command line
+        for name in ("RAY_ADDRESS", "RAY_AUTH_MODE"):  # as in production: no cluster, Ray's auth left to Ray
+            srv.env.pop(name, None)
+        return srv.start()
+
+    def post(url: str, inp: Path, **over: Any) -> str:
+        payload = {"task_type": "math", "input_file": str(inp), "num_repeat_per_sample": 2, "num_process": 4,
+                   "remote_engine_url": eng.url, "max_tokens": 64, "tokenizer_path": qwen_tokenizer_path,
+                   "ray_num_cpus": 0.5, **over}
+        resp = httpx.post(f"{url}/start_rollout", json=payload, headers=auth, timeout=60)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["run_id"]
+
+    def progress(url: str) -> dict[str, Any]:
+        return httpx.get(f"{url}/status", headers=auth, timeout=10).json()["run"]["progress"]
+
+    with start_sim_engine(tmp_path, qwen_tokenizer_path, "--correct-rate", "1", "--latency-ms", "100") as eng:
+        srv = local_ray_buffer()
+        try:
+            first = post(srv.url, math_file(tmp_path / "first.jsonl", 2))
+            assert wait_finished(srv.url, headers=auth, timeout_s=120)["run"]["progress"]["done"] == 4
+            second = post(srv.url, math_file(tmp_path / "second.jsonl", 48))
+            deadline = time.monotonic() + 60
+            while progress(srv.url)["done"] < 4:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            # Ray's processes are the buffer's children in a session of their own; none has the token in its
+            # command line or its environment.
+            ray_procs = descendants(srv.proc.pid)
+            assert any(p.name() == "gcs_server" for p in ray_procs)
+            seen = [s for s in map(session_and_environ, ray_procs) if s is not None]
+            assert seen and all(sid != srv.proc.pid and secret not in str(env) for sid, env in seen)
+            assert processes_with(secret) == []
+            done = progress(srv.url)["done"]
+            os.killpg(srv.proc.pid, signal.SIGTERM)  # the buffer's group, as a supervisor stopping it does
+            returncode = srv.proc.wait(60)
+        finally:
+            srv.stop()
+        log = srv.log()
+        # The buffer shut down in order (uvicorn then exits with the signal it got, as with the local executor):
+        # actors stopped, Ray stopped, the store closed (SQLite took its write-ahead log back into the database).
+        assert returncode == -signal.SIGTERM, log[-3000:]
+        steps = ("actors stopped, left the cluster", "local Ray head stopped", "Application shutdown complete")
+        assert all(step in log for step in steps), log[-3000:]
+        assert [log.index(step) for step in steps] == sorted(log.index(step) for step in steps)
+        assert not list(data_dir.glob("*-wal")), "the store was not closed"
+        wait_gone(ray_procs)
+        # The store holds all that was written: the first run's records and those the second had done.
+        with contextlib.closing(sqlite3.connect(data_dir / "buffer.sqlite")) as db:
+            assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+            stored = dict(db.execute("SELECT run_id, count(*) FROM trajectories GROUP BY run_id").fetchall())
+        assert stored[first] == 4 and stored[second] >= done
+
+        # It opens again, and the second run resumes on a new Ray of the buffer's own.
+        srv = local_ray_buffer()
+        try:
+            assert httpx.get(f"{srv.url}/status", headers=auth, timeout=10).json()["run"]["run_id"] == second
+            deadline = time.monotonic() + 120
+            while httpx.get(f"{srv.url}/status", headers=auth, timeout=10).json()["executor"]["actors"] < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            # A buffer killed outright takes its Ray along (a parent-death signal: Ray is in a session of its own).
+            ray_procs = descendants(srv.proc.pid)
+            srv.kill9()
+            wait_gone(ray_procs)
+        finally:
+            srv.stop()

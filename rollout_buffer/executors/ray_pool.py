@@ -8,12 +8,17 @@ engine metrics gained, added to the buffer's /metrics). A job goes to the actor 
 A lost actor (killed, its node gone) is replaced by a new one; the trajectories it held run again on the others
 (same uids: the store keeps one record per uid), up to `MAX_TRIES` times each, then fail as
 `executor_worker_lost`.
+
+Without `--ray-address` (or RAY_ADDRESS) the buffer runs a Ray head of its own (`ray_head`), stopped after the
+actors. The buffer's bearer token reaches the actors in a method call (`authorize`), never as a constructor
+argument: Ray keeps those in its GCS and raylet for as long as the actor lives.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +27,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
+from rollout_buffer.executors.ray_head import LocalHead
 from rollout_buffer.executors.ray_options import RayRunOptions
 from rollout_buffer.executors.ray_worker import Job, Outcome, TrajectoryWorker
 from rollout_buffer.generation.context import RolloutContext, RunResources
@@ -54,6 +60,7 @@ class _Slot:
 
     name: str
     handle: Any
+    authorized: Any  # the ObjectRef of its `authorize` call, awaited before it opens a run
     pending: dict[str, _Pending] = field(default_factory=dict)
     outbox: dict[str, list[Job]] = field(default_factory=dict)  # run id -> jobs not sent yet
     flush: asyncio.TimerHandle | None = None
@@ -81,6 +88,7 @@ class RayExecutor:
         self._lost = 0
         self._retried = 0
         self._remote: Any = None
+        self._head: LocalHead | None = None
         self._created = 0  # actors started, for unique names (a lost actor's name may still be taken)
 
     def check_options(self, payload: dict[str, Any]) -> None:
@@ -91,7 +99,7 @@ class RayExecutor:
         """Connect to Ray, (re)build the pool for the run's options and open the run on every actor."""
         options = RayRunOptions.from_run(resources.config)
         if self._remote is None:
-            await asyncio.to_thread(self._connect)
+            await self._connect()
         if self._options is not None and options.pool_key() != self._options.pool_key():
             await self._stop_pool()
         self._runs[resources.run_id] = resources.config
@@ -107,21 +115,41 @@ class RayExecutor:
                 self._watch(slot)
         await asyncio.gather(*(self._open(slot, resources.run_id) for slot in self._slots))
 
-    def _connect(self) -> None:
+    async def _connect(self) -> None:
+        """Join the cluster at `address` (or RAY_ADDRESS), else a head of the buffer's own, started here."""
         if not ray.is_initialized():
-            ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False)
+            if self.address is None and not os.environ.get("RAY_ADDRESS"):
+                self._head = await LocalHead.start(self._auth_token)
+            try:
+                if self._head is not None:
+                    await self._head.wait_ready()
+                await asyncio.to_thread(self._init)
+            except BaseException:
+                if self._head is not None:
+                    await self._head.stop()
+                    self._head = None
+                raise
         self._remote = ray.remote(TrajectoryWorker)
+
+    def _init(self) -> None:
+        where: dict[str, Any] = {"address": self.address}
+        if self._head is not None:
+            # "auto" in the head's folder rather than its address: like a local `ray.init()`, that joins with Ray's
+            # token authentication when the head uses it (an explicit address never turns it on).
+            where = {"address": "auto", "_temp_dir": str(self._head.temp_dir)}
+        ray.init(namespace=NAMESPACE, log_to_driver=False, **where)
 
     def _new_slot(self) -> _Slot:
         assert self._options is not None
         self._created += 1
         name = f"trajectory-worker-{self._pool_id}-{self._created}"
         handle = self._remote.options(name=name, namespace=NAMESPACE, **self._options.actor_options()).remote(
-            self.generator_paths, self.buffer_url, self._auth_token)
-        return _Slot(name, handle)
+            self.generator_paths, self.buffer_url)
+        return _Slot(name, handle, handle.authorize.remote(self._auth_token))
 
     async def _open(self, slot: _Slot, run_id: str) -> None:
         try:
+            await slot.authorized
             await slot.handle.open_run.remote(run_id, self._runs[run_id])
         except RayActorError as e:
             self._on_lost(slot, e)
@@ -255,6 +283,7 @@ class RayExecutor:
         """Open every run on a new actor: those that start while it opens the others too (a run started then
         opened only the actors already in the pool), and close again those that end meanwhile. Returns when the
         actor holds exactly the running runs (the caller puts it in the pool without awaiting anything first)."""
+        await slot.authorized
         opened: set[str] = set()
         while True:
             for run_id in [r for r in opened if r not in self._runs]:
@@ -308,13 +337,16 @@ class RayExecutor:
             ray.kill(slot.handle)
 
     async def aclose(self) -> None:
-        """Kill the actors and leave the cluster."""
+        """Kill the actors, leave the cluster, then stop the buffer's own head (only its process: nothing here
+        signals the buffer's process group)."""
         for task in self._background:
             task.cancel()
         await self._stop_pool()
         if self._remote is not None:
             await asyncio.to_thread(ray.shutdown)
             log.info("ray executor: actors stopped, left the cluster")
+        if self._head is not None:
+            await self._head.stop()
 
 
 def _cluster_cpus(per_actor: float) -> int:

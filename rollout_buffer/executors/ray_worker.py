@@ -42,15 +42,21 @@ class Job:
 class TrajectoryWorker:
     """Runs the trajectories the pool submits; `poll` hands back the finished ones with the metric deltas."""
 
-    def __init__(self, generator_paths: list[str], buffer_url: str, auth_token: str | None = None):
+    def __init__(self, generator_paths: list[str], buffer_url: str):
         self._generators = discover([Path(p) for p in generator_paths])
-        self._sessions = BufferSessionHost(buffer_url, auth_token)
+        self._buffer_url = buffer_url
+        self._sessions = BufferSessionHost(buffer_url)
         self._runs: dict[str, tuple[Generator, RunResources]] = {}
         self._opening: dict[str, asyncio.Task[None]] = {}
         self._tasks: dict[str, set[asyncio.Task[None]]] = {}
         self._done: list[tuple[str, Outcome]] = []
         self._finished = asyncio.Event()
         self._metrics = metrics.Deltas()
+
+    async def authorize(self, auth_token: str | None) -> None:
+        """Open agent sessions with the buffer's bearer token (the pool calls this before opening any run). A call
+        rather than a constructor argument: Ray keeps those in its GCS and raylet for as long as the actor lives."""
+        self._sessions = BufferSessionHost(self._buffer_url, auth_token)
 
     async def open_run(self, run_id: str, payload: dict[str, Any]) -> None:
         """Build the run's resources (once; concurrent calls wait for the same build)."""

@@ -14,6 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import setproctitle
+
 from rollout_buffer.config import (
     DEFAULT_GROUP_SIZE,
     DEFAULT_HOST,
@@ -78,6 +80,8 @@ def serve(args: argparse.Namespace) -> None:
     # over half of the buffer's CPU. Collections now run 70x less often, and the objects of start-up are
     # frozen out of them.
     gc.set_threshold(50_000, 20, 10)
+    if args.auth_token:
+        _mask_in_command_line(args.auth_token)
 
     config = ServerConfig.with_env(
         host=args.host,
@@ -132,6 +136,12 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "status": ("rollout_buffer.tools.status", "print a running buffer's run, progress and counts"),
     "export": ("rollout_buffer.tools.export", "write stored trajectories as JSONL"),
 }
+
+
+def _mask_in_command_line(secret: str) -> None:
+    """A token given as `--auth-token` leaves the process's command line: `ps`, /proc, and what Ray records as its
+    job's entrypoint (the GCS job table, the dashboard) all read it from there."""
+    setproctitle.setproctitle(" ".join(arg.replace(secret, "***") for arg in sys.orig_argv))
 
 
 def main(argv: list[str] | None = None) -> None:
