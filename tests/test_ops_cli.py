@@ -1,4 +1,4 @@
-"""`rollout-buffer status` and `rollout-buffer export` on real runs, and the README's endpoints vs the OpenAPI spec."""
+"""`rollout-buffer status` and `rollout-buffer export` on real runs, and the documented endpoints vs OpenAPI."""
 
 from __future__ import annotations
 
@@ -175,24 +175,22 @@ def test_help_of_each_ops_command_has_examples() -> None:
         assert f"rollout-buffer {command} --" in result.stdout
 
 
-# ---- README ------------------------------------------------------------------------------------------
+# ---- docs ------------------------------------------------------------------------------------------
 
 
-def test_every_endpoint_in_the_readme_exists_in_the_openapi_spec(buffer_server: Server) -> None:
-    readme = (ROOT / "README.md").read_text()
-    # The buffer's own API section (other sections name the engines' and the retriever's endpoints).
-    api = re.search(r"^## [^\n]*(?:HTTP API|[Pp]rotocol)[^\n]*\n(.*?)(?=^## |\Z)", readme, re.MULTILINE | re.DOTALL)
-    assert api is not None, "README has no HTTP API / protocol section"
-    calls = re.findall(r"`(GET|POST|PUT|PATCH|DELETE) (/[^`\s]*)`", api.group(1))
+def test_every_endpoint_in_the_docs_exists_in_the_openapi_spec(buffer_server: Server) -> None:
+    # The buffer's own API page (other pages name the engines' and the retriever's endpoints).
+    api = (ROOT / "docs" / "http-api.md").read_text()
+    calls = re.findall(r"`(GET|POST|PUT|PATCH|DELETE) (/[^`\s]*)`", api)
     documented = {(method, path.split("?")[0]) for method, path in calls}
     core = {"/start_rollout", "/get_rollout_data", "/ack", "/buffer/write", "/status", "/trajectories/{uid}"}
-    assert core <= {p for _, p in documented}, "the README's HTTP API table went missing"
+    assert core <= {p for _, p in documented}, "the HTTP API table of docs/http-api.md went missing"
     spec = httpx.get(f"{buffer_server.url}/openapi.json").json()
     for method, path in sorted(documented):
         if path in ("/docs", "/openapi.json", "/redoc"):
             assert httpx.get(buffer_server.url + path).status_code == 200, path
             continue
-        assert path in spec["paths"], f"README documents {method} {path}; the server has {sorted(spec['paths'])}"
+        assert path in spec["paths"], f"docs document {method} {path}; the server has {sorted(spec['paths'])}"
         assert method.lower() in spec["paths"][path], f"{path} does not answer {method}"
 
 
