@@ -29,19 +29,23 @@ def _wire_int(value: Any) -> Any:
     return value
 
 
-def _int_schema(ge: int, le: int | None = None) -> WithJsonSchema:
+# The store keeps integers as SQLite's 64-bit ones.
+INT64_MAX = 2**63 - 1
+
+
+def _int_schema(ge: int, le: int = INT64_MAX) -> WithJsonSchema:
     """The documented form of a wire integer: a JSON integer in bounds, or its decimal digits as a string."""
-    bounds: dict[str, int] = {"minimum": ge} | ({"maximum": le} if le is not None else {})
+    bounds = {"minimum": ge, "maximum": le}
     return WithJsonSchema({"anyOf": [{"type": "integer", **bounds}, {"type": "string", "pattern": "^[0-9]+$"}]})
 
 
 # Counts and versions: an integer, or its digits as a string (as slime sends numbers). Request models are strict
 # otherwise, so what they accept is what the OpenAPI document says.
-NonNegativeInt = Annotated[int, BeforeValidator(_wire_int), Field(ge=0), _int_schema(0)]
-PositiveInt = Annotated[int, BeforeValidator(_wire_int), Field(ge=1), _int_schema(1)]
+NonNegativeInt = Annotated[int, BeforeValidator(_wire_int), Field(ge=0, le=INT64_MAX), _int_schema(0)]
+PositiveInt = Annotated[int, BeforeValidator(_wire_int), Field(ge=1, le=INT64_MAX), _int_schema(1)]
 # A whole number (a seed): any sign.
-WireInt = Annotated[int, BeforeValidator(_wire_int),
-                    WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string", "pattern": "^[0-9]+$"}]})]
+WireInt = Annotated[int, BeforeValidator(_wire_int), Field(ge=-INT64_MAX - 1, le=INT64_MAX),
+                    _int_schema(-INT64_MAX - 1)]
 # A non-empty string.
 Text = Annotated[str, Field(min_length=1)]
 

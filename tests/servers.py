@@ -114,3 +114,16 @@ def sim_engine(log_dir: Path, tokenizer: str, *extra: str) -> Iterator[Server]:
     args = ["sim-engine", "--port", str(port), "--tokenizer", tokenizer, *extra]
     with running(args, "/health", port, log_dir / f"sim-{port}.log") as srv:
         yield srv
+
+
+@contextlib.contextmanager
+def session_host(log_dir: Path, engine_url: str, tokenizer: str, *extra: str, **run: object) -> Iterator[Server]:
+    """A buffer (`serve` with the extra flags) holding an agent run that hosts sessions on `engine_url`; `run`
+    adds to or overrides the run's `/start_rollout` payload."""
+    port = free_port()
+    args = ["serve", "--port", str(port), "--data-dir", str(log_dir / "data"), *extra]
+    with running(args, "/healthz", port, log_dir / "buffer.log") as srv:
+        start = httpx.post(f"{srv.url}/start_rollout", timeout=30, json={
+            "task_type": "agent", "remote_engine_url": engine_url, "tokenizer_path": tokenizer, **run})
+        assert start.status_code == 200 and start.json()["num_items"] == 0, start.text
+        yield srv

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from servers import Server, free_port, sim_engine
+from servers import Server, session_host, sim_engine
 
 LONG = os.environ.get("RB_LONG") == "1"
 FUZZ = Path(__file__).parent / "fuzz"
@@ -69,23 +69,18 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_path: str) -
     data = tmp / "math.jsonl"
     data.write_text("".join(json.dumps({"instance_id": f"m{i}", "prompt": f"What is {i} + 1?", "label": str(i + 1)})
                             + "\n" for i in range(2)))
-    with sim_engine(tmp, qwen_tokenizer_path) as engine:
-        port = free_port()
-        args = ["serve", "--port", str(port), "--data-dir", str(tmp / "data"), "--group-size", "2"]
-        with Server(args, "/healthz", port, tmp / "buffer.log").start() as srv:
-            httpx.post(f"{srv.url}/start_rollout", timeout=30, json={
-                "task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": qwen_tokenizer_path,
-                "max_tokens": 64}).raise_for_status()
-            uids = [f"seed-{k}" for k in range(2)]
-            for k, uid in enumerate(uids):
-                httpx.post(f"{srv.url}/buffer/write", timeout=30, json={
-                    "uid": uid, "instance_id": "seed", "reward": float(k), "extra_info": {},
-                    "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
-                }).raise_for_status()
-            opened = [httpx.post(f"{srv.url}/sessions", timeout=30, json={"instance_id": f"fuzz-{k}"}).json()
-                      for k in range(8)]
-            sessions = [s["session_id"] for s in opened]
-            yield Fuzzed(srv, sessions, uids, [str(data)])
+    with sim_engine(tmp, qwen_tokenizer_path) as engine, \
+            session_host(tmp, engine.url, qwen_tokenizer_path, "--group-size", "2", max_tokens=64) as srv:
+        uids = [f"seed-{k}" for k in range(2)]
+        for k, uid in enumerate(uids):
+            httpx.post(f"{srv.url}/buffer/write", timeout=30, json={
+                "uid": uid, "instance_id": "seed", "reward": float(k), "extra_info": {},
+                "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+            }).raise_for_status()
+        opened = [httpx.post(f"{srv.url}/sessions", timeout=30, json={"instance_id": f"fuzz-{k}"}).json()
+                  for k in range(8)]
+        sessions = [s["session_id"] for s in opened]
+        yield Fuzzed(srv, sessions, uids, [str(data)])
 
 
 def test_every_ref_of_the_openapi_document_resolves(fuzzed: Fuzzed) -> None:
@@ -113,6 +108,9 @@ def test_request_models_carry_examples(fuzzed: Fuzzed) -> None:
     ("/start_rollout", {"mode": "eval", "eval_datasets": {"x": ""}}, "eval_datasets.x"),
     # Request bodies coerce nothing the document does not name: true is no version, "0.5" no wait.
     ("/trainer_version", {"current_version": True}, "current_version"),
+    # Versions and counts are the store's 64-bit integers: a larger one was a 500 from SQLite.
+    ("/trainer_version", {"current_version": 2**89}, "current_version"),
+    ("/ack", {"batch_id": "b", "agent_id": "x" * 129}, "agent_id"),
     ("/get_rollout_data", {"wait_s": "0.5"}, "wait_s"),
     ("/buffer/write", {"uid": "u", "instance_id": "i", "messages": [], "reward": True}, "reward"),
 ])

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 from runs import drain
-from servers import Server, free_port, running, sim_engine
+from servers import Server, free_port, running, session_host, sim_engine
 
 from rollout_buffer.generation.context import RolloutContext, RunResources
 from rollout_buffer.proxy.anthropic_messages import AnthropicMessagesAdapter
@@ -42,15 +42,8 @@ def engine(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_path: str) -
 @pytest.fixture(scope="module")
 def buffer(tmp_path_factory: pytest.TempPathFactory, engine: Server, qwen_tokenizer_path: str) -> Iterator[Server]:
     """A buffer holding an agent run without input (sessions only), groups of 2 sessions per instance id."""
-    tmp = tmp_path_factory.mktemp("proxy-buffer")
-    port = free_port()
-    args = ["serve", "--port", str(port), "--data-dir", str(tmp / "data")]
-    with running(args, "/healthz", port, tmp / "buffer.log") as srv:
-        start = httpx.post(f"{srv.url}/start_rollout", timeout=30, json={
-            "task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": qwen_tokenizer_path,
-            "num_repeat_per_sample": 2, "max_tokens": 4096})
-        assert start.status_code == 200, start.text
-        assert start.json()["num_items"] == 0
+    with session_host(tmp_path_factory.mktemp("proxy-buffer"), engine.url, qwen_tokenizer_path,
+                      num_repeat_per_sample=2, max_tokens=4096) as srv:
         yield srv
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from ops_helpers import delta, scrape
-from servers import Server, free_port, running, sim_engine
+from servers import Server, free_port, running, session_host, sim_engine
 
 from rollout_buffer.observability import logs
 
@@ -30,13 +30,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_path: str) -
 @pytest.fixture(scope="module")
 def buffer(tmp_path_factory: pytest.TempPathFactory, engine: Server, qwen_tokenizer_path: str) -> Iterator[Server]:
     """A buffer (default `--access-log info`) holding an agent run that hosts sessions."""
-    tmp = tmp_path_factory.mktemp("logs-buffer")
-    port = free_port()
-    args = ["serve", "--port", str(port), "--data-dir", str(tmp / "data")]
-    with running(args, "/healthz", port, tmp / "buffer.log") as srv:
-        httpx.post(f"{srv.url}/start_rollout", timeout=30, json={
-            "task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": qwen_tokenizer_path,
-            "max_tokens": 256}).raise_for_status()
+    with session_host(tmp_path_factory.mktemp("logs-buffer"), engine.url, qwen_tokenizer_path, max_tokens=256) as srv:
         yield srv
 
 

@@ -175,6 +175,12 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def _stream(_: Request, exc: StreamMismatch) -> Response:
         return error_response(409, str(exc))
 
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> Response:
+        # A bug still answers in slime's shape, and says where it happened.
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
     @app.exception_handler(StoreError)
     async def _store(_: Request, exc: StoreError) -> Response:
         return error_response(503, f"store unavailable, nothing was written: {exc}")
