@@ -40,7 +40,7 @@ from rich.table import Table
 
 from bench import profiler
 from bench.harness import MachineCpu, Meter, Service, rollout_buffer, sim_engine
-from rollout_buffer.tokenizer import bundled_tokenizer_path
+from rollout_buffer.generation.tokenizer import bundled_tokenizer_path
 
 console = Console(width=200)
 TOOLS = [{"type": "function", "function": {

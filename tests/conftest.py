@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from servers import Server, free_port, running
 
-from rollout_buffer.tokenizer import bundled_tokenizer_path
+from rollout_buffer.generation.tokenizer import bundled_tokenizer_path
 
 SEARCH_CORPUS = Path(str(resources.files("generators") / "data" / "search_corpus.jsonl"))
 

@@ -23,7 +23,7 @@ from runs import drain, wait_finished
 from servers import Server, free_port, running, sim_engine
 
 from generators.agent.sandbox import namespaces_work
-from rollout_buffer.demo import bundled_dataset
+from rollout_buffer.tools.demo import bundled_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 AGENTS = REPO / "generators" / "data" / "agents"

@@ -21,7 +21,7 @@ import yaml
 from servers import free_port, running
 
 from rollout_buffer.cli import DELEGATED
-from rollout_buffer.tokenizer import bundled_tokenizer_path
+from rollout_buffer.generation.tokenizer import bundled_tokenizer_path
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"

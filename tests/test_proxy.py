@@ -76,8 +76,7 @@ def tool_results(calls: Any) -> list[dict[str, Any]]:
 
 
 def decode_tail(ids: list[int]) -> str:
-    from rollout_buffer.generation.tokenizer import load_tokenizer
-    from rollout_buffer.tokenizer import bundled_tokenizer_path
+    from rollout_buffer.generation.tokenizer import bundled_tokenizer_path, load_tokenizer
 
     return load_tokenizer(bundled_tokenizer_path()).decode(ids)
 

@@ -22,9 +22,9 @@ from rich.console import Console
 from runs import wait_finished
 from servers import Server, free_port
 
-from rollout_buffer.demo import bundled_dataset
 from rollout_buffer.tools import export
 from rollout_buffer.tools import status as status_tool
+from rollout_buffer.tools.demo import bundled_dataset
 from slime_adapter import add_arguments, generate_rollout, run_control
 from slime_adapter.data_buffer import DataBuffer
 from slime_adapter.flags import AdapterSettings
