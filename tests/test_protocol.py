@@ -7,6 +7,7 @@ import time
 
 import httpx
 import pytest
+from ops_helpers import math_rows, start_run, write_jsonl
 from servers import Server, free_port, running
 
 
@@ -249,6 +250,14 @@ def test_groups_endpoint_lists_groups_by_state(buffer_server: Server) -> None:
     assert resp.status_code == 422 and "state" in resp.json()["message"]
 
 
+def start_failing_run(url: str, tmp_path, repeats: int) -> str:
+    """A math run against an engine that is not there: it starts (and becomes the latest run), its own
+    trajectories fail at once."""
+    data = write_jsonl(tmp_path / "math.jsonl", math_rows(1))
+    return start_run(url, f"http://127.0.0.1:{free_port()}", data, None, num_repeat_per_sample=repeats,
+                     num_process=1, max_retries=0, backoff_s=0.01)
+
+
 def test_writes_follow_the_latest_run(tmp_path) -> None:
     port = free_port()
     args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "d"), "--group-size", "4"]
@@ -269,13 +278,7 @@ def test_writes_follow_the_latest_run(tmp_path) -> None:
         assert len({g["run_id"] for g in groups}) == 1 and len(groups) == 8
 
         # After /start_rollout, writes belong to the new run.
-        inp = tmp_path / "math.jsonl"
-        inp.write_text('{"prompt": "What is 1 + 1?", "label": "2"}\n')
-        started = httpx.post(f"{srv.url}/start_rollout", timeout=30, json={
-            "task_type": "math", "input_file": str(inp), "num_repeat_per_sample": 4, "num_process": 1,
-            "remote_engine_url": f"http://127.0.0.1:{free_port()}", "max_retries": 0, "backoff_s": 0.01})
-        assert started.status_code == 200, started.text
-        run_id = started.json()["run_id"]
+        run_id = start_failing_run(srv.url, tmp_path, repeats=4)
         assert httpx.post(f"{srv.url}/buffer/write", json=record("late", "late", 1.0)).status_code == 200
         late = httpx.get(f"{srv.url}/groups", params={"run_id": run_id}).json()["groups"]
         assert "late" in {g["instance_id"] for g in late}
@@ -287,13 +290,7 @@ def test_a_fetch_gets_its_own_runs_groups(tmp_path) -> None:
     with running(args, "/healthz", port, tmp_path / "log") as srv:
         write_group(srv.url, "old", [1.0, 0.0])  # left ready by an earlier run (here: the default run)
         old_run = httpx.get(f"{srv.url}/status").json()["run"]["run_id"]
-        inp = tmp_path / "math.jsonl"
-        inp.write_text('{"prompt": "What is 1 + 1?", "label": "2"}\n')
-        started = httpx.post(f"{srv.url}/start_rollout", timeout=30, json={
-            "task_type": "math", "input_file": str(inp), "num_repeat_per_sample": 2, "num_process": 1,
-            "remote_engine_url": f"http://127.0.0.1:{free_port()}", "max_retries": 0, "backoff_s": 0.01})
-        assert started.status_code == 200, started.text
-        new_run = started.json()["run_id"]
+        new_run = start_failing_run(srv.url, tmp_path, repeats=2)
         write_group(srv.url, "new", [1.0, 0.0])
 
         out = get(srv.url, {"lease_s": 30})

@@ -274,11 +274,12 @@ class RolloutBuffer:
         deadline = time.monotonic() + wait_s
         stale: list[StaleGroup] = []
         while True:
-            of_run = run_id or await self._current_run_id()
+            latest = await self.store.latest_run()  # the current run, whose trainer's version counts
+            of_run = run_id or (latest["run_id"] if latest else None)
             changed = self._changed
             if client_gone is not None and await client_gone():
                 return Delivery([], {})  # nobody is listening; keep the counters for the next reader
-            trainer = await self._trainer_version(stream)
+            trainer = await self._trainer_version(latest, stream)
             batch = await self.store.take(max_groups, lease_s, order=order, current_version=trainer.current,
                                           stream=stream, run_id=of_run)
             self._account(batch, stream)
@@ -302,12 +303,7 @@ class RolloutBuffer:
         meta.update(_version_meta(trainer, lags, stale))
         return Delivery(records, meta)
 
-    async def _current_run_id(self) -> str | None:
-        run = await self.store.latest_run()
-        return run["run_id"] if run else None
-
-    async def _trainer_version(self, role: str | None = None) -> TrainerVersion:
-        run = await self.store.latest_run()
+    async def _trainer_version(self, run: dict[str, Any] | None, role: str | None = None) -> TrainerVersion:
         if run is None:
             return TrainerVersion()
         ledger = await self.ledger(run["run_id"])
