@@ -1,20 +1,24 @@
 """The dashboard (`GET /ui`) in a real headless Chromium (Debian's package, driven by Playwright) on a live
 buffer behind --auth-token with a simulated math rollout running: the run and its moving counts, the token
-view's loss-mask styling, a rejected token; and its read-only API over HTTP (auth, paging, filters, 422s)."""
+view's loss-mask styling, a rejected token; the charts (titles, axes with units, labels off the line, "no data
+yet", scaled to the current run), run ids on one line, long messages collapsed, a page load without an error;
+and its read-only API over HTTP (auth, paging, filters, 422s)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import orjson
 import pytest
-from ops_helpers import math_rows, start_run, write_jsonl
+from ops_helpers import math_rows, scrape, start_run, write_jsonl
 from servers import Server, free_port, running
 from servers import sim_engine as start_sim_engine
 
@@ -22,6 +26,8 @@ CHROMIUM = os.environ.get("RB_CHROMIUM", "/usr/bin/chromium")
 TOKEN = "ui-s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 ARTIFACTS = Path(__file__).parent / "artifacts"
+# The line charts and the unit of their y axis.
+UNITS = {"throughput": "trajectories/s", "inflight": "trajectories", "lag": "versions", "latency": "ms"}
 
 
 
@@ -106,7 +112,9 @@ def connect(page, buffer: Server, token: str) -> None:
 def test_the_page_loads_without_a_token_and_its_api_needs_the_right_one(buffer: Server) -> None:
     page = httpx.get(f"{buffer.url}/ui", timeout=10)
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
-    assert 'src="/ui/static/app.js"' in page.text and "http" not in page.text.split("<body>")[0]  # no CDN
+    head = page.text.split("<body>")[0]
+    # No CDN: nothing in the head is fetched from another host (the inline icon's SVG namespace is no fetch).
+    assert 'src="/ui/static/app.js"' in page.text and not re.search(r"""(?:src|href)=["']?(?:https?:)?//""", head)
     assert httpx.get(f"{buffer.url}/ui/static/app.js", timeout=10).status_code == 200
     assert httpx.get(f"{buffer.url}/ui/api/runs", timeout=10).status_code == 401
     wrong = {"Authorization": "Bearer nope"}
@@ -324,3 +332,198 @@ def test_an_earlier_runs_undelivered_groups_show_beside_the_current_run(page, tm
         page.wait_for_selector("#count-earlier")
         assert page.inner_text("#count-earlier") == "1"
         assert earlier in page.locator("#count-earlier").locator("..").get_attribute("title")
+
+
+# ---- the page as a new user sees it: charts, run ids, long messages, a clean load ------------------------
+Problems = list[str]
+
+
+@pytest.fixture
+def open_dashboard(browser) -> Iterator[Callable[..., tuple[object, Problems]]]:
+    """Opens `/ui` of a buffer with the token already in the tab's session storage (so the page connects at
+    once, as after a reload); returns the page and what went wrong on it: console errors, uncaught exceptions,
+    answers ≥ 400 and failed requests."""
+    contexts = []
+
+    def open_(srv: Server, width: int = 1400) -> tuple[object, Problems]:
+        context = browser.new_context(viewport={"width": width, "height": 1100})
+        contexts.append(context)
+        context.add_init_script(f"sessionStorage.setItem('rollout-buffer-token', {json.dumps(TOKEN)})")
+        pg = context.new_page()
+        pg.set_default_timeout(15_000)
+        problems: Problems = []
+        pg.on("console", lambda m: problems.append(f"console: {m.text}") if m.type == "error" else None)
+        pg.on("pageerror", lambda e: problems.append(f"exception: {e}"))
+        pg.on("response", lambda r: problems.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+        pg.on("requestfailed", lambda r: problems.append(f"failed {r.url}: {r.failure}"))
+        pg.goto(f"{srv.url}/ui")
+        return pg, problems
+
+    yield open_
+    for context in contexts:
+        context.close()
+
+
+def chart(page, selector: str) -> dict:
+    """What a chart shows: its title and values line, tick and unit texts, the "no data yet" text, whether it
+    has a line, the texts drawn over the plot area, and whether the values line sits above the chart."""
+    return page.locator(selector).evaluate("""svg => {
+        const fig = svg.closest('figure');
+        const texts = (sel) => [...svg.querySelectorAll(sel)].map((t) => t.textContent);
+        const plot = svg.querySelector('rect.plot');
+        const p = plot && plot.getBoundingClientRect();
+        const over = (r) => p && r.left < p.right && p.left < r.right && r.top < p.bottom && p.top < r.bottom;
+        const now = fig.querySelector('.chart-now');
+        return {
+            title: fig.querySelector('.chart-title').textContent, now: now ? now.textContent : '',
+            y: texts('text.tick.y'), x: texts('text.tick.x'), unit_y: texts('text.unit.y').join(' '),
+            unit_x: texts('text.unit.x').join(' '), empty: texts('text.empty').join(' '),
+            line: svg.querySelector('polyline') !== null, bars: svg.querySelectorAll('rect.bar').length,
+            over_plot: [...svg.querySelectorAll('text')].filter((t) => over(t.getBoundingClientRect()))
+                .map((t) => t.textContent),
+            now_above: !now || now.getBoundingClientRect().bottom <= svg.getBoundingClientRect().top,
+        };
+    }""")
+
+
+def test_a_fresh_buffer_shows_empty_charts_and_the_page_loads_without_an_error(open_dashboard,
+                                                                               tmp_path: Path) -> None:
+    port = free_port()
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--auth-token", TOKEN]
+    with running(args, "/healthz", port, tmp_path / "buffer.log") as srv:
+        page, problems = open_dashboard(srv)
+        page.wait_for_function("() => document.querySelector('#conn').textContent === 'live'")
+        # Three snapshots: two seconds and more on the page, by when the browser has asked for its icon.
+        page.wait_for_function("() => state.snapshots >= 3")
+        for key in UNITS:  # no run: every chart says so instead of showing an empty box
+            shown = chart(page, f"#chart-{key}")
+            assert shown["empty"] == "no data yet" and not shown["line"] and not shown["y"], shown
+            assert page.locator(f"#chart-{key} text.empty").is_visible()
+        assert page.inner_text("#batches") == "no batch delivered yet"
+        assert problems == []
+        # The server answered this page nothing ≥ 400, the browser's own /favicon.ico request included (Playwright
+        # does not report it; without an icon in the page it is answered 401 here, 404 without a token).
+        errors = {k: v for k, v in scrape(srv.url, AUTH).items() if k[0] == "rollout_buffer_http_errors_total"}
+        assert sum(errors.values()) == 0, errors
+        assert "favicon" not in srv.log()
+        assert page.get_attribute("link[rel=icon]", "href").startswith("data:image/svg+xml,")
+
+
+def test_each_chart_has_a_title_axes_with_units_and_its_labels_off_the_line(page, buffer: Server,
+                                                                            run_id: str) -> None:
+    connect(page, buffer, TOKEN)
+    page.wait_for_function("id => document.querySelector('#run-id')?.textContent === id", arg=run_id)
+    for key in ("throughput", "inflight", "latency"):
+        page.wait_for_selector(f"#chart-{key} polyline")
+    drawn = 0
+    for key, unit in UNITS.items():
+        shown = chart(page, f"#chart-{key}")
+        assert shown["title"], shown
+        if not shown["line"]:  # the lag needs a trainer's version: none in this run
+            assert shown["empty"] == "no data yet" and not shown["y"], shown
+            continue
+        drawn += 1
+        assert shown["unit_y"] == unit, shown
+        ticks = [float(v) for v in shown["y"]]
+        assert len(ticks) >= 2 and ticks == sorted(ticks), shown
+        assert shown["x"][-1] == "now" and len(shown["x"]) >= 2, shown
+        assert all(re.fullmatch(r"−\d+ (s|min)", x) for x in shown["x"][:-1]), shown
+        assert shown["over_plot"] == [] and shown["now_above"], shown  # no label on the plotted line
+        now = re.fullmatch(rf"now \S+ {re.escape(unit)} · max (\S+)", shown["now"])
+        assert now and float(now[1]) <= ticks[-1], shown  # the top tick covers the series
+    assert drawn >= 3
+
+
+def test_run_ids_stay_on_one_line_with_the_full_id_in_their_title(open_dashboard, buffer: Server,
+                                                                  run_id: str) -> None:
+    page, _ = open_dashboard(buffer, width=420)  # a narrow window: the panels stack, the runs table is tight
+    page.wait_for_function("id => document.querySelector('#run-id')?.textContent === id", arg=run_id)
+    page.wait_for_selector(f"#runs .run-id[title='{run_id}']")
+    for selector in ("#run-id", f"#runs .run-id[title='{run_id}']"):
+        white_space, overflow, title, text, height, font = page.locator(selector).evaluate("""e => {
+            const s = getComputedStyle(e);
+            return [s.whiteSpace, s.textOverflow, e.title, e.textContent, e.getBoundingClientRect().height,
+                    parseFloat(s.fontSize)];
+        }""")
+        assert (white_space, overflow, title, text) == ("nowrap", "ellipsis", run_id, run_id), selector
+        assert height < 2 * font, (selector, height, font)  # one line
+
+
+def test_a_long_message_starts_collapsed_to_its_first_lines(page, buffer: Server, run_id: str) -> None:
+    tools = [f"- tool_{i}: fetches item {i}. Parameters: " + json.dumps(
+        {"type": "object", "properties": {f"arg_{i}": {"type": "string", "description": f"what tool {i} reads"}}})
+        for i in range(24)]
+    system = "You are an agent with 24 tools.\n" + "\n".join(tools)
+    assert len(system) > 3000
+    record = {"uid": "ui-long-0", "instance_id": "ui-long", "reward": 0.0, "extra_info": {},
+              "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Find item 7."},
+                           {"role": "assistant", "content": "Item 7 is a lamp."}]}
+    httpx.post(f"{buffer.url}/buffer/write", json=record, headers=AUTH, timeout=30).raise_for_status()
+    connect(page, buffer, TOKEN)
+    page.wait_for_function("id => document.querySelector('#run-id')?.textContent === id", arg=run_id)
+    page.fill("#search input[name=uid]", "ui-long-0")
+    page.check("#search input[name=all_runs]")
+    page.click("#search button")
+    page.locator("#results tr[data-uid='ui-long-0']").click()
+    details = page.locator("#messages .msg.role-system details")
+    details.wait_for()
+    assert details.evaluate("d => d.open") is False
+    summary = details.locator("summary").inner_text()
+    assert summary.startswith("You are an agent with 24 tools.\n- tool_0") and "tool_23" not in summary, summary
+    assert f"{len(system)} characters" in summary
+    assert not page.locator("#messages .msg.role-system .content").is_visible()
+    assert page.locator("#messages .msg.role-system").bounding_box()["height"] < 200
+    assert page.locator("#messages details").count() == 1  # the short messages are shown whole
+    assert page.inner_text("#messages .msg.role-user .content") == "Find item 7."
+    details.locator("summary").click()  # expands
+    assert details.evaluate("d => d.open") is True
+    full = page.locator("#messages .msg.role-system .content")
+    assert full.is_visible() and full.text_content() == system
+
+
+TOP_TICK = """([id, lo, hi]) => {
+    const ticks = [...document.querySelectorAll('#' + id + ' text.tick.y')].map((t) => Number(t.textContent));
+    return ticks.length > 0 && Math.max(...ticks) >= lo && Math.max(...ticks) <= hi;
+}"""
+
+
+def wait_history(srv: Server, found: Callable[[list[dict]], bool], timeout_s: float = 15) -> None:
+    """Until the server's history (the stream's first event) holds what `found` looks for."""
+    deadline = time.monotonic() + timeout_s
+    while not found(read_events(srv, 1)[0][1]["points"]):
+        assert time.monotonic() < deadline, f"the server's history did not show it in {timeout_s}s"
+        time.sleep(0.5)
+
+
+def test_a_chart_scales_to_the_current_run_not_an_earlier_runs_spike(open_dashboard, sim_engine: Server,
+                                                                    qwen_tokenizer_path: str, tmp_path: Path) -> None:
+    port = free_port()
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--auth-token", TOKEN]
+    with running(args, "/healthz", port, tmp_path / "buffer.log") as srv:
+        wide = write_jsonl(tmp_path / "wide.jsonl", math_rows(400))
+        first = start_run(srv.url, sim_engine.url, wide, qwen_tokenizer_path, headers=AUTH, num_process=24)
+        live, _ = open_dashboard(srv)
+        live.wait_for_function(TOP_TICK, arg=["chart-inflight", 20, 1e9])  # ~24 in flight
+        wait_history(srv, lambda points: any(p["run_id"] == first and p["in_flight"] >= 20 for p in points))
+        narrow = write_jsonl(tmp_path / "narrow.jsonl", math_rows(50))
+        second = start_run(srv.url, sim_engine.url, narrow, qwen_tokenizer_path, headers=AUTH, num_process=2)
+        # The open page: the new run's own scale (2 in flight at most), not the first run's 24.
+        live.wait_for_function("id => document.querySelector('#run-id')?.textContent === id", arg=second)
+        live.wait_for_function(TOP_TICK, arg=["chart-inflight", 1, 4])
+        # A page opened now gets the server's history of both runs: it draws the current one only.
+        wait_history(srv, lambda points: any(p["run_id"] == second for p in points))
+        fresh, problems = open_dashboard(srv)
+        fresh.wait_for_function("id => document.querySelector('#run-id')?.textContent === id", arg=second)
+        fresh.wait_for_function(TOP_TICK, arg=["chart-inflight", 1, 4])
+        assert problems == []
+        # A delivered batch: its reward histogram has axes with units too.
+        taken = httpx.post(f"{srv.url}/get_rollout_data", json={"max_groups": 2, "wait_s": 30}, headers=AUTH,
+                           timeout=60).json()
+        assert taken["success"], taken
+        histogram = live.locator("#batches figure svg").first
+        histogram.locator("rect.bar").first.wait_for()
+        shown = chart(live, "#batches figure svg >> nth=0")
+        assert shown["title"].startswith("batch of ") and shown["bars"] >= 1, shown
+        assert shown["unit_x"] == "reward (raw)" and shown["unit_y"] == "trajectories", shown
+        assert [float(x) for x in shown["x"]] == sorted(float(x) for x in shown["x"]) and len(shown["x"]) >= 2
+        assert len(shown["y"]) >= 2 and shown["over_plot"] == [], shown

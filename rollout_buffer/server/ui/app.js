@@ -7,6 +7,13 @@ const TOKEN_KEY = "rollout-buffer-token";
 const HISTORY = 2000; // points kept per chart
 const MAX_SESSIONS = 10; // open sessions whose branch trees the page shows
 const WINDOW_S = 1800; // what the charts span: the last half hour
+// The line charts: the unit of their y axis, digits shown, and whether the values are counts (whole ticks).
+const CHARTS = {
+  throughput: { unit: "trajectories/s", digits: 1, whole: false },
+  inflight: { unit: "trajectories", digits: 0, whole: true },
+  lag: { unit: "versions", digits: 0, whole: true },
+  latency: { unit: "ms", digits: 0, whole: false },
+};
 const $ = (id) => document.getElementById(id);
 
 const state = {
@@ -16,6 +23,7 @@ const state = {
   last: null, // previous snapshot, for rates
   history: { throughput: [], inflight: [], lag: [], latency: [] }, // [time, value] per series
   lastPoint: null,
+  chartRun: null, // the run the series hold: the charts show one run
   countsKey: "",
   page: { next: null, newest: 0, seq: 0, empty: true },
   snapshots: 0,
@@ -173,7 +181,8 @@ function renderRun(s) {
   const control = s.control || {};
   const admission = (control.admission || {}).state;
   $("run-head").replaceChildren(
-    el("strong", { id: "run-id" }, run.run_id), ` · ${run.task_type || "writer"} · `,
+    el("strong", { id: "run-id", class: "run-id", title: run.run_id }, run.run_id),
+    ` · ${run.task_type || "writer"} · `,
     el("span", { id: "run-state" }, p.state || run.state),
   );
   $("run-bar").style.width = p.total ? `${(100 * (p.done || 0)) / p.total}%` : "0";
@@ -201,7 +210,7 @@ function renderRun(s) {
   }
 }
 
-// A chart point of a snapshot, in the shape of the server's history samples.
+// A chart point of a snapshot, in the shape of the server's history samples (no run_id: no live run).
 function pointOf(s) {
   const p = (s.run && s.run.progress) || {};
   return { t: s.t, run_id: p.run_id, done: p.done || 0, in_flight: p.in_flight || 0,
@@ -210,9 +219,17 @@ function pointOf(s) {
 
 function addPoint(point) {
   const h = state.history;
+  // The server's history spans runs; a chart shows the current run only, so that an earlier run's spike
+  // cannot set its scale: another run's point starts the series afresh.
+  if (point.run_id !== state.chartRun) {
+    for (const k of Object.keys(h)) h[k] = [];
+    state.chartRun = point.run_id;
+    state.lastPoint = null;
+  }
+  if (!point.run_id) return; // no live run: nothing to chart (the charts say "no data yet")
   const prev = state.lastPoint;
   const t = point.t;
-  if (prev && t - prev.t > 0 && prev.run_id === point.run_id) h.throughput.push([t, Math.max(0, (point.done - prev.done) / (t - prev.t))]);
+  if (prev && t - prev.t > 0) h.throughput.push([t, Math.max(0, (point.done - prev.done) / (t - prev.t))]);
   h.inflight.push([t, point.in_flight]);
   if (point.lag !== null && point.lag !== undefined) h.lag.push([t, point.lag]);
   if (prev) {
@@ -231,32 +248,92 @@ function addPoint(point) {
 }
 
 function drawCharts() {
-  const h = state.history;
-  sparkline($("chart-throughput"), h.throughput);
-  sparkline($("chart-inflight"), h.inflight);
-  sparkline($("chart-lag"), h.lag);
-  sparkline($("chart-latency"), h.latency);
+  for (const key of Object.keys(CHARTS)) lineChart(key, state.history[key]);
 }
 
 // The server's samples from before this page connected (one every few seconds, the last half hour).
 function onHistory(points) {
   for (const k of Object.keys(state.history)) state.history[k] = [];
+  state.chartRun = null;
   state.lastPoint = null;
   for (const point of points) addPoint(point);
   drawCharts();
 }
 
-function sparkline(svg, points) {
+// ---- charts --------------------------------------------------------------------------------------
+// Drawn in CSS pixels (the viewBox is the box's own size) so text is never stretched; the plot area is inset
+// and every label (ticks, unit) sits in the margins, never on the line.
+const MARGIN = { left: 44, right: 16, top: 18, bottom: 20 };
+
+function frame(svg, bottom = MARGIN.bottom) {
+  const { width, height } = svg.getBoundingClientRect();
+  const w = Math.round(width) || 240, h = Math.round(height) || 120;
+  svg.setAttribute("viewBox", `0 0 ${w} ${h}`);
   svg.replaceChildren();
-  if (!points.length) return;
+  return { x0: MARGIN.left, x1: w - MARGIN.right, y0: h - bottom, y1: MARGIN.top, w, h };
+}
+
+function svgText(svg, x, y, s, cls, anchor = "middle") {
+  const t = svgEl("text", { x, y, class: cls, "text-anchor": anchor });
+  t.textContent = s;
+  svg.append(t);
+}
+
+// Round ticks 1, 2 or 5 × 10^k apart, from at or below `lo` to at or above `hi` (whole numbers for counts).
+function niceTicks(lo, hi, count, whole = false) {
+  if (!(hi > lo)) hi = lo + 1;
+  const raw = (hi - lo) / count, mag = 10 ** Math.floor(Math.log10(raw));
+  let step = [1, 2, 5, 10].map((m) => m * mag).find((x) => x >= raw * 0.999);
+  if (whole) step = Math.max(1, Math.round(step));
+  const ticks = [];
+  for (let i = Math.floor(lo / step); i <= Math.ceil(hi / step); i++) ticks.push(+(i * step).toPrecision(12));
+  return ticks;
+}
+
+// The plot area's frame, grid and tick labels; the y unit above the axis, the x unit (if any) below the ticks.
+// Returns the value → pixel maps of the domains.
+function axes(svg, f, { xDomain, xTicks, xText, yTicks, yUnit, xUnit }) {
+  const [xa, xb] = xDomain, ya = yTicks[0], yb = yTicks[yTicks.length - 1];
+  const sx = (v) => f.x0 + ((f.x1 - f.x0) * (v - xa)) / (xb - xa || 1);
+  const sy = (v) => f.y0 - ((f.y0 - f.y1) * (v - ya)) / (yb - ya || 1);
+  svg.append(svgEl("rect", { class: "plot", x: f.x0, y: f.y1, width: f.x1 - f.x0, height: f.y0 - f.y1 }));
+  for (const v of yTicks) {
+    svg.append(svgEl("line", { class: "grid", x1: f.x0, x2: f.x1, y1: sy(v), y2: sy(v) }));
+    svgText(svg, f.x0 - 5, sy(v) + 3.5, String(v), "tick y", "end");
+  }
+  for (const v of xTicks) svgText(svg, sx(v), f.y0 + 13, xText(v), "tick x");
+  svgText(svg, 2, 11, yUnit, "unit y", "start");
+  if (xUnit) svgText(svg, (f.x0 + f.x1) / 2, f.h - 3, xUnit, "unit x");
+  return { sx, sy };
+}
+
+function noData(svg, f) {
+  svgText(svg, f.w / 2, f.h / 2 + 4, "no data yet", "empty");
+}
+
+// A series of [time, value] over the time before its newest point ("now"), in seconds or minutes.
+function lineChart(key, points) {
+  const { unit, digits, whole } = CHARTS[key];
+  const svg = $(`chart-${key}`), f = frame(svg);
+  if (!points.length) {
+    $(`now-${key}`).textContent = "";
+    return noData(svg, f);
+  }
+  const now = points[points.length - 1][0], span = Math.max(now - points[0][0], 10);
+  const step = [5, 10, 15, 30, 60, 120, 300, 600].find((x) => span / x <= 4) || 900;
+  const xTicks = [];
+  for (let k = Math.floor(span / step); k >= 0; k--) xTicks.push(-k * step);
+  const xText = (v) => (v === 0 ? "now" : step >= 60 ? `−${-v / 60} min` : `−${-v} s`);
   const values = points.map((p) => p[1]);
-  const max = Math.max(...values, 1e-9), min = Math.min(...values, 0);
-  const t0 = points[0][0], span = Math.max(points[points.length - 1][0] - t0, 1e-9);
-  const xy = points.map(([t, v]) => `${(5 + (230 * (t - t0)) / span).toFixed(1)},${(55 - (50 * (v - min)) / (max - min || 1)).toFixed(1)}`);
-  svg.append(svgEl("polyline", { points: xy.join(" ") }));
-  const label = svgEl("text", { x: 4, y: 10 });
-  label.textContent = `now ${fmt(values[values.length - 1], 1)} · max ${fmt(max, 1)} · ${Math.round(span / 60)} min`;
-  svg.append(label);
+  const max = Math.max(...values);
+  const yTicks = niceTicks(Math.min(0, ...values), max, 4, whole);
+  const { sx, sy } = axes(svg, f, { xDomain: [-span, 0], xTicks, xText, yTicks, yUnit: unit });
+  const xy = points.map(([t, v]) => [sx(t - now), sy(v)]);
+  svg.append(svgEl("polyline", { points: xy.map(([x, y]) => `${x.toFixed(1)},${y.toFixed(1)}`).join(" ") }));
+  const [lx, ly] = xy[xy.length - 1];
+  svg.append(svgEl("circle", { cx: lx, cy: ly, r: 2.5 })); // the newest point, visible even alone
+  // The values in words sit in the caption, beside the title: off the plot.
+  $(`now-${key}`).textContent = `now ${fmt(values[values.length - 1], digits)} ${unit} · max ${fmt(max, digits)}`;
 }
 
 // ---- batches, reasons, runs, sessions -------------------------------------------------------------
@@ -269,22 +346,30 @@ async function refreshBatches() {
     if (!batches.length) return box.append("no batch delivered yet");
     const all = batches.flatMap((b) => b.raw);
     const lo = Math.min(...all, 0), hi = Math.max(...all, 1);
-    for (const b of batches.slice().reverse()) box.append(batchHistogram(b, lo, hi));
+    for (const b of batches.slice().reverse()) batchHistogram(box, b, lo, hi);
   } catch (err) {
     failed(err);
   }
 }
 
-function batchHistogram(b, lo, hi) {
-  const bins = new Array(10).fill(0);
-  for (const r of b.raw) bins[Math.min(9, Math.floor(((r - lo) / (hi - lo || 1)) * 10))] += 1;
-  const top = Math.max(...bins, 1);
-  const svg = svgEl("svg", { viewBox: "0 0 100 50", class: "histogram" });
-  bins.forEach((n, i) => svg.append(svgEl("rect", { class: "bar", x: i * 10 + 1, width: 8, y: 48 - (44 * n) / top, height: (44 * n) / top })));
+// One batch's raw rewards in 10 bins over the range shared by all batches shown (comparable side by side).
+function batchHistogram(box, b, lo, hi) {
+  const svg = svgEl("svg", { class: "histogram", role: "img", "aria-label": "raw rewards of the batch" });
   const mean = b.raw.length ? b.raw.reduce((a, c) => a + c, 0) / b.raw.length : null;
-  return el("div", { class: "batch" }, svg,
+  box.append(el("figure", { class: "batch" },
+    el("figcaption", {}, el("span", { class: "chart-title" }, `batch of ${when(b.created_at)}`)), svg,
     el("div", { class: "batch-label", title: b.batch_id },
-      `${when(b.created_at)} · ${b.num_groups} groups · ${b.raw.length} records · mean ${fmt(mean)} · [${fmt(lo, 1)}, ${fmt(hi, 1)}]${b.acked ? "" : " · not acked"}`));
+      `${b.num_groups} groups · ${b.raw.length} trajectories · mean ${fmt(mean)}${b.acked ? "" : " · not acked"}`)));
+  const xTicks = niceTicks(lo, hi, 2), a = xTicks[0], z = xTicks[xTicks.length - 1];
+  const bins = new Array(10).fill(0);
+  for (const r of b.raw) bins[Math.min(9, Math.floor(((r - a) / (z - a)) * 10))] += 1;
+  const f = frame(svg, 32); // room below the ticks for the x unit
+  const yTicks = niceTicks(0, Math.max(...bins, 1), 2, true);
+  const { sx, sy } = axes(svg, f, {
+    xDomain: [a, z], xTicks, xText: String, yTicks, yUnit: "trajectories", xUnit: "reward (raw)" });
+  const w = (z - a) / 10, barWidth = Math.max(1, sx(a + w) - sx(a) - 2);
+  bins.forEach((n, i) => n && svg.append(svgEl("rect", {
+    class: "bar", x: sx(a + i * w) + 1, width: barWidth, y: sy(n), height: sy(0) - sy(n) })));
 }
 
 async function refreshReasons(s) {
@@ -311,7 +396,8 @@ async function refreshRuns() {
       // The current run's progress is live in the snapshots; the store's copy is written now and then.
       const p = live && live.run_id === r.run_id ? live.progress || {} : r.progress || {};
       return el("tr", { class: r.run_id === state.runId ? "current" : null },
-        el("td", { class: "uid", title: r.run_id }, short(r.run_id, 28)), el("td", {}, r.task_type || "–"), el("td", {}, r.state),
+        el("td", {}, el("span", { class: "run-id", title: r.run_id }, r.run_id)),
+        el("td", {}, r.task_type || "–"), el("td", {}, r.state),
         el("td", {}, p.total ? `${p.done} / ${p.total}` : "–"), el("td", {}, when(r.created_at)));
     }));
   } catch (err) {
@@ -409,13 +495,26 @@ async function inspect(uid) {
   }
 }
 
+// Long texts (a system prompt listing two dozen tools runs to thousands of characters) start collapsed to
+// their first lines, so the conversation stays readable; a click on them shows all.
+const LONG_CHARS = 800, LONG_LINES = 12, PREVIEW_LINES = 3;
+
+function textBlock(tag, cls, s) {
+  const lines = s.split("\n");
+  if (s.length <= LONG_CHARS && lines.length <= LONG_LINES) return el(tag, { class: cls }, s);
+  return el("details", { class: "long" },
+    el("summary", {}, el("span", { class: "preview" }, lines.slice(0, PREVIEW_LINES).join("\n").slice(0, 400) + " …"),
+      el("span", { class: "more" }, `${lines.length} lines, ${s.length} characters`)),
+    el(tag, { class: cls }, s));
+}
+
 function renderMessages(messages) {
   $("messages").replaceChildren(...messages.map((m) => {
     const parts = [el("span", { class: "role" }, m.role + (m.name ? ` (${m.name})` : ""))];
-    if (m.reasoning_content) parts.push(el("pre", { class: "reasoning" }, m.reasoning_content));
+    if (m.reasoning_content) parts.push(textBlock("pre", "reasoning", m.reasoning_content));
     const content = typeof m.content === "string" ? m.content : JSON.stringify(m.content, null, 1);
-    if (content) parts.push(el("div", {}, content));
-    if (m.tool_calls) parts.push(el("pre", {}, JSON.stringify(m.tool_calls, null, 1)));
+    if (content) parts.push(textBlock("div", "content", content));
+    if (m.tool_calls) parts.push(textBlock("pre", "tool-calls", JSON.stringify(m.tool_calls, null, 1)));
     return el("div", { class: `msg role-${String(m.role).replace(/[^a-z_]/gi, "")}` }, parts);
   }));
 }
@@ -491,5 +590,6 @@ document.addEventListener("DOMContentLoaded", () => {
   $("older").addEventListener("click", () => state.page.next && search(state.page.next));
   $("first-page").addEventListener("click", () => search());
   $("show-newer").addEventListener("click", () => search());
+  drawCharts(); // empty until the stream's history: "no data yet" rather than blank boxes
   connect();
 });
