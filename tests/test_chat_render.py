@@ -121,6 +121,8 @@ def test_tool_schemas_keep_their_json_text_while_a_renderer_holds_them(tokenizer
     for messages in CONVERSATIONS[:2]:
         for _ in range(2):
             assert renderer.render(messages, True) == _transformers(tokenizer, messages, TOOLS, {}, True)
+    # jinja looks filters up at render time: the template's tojson calls reached the held texts.
+    assert all(len(texts) == 2 for _, texts in held.values()), "the template no longer calls the held tojson filter"
     other = ChatRenderer(tokenizer, TOOLS[:1], {})
     assert other.render(CONVERSATIONS[0], False) == _transformers(tokenizer, CONVERSATIONS[0], TOOLS[:1], {}, False)
     assert len(held) == len(TOOLS) + 1

@@ -2,15 +2,19 @@
 transformers repeats on every call.
 
 Each call of `apply_chat_template` looks the template up, rebuilds the special-token map, and copies the
-tools, the template options and every message through `_plain_template_data` (which turns rich objects into
-plain JSON values, so the sandboxed template cannot call their methods). The buffer renders once per turn
-(the new messages) and once per trajectory (the tokenization check), always with the same tools and options:
-that repeated work was about 40% of a render. A `ChatRenderer` does the per-template part once, and renders
+tools, the template options and every message as plain JSON values (rich objects are turned into them, so the
+sandboxed template cannot call their methods). The buffer renders once per turn (the new messages) and once
+per trajectory (the tokenization check), always with the same tools and options: that repeated work was about
+40% of a render. A `ChatRenderer` does the per-template part once, and renders
 messages that are already plain JSON (dicts with string keys, lists, strings, numbers, booleans, None) with
 the compiled template directly, after the two per-message steps transformers applies to them: keys whose
 value is None are left out, and reasoning given under any of its names is offered under all of them. Other
 messages (objects, tuples, numpy values) and tokenizers without a jinja template go through
 `apply_chat_template` itself. `tests/test_chat_render.py` holds the renders equal to transformers'.
+
+The compiled template and the copy of plain values are transformers' private internals: `dependency_internals`
+checks them and gives this module either them or fallbacks; when a fallback cannot render directly, every render
+goes through `apply_chat_template` (same text, slower).
 
 Templates write every tool's schema as JSON (`tool | tojson`) at the top of every render: with 20 tools that
 was two thirds of the render of a turn's new messages. The renderer's copies of the tools are its own and never
@@ -25,8 +29,13 @@ from typing import Any
 
 import orjson
 
-# transformers' `_REASONING_FIELDS`: reasoning under one name is offered to the template under all three.
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+from rollout_buffer.generation.dependency_internals import (
+    REASONING_FIELDS,
+    NotPlainData,
+    chat_template_for_direct_render,
+    plain_template_data,
+)
+
 _SCALARS = (str, int, float, bool)
 
 
@@ -40,18 +49,22 @@ class ChatRenderer:
         self._template: Any = None
         self._variables: dict[str, Any] = {}
         try:
-            from transformers.utils.chat_template_utils import _compile_jinja_template, _plain_template_data
-
             source = tokenizer.get_chat_template(None, tools)
             special = tokenizer.special_tokens_map
-        except (ImportError, AttributeError, ValueError):
+        except (AttributeError, ValueError):
             return  # not a transformers tokenizer with a template: every render goes through apply_chat_template
         if tools is not None and not all(type(t) is dict for t in tools):
             return  # callables become schemas in transformers
-        self._template = _compile_jinja_template(source)
-        plain_tools = _plain_template_data(tools)
-        self._variables = {"tools": plain_tools, "documents": None, **_plain_template_data({**special, **options})}
-        filters = self._template.environment.filters
+        template = chat_template_for_direct_render(source)
+        if template is None:
+            return  # transformers changed what direct renders rely on: every render goes through it
+        try:
+            plain_tools = plain_template_data(tools)
+            variables = {"tools": plain_tools, "documents": None, **plain_template_data({**special, **options})}
+        except NotPlainData:
+            return  # the fallback copies only exact JSON values: renders with others go through transformers
+        self._template, self._variables = template, variables
+        filters = template.environment.filters
         if "tojson" in filters and plain_tools:
             if not isinstance(filters["tojson"], _HeldJson):
                 filters["tojson"] = _HeldJson(filters["tojson"])
@@ -124,7 +137,7 @@ def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]] |
             if type(key) is not str or not (type(value) in _SCALARS or _plain(value)):
                 return None
             kept[key] = value
-        reasoning = next((kept[k] for k in _REASONING_FIELDS if k in kept), None)
+        reasoning = next((kept[k] for k in REASONING_FIELDS if k in kept), None)
         if reasoning is not None:
             kept = {"thinking": reasoning, **kept, "reasoning_content": reasoning}
         chat.append(kept)

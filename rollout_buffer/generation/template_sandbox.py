@@ -14,47 +14,17 @@ the key is now read directly, with the same result (its value, or the environmen
 
 Rendered text and the sandbox's verdicts are unchanged. The buffer renders the new messages of every turn and
 whole conversations for the tokenization check.
+
+Both replace methods of jinja's sandbox at run time and are exact only for the jinja2 code they were written
+against: they live in `dependency_internals` with the other private internals of dependencies, which checks
+that code at import and leaves the sandbox as it is when an installed jinja2 (or transformers) changed it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-
-class _MemoizedSafety:
-    """`is_safe_attribute` of one environment, answered from a table keyed by (type, attribute name)."""
-
-    def __init__(self, decide: Any) -> None:
-        self._decide = decide
-        self._known: dict[tuple[type, str], bool] = {}
-
-    def __call__(self, obj: Any, attr: str, value: Any) -> bool:
-        key = (type(obj), attr)
-        safe = self._known.get(key)
-        if safe is None:
-            safe = self._known[key] = bool(self._decide(obj, attr, value))
-        return safe
-
-
-class _DictKeysFirst:
-    """`getattr` of one environment, reading an exact dict's key directly when the name is not an attribute of
-    dict (where the sandbox's own `getattr` would fail the attribute lookup and then read the key)."""
-
-    _DICT_ATTRIBUTES = frozenset(dir(dict))
-
-    def __init__(self, env: ImmutableSandboxedEnvironment) -> None:
-        self._getattr = env.getattr
-        self._undefined = env.undefined
-
-    def __call__(self, obj: Any, attribute: str) -> Any:
-        if type(obj) is dict and type(attribute) is str and attribute not in self._DICT_ATTRIBUTES:
-            try:
-                return obj[attribute]
-            except KeyError:
-                return self._undefined(obj=obj, name=attribute)
-        return self._getattr(obj, attribute)
+from rollout_buffer.generation.dependency_internals import speed_up_template_sandbox
 
 
 def speed_up_sandbox(tokenizer: Any) -> int:
@@ -63,22 +33,9 @@ def speed_up_sandbox(tokenizer: Any) -> int:
 
     Applies only to environments of jinja's own `ImmutableSandboxedEnvironment` class, whose decisions are
     known to depend on type and name alone. Returns how many environments it changed (0 when transformers
-    compiles templates some other way: renders are then as they were, only slower).
+    compiles templates some other way, or a dependency changed what the speed-up relies on: renders are then
+    as they were, only slower).
     """
-    try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-    except ImportError:
-        return 0
     template = getattr(tokenizer, "chat_template", None)
     sources = list(template.values()) if isinstance(template, dict) else [template]
-    changed = 0
-    for source in sources:
-        if not isinstance(source, str):
-            continue
-        env = getattr(_compile_jinja_template(source), "environment", None)
-        if type(env) is not ImmutableSandboxedEnvironment or isinstance(env.is_safe_attribute, _MemoizedSafety):
-            continue
-        env.is_safe_attribute = _MemoizedSafety(env.is_safe_attribute)  # type: ignore[method-assign]
-        env.getattr = _DictKeysFirst(env)  # type: ignore[method-assign]
-        changed += 1
-    return changed
+    return sum(speed_up_template_sandbox(source) for source in sources if isinstance(source, str))
