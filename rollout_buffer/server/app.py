@@ -23,7 +23,8 @@ from starlette.types import Receive, Scope, Send
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.buffer import RecordError, RolloutBuffer
 from rollout_buffer.delivery.queries import Reader
-from rollout_buffer.delivery.store import Store, StoreError, StreamMismatch
+from rollout_buffer.delivery.store import Store, StoreError
+from rollout_buffer.delivery.streams import DEFAULT_STREAM, StreamMismatch
 from rollout_buffer.delivery.versions import VersionConflict
 from rollout_buffer.generation.evaluation import EvalManager, eval_config
 from rollout_buffer.generation.executor import Executor, LocalExecutor
@@ -55,6 +56,7 @@ from rollout_buffer.server.bodies import (
     parse_body,
     validated,
 )
+from rollout_buffer.server.guards import Guards
 from rollout_buffer.server.middleware import AgentSocketGate, BearerAuthMiddleware, BodyLimitMiddleware
 from rollout_buffer.server.proxy_routes import SessionApi, mount_proxy
 from rollout_buffer.server.ui_history import RunHistory
@@ -88,11 +90,11 @@ def make_executor(config: ServerConfig) -> Executor:
 
 class BufferApp(FastAPI):
     """The buffer's ASGI app: the agent sessions' own API served before FastAPI's middleware stack and router
-    (see `SessionApi`), everything else by FastAPI."""
+    (see `SessionApi`), everything else by FastAPI; both apply the same security checks (`guards`)."""
 
-    def __init__(self, max_body_bytes: int, **kwargs: Any):
+    def __init__(self, guards: Guards, **kwargs: Any):
         super().__init__(**kwargs)
-        self.front = SessionApi(functools.partial(FastAPI.__call__, self), self.state, max_body_bytes)
+        self.front = SessionApi(functools.partial(FastAPI.__call__, self), self.state, guards)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -124,6 +126,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         app.state.history = history
         log.info("rollout buffer ready: data dir %s, generators %s", config.data_dir, sorted(generators))
         sessions.start()
+        await buffer.finish_interrupted()  # groups a stopped process left complete: their policy runs now
         await runs.resume()
         await sessions.recover(runs)  # before serving: a restored session's next request finds it
         await evals.resume()
@@ -139,18 +142,20 @@ def create_app(config: ServerConfig) -> FastAPI:
             await reader.close()
             await store.close()
 
+    # The security checks, one `Guards` for both layers: FastAPI's middleware and the session API's fast path.
+    guards = Guards.of(config)
     app = BufferApp(
-        config.max_body_bytes,
+        guards,
         title="rollout-buffer",
         version="0.1.0",
         description="Asynchronous agent rollout buffer for slime (slime's /start_rollout + /get_rollout_data).",
         lifespan=lifespan,
     )
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
-    if config.auth_token:
-        app.add_middleware(BearerAuthMiddleware, token=config.auth_token)
-    if config.agent_socket is not None:
-        app.add_middleware(AgentSocketGate, socket_path=str(config.agent_socket))
+    app.add_middleware(BodyLimitMiddleware, guards=guards)
+    if guards.auth_token is not None:
+        app.add_middleware(BearerAuthMiddleware, guards=guards)
+    if guards.agent_socket is not None:
+        app.add_middleware(AgentSocketGate, guards=guards)
     app.add_middleware(RefusalLog)  # outermost: logs and counts the refusals of every layer inside it
 
     @app.exception_handler(RequestValidationError)
@@ -337,11 +342,11 @@ def create_app(config: ServerConfig) -> FastAPI:
         req = validated(GET_BODY, body)
         buffer: RolloutBuffer = request.app.state.buffer
         runs: RunManager = request.app.state.runs
-        if req.run_id is not None and await buffer.store.get_run(req.run_id) is None:
+        if req.run_id is not None and await buffer.runs.get(req.run_id) is None:
             raise HTTPException(404, f"run_id: no run {req.run_id!r}")
         d = await buffer.deliver(req.max_groups, req.wait_s, req.lease_s, req.ack, request.is_disconnected,
-                                 order=req.order, current_version=req.current_version, stream=req.agent_id,
-                                 run_id=req.run_id)
+                                 order=req.order, current_version=req.current_version,
+                                 stream=req.agent_id or DEFAULT_STREAM, run_id=req.run_id)
         if d.meta_info and (admission := runs.admission()) is not None:
             d.meta_info |= {"admission_state": admission["state"], "groups_ahead": admission["groups_ahead"]}
         message = f"{d.meta_info['num_groups']} groups" if d.success else "no complete group is ready"
@@ -354,13 +359,13 @@ def create_app(config: ServerConfig) -> FastAPI:
     @app.post("/ack", summary="Acknowledge a leased batch")
     async def ack(req: AckRequest, request: Request) -> Response:
         buffer: RolloutBuffer = request.app.state.buffer
-        n = await buffer.ack(req.batch_id, req.agent_id)
+        n = await buffer.ack(req.batch_id, req.agent_id or DEFAULT_STREAM)
         return json_response({"success": True, "acked_groups": n})
 
     @app.post("/trainer_version", summary="The trainer's weight version (it updated weights without fetching)")
     async def trainer_version(req: TrainerVersionRequest, request: Request) -> Response:
         buffer: RolloutBuffer = request.app.state.buffer
-        reported = await buffer.report_version(req.current_version, req.rewind, req.agent_id)
+        reported = await buffer.report_version(req.current_version, req.rewind, req.agent_id or DEFAULT_STREAM)
         if reported is None:
             raise HTTPException(409, "current_version: there is no rollout run yet to version (start one first; "
                                      "its start payload may carry current_version)")
@@ -375,7 +380,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     @app.get("/trajectories/{uid}", summary="One stored trajectory")
     async def trajectory(uid: str, request: Request) -> Response:
         buffer: RolloutBuffer = request.app.state.buffer
-        rec = await buffer.store.get_record(uid)
+        rec = await buffer.get_record(uid)
         if rec is None:
             raise HTTPException(404, f"uid: no trajectory {uid!r}")
         return json_response(rec)
@@ -383,23 +388,24 @@ def create_app(config: ServerConfig) -> FastAPI:
     @app.get("/groups", summary="Groups by state, newest first (inspection)")
     async def groups(
         request: Request,
-        state: Literal["open", "ready", "leased", "delivered", "filtered"] | None = None,
+        state: Literal["open", "complete", "ready", "leased", "delivered", "filtered"] | None = None,
         run_id: str | None = None,
         limit: int = Query(default=100, ge=1, le=10_000),
     ) -> Response:
         buffer: RolloutBuffer = request.app.state.buffer
-        return json_response({"groups": await buffer.store.list_groups(state, run_id, limit)})
+        return json_response({"groups": await buffer.reads.list_groups(state, run_id, limit)})
 
     @app.get("/metrics", summary="Prometheus metrics (text exposition format)",
              responses={200: {"content": {"text/plain": {}, "application/openmetrics-text": {}}}})
     async def prometheus_metrics(request: Request) -> Response:
         buffer: RolloutBuffer = request.app.state.buffer
         runs: RunManager = request.app.state.runs
-        groups, run = await buffer.store.group_counts(), await buffer.store.latest_run()
-        control = await run_control(request.app, run)
-        roles = await buffer.role_counts(run["run_id"]) if run is not None else {}
+        groups, run = await buffer.reads.group_counts(), await buffer.runs.latest()
+        control = await run_control(request.app, run.run_id if run is not None else None)
+        roles = await buffer.role_counts(run.run_id) if run is not None else {}
         sessions: SessionManager = request.app.state.sessions
-        body, content_type = metrics.render(groups, run, runs.progress(), request.headers.get("accept", ""), control,
+        public = run.public() if run is not None else None
+        body, content_type = metrics.render(groups, public, runs.progress(), request.headers.get("accept", ""), control,
                                             len(sessions.sessions), await evals_view(request.app), roles)
         return Response(body, media_type=content_type)
 

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -45,7 +43,7 @@ from rollout_buffer.schemas import (
     OpenSessionRequest,
 )
 from rollout_buffer.server.bodies import documented_body, error_response, json_response, parse_body, validated
-from rollout_buffer.server.middleware import capped, declared_length, from_agent_socket
+from rollout_buffer.server.guards import SESSION_API_PATH, BodyTooLarge, Guards
 
 log = logging.getLogger(__name__)
 
@@ -170,14 +168,12 @@ def reason_of(err: WireError) -> str:
     return err.reason if isinstance(err, Refusal) else KIND_REASONS.get(err.kind, "server_error")
 
 
-async def _count_tokens(request: Request, sessions: SessionManager, session_id: str) -> Response:
-    session = _session(request, sessions, session_id)
+async def _count_tokens(request: Request, session: Session) -> Response:
     req = ANTHROPIC.parse(_json(await request.body()))
     return json_response({"input_tokens": await session.count_tokens(req)})
 
 
-async def _models(request: Request, sessions: SessionManager, session_id: str) -> Response:
-    session = _session(request, sessions, session_id)
+async def _models(request: Request, session: Session) -> Response:
     return json_response(_adapter_of("models", request.scope).models(session.options.model_name))
 
 
@@ -204,26 +200,20 @@ def _agent_run(request: Request, run_id: str | None) -> Any:
     return run
 
 
-def _session(request: Request, sessions: SessionManager, session_id: str) -> Session:
-    """The session, once the request proved it may drive it: with a server token, or through the agent socket,
-    the session's own key (or the server token) is required, as `Authorization: Bearer` or `x-api-key`."""
+def _session(scope: Scope, sessions: SessionManager, guards: Guards, session_id: str) -> Session:
+    """The session, once the request proved it may drive it (`Guards.session_key_ok`: with a server token, or
+    through the agent socket, the session's own key or the server token)."""
     try:
         session = sessions.get(session_id)
     except WireError as e:
         raise Refusal("session_closed" if session_id in sessions.closed else "unknown_session", e.kind,
                       e.message) from None
-    auth_token = sessions.config.auth_token
-    socket = str(sessions.config.agent_socket) if sessions.config.agent_socket else None
-    if auth_token or from_agent_socket(request.scope, socket):
-        given = _credential(request).encode()
-        allowed = [session.api_key, *([auth_token] if auth_token else [])]
-        if not any(hmac.compare_digest(given, k.encode()) for k in allowed):
-            raise WireError("authentication", "missing or wrong API key for this session")
+    if not guards.session_key_ok(scope, session.api_key):
+        raise WireError("authentication", "missing or wrong API key for this session")
     return session
 
 
-async def _turn(request: Request, sessions: SessionManager, session_id: str, adapter: WireAdapter) -> Response:
-    session = _session(request, sessions, session_id)
+async def _turn(request: Request, session: Session, adapter: WireAdapter) -> Response:
     req = adapter.parse(_json(await request.body()))
     if req.stream:
         return TurnStream(session, adapter, req)
@@ -271,13 +261,6 @@ def _json(raw: bytes) -> Any:
         return parse_body(raw)
     except Exception:
         raise WireError("invalid_request", "the body is not valid JSON") from None
-
-
-def _credential(request: Request) -> str:
-    auth = request.headers.get("authorization", "")
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip()
-    return request.headers.get("x-api-key", "").strip()
 
 
 class TurnStream(Response):
@@ -375,7 +358,7 @@ class TurnStream(Response):
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
 
-SessionEndpoint = Callable[[Request, SessionManager, str], Awaitable[Response]]
+SessionEndpoint = Callable[[Request, Session], Awaitable[Response]]
 # (what follows `/sessions/{session_id}/v1/`) -> (method, endpoint)
 SESSION_API: dict[str, tuple[str, SessionEndpoint]] = {
     "chat/completions": ("POST", functools.partial(_turn, adapter=OPENAI)),
@@ -383,7 +366,6 @@ SESSION_API: dict[str, tuple[str, SessionEndpoint]] = {
     "messages/count_tokens": ("POST", _count_tokens),
     "models": ("GET", _models),
 }
-_SESSION_PATH = re.compile(r"^/sessions/(?P<session_id>[^/]+)/v1/(?P<endpoint>.+?)/?$")
 
 
 class SessionApi:
@@ -394,20 +376,20 @@ class SessionApi:
     themselves, so FastAPI's stack is skipped: its error and telemetry layers, the bearer check and the agent
     socket's gate (both of which let the session API through), its router (which tries every route's pattern in
     turn) and its request wrapper. They cost several percent of the buffer's CPU per proxied turn
-    (bench/proxy.py). The body cap (`BodyLimitMiddleware` in FastAPI's stack) is applied here too, refused in the
-    protocol's shape: a declared length over it before anything is read, a body sent in chunks once it grows
-    past it. A route no session serves is refused here too (404 in the client's protocol), so that it is logged
-    and counted like every other refusal of the session API.
+    (bench/proxy.py). The security checks are the ones FastAPI's middleware applies (`server.guards`, the same
+    `Guards`), refused here in the protocol's shape: the body cap (a declared length over it before anything is
+    read, a body sent in chunks once it grows past it) and the session's key (`Guards.session_key_ok`, which the
+    agent socket requires too). A route no session serves is refused here too (404 in the client's protocol), so
+    that it is logged and counted like every other refusal of the session API.
     """
 
-    def __init__(self, app: ASGIApp, state: Any, max_body_bytes: int):
+    def __init__(self, app: ASGIApp, state: Any, guards: Guards):
         self.app = app
         self.state = state
-        self.max_body_bytes = max_body_bytes
-        self._too_large = f"request body exceeds {max_body_bytes} bytes"
+        self.guards = guards
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        match = _SESSION_PATH.match(scope["path"])
+        match = SESSION_API_PATH.match(scope["path"])
         if match is None:
             await self.app(scope, receive, send)
             return
@@ -416,7 +398,7 @@ class SessionApi:
         adapter = _adapter_of(name, scope)
         route = SESSION_API.get(name)
         error: WireError | None = None
-        receive = capped(receive, self.max_body_bytes, lambda: WireError("too_large", self._too_large))
+        receive = self.guards.capped(receive)
         try:  # inline, not a helper coroutine: the hot path allocates nothing the access line does not need
             if route is None:
                 raise Refusal("unknown_route", "not_found", f"no route {name!r} under /sessions/{{session_id}}/v1/; "
@@ -424,10 +406,13 @@ class SessionApi:
             if scope["method"] != route[0]:
                 response = error_response(405, f"{name} takes {route[0]}")
                 response.headers["allow"] = route[0]
-            elif (declared_length(scope) or 0) > self.max_body_bytes:
-                raise WireError("too_large", self._too_large)
             else:
-                response = await route[1](Request(scope, receive), self.state.sessions, session_id)
+                self.guards.check_declared_length(scope)
+                session = _session(scope, self.state.sessions, self.guards, session_id)
+                response = await route[1](Request(scope, receive), session)
+        except BodyTooLarge as e:
+            error = WireError("too_large", e.detail)
+            response = json_response(adapter.error_body(error), error.status)
         except WireError as e:
             error, response = e, json_response(adapter.error_body(e), e.status)
         except Exception as e:  # a bug must still answer in the client's protocol

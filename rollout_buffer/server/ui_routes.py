@@ -23,7 +23,7 @@ from rollout_buffer.delivery.queries import MAX_PAGE, Reader, TrajectoryFilter
 from rollout_buffer.observability import metrics
 from rollout_buffer.schemas import TrajectoryStatus
 from rollout_buffer.server.bodies import json_response
-from rollout_buffer.server.middleware import UI_PREFIX
+from rollout_buffer.server.guards import UI_PREFIX
 from rollout_buffer.server.token_view import token_view
 from rollout_buffer.server.ui_history import RunHistory
 from rollout_buffer.server.views import SharedStatus
