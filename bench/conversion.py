@@ -61,10 +61,10 @@ async def _fill_store(data_dir: Path, records: list[dict[str, Any]]) -> None:
     try:
         buffer = RolloutBuffer(config, store, {})
         run_id = await buffer.create_run({"task_type": None, "source": "bench.conversion"}, GROUP)
-        run = await store.get_run(run_id)
+        run = await buffer.runs.get(run_id)
         for i in range(0, len(records), GROUP):
             await buffer.write([TrajectoryRecord.model_validate(r) for r in records[i:i + GROUP]], run)
-        await store.set_run_state(run_id, "finished")
+        await buffer.runs.set_state(run_id, "finished")
     finally:
         await store.close()
 
@@ -75,7 +75,7 @@ def store_to_samples(workdir: Path, records: list[dict[str, Any]], builder: Samp
     asyncio.run(_fill_store(data_dir, records))
     port = free_port()
     args = ["serve", "--port", str(port), "--data-dir", str(data_dir), "--log-level", "WARNING"]
-    with Service("rollout_buffer.cli", args, port, "/healthz", workdir / "buffer.log") as buf, \
+    with Service("rollout_buffer", args, port, "/healthz", workdir / "buffer.log") as buf, \
             BufferClient(buf.url, timeout_s=120) as client:
         start = time.perf_counter()
         delivery = client.get_rollout_data(lease_s=300)

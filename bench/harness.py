@@ -97,14 +97,14 @@ def sim_engine(workdir: Path, latency_ms: float, seed: int = 0) -> Service:
     port = free_port()
     args = ["sim-engine", "--port", str(port), "--tokenizer", bundled_tokenizer_path(), "--latency-ms",
             str(latency_ms), "--correct-rate", "0.5", "--seed", str(seed)]
-    return Service("rollout_buffer.cli", args, port, "/health", workdir / f"sim-{port}.log")
+    return Service("rollout_buffer", args, port, "/health", workdir / f"sim-{port}.log")
 
 
 def rollout_buffer(workdir: Path, src: Path = REPO) -> Service:
     """`rollout-buffer serve` with a fresh data dir under `workdir`, from the source tree `src`."""
     port = free_port()
     args = ["serve", "--port", str(port), "--data-dir", str(workdir / f"data-{port}"), "--log-level", "WARNING"]
-    return Service("rollout_buffer.cli", args, port, "/healthz", workdir / f"buffer-{port}.log", src)
+    return Service("rollout_buffer", args, port, "/healthz", workdir / f"buffer-{port}.log", src)
 
 
 @dataclass

@@ -41,7 +41,7 @@ def _where(frame: str) -> str:
 
 
 def by_function(collapsed: Path, prefixes: tuple[str, ...], top: int = 20,
-                skip: tuple[str, ...] = ("rollout_buffer/cli.py",)) -> list[tuple[str, float]]:
+                skip: tuple[str, ...] = ("rollout_buffer/__main__.py",)) -> list[tuple[str, float]]:
     """[(function, share of GIL samples with it on the stack)] for functions in files under `prefixes`
     (entry points in `skip` left out: they are on every stack)."""
     stacks = _parse(collapsed)

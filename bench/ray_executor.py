@@ -78,7 +78,7 @@ def buffer(workdir: Path, *extra: str) -> Service:
     port = free_port()
     args = ["serve", "--port", str(port), "--data-dir", str(workdir / f"data-{port}"), "--log-level", "WARNING",
             "--generator-path", str(PLUGIN), *extra]
-    return Service("rollout_buffer.cli", args, port, "/healthz", workdir / f"buffer-{port}.log")
+    return Service("rollout_buffer", args, port, "/healthz", workdir / f"buffer-{port}.log")
 
 
 def run(url: str, tasks: Path, engine_url: str, args: argparse.Namespace, reward_ms: float) -> tuple[int, float]:

@@ -60,7 +60,7 @@ async def _in_process(data_dir: Path, total: int, writers: int) -> float:
     await store.open()
     try:
         buffer = RolloutBuffer(config, store, {})
-        run = await store.get_run(await buffer.create_run({"task_type": None, "source": "bench"}, GROUP))
+        run = await buffer.runs.get(await buffer.create_run({"task_type": None, "source": "bench"}, GROUP))
         per_writer = total // writers
         records = [[TrajectoryRecord.model_validate(record(w, s)) for s in range(per_writer)] for w in range(writers)]
 
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     port = free_port()
     serve_args = ["serve", "--port", str(port), "--data-dir", str(workdir / "http"), "--group-size", str(GROUP),
                   "--log-level", "WARNING"]
-    with Service("rollout_buffer.cli", serve_args, port, "/healthz", workdir / "buffer.log") as buf:
+    with Service("rollout_buffer", serve_args, port, "/healthz", workdir / "buffer.log") as buf:
         results["rollout-buffer (SQLite, durable)"] = http_load(buf, args.writers, 1.0, window)
     port = free_port()
     with Service("bench.baseline_buffer", ["--port", str(port)], port, "/healthz", workdir / "baseline.log") as base:

@@ -57,7 +57,7 @@ async def fill(data_dir: Path, total: int) -> tuple[str, int]:
         buffer = RolloutBuffer(config, store, {})
         run_id = await buffer.create_run({"task_type": None, "source": "bench",
                                           "tokenizer_path": bundled_tokenizer_path()}, GROUP)
-        run = await store.get_run(run_id)
+        run = await buffer.runs.get(run_id)
         per_writer = total // WRITERS
 
         async def writer(w: int) -> None:
@@ -104,7 +104,7 @@ def main() -> None:
         run_id, batches = asyncio.run(fill(data, args.records))
         fill_s = time.perf_counter() - t0
         port = free_port()
-        service = Service("rollout_buffer.cli", ["serve", "--port", str(port), "--data-dir", str(data)], port,
+        service = Service("rollout_buffer", ["serve", "--port", str(port), "--data-dir", str(data)], port,
                           "/healthz", Path(tmp) / "serve.log").start()
         try:
             with httpx.Client(base_url=service.url, timeout=60) as client:

@@ -17,7 +17,7 @@ from typing import Any
 import math_verify.parser
 from math_verify import parse, verify
 
-from rollout_buffer.generation.context import RolloutContext
+from rollout_buffer.generator_api import RolloutContext
 
 TASK_TYPE = "math"
 REQUIRED_FIELDS = ("prompt", "label")

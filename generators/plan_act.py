@@ -48,9 +48,7 @@ from generators.plan_act_format import (
 from generators.plan_act_run import PlanActRun, plan_act_run
 from generators.scoring import answer_reward
 from generators.tools import ToolRegistry, ToolSession, message_tool_calls, truncate_response
-from rollout_buffer.generation.context import RolloutContext
-from rollout_buffer.generation.conversation import INLINE_CHARS, Conversation
-from rollout_buffer.generation.engine import EngineError
+from rollout_buffer.generator_api import INLINE_CHARS, Conversation, EngineError, RolloutContext
 
 TASK_TYPE = "plan_act"
 REQUIRED_FIELDS = (("prompt", "question"), ("label", "golden_answers", "answer"))

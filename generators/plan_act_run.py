@@ -18,10 +18,7 @@ from generators.search import SearchConfig, format_documents
 from generators.search_client import SearchClient
 from generators.tool_call import default_tool_config
 from generators.tools import BaseTool, CallLimits, ToolRegistry, TruncateSide, load_tool_config
-from rollout_buffer.generation.context import RolloutContext
-from rollout_buffer.generation.engine import EngineClient
-from rollout_buffer.generation.options import RunOptions
-from rollout_buffer.schemas import check_http_urls
+from rollout_buffer.generator_api import EngineClient, RolloutContext, RunOptions, check_http_urls
 
 _SHARED_KEY = "plan_act"
 # EngineClient options a run payload may set; per-role clients take the same ones as the run's own.

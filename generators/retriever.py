@@ -38,7 +38,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, Field
 from starlette.responses import Response
 
-from rollout_buffer.generation.inputs import iter_json_objects
+from rollout_buffer.generator_api import iter_json_objects
 
 log = logging.getLogger(__name__)
 

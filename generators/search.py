@@ -27,9 +27,7 @@ from typing import Any, ClassVar
 from pydantic import Field, field_validator
 
 from generators.search_client import Document, SearchClient, SearchError
-from rollout_buffer.generation.context import RolloutContext
-from rollout_buffer.generation.options import RunOptions
-from rollout_buffer.schemas import check_http_urls
+from rollout_buffer.generator_api import RolloutContext, RunOptions, check_http_urls
 
 TASK_TYPE = "search"
 REQUIRED_FIELDS = ("question", ("golden_answers", "answer"))

@@ -44,8 +44,7 @@ from generators.tools import (
     load_tool_config,
     message_tool_calls,
 )
-from rollout_buffer.generation.context import RolloutContext
-from rollout_buffer.generation.options import RunOptions
+from rollout_buffer.generator_api import RolloutContext, RunOptions
 
 TASK_TYPE = "tool_call"
 REQUIRED_FIELDS = ("prompt",)

@@ -6,10 +6,10 @@ one way, top to bottom (`tests/test_layout.py` keeps it so):
     tools/          command line: `rollout-buffer serve | demo | status | export | sim-engine | retriever`
     server/         the HTTP surface: FastAPI app, routes, request bodies, auth and body-size middleware
     generation/     runs: scheduler, generator context, engine client, exact-token conversation, tokenizer
-    delivery/       groups and their delivery: SQLite store, group completion, leases, long-poll
+    delivery/       groups and their delivery: SQLite store by concern, group completion, streams, long-poll
     observability/  Prometheus metrics and logging (written to, importing nothing of the service)
     sim/            the simulated SGLang engine and its scripted task policies (a stand-in, not the service)
 
 Two leaf modules any room may import: `config` (the server's settings) and `schemas` (the wire models).
-`cli`, `demo`, `tokenizer` and `context` at this level only re-export names users and the README rely on.
+`generator_api` holds every name a generator imports; `python -m rollout_buffer` is the command line.
 """

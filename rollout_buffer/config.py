@@ -29,6 +29,9 @@ class ServerConfig:
     # Where input files and tokenizers may live; empty means anywhere.
     data_roots: tuple[Path, ...] = ()
     progress_log_s: float = 10.0
+    # How long a generator's group hook (`is_valid_group`, `transform_group`) may take before its group is
+    # dropped with the reason `hook_timeout`.
+    hook_timeout_s: float = 60.0
     # Cap on the SQLite file; writes past it answer 503 like a full disk. None: only the disk limits it.
     max_db_bytes: int | None = None
     # A Unix socket the server also listens on that serves only the agent session endpoints, each with its
@@ -48,6 +51,8 @@ class ServerConfig:
             raise ValueError("group_size must be at least 1")
         if not 0 < self.port < 65536:
             raise ValueError("port must be between 1 and 65535")
+        if self.hook_timeout_s <= 0:
+            raise ValueError("hook_timeout_s must be positive")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")
         if self.executor not in EXECUTORS:

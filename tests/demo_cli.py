@@ -10,7 +10,7 @@ from pathlib import Path
 def run_demo(*args: str, cwd: Path | None = None) -> dict[str, str]:
     """`rollout-buffer demo <args>` run to the end (asserted successful); its table as {label: value}."""
     out = subprocess.run(
-        [sys.executable, "-m", "rollout_buffer.cli", "demo", *args],
+        [sys.executable, "-m", "rollout_buffer", "demo", *args],
         capture_output=True, text=True, timeout=240, cwd=cwd,
     )
     assert out.returncode == 0, out.stdout + out.stderr

@@ -64,7 +64,7 @@ class Server:
     def start(self, timeout_s: float = 60.0) -> Server:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rollout_buffer.cli", *self.args],
+            [sys.executable, "-m", "rollout_buffer", *self.args],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=self.env,

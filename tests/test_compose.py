@@ -1,7 +1,7 @@
 """docker-compose.yml and docker/Dockerfile: structure, and every command they run, run for real on loopback.
 
 There is no Docker engine on the build machines: the compose file is read as YAML with its `${VAR:-default}`
-defaults applied, and each rollout-buffer service's command is started as `python -m rollout_buffer.cli`
+defaults applied, and each rollout-buffer service's command is started as `python -m rollout_buffer`
 with the container's paths and ports mapped to local ones, then probed with the service's own healthcheck.
 """
 
@@ -20,8 +20,8 @@ import pytest
 import yaml
 from servers import free_port, running
 
-from rollout_buffer.cli import DELEGATED
 from rollout_buffer.generation.tokenizer import bundled_tokenizer_path
+from rollout_buffer.tools.cli import DELEGATED
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
@@ -243,7 +243,7 @@ def test_dockerfile_is_multi_stage_slim_and_non_root() -> None:
     assert 'ENTRYPOINT ["rollout-buffer"]' in runtime
     assert "COPY --from=build /opt/venv" in runtime and "pip install" not in runtime
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["rollout-buffer"] == "rollout_buffer.cli:main"
+    assert scripts["rollout-buffer"] == "rollout_buffer.tools.cli:main"
     router = " ".join(stages["router"])
     assert 'ENTRYPOINT ["python", "-m", "sglang_router.launch_router"]' in router
     assert "30000/readiness" in router

@@ -141,7 +141,7 @@ def test_two_eval_sets_beside_a_training_run(buffer: Server, engine: Server, fil
 
     latest = {e["dataset"]: e for e in status(url)["evals"]["latest"]}
     assert latest["a"]["pass_at_k"] == out["results"]["a"]["pass_at_k"]
-    shown = subprocess.run([sys.executable, "-m", "rollout_buffer.cli", "status", "--url", url],
+    shown = subprocess.run([sys.executable, "-m", "rollout_buffer", "status", "--url", url],
                            capture_output=True, text=True, check=True).stdout
     res_b = out["results"]["b"]
     assert (f"eval b    v5 finished  12/12 samples  reward {res_b['mean_reward']:.3f}  pass@1 "
@@ -157,12 +157,12 @@ def test_two_eval_sets_beside_a_training_run(buffer: Server, engine: Server, fil
     assert [e["state"] for e in again.json()["evals"]] == ["finished", "finished"]
     assert results(url, 5, wait_s=0)["results"]["a"]["records"] == out["results"]["a"]["records"]
 
-    exported = subprocess.run([sys.executable, "-m", "rollout_buffer.cli", "export", "--data-dir",
+    exported = subprocess.run([sys.executable, "-m", "rollout_buffer", "export", "--data-dir",
                                data_dir(buffer), "--out", "-", "--eval"], capture_output=True, check=True)
     lines = [orjson.loads(line) for line in exported.stdout.splitlines()]
     assert [(x["dataset"], x["version"], x["pass_at_k"]) for x in lines] == [
         (name, 5, out["results"][name]["pass_at_k"]) for name in ("a", "b")]
-    exported = subprocess.run([sys.executable, "-m", "rollout_buffer.cli", "export", "--data-dir",
+    exported = subprocess.run([sys.executable, "-m", "rollout_buffer", "export", "--data-dir",
                                data_dir(buffer), "--out", "-", "--eval-records", "--dataset", "b"],
                               capture_output=True, check=True)
     assert [orjson.loads(line)["uid"] for line in exported.stdout.splitlines()] == [

@@ -1,10 +1,22 @@
-"""Group finalization: slime's validity rule, DAPO zero-variance filter, GRPO normalization over episodes."""
+"""Group finalization: slime's validity rule, DAPO zero-variance filter, GRPO normalization over episodes; the
+policy and user hooks run outside the store, a hook that hangs or raises failing only its group."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
 import pytest
 
+from rollout_buffer.config import ServerConfig
+from rollout_buffer.delivery.buffer import RolloutBuffer, encode_record
 from rollout_buffer.delivery.groups import GroupPolicy
+from rollout_buffer.delivery.records import NewRecord, Records
+from rollout_buffer.delivery.store import Store
+from rollout_buffer.schemas import TrajectoryRecord
 
 
 def rec(uid: str, reward: float, content: str = "answer", **extra) -> dict:
@@ -59,3 +71,89 @@ def test_episodes_normalize_as_units_with_role_weights() -> None:
     out = GroupPolicy().finalize(group)
     adv = 0.5 / (0.5 + 1e-6)
     assert [r["reward"] for r in out.records] == pytest.approx([adv, adv / 2, adv / 2, -adv, -adv / 2])
+
+
+class _Hooks:
+    """A generator as delivery sees it: only its hooks."""
+
+    def __init__(self, **hooks: Callable[..., Any]):
+        self.hooks = hooks
+
+    def hook(self, name: str) -> Callable[..., Any] | None:
+        return self.hooks.get(name)
+
+
+def _record(uid: str, instance_id: str, reward: float) -> TrajectoryRecord:
+    return TrajectoryRecord.model_validate({"uid": uid, "instance_id": instance_id, "reward": reward, "messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": f"answer {uid}"}]})
+
+
+def test_group_hooks_run_outside_the_store_and_a_hanging_or_raising_hook_fails_only_its_group(tmp_path: Path) -> None:
+    """A hook that hangs holds up its own group, not the store: other writes commit meanwhile, and past the
+    hook timeout the group is dropped with the reason. A hook that raises drops its group with the error."""
+    release = threading.Event()
+
+    def hangs(records: list[dict[str, Any]]) -> bool:
+        if records[0]["instance_id"] == "slow":
+            release.wait(30)
+        return True
+
+    def explodes(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if records[0]["instance_id"] == "bad":
+            raise ValueError("no transform for you")
+        return records
+
+    async def main() -> None:
+        config = ServerConfig(data_dir=tmp_path, group_size=2, hook_timeout_s=1.0)
+        store = Store(config.db_path)
+        await store.open()
+        try:
+            buffer = RolloutBuffer(config, store, {"hooked": _Hooks(is_valid_group=hangs, transform_group=explodes)})
+            run = await buffer.runs.get(await buffer.create_run({"task_type": "hooked"}, 2))
+            assert run is not None
+            slow = asyncio.create_task(buffer.write([_record("s1", "slow", 1.0), _record("s2", "slow", 0.0)], run))
+            await asyncio.sleep(0.2)  # its hook is running now
+            other = await asyncio.wait_for(buffer.write([_record("o1", "other", 1.0)], run), 0.5)
+            assert other.inserted == 1 and not slow.done()  # committed while the hook hangs
+            assert (await slow).finished[0].reason == "hook_timeout: no answer within 1 s"
+            bad = await buffer.write([_record("b1", "bad", 1.0), _record("b2", "bad", 0.0)], run)
+            assert bad.finished[0].reason == "transform_group_error: ValueError: no transform for you"
+            good = await buffer.write([_record("g1", "good", 1.0), _record("g2", "good", 0.0)], run)
+            assert good.finished[0].reason is None
+            assert await buffer.reads.filter_counts(run.run_id) == {
+                "hook_timeout: no answer within 1 s": 1, "transform_group_error: ValueError: no transform for you": 1}
+            delivered = await buffer.deliver(None, 0, None)
+            assert sorted(r.load()["uid"] for r in delivered.records) == ["g1", "g2"]
+        finally:
+            release.set()
+            await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_group_left_complete_by_a_stopped_process_is_finished_at_start(tmp_path: Path) -> None:
+    """The policy runs between two commits: a process stopped in between leaves the group `complete`, and the
+    next start finishes it."""
+
+    async def main() -> None:
+        config = ServerConfig(data_dir=tmp_path, group_size=2)
+        store = Store(config.db_path)
+        await store.open()
+        try:
+            buffer = RolloutBuffer(config, store, {})
+            run = await buffer.runs.get(await buffer.create_run({"task_type": None}, 2))
+            assert run is not None
+            records = [_record("a", "g", 1.0), _record("b", "g", 0.0)]
+            items = [NewRecord(r.uid, r.instance_id, 0, r.status, encode_record(r), reward=r.reward) for r in records]
+            written = await Records(store).write(run.run_id, 2, items)  # stopped before the policy ran
+            assert [g.key for g in written.complete] == [(run.run_id, "g", 0, 0)]
+            assert await buffer.reads.group_counts(run.run_id) == {"complete": 1}
+            restarted = RolloutBuffer(config, store, {})
+            assert await restarted.finish_interrupted() == 1
+            assert await restarted.reads.group_counts(run.run_id) == {"ready": 1}
+            delivered = await restarted.deliver(None, 0, None)
+            assert [r.raw_reward for r in delivered.records] == [1.0, 0.0]
+        finally:
+            await store.close()
+
+    asyncio.run(main())

@@ -31,7 +31,23 @@ ALLOWED: dict[str, set[str]] = {
     "server": {"config", "schemas", "observability", "delivery", "generation", "proxy", "executors"},
     "sim": {"generation.tokenizer"},
 }
-TOP = {"tools", "cli", "context"}
+TOP = {"tools", "__main__", "generator_api"}
+# Inside delivery, storage by concern: the store thread knows only the schema; each concern is a module over the
+# store (streams are what completion admits groups to and what reads join); only the buffer composes them.
+DELIVERY: dict[str, set[str]] = {
+    "schema": set(),
+    "store": {"schema"},
+    "groups": set(),
+    "versions": set(),
+    "runs": {"store"},
+    "streams": {"store", "groups", "versions"},
+    "records": {"store", "groups", "streams", "versions"},
+    "reads": {"store", "streams"},
+    "evals": {"store"},
+    "queries": set(),
+    "ledger": {"streams", "versions"},
+    "buffer": {"store", "groups", "versions", "runs", "streams", "records", "reads", "evals", "ledger"},
+}
 # The core never names the packages that sit beside it: generators are found by discovery, the slime adapter
 # speaks HTTP only.
 OUTSIDE = ("generators", "slime_adapter")
@@ -159,12 +175,29 @@ def test_imports_run_one_way_between_rooms() -> None:
 
 def test_every_room_is_known_and_says_what_it_holds() -> None:
     rooms = {p.parent.name for p in (ROOT / PACKAGE).glob("*/__init__.py")}
-    assert rooms == (set(ALLOWED) | TOP) - {"config", "schemas", "cli", "context"}
+    modules = {"config", "schemas", "__main__", "generator_api"}
+    assert rooms == (set(ALLOWED) | TOP) - modules
     for room in rooms:
         doc = ast.get_docstring(ast.parse((ROOT / PACKAGE / room / "__init__.py").read_text()))
         assert doc and "import" in doc, f"{room}/__init__.py says what lives there and what it may import"
-    for name in ("config", "schemas", "cli", "context"):
-        assert (ROOT / PACKAGE / f"{name}.py").is_file()
+    assert {p.stem for p in (ROOT / PACKAGE).glob("*.py")} == modules | {"__init__"}
+
+
+def test_delivery_keeps_storage_by_concern() -> None:
+    graph = internal(_graph(PACKAGE))
+    room = f"{PACKAGE}.delivery."
+    modules = {m.removeprefix(room) for m in graph if m.startswith(room)}
+    assert modules == set(DELIVERY), "every delivery module has its place in DELIVERY"
+    wrong = sorted((src, dst) for src in modules for dst in (t.removeprefix(room) for t in graph[room + src]
+                                                              if t.startswith(room)) if dst not in DELIVERY[src])
+    assert wrong == [], f"delivery modules importing against DELIVERY: {wrong}"
+
+
+def test_no_module_of_the_service_outgrows_one_concern() -> None:
+    """A module over ~500 lines is doing more than one job (the simulated engine, a stand-in, excepted)."""
+    sizes = {m: len(p.read_text().splitlines()) for m, p in _modules(PACKAGE).items()}
+    large = {m: n for m, n in sizes.items() if n > 520 and _room(m) != "sim"}
+    assert large == {}, "split these by concern"
 
 
 def test_the_core_never_imports_generators_or_the_adapter() -> None:
@@ -183,7 +216,7 @@ def test_the_adapter_speaks_http_only_and_generators_use_the_generator_api() -> 
     for src, targets in _graph("generators").items():
         for dst in (t for t in targets if t.split(".")[0] == PACKAGE):
             assert dst in core, f"{src} imports {dst}, which does not exist"
-            assert _room(dst) in {"generation", "schemas", "config", "context"}, f"{src} -> {dst}"
+            assert dst == f"{PACKAGE}.generator_api", f"{src} -> {dst}: generators import the generator API only"
 
 
 @pytest.mark.parametrize(
@@ -191,10 +224,10 @@ def test_the_adapter_speaks_http_only_and_generators_use_the_generator_api() -> 
     [
         ("rollout_buffer.tools.demo", "bundled_dataset"),
         ("rollout_buffer.generation.tokenizer", "bundled_tokenizer_path"),
-        ("rollout_buffer.context", "RolloutContext"),
-        ("rollout_buffer.context", "Conversation"),
-        ("rollout_buffer.context", "EngineError"),
-        ("rollout_buffer.cli", "main"),
+        ("rollout_buffer.generator_api", "RolloutContext"),
+        ("rollout_buffer.generator_api", "Conversation"),
+        ("rollout_buffer.generator_api", "EngineError"),
+        ("rollout_buffer.tools.cli", "main"),
         ("slime_adapter", "generate_rollout"),
     ],
 )

@@ -24,7 +24,7 @@ from rollout_buffer.tools import export
 from rollout_buffer.tools import status as status_cli
 
 ROOT = Path(__file__).resolve().parent.parent
-CLI = [sys.executable, "-m", "rollout_buffer.cli"]
+CLI = [sys.executable, "-m", "rollout_buffer"]
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +199,7 @@ def test_every_command_help_has_examples() -> None:
     import sys
 
     for command in ("serve", "demo", "sim-engine", "retriever", "status", "export"):
-        out = subprocess.run([sys.executable, "-m", "rollout_buffer.cli", command, "--help"],
+        out = subprocess.run([sys.executable, "-m", "rollout_buffer", command, "--help"],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert "examples:" in out.stdout and f"rollout-buffer {command}" in out.stdout, command

@@ -106,7 +106,7 @@ def test_bad_corpus_rows_name_the_line(tmp_path):
     corpus.write_text('{"contents": "\\"A\\"\\nok"}\n{"title": "no text"}\n')
     with pytest.raises(ValueError, match="line 2"):
         list(corpus_documents(corpus))
-    out = subprocess.run([sys.executable, "-m", "rollout_buffer.cli", "retriever", "--corpus", str(corpus),
+    out = subprocess.run([sys.executable, "-m", "rollout_buffer", "retriever", "--corpus", str(corpus),
                           "--index-dir", str(tmp_path / "i"), "--port", str(free_port())],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "line 2" in out.stderr

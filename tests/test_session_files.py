@@ -1,18 +1,13 @@
-"""Open harness sessions' files: frames read back as written (with at most `max_open` files open), a torn or
-corrupted tail cut off cleanly, and the sessions an older version kept in the store moved to files unchanged."""
+"""Open harness sessions' files: frames read back as written (with at most `max_open` files open), and a torn or
+corrupted tail cut off cleanly."""
 
 from __future__ import annotations
 
-import asyncio
 import os
-import sqlite3
 from pathlib import Path
 
-import orjson
 import pytest
 
-from rollout_buffer.delivery.store import Store, StoredSession
-from rollout_buffer.proxy.journal import Journal, load_sessions
 from rollout_buffer.proxy.session_files import SessionFiles
 
 
@@ -71,36 +66,3 @@ def test_a_torn_or_corrupted_last_frame_is_left_out_and_the_frames_before_it_kep
     assert files.load() == [("s", [b"session", b"turn 0"])]
     path.write_bytes(data[:3])  # not even a whole frame head
     assert files.load() == [("s", [])]
-
-
-def test_sessions_an_older_version_stored_in_sqlite_move_to_files_unchanged(tmp_path: Path) -> None:
-    turns = [(0, b'{"route": "new"}', b"\x01\x00\x00\x00", b"\x00", b"\x00" * 8),
-             (2, b'{"route": "continue"}', b"\x02\x00\x00\x00\x03\x00\x00\x00", b"\x01\x01", b"\x11" * 16)]
-    state = {"api_key": "k", "repeat": 0, "public_url": "http://x", "metadata": {}, "created_at": 1.0}
-
-    async def main() -> list[StoredSession]:
-        store = Store(tmp_path / "buffer.sqlite")
-        await store.open()
-        try:
-            await store.call(lambda c: _legacy_rows(c, state, turns))
-            legacy = await store.stored_sessions()
-            for s in legacy:
-                Journal.of_stored(SessionFiles(tmp_path / "sessions"), s)
-                store.drop_session(s.session_id)
-            assert await store.stored_sessions() == []
-            return legacy
-        finally:
-            await store.close()
-
-    legacy = asyncio.run(main())
-    moved = load_sessions(SessionFiles(tmp_path / "sessions"))
-    assert len(legacy) == 1 and moved == legacy
-    assert moved[0].turns == turns and orjson.loads(moved[0].state) == state
-
-
-def _legacy_rows(conn: sqlite3.Connection, state: dict[str, object], turns: list[tuple[int, bytes, bytes, bytes, bytes]]
-                 ) -> None:
-    conn.execute("INSERT INTO agent_sessions(session_id, run_id, instance_id, uid, state, created_at) "
-                 "VALUES ('s-old', 'run', 'inst', 'run:inst:s-old', ?, 1.0)", (orjson.dumps(state),))
-    conn.executemany("INSERT INTO agent_session_turns(session_id, seq, meta, tokens, loss_mask, log_probs) "
-                     "VALUES ('s-old', ?, ?, ?, ?, ?)", turns)

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from rollout_buffer.delivery.ledger import GroupTally, RunLedger
+from rollout_buffer.delivery.ledger import GroupTally, RunLedger, StreamLedger
 from rollout_buffer.delivery.versions import (
     StalenessRule,
     TrainerVersion,
@@ -71,7 +71,7 @@ def admission(ledger: RunLedger, eta: int | None = 1, batch: int = 2, cap: int |
 
 def test_capacity_is_arreals_rule_in_groups() -> None:
     async def run() -> None:
-        ledger = RunLedger("r", version=TrainerVersion(10, 10))
+        ledger = RunLedger("r", {"": StreamLedger(version=TrainerVersion(10, 10))})
         ctl = admission(ledger, eta=1, batch=2)
         for _ in range(4):  # (η + 1) × B
             await asyncio.wait_for(ctl.admit(), 1)
@@ -84,7 +84,7 @@ def test_capacity_is_arreals_rule_in_groups() -> None:
         ledger.taken(groups=2, expired=0, stale=0)  # the batch it trains on with version 10 releases nothing
         await asyncio.sleep(0.01)
         assert not blocked.done()
-        ledger.trainer_reported(TrainerVersion(10, 11))  # its next version does
+        ledger.reported(TrainerVersion(10, 11))  # its next version does
         await asyncio.wait_for(blocked, 1)
         assert ctl.started == 5 and ctl.capacity() == 1 and ctl.groups_ahead() == 3
         ledger.taken(groups=2, expired=0, stale=0)  # a second batch without a new version: consumption counts
@@ -98,7 +98,7 @@ def test_capacity_is_arreals_rule_in_groups() -> None:
 
 
 def test_a_trainer_that_reports_no_version_is_followed_by_its_fetches() -> None:
-    ledger = RunLedger("r", GroupTally(ready=2))
+    ledger = RunLedger("r", {"": StreamLedger(GroupTally(ready=2))})
     ctl = admission(ledger, eta=0, batch=2, started=2)
     assert ctl.evaluate() is AdmissionState.PAUSED_STALENESS
     ledger.taken(groups=2, expired=0, stale=0)
@@ -106,7 +106,7 @@ def test_a_trainer_that_reports_no_version_is_followed_by_its_fetches() -> None:
 
 
 def test_a_lease_that_runs_out_takes_the_consumption_back() -> None:
-    ledger = RunLedger("r", GroupTally(ready=2))
+    ledger = RunLedger("r", {"": StreamLedger(GroupTally(ready=2))})
     ledger.taken(groups=2, expired=0, stale=0)
     ledger.taken(groups=0, expired=2, stale=0)
     assert (ledger.tally.ready, ledger.tally.consumed) == (2, 0)
@@ -115,7 +115,7 @@ def test_a_lease_that_runs_out_takes_the_consumption_back() -> None:
 
 
 def test_ready_cap_pauses_independently_and_unbounded_never_pauses() -> None:
-    ledger = RunLedger("r", GroupTally(ready=2, consumed=5))
+    ledger = RunLedger("r", {"": StreamLedger(GroupTally(ready=2, consumed=5))})
     assert admission(ledger, eta=None, cap=3, started=8).evaluate() is AdmissionState.PAUSED_CAP  # 3 ahead
     assert admission(ledger, eta=None, cap=4, started=8).evaluate() is AdmissionState.RUNNING
     unbounded = admission(ledger, eta=None, started=10_000)

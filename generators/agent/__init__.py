@@ -18,7 +18,7 @@ from typing import Any
 
 from generators.agent.options import AgentOptions, check_payload
 from generators.agent.run import run_agent
-from rollout_buffer.generation.context import RolloutContext
+from rollout_buffer.generator_api import RolloutContext
 
 TASK_TYPE = "agent"
 REQUIRED_FIELDS = ()

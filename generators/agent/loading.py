@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from generators.tools.config import resolve_reference
-from rollout_buffer.generation.inputs import confined_path
+from rollout_buffer.generator_api import confined_path
 
 
 def _is_file_reference(module_part: str) -> bool:

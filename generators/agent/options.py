@@ -12,8 +12,7 @@ from pydantic import Field, field_validator, model_validator
 
 from generators.agent.loading import check_reference
 from generators.agent.sandbox import check_image
-from rollout_buffer.generation.inputs import confined_path
-from rollout_buffer.generation.options import RunOptions
+from rollout_buffer.generator_api import RunOptions, confined_path
 
 MiB = 1024 * 1024
 

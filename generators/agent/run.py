@@ -26,8 +26,7 @@ from generators.agent.sandbox import (
 )
 from generators.math import final_answer_text
 from generators.scoring import answer_reward
-from rollout_buffer.generation.context import RolloutContext
-from rollout_buffer.generation.sessions import AgentSession
+from rollout_buffer.generator_api import AgentSession, RolloutContext
 
 log = logging.getLogger(__name__)
 

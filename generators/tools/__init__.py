@@ -12,7 +12,7 @@ from generators.tools.function import FunctionTool, function_tool, infer_schema
 from generators.tools.registry import ToolRegistry
 from generators.tools.session import CallLimits, ToolOutcome, ToolSession
 from generators.tools.truncation import TRUNCATE_SIDES, TruncateSide, truncate_response
-from rollout_buffer.generation.hermes import ToolCall, parse_tool_calls
+from rollout_buffer.generator_api import ToolCall, parse_tool_calls
 
 __all__ = [
     "TRUNCATE_SIDES",

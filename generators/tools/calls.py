@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout_buffer.generation.hermes import ToolCall, parse_tool_calls, tool_call
+from rollout_buffer.generator_api import ToolCall, parse_tool_calls, tool_call
 
 
 def message_tool_calls(message: dict[str, Any]) -> list[ToolCall]:

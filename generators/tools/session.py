@@ -15,7 +15,7 @@ from typing import Any
 from generators.tools.base import as_result
 from generators.tools.registry import ToolRegistry
 from generators.tools.truncation import TruncateSide, truncate_response
-from rollout_buffer.generation.hermes import ToolCall
+from rollout_buffer.generator_api import ToolCall
 
 log = logging.getLogger(__name__)
 

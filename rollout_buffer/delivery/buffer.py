@@ -14,18 +14,14 @@ import numpy as np
 import orjson
 
 from rollout_buffer.config import ServerConfig
-from rollout_buffer.delivery.groups import GroupPolicy
-from rollout_buffer.delivery.ledger import GroupTally, RoleLedger, RunLedger
-from rollout_buffer.delivery.store import (
-    Batch,
-    NewRecord,
-    Order,
-    StaleGroup,
-    Store,
-    StoredRecord,
-    WriteResult,
-    role_of,
-)
+from rollout_buffer.delivery.evals import EvalStore
+from rollout_buffer.delivery.groups import GroupKey, GroupOutcome, GroupPolicy, Record
+from rollout_buffer.delivery.ledger import RunLedger
+from rollout_buffer.delivery.reads import Reads
+from rollout_buffer.delivery.records import CompleteGroup, Finished, NewRecord, Records, WriteResult
+from rollout_buffer.delivery.runs import Runs, StoredRun
+from rollout_buffer.delivery.store import Store
+from rollout_buffer.delivery.streams import DEFAULT_STREAM, Batch, Order, StaleGroup, StoredRecord, Streams, role_of
 from rollout_buffer.delivery.versions import StalenessRule, TrainerVersion, version_range
 from rollout_buffer.observability import metrics
 from rollout_buffer.schemas import TrajectoryRecord
@@ -81,53 +77,62 @@ class ReadCounters:
 
 
 class RolloutBuffer:
-    """Group completion and delivery on top of the store; knows generators only through their hooks."""
+    """Group completion and delivery on top of the store; knows generators only through their hooks.
+
+    Its parts, by concern: `runs` (the run registry), `reads` (counts and group listings), `evals` (eval
+    bookkeeping); records are written through `write` (which completes groups) and streams are read through
+    `deliver` and `ack`.
+    """
 
     def __init__(self, config: ServerConfig, store: Store, generators: Mapping[str, HookSource]):
         self.config = config
-        self.store = store
         self.generators = generators
+        self.runs = Runs(store)
+        self.reads = Reads(store)
+        self.evals = EvalStore(store)
+        self._records = Records(store)
+        self._streams = Streams(store)
         self._changed = asyncio.Event()
-        self._since_read = ReadCounters()
-        # The same per role stream, from the stream's first read on (a role is told of groups with its records).
-        self._since_read_by_role: dict[str, ReadCounters] = {}
+        # Per stream, from its first read on (the default stream's from the start).
+        self._since_read: dict[str, ReadCounters] = {DEFAULT_STREAM: ReadCounters()}
         self._policies: dict[str, GroupPolicy] = {}
         self._default_run_lock = asyncio.Lock()
         # The writer run, remembered until a run is created (runs are only created through this object), so
         # a burst of first writes does not queue one store round trip each behind the lock.
-        self._writer_run_row: dict[str, Any] | None = None
+        self._writer_run_row: StoredRun | None = None
         self._runs_created = 0
         self._ledgers: dict[str, RunLedger] = {}
         self._ledger_lock = asyncio.Lock()
-        # Called with every stale group queued for generation again (the run manager sets it).
-        self.regenerate: Callable[[StaleGroup], None] | None = None
+        # Stale groups queued for generation again, for the run manager to take.
+        self.regenerations: asyncio.Queue[StaleGroup] = asyncio.Queue()
 
     # ---- runs ------------------------------------------------------------------------------------
     async def create_run(self, config: dict[str, Any], group_size: int) -> str:
         """Record a new run (it replaces the running one) and return its id."""
         self._runs_created += 1
         self._writer_run_row = None
-        run_id = await self.store.create_run(config, group_size)
+        run_id = await self.runs.create(config, group_size)
         log.info("run %s started: task_type=%s group_size=%d", run_id, config.get("task_type"), group_size)
         return run_id
 
-    def policy_for(self, run: dict[str, Any]) -> GroupPolicy:
+    def policy_for(self, run: StoredRun) -> GroupPolicy:
         """The group policy of a run: its options plus its generator's hooks."""
-        cached = self._policies.get(run["run_id"])
+        cached = self._policies.get(run.run_id)
         if cached is not None:
             return cached
-        cfg = run["config"]
+        cfg = run.config
         gen = self.generators.get(cfg.get("task_type") or "")
         policy = GroupPolicy(
             normalize=bool(cfg.get("normalize_rewards", True)),
             drop_zero_variance=bool(cfg.get("drop_zero_variance", False)),
             is_valid_group=gen.hook("is_valid_group") if gen else None,
             transform_group=gen.hook("transform_group") if gen else None,
+            hook_timeout_s=self.config.hook_timeout_s,
         )
-        self._policies[run["run_id"]] = policy
+        self._policies[run.run_id] = policy
         return policy
 
-    async def _writer_run(self) -> dict[str, Any]:
+    async def _writer_run(self) -> StoredRun:
         """The run `/buffer/write` records belong to: the latest one (so a group never straddles runs
         because its run finished mid-group), or a default run when there is none yet."""
         if self._writer_run_row is not None:
@@ -136,11 +141,11 @@ class RolloutBuffer:
             if self._writer_run_row is not None:
                 return self._writer_run_row
             created = self._runs_created
-            run = await self.store.latest_run()
+            run = await self.runs.latest()
             if run is None:
                 run_id = await self.create_run({"task_type": None, "source": "buffer_write"}, self.config.group_size)
                 created = self._runs_created
-                run = await self.store.get_run(run_id)
+                run = await self.runs.get(run_id)
             assert run is not None
             if created == self._runs_created:  # a run created meanwhile may be newer than what was read
                 self._writer_run_row = run
@@ -156,40 +161,29 @@ class RolloutBuffer:
             if run_id not in self._ledgers:
                 # One store operation: the events of later operations are applied on top of it, those of
                 # earlier ones were dropped (no ledger yet) but are in what it read.
-                counts, version = await self.store.run_state(run_id)
-                ready_total, roles = await self.store.role_state(run_id)
-                ledger = RunLedger(run_id, GroupTally.from_states(counts), version, ready_total=ready_total)
-                for name, state in roles.items():
-                    ledger.roles[name] = RoleLedger(GroupTally.from_states(state.counts), state.counts.get("groups", 0),
-                                                    state.version, state.active)
-                self._ledgers[run_id] = ledger
+                self._ledgers[run_id] = RunLedger.of_stored(run_id, await self._streams.of_run(run_id))
             return self._ledgers[run_id]
 
-    async def report_version(self, version: int, rewind: bool = False, role: str | None = None
+    async def report_version(self, version: int, rewind: bool = False, stream: str = DEFAULT_STREAM
                              ) -> tuple[str, TrainerVersion] | None:
-        """Record the trainer's version (of `role`'s trainer, with role streams) for the latest run; None when
-        there is no run. Raises `VersionConflict` when it goes back without `rewind`."""
-        run = await self.store.latest_run()
+        """Record the version of a stream's trainer (the default stream's, or a role's) for the latest run;
+        None when there is no run. Raises `VersionConflict` when it goes back without `rewind`."""
+        run = await self.runs.latest()
         if run is None:
             return None
-        ledger = await self.ledger(run["run_id"])
-        before = ledger.version if role is None else ledger.role(role).version
-        if role is not None:
-            ledger.role(role).active = True
+        ledger = await self.ledger(run.run_id)
+        before = ledger.stream(stream).version
+        ledger.stream(stream).active = True
         if before.current == version:  # every fetch repeats it: nothing to write
-            return run["run_id"], before
-        if role is None:
-            now = await self.store.report_trainer_version(run["run_id"], version, rewind)
-            ledger.trainer_reported(now)
-        else:
-            now = await self.store.report_role_version(run["run_id"], role, version, rewind)
-            ledger.role_reported(role, now)
-        log.info("run %s: %strainer version %s%s", run["run_id"], f"{role} " if role else "", now.current,
+            return run.run_id, before
+        now = await self._streams.report_version(run.run_id, stream, version, rewind)
+        ledger.reported(now, stream)
+        log.info("run %s: %strainer version %s%s", run.run_id, f"{stream} " if stream else "", now.current,
                  " (rewound)" if rewind else "")
-        if role is None:
-            self._warn_if_far_ahead(ledger, StalenessRule.of_run(run["config"]))
+        if stream == DEFAULT_STREAM:
+            self._warn_if_far_ahead(ledger, StalenessRule.of_run(run.config))
         self._notify()  # a long-poll waiting for data re-checks staleness against the new version
-        return run["run_id"], now
+        return run.run_id, now
 
     @staticmethod
     def _warn_if_far_ahead(ledger: RunLedger, rule: StalenessRule | None) -> None:
@@ -200,40 +194,77 @@ class RolloutBuffer:
                         "(%s); are the engines getting the weight updates?", ledger.run_id, ledger.version.current,
                         lead, ledger.engine_version)
 
-    async def write(self, records: Iterable[TrajectoryRecord], run: dict[str, Any] | None = None) -> WriteResult:
+    # ---- writes and group completion -------------------------------------------------------------
+    async def write(self, records: Iterable[TrajectoryRecord], run: StoredRun | None = None) -> WriteResult:
         """Persist records of a run (the writer run by default); completed groups become deliverable."""
         run = run or await self._writer_run()
+        records = list(records)
         items = [
             NewRecord(r.uid, r.instance_id, r.epoch, r.status, encode_record(r), episode=r.extra_info.get("episode_id"),
                       agent_id=role_of({"extra_info": r.extra_info}), reward=r.reward)
             for r in records
         ]
         with metrics.STORE_WRITE_SECONDS.time():
-            result = await self.store.write_records(run["run_id"], run["group_size"], items,
-                                                    self.policy_for(run).finalize)
-        metrics.count_write(result.inserted_by_status, result.duplicates, [r for _, r in result.completed])
-        ledger = self._ledgers.get(run["run_id"])
+            result = await self._records.write(run.run_id, run.group_size, items)
+            if result.complete:
+                result.finished = await self._finish(self.policy_for(run), result.complete)
+        metrics.count_write(result.inserted_by_status, result.duplicates, [f.reason for f in result.finished])
+        ledger = self._ledgers.get(run.run_id)
         if ledger is not None:
             for r in records:
                 seen = version_range({"extra_info": r.extra_info, "weight_versions": r.weight_versions})
                 ledger.engine_seen(seen[1] if seen else None)
-        if result.completed:
-            for _key, reason in result.completed:
-                roles = result.roles.get(_key, [])
-                if ledger is not None:
-                    ledger.completed(dropped=reason is not None, roles=roles)
-                if reason is None:
-                    self._since_read.finished.append(_key[1])
-                    for role in roles:
-                        if role in self._since_read_by_role:
-                            self._since_read_by_role[role].finished.append(_key[1])
-                else:
-                    self._since_read.filtered[reason] += 1
-                    for counters in self._since_read_by_role.values():
-                        counters.filtered[reason] += 1
-                    log.info("group %s/%s epoch %s dropped: %s", _key[0], _key[1], _key[2], reason)
-            self._notify()
+        self._completed(result.finished)
         return result
+
+    async def _finish(self, policy: GroupPolicy, groups: list[CompleteGroup]) -> list[Finished]:
+        """Run the group policy of each complete group (outside the store) and commit the outcomes."""
+        outcomes: list[tuple[GroupKey, GroupOutcome]] = []
+        for group in groups:
+            outcomes.append((group.key, await policy.outcome(group.records)))
+        return await self._records.finish(outcomes)
+
+    def _completed(self, finished: list[Finished]) -> None:
+        """Move the ledgers and the counters of each stream by groups that became ready or were dropped."""
+        if not finished:
+            return
+        for key, reason, roles in ((f.key, f.reason, f.roles) for f in finished):
+            ledger = self._ledgers.get(key[0])
+            if ledger is not None:
+                ledger.completed(dropped=reason is not None, roles=roles)
+            if reason is None:
+                for stream in (DEFAULT_STREAM, *roles):
+                    if stream in self._since_read:
+                        self._since_read[stream].finished.append(key[1])
+            else:
+                for counters in self._since_read.values():
+                    counters.filtered[reason] += 1
+                log.info("group %s/%s epoch %s dropped: %s", key[0], key[1], key[2], reason)
+        self._notify()
+
+    async def finish_interrupted(self) -> int:
+        """Finish the groups a stopped process left complete but not yet ready or dropped (start-up)."""
+        groups = await self._records.unfinished()
+        by_run: dict[str, list[CompleteGroup]] = {}
+        for group in groups:
+            by_run.setdefault(group.key[0], []).append(group)
+        for run_id, members in by_run.items():
+            run = await self.runs.get(run_id)
+            if run is None:
+                continue
+            finished = await self._finish(self.policy_for(run), members)
+            self._completed(finished)
+        if groups:
+            log.info("%d complete groups of an interrupted process were finished", len(groups))
+        return len(groups)
+
+    async def get_record(self, uid: str) -> Record | None:
+        """One stored trajectory by uid."""
+        return await self._records.get(uid)
+
+    async def episodes_stored(self, episodes: list[tuple[str, str, str]]) -> set[str]:
+        """Of `(run_id, instance_id, episode uid)`s, the uids some record is stored under."""
+        return await self._records.episodes_stored(episodes)
 
     def _notify(self) -> None:
         event, self._changed = self._changed, asyncio.Event()
@@ -249,39 +280,37 @@ class RolloutBuffer:
         client_gone: Callable[[], Awaitable[bool]] | None = None,
         order: Order = "oldest",
         current_version: int | None = None,
-        stream: str | None = None,
+        stream: str = DEFAULT_STREAM,
         run_id: str | None = None,
     ) -> Delivery:
-        """Whole ready groups, oldest (or newest) first; waits up to `wait_s` for the first one to be ready.
+        """Whole ready groups of a stream, oldest (or newest) first; waits up to `wait_s` for the first one.
 
-        An answer holds at most one group per instance id (see `Store.take`). `current_version` is the
-        trainer's version (recorded first; `VersionConflict` when it goes back). Against it (or the last
-        version the trainer reported), groups of runs with `max_staleness` that lag by more than η are dropped
-        as `stale` before anything is taken. A long-polling client that hung up gets nothing taken for it:
-        without a lease those groups would count as consumed and be lost.
-
-        With a `stream` (a role's `agent_id`) all of this happens on that role's own stream: its records of
-        each ready group, its leases and acks, its trainer's version and staleness, its counters.
+        The default stream holds every group whole; a role's stream (`agent_id`) its records of each group,
+        with the role's own leases, acks, trainer version, staleness and counters. An answer holds at most one
+        group per instance id (see `streams.Streams.take`). `current_version` is the stream's trainer's
+        version (recorded first; `VersionConflict` when it goes back). Against it (or the last version that
+        trainer reported), groups of runs with `max_staleness` that lag by more than η are dropped as `stale`
+        before anything is taken. A long-polling client that hung up gets nothing taken for it: without a
+        lease those groups would count as consumed and be lost.
 
         Groups come from one run: `run_id`, else the current run (the latest: the one its trainer started or
         resumed). An earlier run's leftovers are never mixed into the current run's batches.
         """
-        if stream is not None:
-            self._since_read_by_role.setdefault(stream, ReadCounters())
+        self._since_read.setdefault(stream, ReadCounters())
         if current_version is not None:
-            await self.report_version(current_version, role=stream)
+            await self.report_version(current_version, stream=stream)
         acked = await self.ack(ack, stream) if ack else 0
         deadline = time.monotonic() + wait_s
         stale: list[StaleGroup] = []
         while True:
-            latest = await self.store.latest_run()  # the current run, whose trainer's version counts
-            of_run = run_id or (latest["run_id"] if latest else None)
+            latest = await self.runs.latest()  # the current run, whose trainer's version counts
+            of_run = run_id or (latest.run_id if latest else None)
             changed = self._changed
             if client_gone is not None and await client_gone():
                 return Delivery([], {})  # nobody is listening; keep the counters for the next reader
             trainer = await self._trainer_version(latest, stream)
-            batch = await self.store.take(max_groups, lease_s, order=order, current_version=trainer.current,
-                                          stream=stream, run_id=of_run)
+            batch = await self._streams.take(stream, max_groups, lease_s, order=order,
+                                             current_version=trainer.current, run_id=of_run)
             self._account(batch, stream)
             stale += batch.stale
             remaining = deadline - time.monotonic()
@@ -303,25 +332,20 @@ class RolloutBuffer:
         meta.update(_version_meta(trainer, lags, stale))
         return Delivery(records, meta)
 
-    async def _trainer_version(self, run: dict[str, Any] | None, role: str | None = None) -> TrainerVersion:
+    async def _trainer_version(self, run: StoredRun | None, stream: str) -> TrainerVersion:
         if run is None:
             return TrainerVersion()
-        ledger = await self.ledger(run["run_id"])
-        return ledger.version if role is None else ledger.role(role).version
+        return (await self.ledger(run.run_id)).stream(stream).version
 
-    def _account(self, batch: Batch, stream: str | None = None) -> None:
-        """Move the ledgers by what one take did; count and log stale drops and hand regenerations on."""
+    def _account(self, batch: Batch, stream: str) -> None:
+        """Move the ledgers by what one take did; count and log stale drops and queue regenerations."""
         taken = Counter(batch.run_ids)
         stale_by_run = Counter(g.key[0] for g in batch.stale)
         for run_id in {*taken, *stale_by_run, *batch.expired_by_run}:
             ledger = self._ledgers.get(run_id)
-            if ledger is None:
-                continue
-            if stream is None:
-                ledger.taken(taken[run_id], batch.expired_by_run.get(run_id, 0), stale_by_run[run_id])
-            else:
-                ledger.role_taken(stream, taken[run_id], batch.expired_by_run.get(run_id, 0), stale_by_run[run_id])
-        counters = self._since_read if stream is None else self._since_read_by_role[stream]
+            if ledger is not None:
+                ledger.taken(taken[run_id], batch.expired_by_run.get(run_id, 0), stale_by_run[run_id], stream)
+        counters = self._since_read[stream]
         for group in batch.stale:
             run_id, instance_id, epoch, part = group.key
             counters.filtered["stale"] += 1
@@ -330,31 +354,27 @@ class RolloutBuffer:
             log.info("group %s/%s epoch %s part %s dropped%s: stale (version %d, %d behind the trainer)%s", run_id,
                      instance_id, epoch, part, f" for {stream}" if stream else "", group.version_min, group.lag,
                      f"; generating it again as part {group.regenerate_part}" if regenerated else "")
-            if regenerated and self.regenerate is not None:
-                self.regenerate(group)
+            if regenerated:
+                self.regenerations.put_nowait(group)
 
-    async def ack(self, batch_id: str, stream: str | None = None) -> int:
-        """Mark a leased batch (of `stream`, a role, or the default stream) consumed; `StreamMismatch` when
-        the batch went to another stream."""
-        n = await self.store.ack(batch_id, stream)
+    async def ack(self, batch_id: str, stream: str = DEFAULT_STREAM) -> int:
+        """Mark a leased batch of a stream consumed; `StreamMismatch` when the batch went to another stream."""
+        n = await self._streams.ack(batch_id, stream)
         metrics.GROUPS_ACKED.inc(n)
         if n:
             log.debug("batch %s acked (%d groups)", batch_id, n)
         return n
 
     def _meta_info(
-        self, groups: list[list[StoredRecord]], batch_id: str | None, acked: int, redelivered: int,
-        stream: str | None = None,
+        self, groups: list[list[StoredRecord]], batch_id: str | None, acked: int, redelivered: int, stream: str,
     ) -> dict[str, Any]:
         records = [r for g in groups for r in g]
         n = len(records)
         # Only an answer that delivers groups reports (and so consumes) what happened since the last one:
         # slime's client ignores unsuccessful answers, so ids reported there would never reach its metadata.
         since = ReadCounters()
-        if groups and stream is None:
-            since, self._since_read = self._since_read, ReadCounters()
-        elif groups and stream is not None:
-            since, self._since_read_by_role[stream] = self._since_read_by_role[stream], ReadCounters()
+        if groups:
+            since, self._since_read[stream] = self._since_read[stream], ReadCounters()
         raw = [r.raw_reward for r in records]
         meta: dict[str, Any] = {
             "total_samples": n,
@@ -368,7 +388,7 @@ class RolloutBuffer:
             "batch_id": batch_id,
             "acked_groups": acked,
             "redelivered_groups": redelivered,
-            **({"agent_id": stream} if stream is not None else {}),
+            **({"agent_id": stream} if stream != DEFAULT_STREAM else {}),
         }
         for reason, count in since.filtered.items():
             meta[f"filtered_{reason.split(':')[0]}"] = count
@@ -400,46 +420,32 @@ class RolloutBuffer:
     # ---- status ----------------------------------------------------------------------------------
     async def status(self) -> dict[str, Any]:
         """The latest run, and counts of groups and trajectories."""
-        run = await self.store.latest_run()
-        run_id = run["run_id"] if run else None
+        run = await self.runs.latest()
+        if run is None:
+            return {"run": None, "groups": {}, "records": {}, "filtered": {},
+                    "all_groups": await self.reads.group_counts(), "earlier_runs": {}, "roles": {}}
         return {
-            "run": _public_run(run) if run else None,
-            "groups": await self.store.group_counts(run_id) if run_id else {},
-            "records": await self.store.record_counts(run_id) if run_id else {},
-            "filtered": await self.store.filter_counts(run_id) if run_id else {},
-            "all_groups": await self.store.group_counts(),
+            "run": run.public(),
+            "groups": await self.reads.group_counts(run.run_id),
+            "records": await self.reads.record_counts(run.run_id),
+            "filtered": await self.reads.filter_counts(run.run_id),
+            "all_groups": await self.reads.group_counts(),
             # Ready or leased groups earlier runs left: a fetch gets them only by naming the run.
-            "earlier_runs": await self.store.undelivered_by_run(run_id) if run_id else {},
-            "roles": await self.role_counts(run_id) if run_id else {},
+            "earlier_runs": await self.reads.undelivered_by_run(run.run_id),
+            "roles": await self.role_counts(run.run_id),
         }
 
     async def role_counts(self, run_id: str) -> dict[str, dict[str, Any]]:
         """Per role stream of the run: its groups by stream state, its records and its trainer's version."""
-        _, roles = await self.store.role_state(run_id)
-        return {name: {"groups": {k: v for k, v in state.counts.items() if k not in ("groups", "records")},
-                       "records": state.counts.get("records", 0), "trainer_version": state.version.current}
-                for name, state in sorted(roles.items())}
+        stored = await self._streams.of_run(run_id)
+        return {name: {"groups": dict(state.counts), "records": stored.records_by_role.get(name, 0),
+                       "trainer_version": state.version.current}
+                for name, state in sorted(stored.streams.items()) if name != DEFAULT_STREAM}
 
     async def control(self, run_id: str) -> dict[str, Any]:
         """The run's ledger and its admission state as last persisted (the runner's live view replaces it)."""
         ledger = await self.ledger(run_id)
-        return {**ledger.snapshot(), "admission": {"state": await self.store.admission(run_id)}}
-
-
-def _public_run(run: dict[str, Any]) -> dict[str, Any]:
-    cfg = run["config"]
-    return {
-        "run_id": run["run_id"],
-        "state": run["state"],
-        "created_at": run["created_at"],
-        "task_type": cfg.get("task_type"),
-        "input_file": cfg.get("input_file"),
-        "num_repeat_per_sample": run["group_size"],
-        "num_epoch": cfg.get("num_epoch"),
-        "config": cfg,
-        "progress": run["progress"],
-        "error": run["error"],
-    }
+        return {**ledger.snapshot(), "admission": {"state": await self.runs.admission(run_id)}}
 
 
 def _version_meta(trainer: TrainerVersion, lags: list[int | None], stale: list[StaleGroup]) -> dict[str, Any]:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+log = logging.getLogger(__name__)
+
 Record = dict[str, Any]
+GroupKey = tuple[str, str, int, int]  # run_id, instance_id, epoch, part: one group
 
 # Standard deviations below this count as zero variance (all rewards equal).
 ZERO_VARIANCE_EPS = 1e-8
@@ -31,6 +36,20 @@ class GroupPolicy:
     drop_zero_variance: bool = False
     is_valid_group: Callable[[list[Record]], Any] | None = None
     transform_group: Callable[[list[Record]], list[Record]] | None = None
+    hook_timeout_s: float = 60.0
+
+    async def outcome(self, records: list[Record]) -> GroupOutcome:
+        """`finalize` without blocking the event loop: with user hooks it runs in a worker thread, and a hook
+        that does not return within `hook_timeout_s` drops the group (the thread is left to finish)."""
+        if self.is_valid_group is None and self.transform_group is None:
+            return self.finalize(records)  # the built-in policy: a few arithmetic steps per record
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(self.finalize, records), self.hook_timeout_s)
+        except TimeoutError:
+            key = records[0].get("instance_id") if records else None
+            log.error("group hooks of instance %s did not return within %.0f s; the group is dropped", key,
+                      self.hook_timeout_s)
+            return GroupOutcome(records, f"hook_timeout: no answer within {self.hook_timeout_s:g} s")
 
     def finalize(self, records: list[Record]) -> GroupOutcome:
         """Filter, normalize and transform one complete group. Never raises: a hook error drops the group."""

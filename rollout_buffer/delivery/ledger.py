@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout_buffer.delivery.streams import DEFAULT_STREAM, RunStreams
 from rollout_buffer.delivery.versions import TrainerVersion
 
 # Group states that mean "handed to the trainer" (a lease that runs out makes the group ready again).
@@ -30,7 +31,7 @@ class GroupTally:
 
     @classmethod
     def from_states(cls, counts: dict[str, int]) -> GroupTally:
-        """From the store's counts of the run's groups by state."""
+        """From a stream's counts of its groups by state."""
         return cls(
             ready=counts.get("ready", 0),
             consumed=sum(counts.get(s, 0) for s in CONSUMED_STATES),
@@ -39,10 +40,10 @@ class GroupTally:
 
 
 @dataclass
-class RoleLedger:
-    """One role stream of a run (plan/act's planner or actor, by `extra_info.agent_id`): its groups by fate
-    for that stream, how many ready groups have records of the role at all, and its trainer's version.
-    `active` once a consumer used the stream (fetched by role or reported the role's version)."""
+class StreamLedger:
+    """One stream of a run: its groups by fate on that stream, how many ready groups it holds at all, and its
+    trainer's version. A role's stream (plan/act's planner or actor, by `extra_info.agent_id`) is `active`
+    once a consumer used it (fetched by role or reported the role's version)."""
 
     tally: GroupTally = field(default_factory=GroupTally)
     groups: int = 0
@@ -58,15 +59,24 @@ class RoleLedger:
 
 @dataclass
 class RunLedger:
-    """One run's tally, trainer version and newest engine version, with a change signal; and its role streams."""
+    """One run's streams (the default one, named "", and its roles'), groups its group policy dropped, and the
+    newest engine version seen, with a change signal."""
 
     run_id: str
-    tally: GroupTally = field(default_factory=GroupTally)
-    version: TrainerVersion = field(default_factory=TrainerVersion)
+    streams: dict[str, StreamLedger] = field(default_factory=lambda: {DEFAULT_STREAM: StreamLedger()})
+    dropped_at_completion: int = 0
     engine_version: int | None = None  # the newest weight version seen in the run's records
-    roles: dict[str, RoleLedger] = field(default_factory=dict)
     ready_total: int = 0  # groups that completed ready (whatever became of them later)
     _changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+
+    @classmethod
+    def of_stored(cls, run_id: str, stored: RunStreams) -> RunLedger:
+        """A run's ledger as the store has it."""
+        ledger = cls(run_id, dropped_at_completion=stored.dropped_at_completion, ready_total=stored.ready_total)
+        for name, state in stored.streams.items():
+            ledger.streams[name] = StreamLedger(GroupTally.from_states(state.counts), state.groups, state.version,
+                                                state.active)
+        return ledger
 
     def changed(self) -> asyncio.Event:
         """An event set at the next change; take it before reading what you wait on."""
@@ -77,45 +87,68 @@ class RunLedger:
         event, self._changed = self._changed, asyncio.Event()
         event.set()
 
+    def stream(self, name: str = DEFAULT_STREAM) -> StreamLedger:
+        """The ledger of one stream (a role's is made at its first group or first use)."""
+        return self.streams.setdefault(name, StreamLedger())
+
+    @property
+    def version(self) -> TrainerVersion:
+        """The default stream's trainer version."""
+        return self.streams[DEFAULT_STREAM].version
+
+    @property
+    def tally(self) -> GroupTally:
+        """The run's groups by fate as the default stream sees them, drops by the group policy included."""
+        t = self.streams[DEFAULT_STREAM].tally
+        return GroupTally(t.ready, t.consumed, t.dropped + self.dropped_at_completion)
+
+    @property
+    def roles(self) -> dict[str, StreamLedger]:
+        """The role streams."""
+        return {name: s for name, s in self.streams.items() if name != DEFAULT_STREAM}
+
     # ---- events ----------------------------------------------------------------------------------
     def completed(self, dropped: bool, roles: Sequence[str] = ()) -> None:
         """A group of the run completed: ready (with records of `roles`), or dropped by the group policy."""
         if dropped:
-            self.tally.dropped += 1
+            self.dropped_at_completion += 1
         else:
-            self.tally.ready += 1
             self.ready_total += 1
-            for role in roles:
-                r = self.role(role)
-                r.groups += 1
-                r.tally.ready += 1
+            for name in (DEFAULT_STREAM, *roles):
+                s = self.stream(name)
+                s.groups += 1
+                s.tally.ready += 1
         self.notify()
 
-    def role(self, name: str) -> RoleLedger:
-        """The ledger of one role stream (made at its first group or first use)."""
-        return self.roles.setdefault(name, RoleLedger())
-
-    def role_taken(self, name: str, groups: int, expired: int, stale: int) -> None:
-        """A delivery on a role stream (as `taken`, for that role only)."""
-        r = self.role(name)
-        r.active = True
+    def taken(self, groups: int, expired: int, stale: int, stream: str = DEFAULT_STREAM) -> None:
+        """A delivery on a stream: `groups` ready groups handed out, `expired` leases made ready again before,
+        `stale` ready groups dropped for lagging the stream's trainer."""
+        s = self.stream(stream)
+        if stream != DEFAULT_STREAM:
+            s.active = True
         if not (groups or expired or stale):
             return
-        r.tally.ready += expired - groups - stale
-        r.tally.consumed += groups - expired
-        r.tally.dropped += stale
+        s.tally.ready += expired - groups - stale
+        s.tally.consumed += groups - expired
+        s.tally.dropped += stale
         self.notify()
 
-    def role_reported(self, name: str, version: TrainerVersion) -> None:
-        """A role's trainer version changed."""
-        r = self.role(name)
-        r.active = True
-        if version != r.version:
-            r.version = version
+    def reported(self, version: TrainerVersion, stream: str = DEFAULT_STREAM) -> None:
+        """A stream's trainer version changed."""
+        s = self.stream(stream)
+        if stream != DEFAULT_STREAM:
+            s.active = True
+        if version != s.version:
+            s.version = version
             self.notify()
 
+    def engine_seen(self, version: int | None) -> None:
+        """A record of the run was generated with `version`."""
+        if version is not None and (self.engine_version is None or version > self.engine_version):
+            self.engine_version = version
+
     # ---- what admission counts --------------------------------------------------------------------
-    def active_roles(self) -> dict[str, RoleLedger]:
+    def active_roles(self) -> dict[str, StreamLedger]:
         """The role streams consumers use; when there are any, they (not the default stream) pace the run."""
         return {name: r for name, r in self.roles.items() if r.active}
 
@@ -137,28 +170,6 @@ class RunLedger:
         active = self.active_roles()
         return self.tally.dropped + (min(r.tally.dropped for r in active.values()) if active else 0)
 
-    def taken(self, groups: int, expired: int, stale: int) -> None:
-        """A delivery: `groups` ready groups handed out, `expired` leases made ready again before, `stale`
-        ready groups dropped for lagging the trainer."""
-        if not (groups or expired or stale):
-            return
-        t = self.tally
-        t.ready += expired - groups - stale
-        t.consumed += groups - expired
-        t.dropped += stale
-        self.notify()
-
-    def trainer_reported(self, version: TrainerVersion) -> None:
-        """The trainer's version changed."""
-        if version != self.version:
-            self.version = version
-            self.notify()
-
-    def engine_seen(self, version: int | None) -> None:
-        """A record of the run was generated with `version`."""
-        if version is not None and (self.engine_version is None or version > self.engine_version):
-            self.engine_version = version
-
     @property
     def trainer_lead(self) -> int | None:
         """How many versions the trainer is ahead of the newest engine version seen (negative: behind)."""
@@ -169,6 +180,7 @@ class RunLedger:
     def snapshot(self) -> dict[str, Any]:
         """JSON-ready view for `/status`."""
         t = self.tally
+        roles = self.roles
         return {
             "trainer_version": self.version.current,
             "base_version": self.version.base,
@@ -178,5 +190,5 @@ class RunLedger:
             "ready_groups": t.ready,
             "consumed_groups": t.consumed,
             "dropped_groups": t.dropped,
-            **({"roles": {name: r.snapshot() for name, r in sorted(self.roles.items())}} if self.roles else {}),
+            **({"roles": {name: r.snapshot() for name, r in sorted(roles.items())}} if roles else {}),
         }

@@ -3,7 +3,7 @@ its group, the reward distribution of delivered batches, and failures by kind.
 
 They run on a read-only connection of their own, in a thread of their own: in WAL mode a reader never waits
 for the writer, and the store thread's group commits never wait for a dashboard. Every list is bounded and
-walks an index (`store.INSPECTION_INDEXES`); pages are keyed by rowid (`before`), so the thousandth page costs
+walks an index (`schema`); pages are keyed by rowid (`before`), so the thousandth page costs
 what the first does.
 """
 
@@ -139,10 +139,12 @@ class Reader:
 
         def op(conn: sqlite3.Connection) -> dict[str, Any] | None:
             row = conn.execute(
-                "SELECT t.record, t.run_id, t.instance_id, t.epoch, t.part, g.state, g.reason, r.config "
-                "FROM trajectories t "
+                "SELECT t.record, t.run_id, t.instance_id, t.epoch, t.part, coalesce(s.state, g.state), "
+                "CASE WHEN s.state IS NULL THEN g.reason ELSE s.reason END, r.config FROM trajectories t "
                 "LEFT JOIN groups g ON g.run_id=t.run_id AND g.instance_id=t.instance_id AND g.epoch=t.epoch "
-                "AND g.part=t.part LEFT JOIN runs r ON r.run_id=t.run_id WHERE t.uid=?", (uid,)).fetchone()
+                "AND g.part=t.part LEFT JOIN stream_groups s ON s.stream='' AND s.run_id=t.run_id AND "
+                "s.instance_id=t.instance_id AND s.epoch=t.epoch AND s.part=t.part "
+                "LEFT JOIN runs r ON r.run_id=t.run_id WHERE t.uid=?", (uid,)).fetchone()
             if row is None:
                 return None
             blob, run_id, instance_id, epoch, part, state, reason, config = row
@@ -187,8 +189,9 @@ class Reader:
                 (limit * 4 if run_id else limit,),
             ).fetchall():
                 rows = conn.execute(
-                    "SELECT t.run_id, t.reward, t.summary FROM groups g JOIN trajectories t ON t.run_id=g.run_id "
-                    "AND t.instance_id=g.instance_id AND t.epoch=g.epoch AND t.part=g.part WHERE g.batch_id=?",
+                    "SELECT t.run_id, t.reward, t.summary FROM stream_groups s JOIN trajectories t ON "
+                    "t.run_id=s.run_id AND t.instance_id=s.instance_id AND t.epoch=s.epoch AND t.part=s.part "
+                    "WHERE s.batch_id=? AND (s.stream='' OR t.agent_id=s.stream)",
                     (batch_id,)).fetchall()
                 if run_id and not any(r[0] == run_id for r in rows):
                     continue

@@ -205,7 +205,7 @@ class EvalManager:
         self.buffer = buffer
         self.generators = generators
         self.sessions = sessions
-        self.evals = EvalStore(buffer.store)
+        self.evals = buffer.evals
         self.budget = EvalBudget(StartEvalRequest.model_fields["eval_num_process"].default)
         self.jobs: dict[EvalKey, EvalJob] = {}
         self._changed = asyncio.Event()
@@ -214,14 +214,14 @@ class EvalManager:
         """The version an eval stands for: the one asked for, else the latest run's trainer version, else 0."""
         if req.current_version is not None:
             return req.current_version
-        run = await self.buffer.store.latest_run()
-        current = (await self.buffer.ledger(run["run_id"])).version.current if run is not None else None
+        run = await self.buffer.runs.latest()
+        current = (await self.buffer.ledger(run.run_id)).version.current if run is not None else None
         return current or 0
 
     async def base_config(self) -> dict[str, Any]:
         """What an eval inherits of the latest run: its task, engines, tokenizer and generator options."""
-        run = await self.buffer.store.latest_run()
-        cfg = dict(run["config"]) if run is not None else {}
+        run = await self.buffer.runs.latest()
+        cfg = dict(run.config) if run is not None else {}
         return {k: v for k, v in cfg.items() if k not in _TRAINING_ONLY and v is not None}
 
     async def start(self, version: int, datasets: dict[str, tuple[Path, int, dict[str, Any]]],

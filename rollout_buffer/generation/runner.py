@@ -26,7 +26,8 @@ from pydantic import ValidationError
 
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.buffer import RecordError, RolloutBuffer
-from rollout_buffer.delivery.store import StaleGroup, StoredWork
+from rollout_buffer.delivery.runs import StoredRun, StoredWork
+from rollout_buffer.delivery.streams import StaleGroup
 from rollout_buffer.generation.admission import AdmissionController, AdmissionPolicy
 from rollout_buffer.generation.context import RolloutContext, RunResources
 from rollout_buffer.generation.executor import Executor, LocalExecutor
@@ -148,7 +149,7 @@ class Run:
         # What trajectories (and agent sessions) of the run share; set once the tokenizer has loaded.
         self.resources: RunResources | None = None
         self.ready = asyncio.Event()
-        self._run_row: dict[str, Any] | None = None
+        self._run_row: StoredRun | None = None
         # Stale groups to generate again: (instance_id, epoch, part), while the run accepts them.
         self._regenerate: deque[tuple[str, int, int]] = deque()
         self._regenerate_added = asyncio.Event()
@@ -173,14 +174,14 @@ class Run:
 
     async def _main(self) -> None:
         try:
-            self._run_row = await self.buffer.store.get_run(self.run_id)
+            self._run_row = await self.buffer.runs.get(self.run_id)
             if self.generator.native or self.input_path is None:
                 await self._run_native()
             else:
                 await self._run_slime_style()
             self.progress.state = "finished"
             self.progress.ended_at = time.time()
-            await self.buffer.store.set_run_state(self.run_id, "finished")
+            await self.buffer.runs.set_state(self.run_id, "finished")
             log.info("run %s finished: %s", self.run_id, self.progress.snapshot())
         except asyncio.CancelledError:
             self.progress.state = "stopped"
@@ -188,7 +189,7 @@ class Run:
         except Exception as e:
             self.progress.state = "failed"
             log.exception("run %s failed", self.run_id)
-            await self.buffer.store.set_run_state(self.run_id, "failed", f"{type(e).__name__}: {e}")
+            await self.buffer.runs.set_state(self.run_id, "failed", f"{type(e).__name__}: {e}")
         finally:
             self.accepting = False
             self.progress.ended_at = time.time()
@@ -196,9 +197,28 @@ class Run:
 
     async def _save_progress(self) -> None:
         try:
-            await self.buffer.store.set_run_progress(self.run_id, self.progress.snapshot())
+            await self.buffer.runs.set_progress(self.run_id, self.progress.snapshot())
         except Exception as e:  # progress is advisory; never let it end a run
             log.warning("could not save progress of %s: %s", self.run_id, e)
+
+    def loaded_resources(self) -> RunResources:
+        """What the run's trajectories share, once `ready` is set; RuntimeError before."""
+        if self.resources is None:
+            raise RuntimeError(f"run {self.run_id} has not loaded its tokenizer and engine yet")
+        return self.resources
+
+    # ---- what agent sessions of the run report ----------------------------------------------------------
+    def session_opened(self) -> None:
+        """A harness session of the run opened (or was restored): one trajectory in flight."""
+        self.progress.in_flight += 1
+
+    def session_closed(self) -> None:
+        """A harness session of the run closed, whatever its outcome."""
+        self.progress.in_flight -= 1
+
+    def session_failed(self, kind: str) -> None:
+        """A harness session of the run was closed as failed (`kind`: why) with its records."""
+        self.progress.failures[kind] += 1
 
     def requeue_group(self, stale: StaleGroup) -> bool:
         """Generate a stale group again as its new part; False when this run no longer takes work."""
@@ -232,7 +252,7 @@ class Run:
         req = self.req
         index = await asyncio.to_thread(LineIndex, input_path)
         self.progress.total = len(index.offsets) * req.num_epoch * req.num_repeat_per_sample
-        work = await self.buffer.store.stored_work(self.run_id)
+        work = await self.buffer.runs.stored_work(self.run_id)
         self.admission = await self._admission_controller()
         skip = Counter(req.skip_instance_ids or [])
         reporter = asyncio.create_task(self._report_loop())
@@ -256,9 +276,9 @@ class Run:
         ledger = await self.buffer.ledger(self.run_id)
         # Every group part the run has in the store was started (the in-flight ones a crash lost were not:
         # they are started again as the schedule reaches them).
-        started = sum((await self.buffer.store.group_counts(self.run_id)).values())
+        started = sum((await self.buffer.reads.group_counts(self.run_id)).values())
         controller = AdmissionController(AdmissionPolicy.of_config(self.req.model_dump()), ledger, started,
-                                         persist=lambda state: self.buffer.store.set_admission(self.run_id, state))
+                                         persist=lambda state: self.buffer.runs.set_admission(self.run_id, state))
         if controller.policy.limits:
             log.info("run %s: admission control %s", self.run_id, controller.snapshot())
         return controller
@@ -444,7 +464,7 @@ class RunManager:
         self.executor: Executor = executor or LocalExecutor()
         self.current: Run | None = None
         self._reopening: asyncio.Task[None] | None = None
-        buffer.regenerate = self.regenerate
+        self._regenerations: asyncio.Task[None] | None = None
 
     async def start(self, req: StartRolloutRequest, input_path: Path | None, num_items: int,
                     group_size: int | None = None) -> str:
@@ -471,6 +491,10 @@ class RunManager:
         self.current = Run(run_id, req, input_path, gen, self.buffer, self.config, self.sessions, executor)
         self.current.start()
 
+    async def _take_regenerations(self) -> None:
+        while True:
+            self.regenerate(await self.buffer.regenerations.get())
+
     def regenerate(self, stale: StaleGroup) -> None:
         """A stale group was queued to be generated again: the current run takes it, or its ended run runs
         again (generating only what is open)."""
@@ -485,7 +509,7 @@ class RunManager:
             await asyncio.wait({self.current.task})
         if self.current is not None and self.current.run_id == run_id and self.current.accepting:
             return  # relaunched meanwhile: it found the open parts itself
-        if await self.buffer.store.reopen_run(run_id):
+        if await self.buffer.runs.reopen(run_id):
             log.info("run %s runs again to generate its stale groups", run_id)
             await self.resume()
         else:
@@ -494,17 +518,20 @@ class RunManager:
 
     async def resume(self) -> None:
         """After a restart, continue the run that was running (complete groups are not regenerated), or the
-        finished one that has stale groups queued for generation again."""
-        run = await self.buffer.store.latest_run()
-        if run is None or not run["config"].get("task_type"):
+        finished one that has stale groups queued for generation again. From then on, stale groups the buffer
+        queues for generation again are generated."""
+        if self._regenerations is None:
+            self._regenerations = asyncio.create_task(self._take_regenerations(), name="regenerations")
+        run = await self.buffer.runs.latest()
+        if run is None or not run.config.get("task_type"):
             return
-        gen = self.generators.get(run["config"]["task_type"])
-        if (run["state"] == "finished" and gen is not None and gen.native
-                and (await self.buffer.store.group_counts(run["run_id"])).get("open")):
-            await self.buffer.store.reopen_run(run["run_id"])  # stale groups queued to be generated again
-        elif run["state"] != "running":
+        gen = self.generators.get(run.config["task_type"])
+        if (run.state == "finished" and gen is not None and gen.native
+                and (await self.buffer.reads.group_counts(run.run_id)).get("open")):
+            await self.buffer.runs.reopen(run.run_id)  # stale groups queued to be generated again
+        elif run.state != "running":
             return
-        cfg = run["config"]
+        cfg = run.config
         try:
             req = StartRolloutRequest.model_validate(cfg)
             gen = self.generators[req.task_type]
@@ -512,11 +539,11 @@ class RunManager:
             if path is not None and not await asyncio.to_thread(path.is_file):
                 raise InputFileError(f"input_file: {path} is gone")
         except (ValidationError, KeyError, InputFileError) as e:
-            log.error("cannot resume run %s: %s", run["run_id"], e)
-            await self.buffer.store.set_run_state(run["run_id"], "failed", f"resume failed: {e}")
+            log.error("cannot resume run %s: %s", run.run_id, e)
+            await self.buffer.runs.set_state(run.run_id, "failed", f"resume failed: {e}")
             return
-        log.info("resuming run %s (%s)", run["run_id"], gen.task_type)
-        self._launch(run["run_id"], req, path)
+        log.info("resuming run %s (%s)", run.run_id, gen.task_type)
+        self._launch(run.run_id, req, path)
 
     def progress(self) -> dict[str, Any] | None:
         """Live progress of the current run."""
@@ -535,8 +562,9 @@ class RunManager:
 
     async def shutdown(self) -> None:
         """Stop the current run; it stays `running` in the store and resumes at the next start."""
-        if self._reopening is not None:
-            self._reopening.cancel()
+        for task in (self._reopening, self._regenerations):
+            if task is not None:
+                task.cancel()
         await self._stop_current()
 
 

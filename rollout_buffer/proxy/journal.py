@@ -19,11 +19,12 @@ import logging
 import struct
 import time
 from array import array
+from dataclasses import dataclass
 from typing import Any, Final
 
 import orjson
 
-from rollout_buffer.delivery.store import StoredSession, StoreError
+from rollout_buffer.delivery.store import StoreError
 from rollout_buffer.generation.context import RolloutContext
 from rollout_buffer.generation.conversation import Conversation, ConversationTail, TurnMark
 from rollout_buffer.proxy.messages import MessageKey, assistant_message, message_key, tool_call, tools_key
@@ -32,6 +33,19 @@ from rollout_buffer.proxy.session_files import SessionFiles
 from rollout_buffer.proxy.tree import Branch, Route, SessionTree
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class StoredSession:
+    """An open agent session as written down: what identifies it, its state (JSON), and its turns
+    `(seq, meta, tokens, loss_mask, log_probs)` in order."""
+
+    session_id: str
+    run_id: str
+    instance_id: str
+    uid: str
+    state: bytes
+    turns: list[tuple[int, bytes, bytes, bytes, bytes]]
 
 _IDS: Final = "i"  # token ids as int32
 _FLOATS: Final = "d"  # log-probs as float64: exactly what the engine sent
@@ -98,17 +112,6 @@ class Journal:
         self._write(b"".join((_TURN, _TURN_HEAD.pack(seq, *map(len, parts)), *parts)))
         self._seq += 1
         return seq
-
-    @classmethod
-    def of_stored(cls, files: SessionFiles, stored: StoredSession) -> Journal:
-        """Write a session read from elsewhere (the store of an older version) to its file, turns included (their
-        sequence numbers kept); the journal then takes its next turn."""
-        journal = cls(files, stored.session_id)
-        journal.opened(stored.run_id, stored.instance_id, stored.uid, load_state(stored))
-        for seq, *parts in stored.turns:
-            journal._seq = seq
-            journal._append_turn(parts)
-        return journal
 
     def undo(self, seq: int) -> None:
         """The turn `seq` was taken back."""

@@ -31,11 +31,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from rollout_buffer.config import ServerConfig
-from rollout_buffer.delivery.store import StoredSession, StoreError
+from rollout_buffer.delivery.store import StoreError
 from rollout_buffer.generation.context import RolloutContext, stamp
-from rollout_buffer.generation.runner import RunManager
+from rollout_buffer.generation.runner import Run, RunManager
 from rollout_buffer.observability import metrics
-from rollout_buffer.proxy.journal import Journal, idle_since, load_sessions, load_state, replay
+from rollout_buffer.proxy.journal import Journal, StoredSession, idle_since, load_sessions, load_state, replay
 from rollout_buffer.proxy.messages import WireError
 from rollout_buffer.proxy.session import ProxyOptions, Session
 from rollout_buffer.proxy.session_files import SessionFiles
@@ -85,16 +85,16 @@ class SessionManager:
         """A session for one trajectory a generator runs (`SessionHost.open`)."""
         return self._register(ctx, "generator", self.local_url, metadata or {}, run=None)
 
-    async def open_harness(self, run: Any, instance_id: str, metadata: dict[str, Any], public_url: str) -> Session:
+    async def open_harness(self, run: Run, instance_id: str, metadata: dict[str, Any], public_url: str) -> Session:
         """A session a harness opened with `POST /sessions` in `run` (the generation `Run`)."""
         await self._wait_ready(run)
         key = (run.run_id, instance_id)
         repeat = self._repeats.get(key, 0)
         self._repeats[key] = repeat + 1
         session_id = _new_id()
-        ctx = RolloutContext(run.resources, instance_id, 0, repeat, f"{run.run_id}:{instance_id}:{session_id}")
+        ctx = RolloutContext(run.loaded_resources(), instance_id, 0, repeat, f"{run.run_id}:{instance_id}:{session_id}")
         session = self._register(ctx, "harness", public_url, metadata, run=run, session_id=session_id)
-        run.progress.in_flight += 1
+        run.session_opened()
         if not session.options.session_journal:
             return session
         session.journal = Journal(self.files, session_id)
@@ -104,12 +104,12 @@ class SessionManager:
                 "created_at": session.created_at})
         except StoreError:  # not answered: nobody holds it, so it goes
             self.sessions.pop(session_id, None)
-            run.progress.in_flight -= 1
+            run.session_closed()
             session.journal.closed()
             raise
         return session
 
-    async def open_for_actor(self, run: Any, uid: str, instance_id: str, epoch: int, repeat: int,
+    async def open_for_actor(self, run: Run, uid: str, instance_id: str, epoch: int, repeat: int,
                              metadata: dict[str, Any], public_url: str) -> Session:
         """A generator session for trajectory `uid` of `run`, which a Ray actor runs: it generates through the run's
         engine and tokenizer here; a session the trajectory opened before (on an actor since lost) is discarded."""
@@ -117,7 +117,7 @@ class SessionManager:
         earlier = self._for_actors.pop(uid, None)
         if earlier is not None and earlier.state == "open":
             await self._discard(earlier, "its trajectory opened a new session (the actor running it was lost)", 0.0)
-        ctx = RolloutContext(run.resources, instance_id, epoch, repeat, uid)
+        ctx = RolloutContext(run.loaded_resources(), instance_id, epoch, repeat, uid)
         session = self._register(ctx, "generator", public_url, metadata, run=None)
         self._for_actors[uid] = session
         return session
@@ -158,7 +158,7 @@ class SessionManager:
         await session.discard(reason)
         session.ctx.engine.release(session.ctx.uid)
 
-    async def _wait_ready(self, run: Any) -> None:
+    async def _wait_ready(self, run: Run) -> None:
         if run.task is None or run.task.done():
             raise SessionError(409, f"run_id: run {run.run_id} is not running")
         if not run.ready.is_set():
@@ -167,11 +167,11 @@ class SessionManager:
             ready.cancel()
         if not run.ready.is_set():
             raise SessionError(409, f"run_id: run {run.run_id} did not get ready (see GET /status)")
-        if run.resources.tokenizer is None:
+        if run.loaded_resources().tokenizer is None:
             raise SessionError(409, f"run_id: run {run.run_id} has no tokenizer (chat mode); agent sessions "
                                "capture exact tokens and need tokenizer_path")
 
-    def _register(self, ctx: RolloutContext, kind: str, public_url: str, metadata: dict[str, Any], run: Any,
+    def _register(self, ctx: RolloutContext, kind: str, public_url: str, metadata: dict[str, Any], run: Run | None,
                   session_id: str | None = None, api_key: str | None = None) -> Session:
         if ctx.tokenizer is None:
             raise SessionError(409, "agent sessions need token mode: the run has no tokenizer")
@@ -235,7 +235,7 @@ class SessionManager:
             raw = await session.records(reward, **extra_info)
             outcome = "finished"
         except ValueError as e:
-            raw = [session.run.failed({}, session.ctx, "empty_session", str(e)).model_dump(mode="json")]
+            raw = [session.harness_run().failed({}, session.ctx, "empty_session", str(e)).model_dump(mode="json")]
             outcome = "empty"
         records = await self._store(session, raw)
         self._forget(session, outcome)
@@ -250,7 +250,7 @@ class SessionManager:
                        for k, r in enumerate(raw)]
         except ValidationError as e:
             raise SessionError(422, f"the session's records are invalid: {e}") from None
-        await session.run.accept(records)
+        await session.harness_run().accept(records)
         if session.journal is not None:  # only once its records are stored: a failed write keeps it restorable
             session.journal.closed()
         session.ctx.engine.release(session.ctx.uid)
@@ -264,9 +264,9 @@ class SessionManager:
         try:
             raw = await session.records(0.0, status="failed", **extra)
         except ValueError:
-            raw = [session.run.failed({}, session.ctx, f"session_{outcome}", reason).model_dump(mode="json")]
+            raw = [session.harness_run().failed({}, session.ctx, f"session_{outcome}", reason).model_dump(mode="json")]
         else:
-            session.run.progress.failures[f"session_{outcome}"] += 1
+            session.harness_run().session_failed(f"session_{outcome}")
             metrics.TRAJECTORIES_FAILED.labels(f"session_{outcome}").inc()
         try:
             await self._store(session, raw)
@@ -300,8 +300,8 @@ class SessionManager:
             return
         if self._for_actors.get(session.ctx.uid) is session:
             del self._for_actors[session.ctx.uid]
-        if session.kind == "harness":
-            session.run.progress.in_flight -= 1
+        if session.kind == "harness" and session.run is not None:
+            session.run.session_closed()
         metrics.PROXY_SESSIONS_CLOSED.labels(outcome).inc()
         self.closed[session.session_id] = {**session.view(), "state": session.state, "outcome": outcome}
         while len(self.closed) > _CLOSED_KEPT:
@@ -311,13 +311,8 @@ class SessionManager:
     async def recover(self, runs: RunManager) -> None:
         """After a (re)start, once `runs` resumed its run: restore the stored harness sessions of that run, and
         close those of any other run as failed (a record with the reason each)."""
-        store = runs.buffer.store
-        for legacy in await store.stored_sessions():  # written to the store by an older version: moved to files
-            if not self.files.has(legacy.session_id):  # else moved already, and maybe gone on since
-                Journal.of_stored(self.files, legacy)
-            store.drop_session(legacy.session_id)
         stored = load_sessions(self.files)
-        done = await store.episodes_stored([(s.run_id, s.instance_id, s.uid) for s in stored])
+        done = await runs.buffer.episodes_stored([(s.run_id, s.instance_id, s.uid) for s in stored])
         for s in [s for s in stored if s.uid in done]:  # finished or expired just before a crash: its records stand
             self.files.remove(s.session_id)
         stored = [s for s in stored if s.uid not in done]
@@ -345,9 +340,9 @@ class SessionManager:
                  sum(1 for s in stored if s.session_id in self.sessions))
         self._wake.set()
 
-    def _restore(self, run: Any, stored: StoredSession) -> Session:
+    def _restore(self, run: Run, stored: StoredSession) -> Session:
         state = load_state(stored)
-        ctx = RolloutContext(run.resources, stored.instance_id, 0, state["repeat"], stored.uid)
+        ctx = RolloutContext(run.loaded_resources(), stored.instance_id, 0, state["repeat"], stored.uid)
         tree = SessionTree()
         last_at = replay(stored, ctx, tree)
         session = self._register(ctx, "harness", state["public_url"], state["metadata"], run=run,
@@ -357,28 +352,27 @@ class SessionManager:
         next_seq = max((t[0] for t in stored.turns), default=-1) + 1
         session.journal = Journal(self.files, stored.session_id, next_seq)
         ctx.engine_stats["turns"] = len(stored.turns)
-        run.progress.in_flight += 1
+        run.session_opened()
         key = (run.run_id, stored.instance_id)
         self._repeats[key] = max(self._repeats.get(key, 0), state["repeat"] + 1)
         return session
 
     @staticmethod
     async def _ended_reason(runs: RunManager, run_id: str) -> str:
-        row = await runs.buffer.store.get_run(run_id)
-        state = row["state"] if row is not None else "gone"
+        row = await runs.buffer.runs.get(run_id)
+        state = row.state if row is not None else "gone"
         return f"run {run_id} was {state} while the buffer was down, before the session was finished"
 
     async def _fail_stored(self, runs: RunManager, stored: StoredSession, reason: str) -> None:
         """Close a stored session that is not restored: one failed record with the reason, in its run."""
-        store = runs.buffer.store
-        run_row = await store.get_run(stored.run_id)
+        run_row = await runs.buffer.runs.get(stored.run_id)
         if run_row is not None:
             state = load_state(stored)
             record = TrajectoryRecord(
                 uid=stored.uid, instance_id=stored.instance_id, messages=[], reward=0.0, status="failed",
                 extra_info={"error": reason, "error_kind": "session_failed", "session_id": stored.session_id,
                             "turns": len(stored.turns), "metadata": state.get("metadata") or {}, "epoch": 0,
-                            "repeat": state.get("repeat", 0), "task_type": run_row["config"].get("task_type"),
+                            "repeat": state.get("repeat", 0), "task_type": run_row.config.get("task_type"),
                             "run_id": stored.run_id, "timestamp": time.time()})
             await runs.buffer.write([record], run_row)
             metrics.TRAJECTORIES_FAILED.labels("session_failed").inc()

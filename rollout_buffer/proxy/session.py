@@ -25,6 +25,7 @@ from rollout_buffer.generation.context import RolloutContext
 from rollout_buffer.generation.conversation import Conversation, TurnMark
 from rollout_buffer.generation.engine import EngineError, GenerateDelta
 from rollout_buffer.generation.options import RunOptions
+from rollout_buffer.generation.runner import Run
 from rollout_buffer.observability import metrics
 from rollout_buffer.proxy.journal import Journal
 from rollout_buffer.proxy.messages import MessageKey, WireError, message_key, tools_key
@@ -108,7 +109,7 @@ class Session:
     anthropic_base_url: str
     agent_socket: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
-    run: Any = None  # the generation `Run` a harness session writes to
+    run: Run | None = None  # the generation `Run` a harness session writes to
     # Called once when the session is closed, with the outcome (the manager forgets it).
     on_closed: Callable[[Session, str], None] = lambda _session, _outcome: None
     # Persists committed turns (harness sessions, so they survive a restart); None: memory only.
@@ -384,6 +385,12 @@ class Session:
         """The messages of the branch that committed last (`AgentSession.transcript`)."""
         latest = self.tree.latest
         return list(latest.conv.messages[:latest.marks[-1].messages]) if latest is not None else []
+
+    def harness_run(self) -> Run:
+        """The run a harness session writes its records to; RuntimeError for a generator's session."""
+        if self.run is None:
+            raise RuntimeError(f"session {self.session_id} belongs to a generator, not to a run's harness")
+        return self.run
 
     def view(self) -> dict[str, Any]:
         """JSON-ready state of the session and its tree."""

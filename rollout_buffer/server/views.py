@@ -15,15 +15,15 @@ from rollout_buffer.generation.evaluation import EvalManager
 from rollout_buffer.generation.runner import RunManager
 
 
-async def run_control(app: Starlette, run: dict[str, Any] | None) -> dict[str, Any] | None:
+async def run_control(app: Starlette, run_id: str | None) -> dict[str, Any] | None:
     """The run's versions and admission: the runner's live view, else what the store kept."""
-    if run is None:
+    if run_id is None:
         return None
     buffer: RolloutBuffer = app.state.buffer
     runs: RunManager = app.state.runs
-    control = await buffer.control(run["run_id"])
+    control = await buffer.control(run_id)
     live = runs.admission()
-    if live is not None and live["run_id"] == run["run_id"]:
+    if live is not None and live["run_id"] == run_id:
         control["admission"] = {k: v for k, v in live.items() if k != "run_id"}
     return control
 
@@ -36,7 +36,7 @@ async def status_view(app: Starlette) -> dict[str, Any]:
     live = runs.progress()
     if body["run"] is not None and live is not None and live.get("run_id") == body["run"]["run_id"]:
         body["run"]["progress"] = live
-    body["control"] = await run_control(app, body["run"])
+    body["control"] = await run_control(app, body["run"]["run_id"] if body["run"] is not None else None)
     body["evals"] = await evals_view(app)
     body["executor"] = runs.executor.snapshot()
     return body

@@ -45,6 +45,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--auth-token", default=None,
                    help="require 'Authorization: Bearer T' (also read from ROLLOUT_BUFFER_AUTH_TOKEN)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--hook-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="how long a generator's is_valid_group / transform_group may take; its group is dropped "
+                        "(reason hook_timeout) past it")
     p.add_argument("--generator-path", type=Path, action="append", default=[],
                    help="extra generator .py file or folder (repeatable)")
     p.add_argument("--data-root", type=Path, action="append", default=[],
@@ -90,6 +93,7 @@ def serve(args: argparse.Namespace) -> None:
         group_size=args.group_size,
         auth_token=args.auth_token,
         max_body_bytes=args.max_body_bytes,
+        hook_timeout_s=args.hook_timeout,
         generator_paths=tuple(args.generator_path),
         data_roots=tuple(args.data_root),
         max_db_bytes=int(args.max_db_mb * 1024 * 1024) if args.max_db_mb else None,

@@ -20,6 +20,7 @@ from typing import BinaryIO
 import orjson
 from rich.console import Console
 
+from rollout_buffer.delivery import schema
 from rollout_buffer.delivery.evals import read_records, read_summaries
 from rollout_buffer.schemas import TrajectoryStatus
 
@@ -65,9 +66,16 @@ def open_readonly(data_dir: Path) -> sqlite3.Connection:
         raise ExportError(f"--data-dir: no store at {db} (is this the server's --data-dir?)")
     try:
         conn = sqlite3.connect(db.resolve().as_uri() + "?mode=ro", uri=True, isolation_level=None, timeout=10)
-        conn.execute("SELECT count(*) FROM runs").fetchone()
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
     except sqlite3.Error as e:
         raise ExportError(f"cannot read {db}: {e}") from None
+    if version != schema.VERSION:
+        conn.close()
+        newer = version > schema.VERSION
+        raise ExportError(f"{db} is at store version {version}, this release reads version {schema.VERSION}: "
+                          + ("upgrade rollout-buffer" if newer else
+                             "open it once with `rollout-buffer serve --data-dir` (which upgrades it) and export "
+                             "again"))
     return conn
 
 
@@ -91,10 +99,6 @@ def iter_records(conn: sqlite3.Connection, run_id: str | None, delivered_only: b
                  statuses: tuple[str, ...] = (), agent_id: str | None = None) -> Iterator[tuple[bytes, str | None]]:
     """The stored JSON and role of each selected trajectory (one run, or all; one role's), in delivery order,
     or in write order when everything is exported. Delivered, for a role, means consumed on its role stream."""
-    # A store written before role streams (and not opened by a server since) has no roles.
-    role = "t.agent_id" if "agent_id" in {row[1] for row in conn.execute("PRAGMA table_info(trajectories)")} else "NULL"
-    if agent_id is not None and role == "NULL":
-        raise ExportError("--agent-id: this store was written before role streams and has no roles")
     where: list[str] = []
     args: list[str] = []
     if run_id is not None:
@@ -106,22 +110,16 @@ def iter_records(conn: sqlite3.Connection, run_id: str | None, delivered_only: b
     if agent_id is not None:
         where.append("t.agent_id=?")
         args.append(agent_id)
-    if delivered_only and agent_id is not None:
+    if delivered_only:
+        # Delivered on the stream asked for: a role's (its records of each group) or the default one (all).
         sql = (
-            f"SELECT t.record, {role} FROM stream_groups s JOIN trajectories t ON t.run_id=s.run_id AND "
+            f"SELECT t.record, t.agent_id FROM stream_groups s JOIN trajectories t ON t.run_id=s.run_id AND "
             "t.instance_id=s.instance_id AND t.epoch=s.epoch AND t.part=s.part "
             f"WHERE {' AND '.join(['s.state=?', 's.stream=?', *where])} ORDER BY s.ready_seq, t.rowid"
         )
-        args[:0] = ["delivered", agent_id]
-    elif delivered_only:
-        sql = (
-            f"SELECT t.record, {role} FROM groups g JOIN trajectories t ON t.run_id=g.run_id AND "
-            "t.instance_id=g.instance_id AND t.epoch=g.epoch AND t.part=g.part "
-            f"WHERE {' AND '.join(['g.state=?', *where])} ORDER BY g.ready_seq, t.rowid"
-        )
-        args.insert(0, "delivered")
+        args[:0] = ["delivered", agent_id or ""]
     else:
-        sql = f"SELECT t.record, {role} FROM trajectories t WHERE {' AND '.join(['1', *where])} ORDER BY t.rowid"
+        sql = f"SELECT t.record, t.agent_id FROM trajectories t WHERE {' AND '.join(['1', *where])} ORDER BY t.rowid"
     for blob, agent in conn.execute(sql, args):
         yield bytes(blob), agent
 

@@ -1,0 +1,201 @@
+"""Trajectory writes and group completion.
+
+A write stores records (duplicate uids ignored) and marks each group it fills `complete`, handing back its
+records. The group policy (filters, normalization, user hooks) then runs outside the store: a slow hook holds
+up its own group, never a commit. `finish` commits each outcome: the group is dropped with its reason, or
+its (possibly transformed) records are kept and it becomes ready on its streams. A group left `complete` by a
+crash in between is found again by `unfinished` at start-up.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import orjson
+
+from rollout_buffer.delivery.groups import GroupKey, GroupOutcome, Record
+from rollout_buffer.delivery.store import Store
+from rollout_buffer.delivery.streams import admit, role_of, summarize
+from rollout_buffer.delivery.versions import group_version_range
+
+_KEY = "run_id=? AND instance_id=? AND epoch=? AND part=?"
+
+
+@dataclass
+class NewRecord:
+    """A validated trajectory ready to persist."""
+
+    uid: str
+    instance_id: str
+    epoch: int
+    status: str
+    blob: bytes  # the record as JSON
+    # Records of one multi-agent episode share it; a group counts episodes, not records.
+    episode: str | None = None
+    agent_id: str | None = None  # the record's role (`extra_info.agent_id`): its delivery stream
+    reward: float | None = None  # as the generator scored it (before group normalization)
+
+
+@dataclass
+class CompleteGroup:
+    """A group whose last episode arrived: its records in write order, for its group policy."""
+
+    key: GroupKey
+    records: list[Record]
+
+
+@dataclass
+class Finished:
+    """A complete group's outcome as committed: its drop reason (None: ready) and, when ready, its roles."""
+
+    key: GroupKey
+    reason: str | None
+    roles: list[str] = field(default_factory=list)
+
+
+@dataclass
+class WriteResult:
+    """What one write changed: records stored, duplicates ignored, and the groups it completed."""
+
+    inserted: int = 0
+    duplicates: int = 0
+    inserted_by_status: dict[str, int] = field(default_factory=dict)
+    complete: list[CompleteGroup] = field(default_factory=list)
+    finished: list[Finished] = field(default_factory=list)  # filled once their outcomes are committed
+
+
+def _write(conn: sqlite3.Connection, run_id: str, group_size: int, items: list[NewRecord]) -> WriteResult:
+    result = WriteResult()
+    now = time.time()
+    touched: dict[GroupKey, None] = {}
+    for item in items:
+        # The open part of this (instance, epoch): later parts take records arriving after completion.
+        row = conn.execute(
+            "SELECT part FROM groups WHERE run_id=? AND instance_id=? AND epoch=? AND state='open' "
+            "ORDER BY part LIMIT 1",
+            (run_id, item.instance_id, item.epoch),
+        ).fetchone()
+        if row is None:
+            last = conn.execute(
+                "SELECT max(part) FROM groups WHERE run_id=? AND instance_id=? AND epoch=?",
+                (run_id, item.instance_id, item.epoch),
+            ).fetchone()[0]
+            part = 0 if last is None else last + 1
+        else:
+            part = row[0]
+        key = (run_id, item.instance_id, item.epoch, part)
+        episode = item.episode or item.uid
+        blob = item.blob
+        if part:  # a record past a complete group says which part it belongs to
+            record = orjson.loads(blob)
+            record.setdefault("extra_info", {})["group_part"] = part
+            blob = orjson.dumps(record)
+        new_episode = conn.execute(
+            f"SELECT 1 FROM trajectories WHERE {_KEY} AND episode=? LIMIT 1", (*key, episode)
+        ).fetchone() is None
+        cur = conn.execute(
+            "INSERT OR IGNORE INTO trajectories(uid, run_id, instance_id, epoch, part, status, episode, created_at, "
+            "record, agent_id, reward) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            (item.uid, *key, item.status, episode, now, blob, item.agent_id, item.reward),
+        )
+        if cur.rowcount == 0:
+            result.duplicates += 1
+            continue
+        result.inserted += 1
+        result.inserted_by_status[item.status] = result.inserted_by_status.get(item.status, 0) + 1
+        conn.execute(
+            "INSERT INTO groups(run_id, instance_id, epoch, part, size, n, state) VALUES (?,?,?,?,?,?,'open') "
+            "ON CONFLICT DO UPDATE SET n = n + excluded.n",
+            (*key, group_size, int(new_episode)),
+        )
+        touched[key] = None
+    # Completion is checked after the whole call so every record of a multi-agent episode is in its group.
+    for key in touched:
+        completed = conn.execute(f"UPDATE groups SET state='complete', completed_at=? WHERE {_KEY} AND "
+                                 "state='open' AND n >= size", (now, *key)).rowcount
+        if completed:
+            result.complete.append(CompleteGroup(key, _group_records(conn, key)))
+    return result
+
+
+def _group_records(conn: sqlite3.Connection, key: GroupKey) -> list[Record]:
+    return [orjson.loads(blob) for (blob,) in conn.execute(
+        f"SELECT record FROM trajectories WHERE {_KEY} ORDER BY rowid", key)]
+
+
+def _next_seq(conn: sqlite3.Connection) -> int:
+    conn.execute("INSERT INTO meta(key, value) VALUES ('ready_seq', 1) "
+                 "ON CONFLICT(key) DO UPDATE SET value = value + 1")
+    return conn.execute("SELECT value FROM meta WHERE key='ready_seq'").fetchone()[0]
+
+
+def _finish(conn: sqlite3.Connection, key: GroupKey, outcome: GroupOutcome) -> Finished | None:
+    """Commit one complete group's outcome; None when it is not complete (finished already)."""
+    if conn.execute(f"SELECT 1 FROM groups WHERE {_KEY} AND state='complete'", key).fetchone() is None:
+        return None
+    if outcome.reason is not None:
+        conn.execute(f"UPDATE groups SET state='filtered', reason=? WHERE {_KEY}", (outcome.reason, *key))
+        return Finished(key, outcome.reason)
+    by_uid = {r["uid"]: r for r in outcome.records}
+    for (uid,) in conn.execute(f"SELECT uid FROM trajectories WHERE {_KEY} ORDER BY rowid", key).fetchall():
+        rec = by_uid.get(uid)
+        if rec is not None:
+            # The role too: a `transform_group` hook may have changed it, and role streams select by it.
+            conn.execute("UPDATE trajectories SET record=?, summary=?, agent_id=? WHERE uid=?",
+                         (orjson.dumps(rec), summarize(rec), role_of(rec), uid))
+    seq = _next_seq(conn)
+    conn.execute(f"UPDATE groups SET state='ready', ready_seq=?, version_min=?, version_max=? WHERE {_KEY}",
+                 (seq, *group_version_range(outcome.records), *key))
+    return Finished(key, None, admit(conn, key, outcome.records, seq))
+
+
+class Records:
+    """Trajectory writes and group completion on a store."""
+
+    def __init__(self, store: Store):
+        self.store = store
+
+    async def write(self, run_id: str, group_size: int, records: Iterable[NewRecord]) -> WriteResult:
+        """Persist records (duplicate uids ignored); the groups they complete come back `complete`."""
+        items = list(records)
+        return await self.store.call(lambda conn: _write(conn, run_id, group_size, items))
+
+    async def finish(self, outcomes: list[tuple[GroupKey, GroupOutcome]]) -> list[Finished]:
+        """Commit the outcomes of complete groups (one transaction); those finished already are left out."""
+
+        def op(conn: sqlite3.Connection) -> list[Finished]:
+            return [f for key, outcome in outcomes if (f := _finish(conn, key, outcome)) is not None]
+
+        return await self.store.call(op)
+
+    async def unfinished(self) -> list[CompleteGroup]:
+        """Complete groups whose outcome was never committed (the process stopped in between)."""
+
+        def op(conn: sqlite3.Connection) -> list[CompleteGroup]:
+            keys = conn.execute("SELECT run_id, instance_id, epoch, part FROM groups WHERE state='complete' "
+                                "ORDER BY completed_at").fetchall()
+            return [CompleteGroup(k, _group_records(conn, k)) for k in keys]
+
+        return await self.store.call(op)
+
+    async def get(self, uid: str) -> Record | None:
+        """One stored trajectory by uid."""
+
+        def op(conn: sqlite3.Connection) -> Record | None:
+            row = conn.execute("SELECT record FROM trajectories WHERE uid=?", (uid,)).fetchone()
+            return orjson.loads(row[0]) if row else None
+
+        return await self.store.call(op)
+
+    async def episodes_stored(self, episodes: list[tuple[str, str, str]]) -> set[str]:
+        """Of `(run_id, instance_id, episode uid)`s, the uids some record is stored under."""
+
+        def op(conn: sqlite3.Connection) -> set[str]:
+            query = "SELECT 1 FROM trajectories WHERE run_id=? AND instance_id=? AND episode=? LIMIT 1"
+            return {uid for run_id, instance_id, uid in episodes
+                    if conn.execute(query, (run_id, instance_id, uid)).fetchone() is not None}
+
+        return await self.store.call(op) if episodes else set()
