@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from rollout_buffer.generation.conversation import Conversation, encode
+from rollout_buffer.generation.conversation import Conversation
+from rollout_buffer.generation.prompt_ids import encode
 from rollout_buffer.generation.tokenizer import end_of_turn_ids, load_tokenizer
 from rollout_buffer.schemas import TrajectoryRecord
 

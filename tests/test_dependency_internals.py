@@ -169,35 +169,21 @@ def test_jinja_sandbox_code_is_as_reviewed():
     unreviewed = internals.unreviewed_sandbox_code()
     assert not unreviewed, (
         f"jinja2 {jinja2.__version__} changed {', '.join(unreviewed)}: the buffer now leaves transformers' sandbox "
-        "as it is (same renders and refusals, about twice as slow). Read the new code: if the sandbox's decisions "
-        "still depend on (type, attribute name) alone and getattr still tries the attribute and then the key, add "
-        f"these fingerprints to _REVIEWED_SANDBOX_CODE in rollout_buffer/generation/dependency_internals.py: "
-        f"{unreviewed}; otherwise change _MemoizedSafety / _DictKeysFirst there first.")
+        "as it is (same renders and refusals, slower). Read the new code: if the sandbox's decisions still depend "
+        "on (type, attribute name) alone, add these fingerprints to _REVIEWED_SANDBOX_CODE in "
+        f"rollout_buffer/generation/dependency_internals.py: {unreviewed}; otherwise change _MemoizedSafety there "
+        "first.")
     assert internals._sandbox_hooks_reviewed
 
 
 def test_templates_consult_the_sandbox_hooks(qwen_tokenizer_path):
-    # jinja's generated code must call the environment's getattr and filters at render time, and its getattr the
-    # environment's is_safe_attribute: otherwise the hooks are never called (renders stay right, but slow).
+    # The sandbox's getattr must ask the environment's is_safe_attribute at render time: otherwise the memo is
+    # never called (renders stay right, but slow).
     tok = _tokenizer(qwen_tokenizer_path, "hooks consulted")
     assert speed_up_sandbox(tok) == 1
-    env = ctu._compile_jinja_template(tok.chat_template).environment
-    memo, dict_keys_first = env.is_safe_attribute, env.getattr
-    assert isinstance(memo, internals._MemoizedSafety) and isinstance(dict_keys_first, internals._DictKeysFirst)
-    calls = []
-
-    def counting_getattr(obj: Any, attribute: str) -> Any:
-        calls.append(attribute)
-        return dict_keys_first(obj, attribute)
-
-    env.getattr = counting_getattr
-    try:
-        tok.apply_chat_template(CONVERSATIONS[1], tools=TOOLS, tokenize=False)
-    finally:
-        env.getattr = dict_keys_first
-    assert "role" in calls and "content" in calls, (
-        f"jinja2 {jinja2.__version__} templates no longer read attributes through environment.getattr. Review "
-        "_DictKeysFirst in rollout_buffer/generation/dependency_internals.py.")
+    memo = ctu._compile_jinja_template(tok.chat_template).environment.is_safe_attribute
+    assert isinstance(memo, internals._MemoizedSafety)
+    tok.apply_chat_template(CONVERSATIONS[1], tools=TOOLS, tokenize=False)
     assert (str, "startswith") in memo._known or (str, "split") in memo._known, (
         f"jinja2 {jinja2.__version__}: the sandbox's getattr no longer asks environment.is_safe_attribute. Review "
         "_MemoizedSafety in rollout_buffer/generation/dependency_internals.py.")
@@ -312,7 +298,6 @@ def test_a_changed_jinja_sandbox_keeps_jinjas_own_methods(qwen_tokenizer_path, m
     assert speed_up_sandbox(tok) == 0
     env = ctu._compile_jinja_template(tok.chat_template).environment
     assert not isinstance(env.is_safe_attribute, internals._MemoizedSafety)
-    assert not isinstance(env.getattr, internals._DictKeysFirst)
     texts = [tok.apply_chat_template(m, tools=t, add_generation_prompt=g, tokenize=False, **o) for t, o, m, g in CASES]
     assert texts == fast_texts
     assert [tok.encode(t, add_special_tokens=False) for t in texts] == _transformers_ids(fast)

@@ -15,13 +15,10 @@ from servers import free_port, running
 from sim_engine_process import SimEngineProcess, sim_engines
 
 from rollout_buffer.generation.context import RolloutContext, RunResources
-from rollout_buffer.generation.engine import (
-    EngineClient,
-    EngineError,
-    EngineLimits,
-    GenerateResult,
-    to_sglang_sampling_params,
-)
+from rollout_buffer.generation.engine import EngineClient
+from rollout_buffer.generation.engine_limits import EngineLimits
+from rollout_buffer.generation.engine_results import EngineError, GenerateResult
+from rollout_buffer.generation.sglang_wire import to_sglang_sampling_params
 from rollout_buffer.sim.engine import token_logprob
 from rollout_buffer.sim.policy import Draw, scripted_reply
 

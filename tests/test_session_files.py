@@ -1,9 +1,7 @@
-"""Open harness sessions' files: frames read back as written (with at most `max_open` files open), and a torn or
-corrupted tail cut off cleanly."""
+"""Open harness sessions' files: frames read back as written, and a torn or corrupted tail cut off cleanly."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -31,26 +29,14 @@ def test_frames_read_back_in_order_and_a_removed_session_is_gone(tmp_path: Path)
             files.create(bad, b"x")
 
 
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-def test_at_most_max_open_files_stay_open_and_every_frame_lands(tmp_path: Path) -> None:
-    before = _open_fds()
-    files = SessionFiles(tmp_path, max_open=2)
+def test_frames_of_interleaved_sessions_all_land(tmp_path: Path) -> None:
+    files = SessionFiles(tmp_path)
     for k in range(5):
         files.create(f"s-{k}", b"first")
-    for turn in range(3):  # each session written to again after others pushed its file out
+    for turn in range(3):
         for k in range(5):
             files.append(f"s-{k}", b"turn %d" % turn)
-            assert _open_fds() <= before + 2
     assert files.load() == [(f"s-{k}", [b"first", b"turn 0", b"turn 1", b"turn 2"]) for k in range(5)]
-    files.remove("s-4")  # its file was open: closed with it
-    files.close()
-    assert _open_fds() == before
-    files.append("s-0", b"after close")  # opened again
-    assert files.load()[0] == ("s-0", [b"first", b"turn 0", b"turn 1", b"turn 2", b"after close"])
-    files.close()
 
 
 @pytest.mark.parametrize("damage", ["cut", "flipped"])

@@ -129,7 +129,8 @@ def _group_records(conn: sqlite3.Connection, key: GroupKey) -> list[Record]:
 def _next_seq(conn: sqlite3.Connection) -> int:
     conn.execute("INSERT INTO meta(key, value) VALUES ('ready_seq', 1) "
                  "ON CONFLICT(key) DO UPDATE SET value = value + 1")
-    return conn.execute("SELECT value FROM meta WHERE key='ready_seq'").fetchone()[0]
+    seq: int = conn.execute("SELECT value FROM meta WHERE key='ready_seq'").fetchone()[0]
+    return seq
 
 
 def _finish(conn: sqlite3.Connection, key: GroupKey, outcome: GroupOutcome) -> Finished | None:

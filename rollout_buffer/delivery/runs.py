@@ -44,9 +44,11 @@ class StoredWork:
 
 
 _COLUMNS = "run_id, created_at, state, group_size, config, progress, error"
+# A `runs` row, as `_COLUMNS` selects it (config and progress: JSON blobs).
+_RunRow = tuple[str, float, str, int, bytes, bytes | None, str | None]
 
 
-def _run(row: tuple) -> StoredRun:
+def _run(row: _RunRow) -> StoredRun:
     run_id, created_at, state, group_size, config, progress, error = row
     return StoredRun(run_id, created_at, state, group_size, orjson.loads(config),
                orjson.loads(progress) if progress else {}, error)

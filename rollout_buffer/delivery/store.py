@@ -26,6 +26,8 @@ from rollout_buffer.delivery import schema
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# A queued operation: the function the store thread runs, and the future of its waiter (None: submitted).
+_Op = tuple[Callable[[sqlite3.Connection], Any], "asyncio.Future[Any] | None"]
 
 
 class StoreError(RuntimeError):
@@ -50,7 +52,7 @@ class Store:
     def __init__(self, path: Path, max_bytes: int | None = None):
         self.path = path
         self.max_bytes = max_bytes
-        self._queue: queue.SimpleQueue[tuple[Callable[[sqlite3.Connection], Any], asyncio.Future | None] | None]
+        self._queue: queue.SimpleQueue[_Op | None]
         self._queue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._conn: sqlite3.Connection | None = None
@@ -73,7 +75,7 @@ class Store:
         await asyncio.to_thread(self._thread.join, 30)
         self._thread = None
 
-    def _main(self, loop: asyncio.AbstractEventLoop, ready: asyncio.Future) -> None:
+    def _main(self, loop: asyncio.AbstractEventLoop, ready: asyncio.Future[None]) -> None:
         try:
             self._conn = schema.connect(self.path, self.max_bytes)
         except (sqlite3.Error, schema.StoreTooNew) as e:
@@ -84,7 +86,7 @@ class Store:
         stop = False
         while not stop:
             item = self._queue.get()
-            batch = []
+            batch: list[_Op] = []
             while item is not None:
                 batch.append(item)
                 if len(batch) >= 512:
@@ -99,8 +101,8 @@ class Store:
                 self._run_batch(conn, batch)
         conn.close()
 
-    def _run_batch(self, conn: sqlite3.Connection, batch: list) -> None:
-        results: list[tuple[asyncio.Future | None, Any, BaseException | None]] = []
+    def _run_batch(self, conn: sqlite3.Connection, batch: list[_Op]) -> None:
+        results: list[tuple[asyncio.Future[Any] | None, Any, BaseException | None]] = []
         if len(batch) == 1 and isinstance(batch[0][0], Statement):
             # Alone, one statement is its own transaction: one call into SQLite instead of five (each lets go
             # of the GIL and takes it back, which costs the event loop's thread more than the write).
@@ -144,7 +146,7 @@ class Store:
         self._resolve_all(results)
 
     @staticmethod
-    def _resolve_all(results: list[tuple[asyncio.Future | None, Any, BaseException | None]]) -> None:
+    def _resolve_all(results: list[tuple[asyncio.Future[Any] | None, Any, BaseException | None]]) -> None:
         for fut, value, exc in results:
             if fut is None:  # submitted: nobody waits, so a failure is logged
                 if exc is not None:
@@ -175,7 +177,7 @@ class Store:
         self._queue.put((fn, None))
 
 
-def _resolve(fut: asyncio.Future, value: Any, exc: BaseException | None) -> None:
+def _resolve(fut: asyncio.Future[Any], value: Any, exc: BaseException | None) -> None:
     if fut.done():
         return
     if exc is not None:

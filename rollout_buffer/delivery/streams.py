@@ -77,7 +77,8 @@ class StoredRecord:
 
     def load(self) -> Record:
         """The record as a dict."""
-        return orjson.loads(self.blob)
+        record: Record = orjson.loads(self.blob)
+        return record
 
 
 @dataclass(frozen=True)
@@ -194,14 +195,18 @@ def _drop_stale(conn: sqlite3.Connection, stream: str, current: int) -> list[Sta
     return stale
 
 
-def _one_per_instance(rows: Iterable[tuple], max_groups: int | None) -> list[tuple]:
+# A ready group's row in `_take`: run_id, instance_id, epoch, part, batch_id (of an earlier lease), version_min.
+_ReadyRow = tuple[str, str, int, int, str | None, int | None]
+
+
+def _one_per_instance(rows: Iterable[_ReadyRow], max_groups: int | None) -> list[_ReadyRow]:
     """The first `max_groups` rows (all when None) whose instance id no earlier row has.
 
     slime's client (`select_rollout_data`) groups an answer's records by `instance_id` alone, so two groups
     of one instance (two epochs, or two runs) in one answer would become one group of twice the size; the
     later group waits for the next read instead. The cursor is read lazily, so this stops at `max_groups`.
     """
-    taken: list[tuple] = []
+    taken: list[_ReadyRow] = []
     seen: set[str] = set()
     for row in rows:
         if max_groups is not None and len(taken) >= max_groups:

@@ -351,5 +351,6 @@ class RayExecutor:
 
 def _cluster_cpus(per_actor: float) -> int:
     """Actors that fit the cluster's CPUs (one per CPU for actors that reserve none)."""
-    cpus = float(ray.cluster_resources().get("CPU", 1))
+    # ray (2.60) annotates neither cluster_resources() nor its dict of resource name → amount.
+    cpus = float(ray.cluster_resources().get("CPU", 1))  # type: ignore[no-untyped-call]
     return max(1, int(cpus // per_actor) if per_actor else int(cpus))

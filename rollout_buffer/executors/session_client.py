@@ -47,14 +47,18 @@ class RemoteSession:
 
     async def transcript(self) -> list[dict[str, Any]]:
         """The messages of the branch that generated last."""
-        return (await _call(self._client, "GET", f"/sessions/{self.session_id}/transcript"))["messages"]
+        answer = await _call(self._client, "GET", f"/sessions/{self.session_id}/transcript")
+        messages: list[dict[str, Any]] = answer["messages"]
+        return messages
 
     async def close(self, reward: float, **extra_info: Any) -> list[dict[str, Any]]:
         """Close the session; its records (one per branch), which the buffer did not store.
 
         ValueError when the session generated nothing."""
         body = {"reward": reward, "extra_info": extra_info}
-        return (await _call(self._client, "POST", f"/sessions/{self.session_id}/close", body))["records"]
+        answer = await _call(self._client, "POST", f"/sessions/{self.session_id}/close", body)
+        records: list[dict[str, Any]] = answer["records"]
+        return records
 
     async def discard(self, reason: str) -> None:
         """Close the session without records; one the buffer closed already (its run ended) is left as it is."""
@@ -108,6 +112,7 @@ async def _call(client: httpx.AsyncClient, method: str, path: str, body: dict[st
         resp = await client.request(method, path, json=body)
     except httpx.HTTPError as e:
         raise SessionUnavailable(f"{method} {client.base_url}{path} failed: {type(e).__name__}: {e}") from None
+    answer: dict[str, Any]  # the buffer answers a JSON object, error or not
     try:
         answer = resp.json()
     except ValueError:

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 from typing import Any
 
+import jinja2
 import orjson
 
 from rollout_buffer.generation.dependency_internals import (
@@ -46,7 +48,7 @@ class ChatRenderer:
         self._tokenizer = tokenizer
         self._tools = tools
         self._options = options
-        self._template: Any = None
+        self._template: jinja2.Template | None = None
         self._variables: dict[str, Any] = {}
         try:
             source = tokenizer.get_chat_template(None, tools)
@@ -73,20 +75,22 @@ class ChatRenderer:
     def render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
         """`apply_chat_template(messages, tools=..., add_generation_prompt=generation_prompt, tokenize=False,
         **options)` of this renderer's tokenizer, tools and options."""
-        chat = _template_messages(messages) if self._template is not None else None
-        if chat is None:
-            return self._tokenizer.apply_chat_template(
+        template = self._template
+        chat = _template_messages(messages) if template is not None else None
+        if template is None or chat is None:
+            text: str = self._tokenizer.apply_chat_template(  # a transformers tokenizer: str with tokenize=False
                 messages, tools=self._tools, add_generation_prompt=generation_prompt, tokenize=False,
                 **self._options,
             )
-        return self._template.render(messages=chat, add_generation_prompt=generation_prompt, **self._variables)
+            return text
+        return template.render(messages=chat, add_generation_prompt=generation_prompt, **self._variables)
 
 
 class _HeldJson:
     """A template environment's `tojson` filter that keeps the text of the objects renderers hold (their tool
     schemas) while they hold them; any other value is encoded afresh, as before."""
 
-    def __init__(self, tojson: Any):
+    def __init__(self, tojson: Callable[..., str]):
         self._tojson = tojson
         self._held: dict[int, tuple[Any, dict[Any, str]]] = {}  # id -> (the object, its text by filter options)
 

@@ -9,8 +9,9 @@ from typing import Any
 
 from rollout_buffer.delivery.versions import ordered_versions
 from rollout_buffer.generation.conversation import Conversation
-from rollout_buffer.generation.engine import EngineClient, GenerateDelta, to_sglang_sampling_params
+from rollout_buffer.generation.engine import EngineClient
 from rollout_buffer.generation.sessions import AgentSession, SessionHost
+from rollout_buffer.generation.sglang_wire import GenerateDelta, to_sglang_sampling_params
 from rollout_buffer.observability import metrics
 
 STATUS_BY_FINISH = {"stop": "completed", "length": "truncated", "abort": "aborted"}

@@ -2,10 +2,10 @@
 that stays correct.
 
 Nothing else in the buffer names a private attribute of transformers or jinja2 or replaces one of their
-methods: `chat_render` (direct renders of chat templates) and `template_sandbox` (a faster sandbox) get what
-they need from here. `tests/test_dependency_internals.py` fails, saying what to review, as soon as an installed
-version changes one of them, and forces each fallback to show that renders (text and Qwen3 token ids) and the
-sandbox's refusals stay the same.
+methods: `chat_render` (direct renders of chat templates) and `template_sandbox` (memoized sandbox decisions)
+get what they need from here. `tests/test_dependency_internals.py` fails, saying what to review, as soon as an
+installed version changes one of them, and forces each fallback to show that renders (text and Qwen3 token ids)
+and the sandbox's refusals stay the same.
 
 transformers, `transformers.utils.chat_template_utils` (chosen at first use and logged when a fallback is
 taken: the buffer imports transformers only when it loads a tokenizer, which takes about a second):
@@ -27,15 +27,13 @@ taken: the buffer imports transformers only when it loads a tokenizer, which tak
 
 jinja2, `jinja2.sandbox` (checked at import, logged when the fallback is taken):
 
-- `is_safe_attribute` and `getattr` of the `ImmutableSandboxedEnvironment` transformers compiled a template
-  with, replaced on that instance (`_MemoizedSafety`, `_DictKeysFirst`). Why: the sandbox's decision for every
-  attribute a template touches was about a third of a render, and reading a message's keys by failing an
-  attribute lookup first a fifth. Both replacements are exact only for the code they were written against:
-  decisions that depend on the object's type and the attribute's name alone (`is_safe_attribute`,
-  `is_internal_attribute`, `modifies_known_mutable`), and a `getattr` that tries the attribute and then the
-  key. `_REVIEWED_SANDBOX_CODE` holds fingerprints of that code (its source without docstrings, comments and
-  blank lines). Fallback when the installed jinja2's code differs: environments keep jinja's own methods
-  (same text, same refusals, about twice as slow).
+- `is_safe_attribute` of the `ImmutableSandboxedEnvironment` transformers compiled a template with, replaced on
+  that instance (`_MemoizedSafety`). Why: the sandbox's decision for every attribute a template touches was
+  about a third of a render. The replacement is exact only for the code it was written against: decisions that
+  depend on the object's type and the attribute's name alone (`is_safe_attribute`, `is_internal_attribute`,
+  `modifies_known_mutable`). `_REVIEWED_SANDBOX_CODE` holds fingerprints of that code (its source without
+  docstrings, comments and blank lines). Fallback when the installed jinja2's code differs: environments keep
+  jinja's own method (same text, same refusals, slower).
 """
 
 from __future__ import annotations
@@ -197,20 +195,18 @@ def code_fingerprint(function: Callable[..., Any]) -> str:
 
 
 def sandbox_code() -> dict[str, Callable[..., Any]]:
-    """The jinja2 code `_MemoizedSafety` and `_DictKeysFirst` are exact for, by name."""
+    """The jinja2 code `_MemoizedSafety` is exact for, by name."""
     return {
         "SandboxedEnvironment.is_safe_attribute": sandbox.SandboxedEnvironment.is_safe_attribute,
         "ImmutableSandboxedEnvironment.is_safe_attribute": sandbox.ImmutableSandboxedEnvironment.is_safe_attribute,
         "is_internal_attribute": sandbox.is_internal_attribute,
         "modifies_known_mutable": sandbox.modifies_known_mutable,
-        "SandboxedEnvironment.getattr": sandbox.SandboxedEnvironment.getattr,
     }
 
 
 # `code_fingerprint` of each in `sandbox_code()`, as reviewed (jinja2 3.1.6). A new jinja2 that changes one: read
-# its code, check that decisions still depend on (type, attribute name) alone and that `getattr` still tries the
-# attribute and then the key, then add the new fingerprints here (keep the old ones while older versions are
-# supported).
+# its code, check that decisions still depend on (type, attribute name) alone, then add the new fingerprints here
+# (keep the old ones while older versions are supported).
 _REVIEWED_SANDBOX_CODE: dict[str, frozenset[str]] = {
     "SandboxedEnvironment.is_safe_attribute": frozenset(
         {"90acb5b572dda20ea64b9502d4c601cdb29373c9635fe30fc43b3a5893a09e24"}),
@@ -218,7 +214,6 @@ _REVIEWED_SANDBOX_CODE: dict[str, frozenset[str]] = {
         {"6f39b0d17ef290b30987578eaddb163d1e1e795f2468eda23401737abeec16b8"}),
     "is_internal_attribute": frozenset({"2d17697b37104a8b620dc4c0a90f748ed04728334177cd7a4e739f21fd27b689"}),
     "modifies_known_mutable": frozenset({"a3f5c54bd1c67b0e29474632a78a08797733c21805dd328f409b91b7d409b629"}),
-    "SandboxedEnvironment.getattr": frozenset({"3a539f9cc8500803dadf8f0bae3b929627bdff5df91bcec2ffcf51dcb1b2c030"}),
 }
 
 
@@ -237,11 +232,11 @@ def unreviewed_sandbox_code() -> dict[str, str]:
 
 
 def select_sandbox_hooks() -> bool:
-    """True when the installed jinja2's sandbox is the code `_MemoizedSafety` and `_DictKeysFirst` are exact for."""
+    """True when the installed jinja2's sandbox is the code `_MemoizedSafety` is exact for."""
     unreviewed = unreviewed_sandbox_code()
     if unreviewed:
         log.warning("jinja2 %s changed %s: chat templates render in jinja's own sandbox (same text and refusals, "
-                    "about twice as slow); %s", jinja2.__version__, ", ".join(unreviewed), _TO_REVIEW)
+                    "slower); %s", jinja2.__version__, ", ".join(unreviewed), _TO_REVIEW)
     return not unreviewed
 
 
@@ -263,30 +258,10 @@ class _MemoizedSafety:
         return safe
 
 
-class _DictKeysFirst:
-    """`getattr` of one environment, reading an exact dict's key directly when the name is not an attribute of
-    dict (where the sandbox's own `getattr` would fail the attribute lookup and then read the key)."""
-
-    _DICT_ATTRIBUTES = frozenset(dir(dict))
-
-    def __init__(self, env: sandbox.ImmutableSandboxedEnvironment) -> None:
-        self._getattr = env.getattr
-        self._undefined = env.undefined
-
-    def __call__(self, obj: Any, attribute: str) -> Any:
-        if type(obj) is dict and type(attribute) is str and attribute not in self._DICT_ATTRIBUTES:
-            try:
-                return obj[attribute]
-            except KeyError:
-                return self._undefined(obj=obj, name=attribute)
-        return self._getattr(obj, attribute)
-
-
 def speed_up_template_sandbox(source: str) -> bool:
-    """Memoize the sandbox's attribute decisions and read dict keys directly, in the environment transformers
-    renders the template text `source` with. True when it changed that environment; False when it was already
-    changed, or is not jinja's own `ImmutableSandboxedEnvironment`, or a fallback is in use (renders are then
-    as they were, only slower)."""
+    """Memoize the sandbox's attribute decisions in the environment transformers renders the template text
+    `source` with. True when it changed that environment; False when it was already changed, or is not jinja's
+    own `ImmutableSandboxedEnvironment`, or a fallback is in use (renders are then as they were, only slower)."""
     if not _sandbox_hooks_reviewed:
         return False
     template = compiled_chat_template(source)
@@ -294,5 +269,4 @@ def speed_up_template_sandbox(source: str) -> bool:
     if type(env) is not sandbox.ImmutableSandboxedEnvironment or isinstance(env.is_safe_attribute, _MemoizedSafety):
         return False
     env.is_safe_attribute = _MemoizedSafety(env.is_safe_attribute)  # type: ignore[method-assign]
-    env.getattr = _DictKeysFirst(env)  # type: ignore[method-assign]
     return True

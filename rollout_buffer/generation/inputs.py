@@ -67,7 +67,7 @@ def iter_json_objects(path: Path, label: str = "input_file") -> Iterator[tuple[i
 
 def iter_items(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield (line number, item) for every non-blank line; `instance_id` defaults to the item's position among
-    them, as the runner numbers tasks (`runner.LineIndex`), so blank lines shift no id."""
+    them, as the runner numbers tasks (`LineIndex`), so blank lines shift no id."""
     for position, (lineno, item) in enumerate(iter_json_objects(path)):
         if item.get("instance_id") is None:
             item["instance_id"] = str(position)
@@ -99,3 +99,40 @@ def validate_file(path: Path, required: Sequence[RequiredField] = ()) -> InputSu
     if count == 0:
         raise InputFileError(f"input_file: {path} has no tasks")
     return InputSummary(path, count)
+
+
+class LineIndex:
+    """Byte offsets of the input file's task lines, so epochs can be shuffled without holding items."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offsets: list[int] = []
+        with path.open("rb") as f:
+            pos = 0
+            for line in f:
+                if line.strip():
+                    self.offsets.append(pos)
+                pos += len(line)
+        self._fh = path.open("rb")
+        self._positions: dict[str, int] | None = None
+
+    def find(self, instance_id: str) -> dict[str, Any] | None:
+        """The task with `instance_id`, or None (the file is indexed by id on first use)."""
+        if self._positions is None:
+            self._positions = {}
+            for i in range(len(self.offsets)):
+                self._positions.setdefault(self.read(i)["instance_id"], i)
+        at = self._positions.get(instance_id)
+        return None if at is None else self.read(at)
+
+    def read(self, i: int) -> dict[str, Any]:
+        """The i-th task, with `instance_id` defaulting to its position."""
+        self._fh.seek(self.offsets[i])
+        item = orjson.loads(self._fh.readline())
+        if not isinstance(item, dict):
+            raise InputFileError(f"input_file: {self.path} task {i}: expected a JSON object")
+        item["instance_id"] = str(item["instance_id"]) if item.get("instance_id") is not None else str(i)
+        return item
+
+    def close(self) -> None:
+        self._fh.close()

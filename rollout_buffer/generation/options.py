@@ -9,11 +9,11 @@ from typing import Any, ClassVar, Self
 
 from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
 
-from rollout_buffer.generation.engine import (
+from rollout_buffer.generation.engine_limits import probe_engine
+from rollout_buffer.generation.sglang_wire import (
     ROUTER_DROPPED_CHAT_KEYS,
     ROUTER_DROPPED_SAMPLING_KEYS,
     ROUTER_MAX_CHAT_STOPS,
-    probe_engine,
 )
 
 # /start_rollout waits this long for the engines' answers; one that is slower is not judged there.

@@ -1,4 +1,4 @@
-"""Faster chat-template renders: jinja's sandbox decisions on attributes memoized, and dict keys read directly.
+"""Faster chat-template renders: jinja's sandbox decisions on attributes memoized.
 
 transformers renders chat templates in jinja's `ImmutableSandboxedEnvironment`, which asks
 `is_safe_attribute(obj, attr, value)` for every attribute and method a template touches (`content.split`,
@@ -7,16 +7,11 @@ function and frame internals, methods that mutate lists, dicts and sets), yet it
 time: about a third of a render. The decisions are remembered per (type, name) on the environment
 transformers compiled the template with.
 
-Most of what a chat template reads is a key of a message dict (`message.role`, `message.content`). The
-sandbox's `getattr` first asks the dict for an attribute of that name, which raises, and then reads the key:
-the exception was a fifth of a render. For an exact dict and a name that is not one of dict's own attributes,
-the key is now read directly, with the same result (its value, or the environment's undefined).
-
 Rendered text and the sandbox's verdicts are unchanged. The buffer renders the new messages of every turn and
 whole conversations for the tokenization check.
 
-Both replace methods of jinja's sandbox at run time and are exact only for the jinja2 code they were written
-against: they live in `dependency_internals` with the other private internals of dependencies, which checks
+This replaces a method of jinja's sandbox at run time and is exact only for the jinja2 code it was written
+against: it lives in `dependency_internals` with the other private internals of dependencies, which checks
 that code at import and leaves the sandbox as it is when an installed jinja2 (or transformers) changed it.
 """
 
@@ -28,8 +23,7 @@ from rollout_buffer.generation.dependency_internals import speed_up_template_san
 
 
 def speed_up_sandbox(tokenizer: Any) -> int:
-    """Memoize the sandbox's attribute decisions and read dict keys directly, for each chat template of
-    `tokenizer`.
+    """Memoize the sandbox's attribute decisions, for each chat template of `tokenizer`.
 
     Applies only to environments of jinja's own `ImmutableSandboxedEnvironment` class, whose decisions are
     known to depend on type and name alone. Returns how many environments it changed (0 when transformers

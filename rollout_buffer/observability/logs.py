@@ -115,6 +115,7 @@ def _message_of(body: bytes) -> str:
         parsed = None
     if isinstance(parsed, dict):
         for key in ("message", "detail"):
-            if isinstance(parsed.get(key), str):
-                return parsed[key]
+            reason = parsed.get(key)
+            if isinstance(reason, str):
+                return reason
     return body.decode(errors="replace")[:500] or "(no body)"

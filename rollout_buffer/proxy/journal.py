@@ -151,7 +151,8 @@ def load_sessions(files: SessionFiles) -> list[StoredSession]:
 
 def load_state(stored: StoredSession) -> dict[str, Any]:
     """The session row's state (`Journal.opened`)."""
-    return orjson.loads(stored.state)
+    state: dict[str, Any] = orjson.loads(stored.state)  # stored from a dict by `Journal.opened`
+    return state
 
 
 def replay(stored: StoredSession, ctx: RolloutContext, tree: SessionTree) -> float | None:

@@ -33,7 +33,8 @@ from pydantic import ValidationError
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.store import StoreError
 from rollout_buffer.generation.context import RolloutContext, stamp
-from rollout_buffer.generation.runner import Run, RunManager
+from rollout_buffer.generation.run_manager import RunManager
+from rollout_buffer.generation.runner import Run
 from rollout_buffer.observability import metrics
 from rollout_buffer.proxy.journal import Journal, StoredSession, idle_since, load_sessions, load_state, replay
 from rollout_buffer.proxy.messages import WireError
@@ -391,7 +392,6 @@ class SessionManager:
         if self._reaper is not None:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
-        self.files.close()
 
     async def _reap_loop(self) -> None:
         while True:

@@ -23,9 +23,10 @@ from pydantic import Field
 from rollout_buffer.delivery.store import StoreError
 from rollout_buffer.generation.context import RolloutContext
 from rollout_buffer.generation.conversation import Conversation, TurnMark
-from rollout_buffer.generation.engine import EngineError, GenerateDelta
+from rollout_buffer.generation.engine_results import EngineError
 from rollout_buffer.generation.options import RunOptions
 from rollout_buffer.generation.runner import Run
+from rollout_buffer.generation.sglang_wire import GenerateDelta
 from rollout_buffer.observability import metrics
 from rollout_buffer.proxy.journal import Journal
 from rollout_buffer.proxy.messages import MessageKey, WireError, message_key, tools_key

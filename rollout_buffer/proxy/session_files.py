@@ -1,15 +1,12 @@
 """Open harness sessions on disk: one append-only file per session, in the data dir's `sessions/` folder.
 
-A session's journal (`proxy.journal`) is written here, not in the SQLite store: a turn's row is one `write(2)` of a
-frame to the session's file, done on the event loop before the turn is answered. The same rows in the store cost
-a hand-off to the store thread and back, a transaction, and the rows' deletion when the session closed: together
-~8% of the buffer's CPU per proxied turn (`bench.proxy_pair`). The files of the sessions written to last stay
-open (up to `max_open`, by default a quarter of the process's limit on open files; the others are opened again
-when next written to): opening and closing the file around every write cost another ~4% per turn. What survives
-is the same: a frame in the page cache when `kill -9` comes is in the file after it (as a committed SQLite
-transaction with `synchronous=NORMAL` is), and neither is proof against a power cut. A data dir on a slow network
-filesystem would stall the event loop on every turn; SQLite's WAL mode, which the store uses, does not work on one
-either.
+A session's journal (`proxy.journal`) is written here, not in the SQLite store: a turn's row is one frame appended
+to the session's file (`open` with `O_APPEND`, one `write(2)`, `close`), done on the event loop before the turn
+is answered. The same rows in the store cost a hand-off to the store thread and back, a transaction, and the
+rows' deletion when the session closed: together ~8% of the buffer's CPU per proxied turn (`bench.proxy_pair`).
+A frame in the page cache when `kill -9` comes is in the file after it (as a committed SQLite transaction with
+`synchronous=NORMAL` is), and neither is proof against a power cut. A data dir on a slow network filesystem
+would stall the event loop on every turn; SQLite's WAL mode, which the store uses, does not work on one either.
 
 Frames: a little-endian u32 length and u32 CRC-32 of the body, then the body. A torn last frame (a crash in the
 middle of a write, or a full disk) fails its CRC or is short, and reading stops before it.
@@ -19,10 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 import struct
 import zlib
-from collections import OrderedDict
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -34,12 +29,8 @@ _SUFFIX = ".session"
 class SessionFiles:
     """The folder of open sessions' files. Every call raises OSError when the disk refuses it."""
 
-    def __init__(self, folder: Path, max_open: int | None = None):
+    def __init__(self, folder: Path):
         self.folder = folder
-        if max_open is None:
-            max_open = max(16, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
-        self.max_open = max_open
-        self._open: OrderedDict[str, int] = OrderedDict()  # session id -> fd of its file, least recently written first
 
     def _path(self, session_id: str) -> Path:
         if not session_id or "/" in session_id or session_id.startswith("."):
@@ -49,7 +40,6 @@ class SessionFiles:
     def create(self, session_id: str, body: bytes) -> None:
         """Start the session's file with its first frame (an existing file of that id is replaced)."""
         path = self._path(session_id)
-        self._forget(session_id)
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC
         try:
             fd = os.open(path, flags, 0o600)
@@ -60,12 +50,11 @@ class SessionFiles:
 
     def append(self, session_id: str, body: bytes) -> None:
         """Add a frame to the session's file (FileNotFoundError when it has none)."""
-        fd = self._open.pop(session_id, None)
-        if fd is None:
-            fd = os.open(self._path(session_id), os.O_WRONLY | os.O_APPEND)
-        self._write(session_id, fd, body)
+        self._write(session_id, os.open(self._path(session_id), os.O_WRONLY | os.O_APPEND), body)
 
-    def _write(self, session_id: str, fd: int, body: bytes) -> None:
+    @staticmethod
+    def _write(session_id: str, fd: int, body: bytes) -> None:
+        """Write one frame to `fd` and close it."""
         frame = _HEAD.pack(len(body), zlib.crc32(body)) + body
         try:
             written = os.write(fd, frame)
@@ -73,22 +62,8 @@ class SessionFiles:
                 size = os.fstat(fd).st_size
                 os.ftruncate(fd, size - written)
                 raise OSError(f"session {session_id}: only {written} of {len(frame)} bytes written")
-        except BaseException:
+        finally:
             os.close(fd)
-            raise
-        self._open[session_id] = fd
-        while len(self._open) > self.max_open:
-            os.close(self._open.popitem(last=False)[1])
-
-    def _forget(self, session_id: str) -> None:
-        fd = self._open.pop(session_id, None)
-        if fd is not None:
-            os.close(fd)
-
-    def close(self) -> None:
-        """Close the files kept open (they stay on disk)."""
-        while self._open:
-            os.close(self._open.popitem()[1])
 
     def has(self, session_id: str) -> bool:
         """True when the session has a file."""
@@ -96,9 +71,7 @@ class SessionFiles:
 
     def remove(self, session_id: str) -> None:
         """Forget the session (no error when it has no file)."""
-        path = self._path(session_id)
-        self._forget(session_id)
-        path.unlink(missing_ok=True)
+        self._path(session_id).unlink(missing_ok=True)
 
     def load(self) -> list[tuple[str, list[bytes]]]:
         """Every session's id and frames, by id."""

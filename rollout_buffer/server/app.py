@@ -31,7 +31,7 @@ from rollout_buffer.generation.executor import Executor, LocalExecutor
 from rollout_buffer.generation.inputs import InputFileError, confined_path, resolve_input_path, validate_file
 from rollout_buffer.generation.options import check_engine_options
 from rollout_buffer.generation.plugins import discover
-from rollout_buffer.generation.runner import RunManager, reads_input
+from rollout_buffer.generation.run_manager import RunManager, reads_input
 from rollout_buffer.observability import metrics
 from rollout_buffer.observability.logs import RefusalLog
 from rollout_buffer.proxy.manager import SessionManager

@@ -27,7 +27,7 @@ from fastapi.responses import Response
 from pydantic import TypeAdapter
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from rollout_buffer.generation.runner import RunManager
+from rollout_buffer.generation.run_manager import RunManager
 from rollout_buffer.observability import logs, metrics
 from rollout_buffer.proxy.adapter import StreamState, WireAdapter
 from rollout_buffer.proxy.anthropic_messages import AnthropicMessagesAdapter
@@ -63,7 +63,8 @@ def mount_proxy(app: FastAPI) -> None:
     """Add the agent-session routes to `app`; `app.state.sessions` (a SessionManager) serves them."""
 
     def manager(request: Request) -> SessionManager:
-        return request.app.state.sessions
+        sessions: SessionManager = request.app.state.sessions  # Starlette's State holds Any
+        return sessions
 
     @app.exception_handler(SessionError)
     async def _refused(_: Request, exc: SessionError) -> Response:

@@ -18,7 +18,7 @@ from typing import Any
 from starlette.applications import Starlette
 
 from rollout_buffer.delivery.buffer import RolloutBuffer
-from rollout_buffer.generation.runner import RunManager
+from rollout_buffer.generation.run_manager import RunManager
 from rollout_buffer.observability import metrics
 
 log = logging.getLogger(__name__)

@@ -39,7 +39,8 @@ def mount_ui(app: FastAPI) -> None:
     """Add the dashboard's page, assets and read-only API to `app` (reads through `app.state.reader`)."""
 
     def reader(request: Request) -> Reader:
-        return request.app.state.reader
+        app_reader: Reader = request.app.state.reader  # Starlette's State holds Any
+        return app_reader
 
     # Slightly younger than the stream's interval, so each stream still gets a fresh body every tick.
     app.state.shared_status = SharedStatus(max_age_s=SNAPSHOT_INTERVAL_S * 0.8)

@@ -12,7 +12,7 @@ from starlette.applications import Starlette
 
 from rollout_buffer.delivery.buffer import RolloutBuffer
 from rollout_buffer.generation.evaluation import EvalManager
-from rollout_buffer.generation.runner import RunManager
+from rollout_buffer.generation.run_manager import RunManager
 
 
 async def run_control(app: Starlette, run_id: str | None) -> dict[str, Any] | None:

@@ -100,7 +100,7 @@ from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from jinja2 import TemplateError
@@ -453,7 +453,10 @@ def find_printable_text(text: str) -> str:
     return text[: text.rfind(" ") + 1]
 
 
-def trim_matched_stop(output: Any, finish: dict[str, Any] | None, no_stop_trim: bool) -> Any:
+_TextOrIds = TypeVar("_TextOrIds", str, list[int])  # a request's text, or its ids
+
+
+def trim_matched_stop(output: _TextOrIds, finish: dict[str, Any] | None, no_stop_trim: bool) -> _TextOrIds:
     """`DetokenizerManager.trim_matched_stop`: cut a matched stop string from text, a matched stop token from ids."""
     matched = finish.get("matched") if finish else None
     if not matched:
@@ -486,9 +489,9 @@ class Detokenizer:
         """The text a batch carrying `new_ids` sends to the tokenizer manager (`finish` on the last)."""
         self.decode_ids.extend(new_ids)
         read_ids = trim_matched_stop(self.decode_ids[self.surr_offset :], finish, self.no_stop_trim)
-        surr_text = self.tokenizer.decode(self.decode_ids[self.surr_offset : self.read_offset],
-                                          skip_special_tokens=self.skip)
-        new_text = self.tokenizer.decode(read_ids, skip_special_tokens=self.skip)[len(surr_text) :]
+        surr_text: str = self.tokenizer.decode(self.decode_ids[self.surr_offset : self.read_offset],
+                                               skip_special_tokens=self.skip)
+        new_text: str = self.tokenizer.decode(read_ids, skip_special_tokens=self.skip)[len(surr_text) :]
         if finish is None:
             pending = self.sent_offset - len(self.decoded_text)
             if new_text and not new_text.endswith("\ufffd"):

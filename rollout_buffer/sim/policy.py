@@ -336,7 +336,7 @@ def _offers_tool(text: str, name: str) -> bool:
 
 def reported_value(result: str) -> str | None:
     """The value an actor's report gives: its last `\\boxed{}`, else what follows 'answer is'."""
-    boxed = _BOXED.findall(result)
+    boxed: list[str] = _BOXED.findall(result)  # one group: its text per match
     if boxed:
         return boxed[-1].strip()
     explicit = _EXPLICIT_ANSWER.search(result)

@@ -28,7 +28,7 @@ from rollout_buffer.observability.logs import ACCESS_LOG_MODES, setup_logging
 from rollout_buffer.tools import demo
 
 
-def _serve_parser(sub: argparse._SubParsersAction) -> None:
+def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "serve", help="run the rollout buffer HTTP server", formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n"

@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]  # (host, port) of an AF_INET socket
+        return port
 
 
 def bundled_dataset(task: str) -> Path:
@@ -220,7 +221,7 @@ def print_result(result: DemoResult, console: Console) -> None:
     console.print(table)
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register `rollout-buffer demo`."""
     p = sub.add_parser(
         "demo", help="run a whole rollout locally on a simulated engine (no GPU)",

@@ -46,7 +46,8 @@ def fetch_status(client: httpx.Client, url: str) -> dict[str, Any]:
         raise StatusError(f"{url} wants a bearer token: pass --token or set {AUTH_TOKEN_ENV}")
     if resp.status_code != 200:
         raise StatusError(f"{url}/status answered {resp.status_code}: {resp.text[:300]}")
-    return resp.json()
+    status: dict[str, Any] = resp.json()  # the buffer's /status is a JSON object
+    return status
 
 
 def _duration(seconds: float) -> str:

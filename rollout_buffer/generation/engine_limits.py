@@ -1,0 +1,113 @@
+"""What an engine URL takes: its context length and input limit (`EngineLimits`), asked of the engine (or of an
+sglang-router's first worker) by `probe_engine`, or learnt from SGLang's refusal of a request that does not fit
+(`overflow`).
+
+Apart from the client (`engine.EngineClient`), which fits every request to these limits: `/start_rollout`
+probes engines with it too, before a run starts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Any
+
+import httpx
+import orjson
+
+# Engine info: how long `probe_engine` waits for an engine's answer.
+PROBE_TIMEOUT_S = 10.0
+# SGLang's refusals of a request that does not fit (TokenizerManager._validate_one_request; the scheduler's
+# validate_input_length), with the numbers they carry. Input counts include speculative-decoding reserved tokens.
+_TOTAL_OVER = re.compile(
+    r"maximum context length of (\d+) tokens\. You requested a total of (\d+) tokens: (\d+) tokens"
+)
+_INPUT_OVER = re.compile(r"The input \((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)")
+_INPUT_LIMIT = re.compile(r"Input length \((\d+) tokens\) exceeds the maximum allowed length \((\d+) tokens\)")
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What one engine URL takes. SGLang refuses (HTTP 400) a prompt plus `max_new_tokens` over `context_length`
+    and a prompt of `max_input_tokens` or more (its scheduler's `max_req_input_len`); `router`: the URL is an
+    sglang-router, and the limits (when known) are those of its first worker."""
+
+    context_length: int | None = None
+    max_input_tokens: int | None = None
+    router: bool = False
+
+    def room(self, prompt_tokens: int) -> int | None:
+        """Output tokens that fit after a prompt of `prompt_tokens`; None when the context length is unknown."""
+        if self.max_input_tokens is not None and prompt_tokens >= self.max_input_tokens:
+            return 0
+        return None if self.context_length is None else max(0, self.context_length - prompt_tokens)
+
+
+def _positive(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+async def _get_json(http: httpx.AsyncClient, url: str) -> Any:
+    """The decoded JSON of a GET, None when it is not a 200 with JSON; transport failures raise httpx.HTTPError."""
+    response = await http.get(url)
+    if response.status_code != 200:
+        return None
+    try:
+        return orjson.loads(response.content)
+    except orjson.JSONDecodeError:
+        return None
+
+
+async def _engine_limits(http: httpx.AsyncClient, url: str, info: Any) -> EngineLimits:
+    """An SGLang engine's limits: `/v1/models` `max_model_len` (its model_config.context_len, what its length
+    check uses), else `/get_server_info` `context_length` (the --context-length flag, null when not given);
+    `max_req_input_len` from `/get_server_info` (the scheduler's, merged in there)."""
+    if not isinstance(info, dict):
+        info = {}
+    models = await _get_json(http, f"{url}/v1/models")
+    cards = models.get("data") if isinstance(models, dict) else None
+    card = cards[0] if isinstance(cards, list) and cards and isinstance(cards[0], dict) else {}
+    context = _positive(card.get("max_model_len")) or _positive(info.get("context_length"))
+    return EngineLimits(context, _positive(info.get("max_req_input_len")))
+
+
+async def probe_engine(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> EngineLimits | None:
+    """Ask an engine URL what it takes; None when it does not answer.
+
+    `/get_server_info` tells a router from an engine: sglang-router answers it itself with
+    `{"router_manager": true, ...}` (and serves its own `/v1/models`, without `max_model_len`), so behind a router
+    the limits are read from its first worker listed by `/workers`, when that worker answers this process.
+    """
+    url = url.rstrip("/")
+    async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as http:  # no proxies, as HttpPool
+        try:
+            info = await _get_json(http, f"{url}/get_server_info")
+            if not (isinstance(info, dict) and "router_manager" in info):
+                return await _engine_limits(http, url, info)
+        except httpx.HTTPError:
+            return None
+        try:
+            listed = await _get_json(http, f"{url}/workers")
+            workers = listed.get("workers") if isinstance(listed, dict) else None
+            worker = workers[0].get("url") if isinstance(workers, list) and workers else None
+            if isinstance(worker, str):
+                worker = worker.rstrip("/")
+                return replace(await _engine_limits(http, worker, await _get_json(http, f"{worker}/get_server_info")),
+                               router=True)
+        except (httpx.HTTPError, AttributeError):
+            pass
+        return EngineLimits(router=True)
+
+
+def overflow(reason: str, prompt_tokens: int) -> EngineLimits | None:
+    """The limits SGLang's context refusal `reason` tells of, for a prompt of `prompt_tokens`; None for another
+    refusal, or one whose numbers do not say the request overflows. The context length learnt is net of the tokens
+    the engine reserves (speculative decoding)."""
+    if (m := _TOTAL_OVER.search(reason)) and int(m[2]) > int(m[1]):
+        return EngineLimits(int(m[1]) - int(m[3]) + prompt_tokens)
+    if (m := _INPUT_OVER.search(reason)) and int(m[1]) >= int(m[2]):
+        return EngineLimits(int(m[2]) - int(m[1]) + prompt_tokens)
+    if (m := _INPUT_LIMIT.search(reason)) and int(m[1]) >= int(m[2]):
+        return EngineLimits(max_input_tokens=int(m[2]))
+    return None
+

@@ -1,0 +1,87 @@
+"""The exact-token record a conversation keeps beside its messages: the token ids with, per token, a loss mask
+and a log-prob; the weight versions seen and which version generated which span of output; and what a
+trajectory record carries of them (`record_fields`).
+
+The base of `conversation.Conversation`, which decides what is appended and where a branch cuts back (chat
+template renders, engine turns, marks and forks); this holds the arrays and keeps them in step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout_buffer.delivery.versions import mask_older_versions
+
+
+class TokenSequence:
+    """Token ids, loss mask and log-probs (one each per token), weight versions and their spans; set up by the
+    conversation (`Conversation._setup`). In chat mode (`token_mode` false) only weight versions are kept."""
+
+    token_mode: bool
+    token_ids: list[int]
+    loss_mask: list[int]
+    log_probs: list[float]
+    weight_versions: list[str]
+    # [start, end, weight_version] over token positions: which weights generated each stretch of output.
+    version_spans: list[list[Any]]
+    prompt_length: int
+    _log_probs_complete: bool  # every generated token came with its log-prob
+
+    def record_fields(self, mask_offpolicy: bool = False) -> dict[str, Any]:
+        """The exact-token fields of the trajectory record; `{}` in chat mode.
+
+        `loss_mask` covers every token; `rollout_log_probs` covers the response (0.0 on loss-0 tokens) and
+        is left out when some turn came without log-probs, rather than faked. `mask_offpolicy` sets loss 0
+        on tokens generated with an older weight version than the newest one of the conversation.
+        """
+        if not self.token_mode:
+            return {}
+        loss_mask = list(self.loss_mask)
+        if mask_offpolicy:
+            mask_older_versions(loss_mask, ((start, end, v) for start, end, v in self.version_spans))
+        fields: dict[str, Any] = {
+            "tokens": list(self.token_ids),
+            "loss_mask": loss_mask,
+            "response_length": len(self.token_ids) - self.prompt_length,
+            "weight_versions": list(self.weight_versions),
+        }
+        if self._log_probs_complete:
+            fields["rollout_log_probs"] = self.log_probs[self.prompt_length:]
+        return fields
+
+    def _append(self, ids: list[int] | tuple[int, ...], loss: int, log_probs: list[float] | None = None
+                ) -> None:
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([loss] * len(ids))
+        self.log_probs.extend(log_probs if log_probs is not None else [0.0] * len(ids))
+
+    def _truncate_to(self, n: int) -> None:
+        del self.token_ids[n:], self.loss_mask[n:], self.log_probs[n:]
+
+    def _add_version_spans(self, start: int, count: int, version: str | None,
+                           segments: list[tuple[int, str | None]] | None) -> None:
+        if not segments or sum(n for n, _ in segments) != count:
+            segments = [(count, version)]
+        for n, v in segments:
+            if n <= 0 and len(segments) > 1:
+                continue  # an answer without tokens (aborted at once) generated nothing with its weights
+            self._note_version(v)
+            if n <= 0:
+                continue
+            last = self.version_spans[-1] if self.version_spans else None
+            if last is not None and last[1] == start and last[2] == v:
+                last[1] = start + n
+            else:
+                self.version_spans.append([start, start + n, v])
+            start += n
+
+    def _note_version(self, version: str | None) -> None:
+        if version is not None and version not in self.weight_versions:
+            self.weight_versions.append(version)
+
+    def _spans_past(self, tokens: int) -> list[list[Any]]:
+        """Copies of the version spans that end past `tokens` (the last few: spans are in token order)."""
+        k = len(self.version_spans)
+        while k and self.version_spans[k - 1][1] > tokens:
+            k -= 1
+        return [list(s) for s in self.version_spans[k:]]
