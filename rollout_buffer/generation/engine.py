@@ -36,8 +36,8 @@ from rollout_buffer.generation.engine_results import (
     EngineError,
     EngineStats,
     GenerateResult,
+    GenerationProgress,
     GenerationStream,
-    Progress,
 )
 from rollout_buffer.generation.http_pool import HttpPool
 from rollout_buffer.generation.sglang_wire import (
@@ -299,7 +299,7 @@ class EngineClient:
         return first, events, url, attempts
 
     async def _stream_segment(self, payload: dict[str, Any], session_id: str, cursor: StreamCursor,
-                              progress: Progress) -> AsyncIterator[GenerateDelta]:
+                              progress: GenerationProgress) -> AsyncIterator[GenerateDelta]:
         """One streamed engine request: its deltas; `progress` gets its chunks. A stream broken after its first
         event ends the segment as an abort, to be resumed from the tokens it gave."""
         first, events, url, attempts = await self._open_stream(payload, session_id)
@@ -337,7 +337,7 @@ class EngineClient:
         at most `max_abort_resumes` times; output ids and log-probs are concatenated. If the engine still
         aborts, the result says `finish_reason="abort"`.
         """
-        progress = Progress()
+        progress = GenerationProgress()
         async for _ in self._generation(input_ids, sampling_params, session_id, return_logprob, progress, False):
             pass
         return progress.result()
@@ -351,12 +351,12 @@ class EngineClient:
         or a stream broken after some tokens is resumed from the tokens already streamed, which are kept.
         Leaving the iteration early (`aclose`) closes the engine request, which the engine then aborts.
         """
-        progress = Progress()
+        progress = GenerationProgress()
         deltas = self._generation(input_ids, sampling_params, session_id, return_logprob, progress, True)
         return GenerationStream(deltas, progress)
 
     async def _generation(self, input_ids: list[int], sampling_params: dict[str, Any], session_id: str,
-                          return_logprob: bool, progress: Progress, stream: bool
+                          return_logprob: bool, progress: GenerationProgress, stream: bool
                           ) -> AsyncGenerator[GenerateDelta, None]:
         """The engine requests of one generation, abort resumes included; streamed ones yield their deltas.
 

@@ -1,6 +1,6 @@
 """What the engine client hands back: a generation's result (`GenerateResult`, built up over its abort resumes
-by a `Progress`), a streamed generation (`GenerationStream`), a chat answer, the error of a call that failed for
-good, and the client's counters.
+by a `GenerationProgress`), a streamed generation (`GenerationStream`), a chat answer, the error of a call that
+failed for good, and the client's counters.
 
 Kept apart from the client (`engine.EngineClient`): these are what callers read and catch; how the client
 produces them (routing, retries, resumes) is there.
@@ -37,7 +37,7 @@ class GenerateResult:
 
 
 @dataclass
-class Progress:
+class GenerationProgress:
     """A generation over its engine requests (abort resumes): what they produced so far."""
 
     out_ids: list[int] = field(default_factory=list)
@@ -82,7 +82,7 @@ class Progress:
 class GenerationStream:
     """A streamed generation: an async iterator of `GenerateDelta`; `result` once it is exhausted."""
 
-    def __init__(self, deltas: AsyncGenerator[GenerateDelta, None], progress: Progress):
+    def __init__(self, deltas: AsyncGenerator[GenerateDelta, None], progress: GenerationProgress):
         self._deltas = deltas
         self._progress = progress
         self._done = False
