@@ -204,10 +204,13 @@ class RolloutBuffer:
                       agent_id=role_of({"extra_info": r.extra_info}), reward=r.reward)
             for r in records
         ]
+        policy = self.policy_for(run)
         with metrics.STORE_WRITE_SECONDS.time():
-            result = await self._records.write(run.run_id, run.group_size, items)
-            if result.complete:
-                result.finished = await self._finish(self.policy_for(run), result.complete)
+            # The built-in policy runs on the store thread between two commits; user hooks in a worker thread.
+            result = await self._records.write(run.run_id, run.group_size, items,
+                                               None if policy.has_hooks else policy.finalize)
+            if result.complete and policy.has_hooks:
+                result.finished = await self._finish(policy, result.complete)
         metrics.count_write(result.inserted_by_status, result.duplicates, [f.reason for f in result.finished])
         ledger = self._ledgers.get(run.run_id)
         if ledger is not None:

@@ -38,10 +38,15 @@ class GroupPolicy:
     transform_group: Callable[[list[Record]], list[Record]] | None = None
     hook_timeout_s: float = 60.0
 
+    @property
+    def has_hooks(self) -> bool:
+        """Whether the policy runs user code (`is_valid_group`, `transform_group`)."""
+        return self.is_valid_group is not None or self.transform_group is not None
+
     async def outcome(self, records: list[Record]) -> GroupOutcome:
         """`finalize` without blocking the event loop: with user hooks it runs in a worker thread, and a hook
         that does not return within `hook_timeout_s` drops the group (the thread is left to finish)."""
-        if self.is_valid_group is None and self.transform_group is None:
+        if not self.has_hooks:
             return self.finalize(records)  # the built-in policy: a few arithmetic steps per record
         try:
             return await asyncio.wait_for(asyncio.to_thread(self.finalize, records), self.hook_timeout_s)

@@ -1,23 +1,25 @@
 """Trajectory writes and group completion.
 
 A write stores records (duplicate uids ignored) and marks each group it fills `complete`, handing back its
-records. The group policy (filters, normalization, user hooks) then runs outside the store: a slow hook holds
-up its own group, never a commit. `finish` commits each outcome: the group is dropped with its reason, or
-its (possibly transformed) records are kept and it becomes ready on its streams. A group left `complete` by a
-crash in between is found again by `unfinished` at start-up.
+records. The group policy (filters, normalization, user hooks) then runs outside the write transaction: the
+built-in policy on the store thread right after the commit (`Records.write` with `finalize`), a policy with
+user hooks in a worker thread, so a slow hook holds up its own group, never a commit. Its outcome is committed
+next (`finish`, or the write's sequel): the group is dropped with its reason, or its (possibly transformed)
+records are kept and it becomes ready on its streams. A group left `complete` by a crash in between is found
+again by `unfinished` at start-up.
 """
 
 from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import orjson
 
 from rollout_buffer.delivery.groups import GroupKey, GroupOutcome, Record
-from rollout_buffer.delivery.store import Store
+from rollout_buffer.delivery.store import Store, WithSequel
 from rollout_buffer.delivery.streams import admit, role_of, summarize
 from rollout_buffer.delivery.versions import group_version_range
 
@@ -114,9 +116,9 @@ def _write(conn: sqlite3.Connection, run_id: str, group_size: int, items: list[N
         touched[key] = None
     # Completion is checked after the whole call so every record of a multi-agent episode is in its group.
     for key in touched:
-        completed = conn.execute(f"UPDATE groups SET state='complete', completed_at=? WHERE {_KEY} AND "
-                                 "state='open' AND n >= size", (now, *key)).rowcount
-        if completed:
+        n, size, state = conn.execute(f"SELECT n, size, state FROM groups WHERE {_KEY}", key).fetchone()
+        if state == "open" and n >= size:
+            conn.execute(f"UPDATE groups SET state='complete', completed_at=? WHERE {_KEY}", (now, *key))
             result.complete.append(CompleteGroup(key, _group_records(conn, key)))
     return result
 
@@ -159,10 +161,30 @@ class Records:
     def __init__(self, store: Store):
         self.store = store
 
-    async def write(self, run_id: str, group_size: int, records: Iterable[NewRecord]) -> WriteResult:
-        """Persist records (duplicate uids ignored); the groups they complete come back `complete`."""
+    async def write(self, run_id: str, group_size: int, records: Iterable[NewRecord],
+                    finalize: Callable[[list[Record]], GroupOutcome] | None = None) -> WriteResult:
+        """Persist records (duplicate uids ignored); the groups they complete come back `complete`. With
+        `finalize` (a group policy that runs no user code), the store thread runs it on each completed group
+        once the records are committed, outside any transaction, and commits the outcomes right after
+        (`finished`): the write is answered once its groups are ready or dropped, one commit later."""
         items = list(records)
-        return await self.store.call(lambda conn: _write(conn, run_id, group_size, items))
+
+        def first(conn: sqlite3.Connection) -> WriteResult:
+            return _write(conn, run_id, group_size, items)
+
+        def sequel(result: WriteResult) -> Callable[[sqlite3.Connection], WriteResult] | None:
+            if finalize is None or not result.complete:
+                return None
+            outcomes = [(group.key, finalize(group.records)) for group in result.complete]
+
+            def commit(conn: sqlite3.Connection) -> WriteResult:
+                result.finished = [f for key, outcome in outcomes if (f := _finish(conn, key, outcome)) is not None]
+                return result
+
+            return commit
+
+        result: WriteResult = await self.store.call(WithSequel(first, sequel))
+        return result
 
     async def finish(self, outcomes: list[tuple[GroupKey, GroupOutcome]]) -> list[Finished]:
         """Commit the outcomes of complete groups (one transaction); those finished already are left out."""

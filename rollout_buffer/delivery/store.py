@@ -46,6 +46,20 @@ class Statement:
         return conn.execute(self.sql, self.params).rowcount
 
 
+@dataclass(frozen=True)
+class WithSequel:
+    """An operation with a sequel: `first(conn)` runs in the batch's transaction; once that is committed,
+    `sequel(value)` runs outside any transaction (on the store thread) and may return a second operation, which
+    is committed in a transaction of its own right away. The waiter gets the second operation's value (the
+    first's when there is none, or when it failed: the first stays committed either way)."""
+
+    first: Callable[[sqlite3.Connection], Any]
+    sequel: Callable[[Any], Callable[[sqlite3.Connection], Any] | None]
+
+    def __call__(self, conn: sqlite3.Connection) -> Any:
+        return self.first(conn)
+
+
 class Store:
     """The SQLite store; every public coroutine runs on the store thread."""
 
@@ -143,7 +157,50 @@ class Store:
                     conn.execute("ROLLBACK")
             err = StoreError(f"store write failed: {e}")
             results = [(fut, None, err) for _, fut in batch]  # nothing of the transaction was kept
+        else:
+            self._run_sequels(conn, batch, results)
         self._resolve_all(results)
+
+    @staticmethod
+    def _run_sequels(conn: sqlite3.Connection, batch: list[_Op],
+                     results: list[tuple[asyncio.Future[Any] | None, Any, BaseException | None]]) -> None:
+        """The sequels of the committed batch's `WithSequel` operations, in one transaction of their own."""
+        sequels: list[tuple[int, Callable[[sqlite3.Connection], Any]]] = []
+        for i, ((fn, _), (_, value, exc)) in enumerate(zip(batch, results, strict=True)):
+            if isinstance(fn, WithSequel) and exc is None:
+                try:
+                    op = fn.sequel(value)
+                except Exception:
+                    log.exception("a store operation's sequel failed; its first part stays committed")
+                    continue
+                if op is not None:
+                    sequels.append((i, op))
+        if not sequels:
+            return
+        values: dict[int, Any] = {}
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for i, op in sequels:
+                conn.execute("SAVEPOINT op")
+                try:
+                    values[i] = op(conn)
+                except sqlite3.Error:
+                    raise
+                except Exception:
+                    conn.execute("ROLLBACK TO op")
+                    conn.execute("RELEASE op")
+                    log.exception("a store operation's sequel failed; its first part stays committed")
+                    continue
+                conn.execute("RELEASE op")
+            conn.execute("COMMIT")
+            for i, value in values.items():
+                results[i] = (results[i][0], value, None)
+        except sqlite3.Error as e:
+            log.error("store transaction of %d sequels failed (their first parts stay committed): %s",
+                      len(sequels), e)
+            if conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
 
     @staticmethod
     def _resolve_all(results: list[tuple[asyncio.Future[Any] | None, Any, BaseException | None]]) -> None:
