@@ -137,21 +137,20 @@ def _next_seq(conn: sqlite3.Connection) -> int:
 
 def _finish(conn: sqlite3.Connection, key: GroupKey, outcome: GroupOutcome) -> Finished | None:
     """Commit one complete group's outcome; None when it is not complete (finished already)."""
-    if conn.execute(f"SELECT 1 FROM groups WHERE {_KEY} AND state='complete'", key).fetchone() is None:
-        return None
     if outcome.reason is not None:
-        conn.execute(f"UPDATE groups SET state='filtered', reason=? WHERE {_KEY}", (outcome.reason, *key))
-        return Finished(key, outcome.reason)
-    by_uid = {r["uid"]: r for r in outcome.records}
-    for (uid,) in conn.execute(f"SELECT uid FROM trajectories WHERE {_KEY} ORDER BY rowid", key).fetchall():
-        rec = by_uid.get(uid)
-        if rec is not None:
-            # The role too: a `transform_group` hook may have changed it, and role streams select by it.
-            conn.execute("UPDATE trajectories SET record=?, summary=?, agent_id=? WHERE uid=?",
-                         (orjson.dumps(rec), summarize(rec), role_of(rec), uid))
-    seq = _next_seq(conn)
-    conn.execute(f"UPDATE groups SET state='ready', ready_seq=?, version_min=?, version_max=? WHERE {_KEY}",
-                 (seq, *group_version_range(outcome.records), *key))
+        dropped = conn.execute(f"UPDATE groups SET state='filtered', reason=? WHERE {_KEY} AND state='complete'",
+                               (outcome.reason, *key)).rowcount
+        return Finished(key, outcome.reason) if dropped else None
+    seq = _next_seq(conn)  # a sequence number left unused when the group was finished already is harmless
+    if not conn.execute(f"UPDATE groups SET state='ready', ready_seq=?, version_min=?, version_max=? "
+                        f"WHERE {_KEY} AND state='complete'",
+                        (seq, *group_version_range(outcome.records), *key)).rowcount:
+        return None
+    for rec in outcome.records:
+        # The role too: a `transform_group` hook may have changed it, and role streams select by it. A record
+        # a hook invented (a uid not of this group) changes nothing.
+        conn.execute(f"UPDATE trajectories SET record=?, summary=?, agent_id=? WHERE uid=? AND {_KEY}",
+                     (orjson.dumps(rec), summarize(rec), role_of(rec), rec["uid"], *key))
     return Finished(key, None, admit(conn, key, outcome.records, seq))
 
 
