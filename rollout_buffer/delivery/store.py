@@ -50,14 +50,26 @@ class Statement:
 class WithSequel:
     """An operation with a sequel: `first(conn)` runs in the batch's transaction; once that is committed,
     `sequel(value)` runs outside any transaction (on the store thread) and may return a second operation, which
-    is committed in a transaction of its own right away. The waiter gets the second operation's value (the
-    first's when there is none, or when it failed: the first stays committed either way)."""
+    opens the next batch (it starts at once, with whatever else is waiting). The waiter gets the second
+    operation's value (the first's when there is none, or when it failed: the first stays committed)."""
 
     first: Callable[[sqlite3.Connection], Any]
     sequel: Callable[[Any], Callable[[sqlite3.Connection], Any] | None]
 
     def __call__(self, conn: sqlite3.Connection) -> Any:
         return self.first(conn)
+
+
+@dataclass(frozen=True)
+class _Sequel:
+    """A `WithSequel` operation's second part, run in the batch after its first, with the first's value (what
+    its waiter gets should the second fail)."""
+
+    op: Callable[[sqlite3.Connection], Any]
+    first_value: Any
+
+    def __call__(self, conn: sqlite3.Connection) -> Any:
+        return self.op(conn)
 
 
 class Store:
@@ -98,24 +110,34 @@ class Store:
         loop.call_soon_threadsafe(ready.set_result, None)
         conn = self._conn
         stop = False
-        while not stop:
-            item = self._queue.get()
-            batch: list[_Op] = []
-            while item is not None:
-                batch.append(item)
-                if len(batch) >= 512:
-                    break
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-            else:
-                stop = True
+        carried: list[_Op] = []  # the last batch's sequels: they open the next batch, which starts at once
+        while True:
+            batch, carried = carried, []
+            if not stop:
+                stop = self._take_waiting(batch, block=not batch)
             if batch:
-                self._run_batch(conn, batch)
+                carried = self._run_batch(conn, batch)
+            elif stop:
+                break
         conn.close()
 
-    def _run_batch(self, conn: sqlite3.Connection, batch: list[_Op]) -> None:
+    def _take_waiting(self, batch: list[_Op], block: bool) -> bool:
+        """Add what is queued to `batch` (up to 512 operations; waiting for a first one when `block`); True once
+        the stop sentinel was taken."""
+        while len(batch) < 512:
+            try:
+                item = self._queue.get() if block else self._queue.get_nowait()
+            except queue.Empty:
+                return False
+            block = False
+            if item is None:
+                return True
+            batch.append(item)
+        return False
+
+    def _run_batch(self, conn: sqlite3.Connection, batch: list[_Op]) -> list[_Op]:
+        """Run `batch` in one transaction and answer its waiters; returns the sequels of its `WithSequel`
+        operations, whose waiters are answered once those commit (in the next batch)."""
         results: list[tuple[asyncio.Future[Any] | None, Any, BaseException | None]] = []
         if len(batch) == 1 and isinstance(batch[0][0], Statement):
             # Alone, one statement is its own transaction: one call into SQLite instead of five (each lets go
@@ -129,7 +151,7 @@ class Store:
             except Exception as e:  # parameters SQLite cannot bind: nothing was written
                 results.append((fut, None, e))
             self._resolve_all(results)
-            return
+            return []
         try:
             conn.execute("BEGIN IMMEDIATE")
             for fn, fut in batch:
@@ -144,7 +166,11 @@ class Store:
                     if savepoint:
                         conn.execute("ROLLBACK TO op")
                         conn.execute("RELEASE op")
-                    results.append((fut, None, e))
+                    if isinstance(fn, _Sequel):  # its first part stands: the waiter gets that part's value
+                        log.error("a store operation's sequel failed; its first part stays committed: %s", e)
+                        results.append((fut, fn.first_value, None))
+                    else:
+                        results.append((fut, None, e))
                     continue
                 if savepoint:
                     conn.execute("RELEASE op")
@@ -156,51 +182,33 @@ class Store:
                 with contextlib.suppress(sqlite3.Error):
                     conn.execute("ROLLBACK")
             err = StoreError(f"store write failed: {e}")
-            results = [(fut, None, err) for _, fut in batch]  # nothing of the transaction was kept
-        else:
-            self._run_sequels(conn, batch, results)
+            # Nothing of the transaction was kept; a sequel's first part, committed before, stands.
+            results = [(fut, fn.first_value, None) if isinstance(fn, _Sequel) else (fut, None, err)
+                       for fn, fut in batch]
+            self._resolve_all(results)
+            return []
+        carried = self._sequels(batch, results)
         self._resolve_all(results)
+        return carried
 
     @staticmethod
-    def _run_sequels(conn: sqlite3.Connection, batch: list[_Op],
-                     results: list[tuple[asyncio.Future[Any] | None, Any, BaseException | None]]) -> None:
-        """The sequels of the committed batch's `WithSequel` operations, in one transaction of their own."""
-        sequels: list[tuple[int, Callable[[sqlite3.Connection], Any]]] = []
-        for i, ((fn, _), (_, value, exc)) in enumerate(zip(batch, results, strict=True)):
-            if isinstance(fn, WithSequel) and exc is None:
-                try:
-                    op = fn.sequel(value)
-                except Exception:
-                    log.exception("a store operation's sequel failed; its first part stays committed")
-                    continue
-                if op is not None:
-                    sequels.append((i, op))
-        if not sequels:
-            return
-        values: dict[int, Any] = {}
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-            for i, op in sequels:
-                conn.execute("SAVEPOINT op")
-                try:
-                    values[i] = op(conn)
-                except sqlite3.Error:
-                    raise
-                except Exception:
-                    conn.execute("ROLLBACK TO op")
-                    conn.execute("RELEASE op")
-                    log.exception("a store operation's sequel failed; its first part stays committed")
-                    continue
-                conn.execute("RELEASE op")
-            conn.execute("COMMIT")
-            for i, value in values.items():
-                results[i] = (results[i][0], value, None)
-        except sqlite3.Error as e:
-            log.error("store transaction of %d sequels failed (their first parts stay committed): %s",
-                      len(sequels), e)
-            if conn.in_transaction:
-                with contextlib.suppress(sqlite3.Error):
-                    conn.execute("ROLLBACK")
+    def _sequels(batch: list[_Op], results: list[tuple[asyncio.Future[Any] | None, Any, BaseException | None]]
+                 ) -> list[_Op]:
+        """The sequels of the committed batch's `WithSequel` operations, each carrying its waiter (answered when
+        the sequel commits instead of now)."""
+        carried: list[_Op] = []
+        for i, ((fn, fut), (_, value, exc)) in enumerate(zip(batch, results, strict=True)):
+            if not isinstance(fn, WithSequel) or exc is not None:
+                continue
+            try:
+                op = fn.sequel(value)
+            except Exception:
+                log.exception("a store operation's sequel failed; its first part stays committed")
+                continue
+            if op is not None:
+                carried.append((_Sequel(op, value), fut))
+                results[i] = (None, value, None)
+        return carried
 
     @staticmethod
     def _resolve_all(results: list[tuple[asyncio.Future[Any] | None, Any, BaseException | None]]) -> None:
