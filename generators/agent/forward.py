@@ -13,8 +13,10 @@ connection to the Unix socket, and exits with the agent's exit code (128 + N whe
 from __future__ import annotations
 
 import argparse
+import ctypes
 import fcntl
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -64,6 +66,18 @@ def _accept(server: socket.socket, path: str) -> None:
         threading.Thread(target=_serve, args=(conn, path), daemon=True).start()
 
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def keep_dying_with_parent() -> None:
+    """Set the parent-death signal (SIGKILL) again: the kernel clears it when a process changes its user or
+    group, and the sandbox relies on it (`unshare --kill-child`) so that this process, the namespace's first,
+    and with it the agent die with the buffer even when the buffer is killed."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        print(f"cannot set the parent-death signal: {os.strerror(ctypes.get_errno())}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--socket", required=True)
@@ -82,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         os.setgid(args.gid)
     if args.uid is not None:
         os.setuid(args.uid)
+    if args.uid is not None or args.gid is not None:
+        keep_dying_with_parent()
     threading.Thread(target=_accept, args=(server, args.socket), daemon=True).start()
     try:
         code = subprocess.call(command)
