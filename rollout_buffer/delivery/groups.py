@@ -13,6 +13,7 @@ log = logging.getLogger(__name__)
 
 Record = dict[str, Any]
 GroupKey = tuple[str, str, int, int]  # run_id, instance_id, epoch, part: one group
+GROUP_KEY_SQL = "run_id=? AND instance_id=? AND epoch=? AND part=?"  # a `GroupKey` as SQL conditions
 
 # Standard deviations below this count as zero variance (all rewards equal).
 ZERO_VARIANCE_EPS = 1e-8

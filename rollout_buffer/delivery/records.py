@@ -18,12 +18,11 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from rollout_buffer.delivery.groups import GROUP_KEY_SQL as _KEY
 from rollout_buffer.delivery.groups import GroupKey, GroupOutcome, Record
 from rollout_buffer.delivery.store import Store, WithSequel
 from rollout_buffer.delivery.streams import admit, role_of, summarize
 from rollout_buffer.delivery.versions import group_version_range
-
-_KEY = "run_id=? AND instance_id=? AND epoch=? AND part=?"
 
 
 @dataclass

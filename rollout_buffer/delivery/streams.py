@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import orjson
 
+from rollout_buffer.delivery.groups import GROUP_KEY_SQL as _KEY
 from rollout_buffer.delivery.groups import GroupKey, Record
 from rollout_buffer.delivery.store import Store
 from rollout_buffer.delivery.versions import StalenessRule, TrainerVersion, group_version_range
@@ -29,7 +30,6 @@ DEFAULT_STREAM = ""  # every ready group, whole; a role is never "" (`role_of`)
 Order = Literal["oldest", "newest"]
 # Delivery order: by completion, oldest or most recent first.
 _ORDER_SQL = {"oldest": "ready_seq", "newest": "ready_seq DESC"}
-_KEY = "run_id=? AND instance_id=? AND epoch=? AND part=?"
 
 
 def role_of(record: Record) -> str | None:
