@@ -92,7 +92,8 @@ def test_every_ref_of_the_openapi_document_resolves(fuzzed: Fuzzed) -> None:
     # The bodies parsed by hand are documented too, by reference into the components.
     write = doc["paths"]["/buffer/write"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert "$defs" not in str(doc) and "TrajectoryRecord" in str(write)
-    assert {"/sessions/{session_id}/v1/chat/completions", "/sessions/{session_id}/v1/messages"} <= set(doc["paths"])
+    assert {f"/sessions/{{session_id}}/v1/{p}" for p in ("chat/completions", "responses", "messages")} <= set(
+        doc["paths"])
 
 
 def test_request_models_carry_examples(fuzzed: Fuzzed) -> None:

@@ -8,7 +8,8 @@ routing in the tree, generation) is the same for every protocol and lives in `se
 
 Streams follow the engine token by token: each reasoning or text piece the reply parser gives out becomes a
 delta at once, a tool call becomes the protocol's tool-call events once its block is whole. A `StreamState`
-per stream remembers what is open (Anthropic's content blocks, OpenAI's tool-call indexes).
+per stream remembers what is open (Anthropic's content blocks, OpenAI's tool-call indexes, the Responses API's
+output items and event numbers).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from rollout_buffer.proxy.messages import WireError
 from rollout_buffer.proxy.replies import Reply, ReplyPart
-from rollout_buffer.proxy.session import TurnRequest
+from rollout_buffer.proxy.session import Session, TurnRequest
 
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -34,6 +35,9 @@ class StreamState:
     open: str | None = None  # type of the content block still open (Anthropic)
     opened: set[str] = field(default_factory=set)  # types of the blocks opened so far (Anthropic)
     calls: int = 0  # tool calls sent
+    seq: int = 0  # the next event's sequence number (Responses)
+    items: list[dict[str, Any]] = field(default_factory=list)  # output items, the last one maybe still open (Responses)
+    item_open: bool = False  # the last of `items` is still being streamed (Responses)
 
 
 class WireAdapter:
@@ -49,7 +53,11 @@ class WireAdapter:
         """The non-streaming answer."""
         raise NotImplementedError
 
-    def stream_head(self, req: TurnRequest) -> list[bytes]:
+    def bind(self, req: TurnRequest, session: Session) -> None:
+        """Complete the request with what the session holds (a previous response's history); WireError if it
+        cannot be. Most protocols carry their whole history in each request and need nothing here."""
+
+    def stream_head(self, req: TurnRequest, state: StreamState) -> list[bytes]:
         """Events sent when the stream opens, before the reply exists."""
         raise NotImplementedError
 
@@ -69,7 +77,7 @@ class WireAdapter:
         """The protocol's error object."""
         raise NotImplementedError
 
-    def stream_error(self, err: WireError) -> bytes:
+    def stream_error(self, req: TurnRequest, err: WireError, state: StreamState) -> bytes:
         """An error inside an open stream."""
         raise NotImplementedError
 

@@ -1,11 +1,14 @@
 """Anthropic Messages (`POST {anthropic_base_url}/v1/messages`, `/v1/messages/count_tokens`, `GET /v1/models`).
 
 Requests: `system` (a string or text blocks), `messages` of user / assistant content (text, image as a
-placeholder, `tool_use`, `tool_result`, `thinking` ignored), custom `tools` with an `input_schema` (server tools
-such as `bash_…` cannot be rendered by a chat template and are refused), `tool_choice` (`none` turns parsing
-off), `max_tokens`, `temperature`, `top_p`, `top_k`, `stop_sequences`, `stream`. Replies: `thinking` (empty
-signature), `text` and `tool_use` blocks, `stop_reason` end_turn / max_tokens / stop_sequence / tool_use,
-`usage`. Streams: message_start, ping, content_block_start / _delta / _stop per block, message_delta,
+placeholder, `tool_use`, `tool_result`; `thinking` and `redacted_thinking` dropped, as the chat template drops
+earlier reasoning) and `system` messages anywhere among them (Claude Code's mid-conversation system messages,
+rendered where they stand), custom `tools` with an `input_schema` (server tools such as `bash_…` cannot be
+rendered by a chat template and are refused), `tool_choice` (`none` turns parsing off), `max_tokens`,
+`temperature`, `top_p`, `top_k`, `stop_sequences`, `stream`; other fields (`thinking`, `metadata`,
+`context_management`, `output_config`) and beta headers are accepted and change nothing. Replies: `thinking`
+(with an opaque signature), `text` and `tool_use` blocks, `stop_reason` end_turn / max_tokens / stop_sequence /
+tool_use, `usage`. Streams: message_start, ping, content_block_start / _delta / _stop per block, message_delta,
 message_stop. Errors: `{"type": "error", "error": {"type", "message"}}`, inside a stream an `error` event.
 """
 
@@ -59,7 +62,8 @@ class MessagesBody(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str = "policy"
-    messages: Annotated[list[dict[str, Any]], documented_messages(["user", "assistant"], *_ASSISTANT_BLOCKS)] = Field(
+    messages: Annotated[list[dict[str, Any]], documented_messages(["user", "assistant", "system"],
+                                                                         *_ASSISTANT_BLOCKS)] = Field(
         min_length=1)
     system: str | list[dict[str, Any]] | None = None
     tools: list[Any] | None = None
@@ -116,7 +120,7 @@ class AnthropicMessagesAdapter(WireAdapter):
                       "output_tokens": reply.completion_tokens if reply else 0},
         }
 
-    def stream_head(self, req: TurnRequest) -> list[bytes]:
+    def stream_head(self, req: TurnRequest, state: StreamState) -> list[bytes]:
         return [self.sse({"type": "message_start", "message": self._message(req, None)}, "message_start"),
                 self.stream_ping()]
 
@@ -173,8 +177,8 @@ class AnthropicMessagesAdapter(WireAdapter):
         if state.open is None:
             return []
         events = []
-        if state.open == "thinking":  # the SDKs expect a signature; a local model's thinking has none
-            events.append(self._delta(state, {"type": "signature_delta", "signature": ""}))
+        if state.open == "thinking":  # clients keep a thinking block only with its signature
+            events.append(self._delta(state, {"type": "signature_delta", "signature": _signature()}))
         events.append(self.sse({"type": "content_block_stop", "index": state.block}, "content_block_stop"))
         state.open = None
         return events
@@ -182,7 +186,7 @@ class AnthropicMessagesAdapter(WireAdapter):
     def error_body(self, err: WireError) -> dict[str, Any]:
         return {"type": "error", "error": {"type": _ERROR_TYPES[err.kind], "message": err.message}}
 
-    def stream_error(self, err: WireError) -> bytes:
+    def stream_error(self, req: TurnRequest, err: WireError, state: StreamState) -> bytes:
         return self.sse(self.error_body(err), "error")
 
     def models(self, name: str) -> dict[str, Any]:
@@ -197,8 +201,11 @@ def _messages(m: Any, i: int) -> list[dict[str, Any]]:
     if not isinstance(m, dict):
         raise WireError("invalid_request", f"{where}: a message must be an object", where)
     role, content = m.get("role"), m.get("content")
+    if role == "system":
+        return [{"role": "system", "content": text_of(content, f"{where}.content")}]
     if role not in ("user", "assistant"):
-        raise WireError("invalid_request", f"{where}.role: must be user or assistant, not {role!r}", f"{where}.role")
+        raise WireError("invalid_request", f"{where}.role: must be user, assistant or system, not {role!r}",
+                        f"{where}.role")
     blocks = content if isinstance(content, list) else [{"type": "text", "text": text_of(content, where)}]
     if role == "assistant":
         texts: list[str] = []
@@ -242,12 +249,18 @@ def _tool(t: Any, i: int) -> dict[str, Any]:
 def _blocks(reply: Reply) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
     if reply.reasoning:
-        blocks.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
+        blocks.append({"type": "thinking", "thinking": reply.reasoning, "signature": _signature()})
     if reply.text or not reply.calls:
         blocks.append({"type": "text", "text": reply.text})
     blocks.extend({"type": "tool_use", "id": _tool_use_id(c), "name": c.name, "input": c.arguments}
                   for c in reply.calls)
     return blocks
+
+
+def _signature() -> str:
+    """An opaque signature for a thinking block: clients send the block back with it, the proxy ignores both (the
+    session continues from its exact tokens)."""
+    return "rb_" + secrets.token_urlsafe(24)
 
 
 def _tool_use_id(call: ReplyCall) -> str:

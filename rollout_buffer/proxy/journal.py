@@ -27,7 +27,7 @@ import orjson
 from rollout_buffer.delivery.store import StoreError
 from rollout_buffer.generation.context import RolloutContext
 from rollout_buffer.generation.conversation import Conversation, ConversationTail, TurnMark
-from rollout_buffer.proxy.messages import MessageKey, assistant_message, message_key, tool_call, tools_key
+from rollout_buffer.proxy.messages import assistant_message, message_key, tool_call, tools_key
 from rollout_buffer.proxy.replies import Reply
 from rollout_buffer.proxy.session_files import SessionFiles
 from rollout_buffer.proxy.tree import Branch, Route, SessionTree
@@ -171,7 +171,10 @@ def replay(stored: StoredSession, ctx: RolloutContext, tree: SessionTree) -> flo
                                 floats.tolist(), meta["versions"], meta["spans"], meta["prompt_length"], mark)
         branch = _branch_for(meta, tail, ctx, tree)
         branch.keys.extend(message_key(m) for m in tail.new_messages[:-1])
-        branch.keys.append(_reply_key(meta["reply"]))
+        branch.messages.extend(tail.new_messages[:-1])
+        reply = _reply_message(meta["reply"])
+        branch.keys.append(message_key(reply))
+        branch.messages.append(reply)
         branch.marks.append(mark)
         branch.tool_calls += meta["tool_calls"]
         branch.ill_formed += meta["ill_formed"]
@@ -198,7 +201,7 @@ def _branch_for(meta: dict[str, Any], tail: ConversationTail, ctx: RolloutContex
         conv = parent.conv.fork(parent.marks[turns - 1])
         conv.extend_tail(tail)
         branch = Branch(conv, list(parent.keys[:tail.messages]), parent.tools_key, list(parent.marks[:turns]),
-                        turns, parent.id, meta["shared"])
+                        turns, parent.id, meta["shared"], messages=parent.messages[:tail.messages])
         parent.forked_at.add(turns)
     else:
         conv = Conversation.restored(tail, ctx.tokenizer, tools=meta["tools"],
@@ -210,9 +213,9 @@ def _branch_for(meta: dict[str, Any], tail: ConversationTail, ctx: RolloutContex
     return branch
 
 
-def _reply_key(reply: list[Any]) -> MessageKey:
+def _reply_message(reply: list[Any]) -> dict[str, Any]:
     text, calls = reply
-    return message_key(assistant_message(text, [tool_call(name, arguments) for name, arguments in calls]))
+    return assistant_message(text, [tool_call(name, arguments) for name, arguments in calls])
 
 
 def idle_since(last_at: float | None, created_at: float) -> float:

@@ -114,7 +114,7 @@ class OpenAIChatAdapter(WireAdapter):
             "system_fingerprint": None,
         }
 
-    def stream_head(self, req: TurnRequest) -> list[bytes]:
+    def stream_head(self, req: TurnRequest, state: StreamState) -> list[bytes]:
         # No content yet: a reply that only calls tools keeps `content: null`, as in the JSON answer.
         return [self.sse(_chunk(req, {"role": "assistant"}, None))]
 
@@ -144,14 +144,24 @@ class OpenAIChatAdapter(WireAdapter):
         return events
 
     def error_body(self, err: WireError) -> dict[str, Any]:
-        kind, code = _ERROR_TYPES[err.kind]
-        return {"error": {"message": err.message, "type": kind, "param": err.param, "code": code}}
+        return openai_error(err)
 
-    def stream_error(self, err: WireError) -> bytes:
+    def stream_error(self, req: TurnRequest, err: WireError, state: StreamState) -> bytes:
         return self.sse(self.error_body(err))
 
     def models(self, name: str) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "rollout-buffer"}]}
+        return openai_models(name)
+
+
+def openai_error(err: WireError) -> dict[str, Any]:
+    """OpenAI's error object (chat completions and responses alike)."""
+    kind, code = _ERROR_TYPES[err.kind]
+    return {"error": {"message": err.message, "type": kind, "param": err.param, "code": code}}
+
+
+def openai_models(name: str) -> dict[str, Any]:
+    """`GET /models` in OpenAI's shape: the one model a session serves."""
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "rollout-buffer"}]}
 
 
 def _message(m: Any, i: int) -> dict[str, Any]:

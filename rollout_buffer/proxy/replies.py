@@ -47,10 +47,13 @@ class Reply:
     ill_formed: bool = False
     call_errors: list[str] = field(default_factory=list)
 
+    def message(self) -> dict[str, Any]:
+        """This reply as a canonical assistant message (reasoning left out, as in every echoed history)."""
+        return assistant_message(self.text, [tool_call(c.name, c.arguments) for c in self.calls])
+
     def key(self) -> MessageKey:
         """The match key of this reply as the client will echo it."""
-        calls = [tool_call(c.name, c.arguments) for c in self.calls]
-        return message_key(assistant_message(self.text, calls))
+        return message_key(self.message())
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,20 @@ class TurnRequest:
     parse_tool_calls: bool = True  # False when the client asked for no tool calls (tool_choice none)
     response_id: str = ""  # the id of the answer, in the protocol's style
     created: int = field(default_factory=lambda: int(time.time()))
+    # Kept so a later request can continue from this turn by its response id (the Responses API's
+    # `previous_response_id`); `instructions` leading messages are this request's own, not carried over.
+    remember: bool = False
+    instructions: int = 0
+
+
+@dataclass(frozen=True)
+class ResponseRef:
+    """Where a remembered turn's answer stands in the tree, and the tool calls it made."""
+
+    branch: Branch
+    mark: TurnMark
+    instructions: int
+    call_ids: frozenset[str]
 
 
 @dataclass
@@ -116,6 +130,7 @@ class Session:
     # Persists committed turns (harness sessions, so they survive a restart); None: memory only.
     journal: Journal | None = None
     tree: SessionTree = field(default_factory=SessionTree)
+    responses: dict[str, ResponseRef] = field(default_factory=dict)
     state: str = "open"
     created_at: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.monotonic)
@@ -218,7 +233,7 @@ class Session:
             assert parent is not None
             conv = parent.conv.fork(parent.marks[route.turns - 1])
             branch = Branch(conv, keys[:route.start], tkey, list(parent.marks[:route.turns]), route.turns,
-                            parent.id, route.shared, busy=True)
+                            parent.id, route.shared, busy=True, messages=req.messages[:route.start])
             return _Pending(branch, route, True, None, req.messages[route.start:])
         conv = await _rendered(self.ctx.conversation(req.messages, tools=req.tools), req)
         parent_id = route.branch.id if route.branch is not None else None
@@ -272,7 +287,10 @@ class Session:
         branch = pending.branch
         keys_before = len(branch.keys)
         branch.keys.extend(keys[pending.route.start:])
-        branch.keys.append(reply.key())
+        branch.messages.extend(req.messages[pending.route.start:])
+        reply_message = reply.message()
+        branch.keys.append(message_key(reply_message))
+        branch.messages.append(reply_message)
         mark = branch.conv.mark()
         branch.marks.append(mark)
         branch.tool_calls += len(reply.calls)
@@ -284,6 +302,9 @@ class Session:
             if pending.route.kind == "fork" and pending.route.branch is not None:
                 pending.route.branch.forked_at.add(pending.route.turns)
         self.tree.touch(branch)
+        if req.remember:
+            self.responses[req.response_id] = ResponseRef(branch, mark, req.instructions,
+                                                          frozenset(c.id for c in reply.calls))
         self.last_active = time.monotonic()
         metrics.PROXY_TURNS.labels(req.protocol, pending.route.kind).inc()
         return TurnResult(reply, pending.route.kind, branch, mark, keys_before, pending.new)
@@ -306,6 +327,7 @@ class Session:
             branch.marks.pop()
             branch.conv.restore(branch.marks[-1])
             del branch.keys[result.keys_before:]
+            del branch.messages[result.keys_before:]
             branch.tool_calls -= len(result.reply.calls)
             branch.ill_formed -= result.reply.ill_formed
         if self.journal is not None and result.seq is not None:
@@ -315,6 +337,21 @@ class Session:
                 log.error("session %s: a turn taken back could not be written as such: %s", self.session_id, e)
         log.info("session %s: a turn the client did not receive was taken back", self.session_id)
         return True
+
+    def continued(self, response_id: str) -> tuple[list[dict[str, Any]], frozenset[str]]:
+        """The canonical messages a request naming `response_id` continues from (that turn's history and answer,
+        its request's instructions left out), and the ids of the tool calls that answer made. WireError naming
+        `previous_response_id` for a response this session did not give or took back."""
+        where = "previous_response_id"
+        ref = self.responses.get(response_id)
+        if ref is None:
+            raise WireError("invalid_request", f"{where}: no response {response_id!r} in this session", where)
+        branch = ref.branch
+        if (branch.id is None or self.tree.branches.get(branch.id) is not branch
+                or not any(m is ref.mark for m in reversed(branch.marks))):
+            raise WireError("invalid_request", f"{where}: response {response_id!r} was taken back (its client did "
+                            "not receive it whole)", where)
+        return branch.messages[ref.instructions:ref.mark.messages], ref.call_ids
 
     async def count_tokens(self, req: TurnRequest) -> int:
         """Tokens of the request's prompt as the chat template renders it (nothing is generated or kept)."""

@@ -39,6 +39,9 @@ class Branch:
     ill_formed: int = 0
     protocols: set[str] = field(default_factory=set)
     updated_at: float = field(default_factory=time.time)
+    # The canonical message behind each key: what a later request naming one of this branch's turns continues
+    # from (the Responses API's `previous_response_id`).
+    messages: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def own_turns(self) -> int:

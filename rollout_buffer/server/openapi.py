@@ -16,6 +16,7 @@ from fastapi.openapi.utils import get_openapi
 
 from rollout_buffer.proxy.anthropic_messages import MessagesBody
 from rollout_buffer.proxy.openai_chat import ChatBody
+from rollout_buffer.proxy.openai_responses import ResponsesBody
 from rollout_buffer.server.bodies import COMPONENTS
 
 _REF_PREFIX = "#/$defs/"
@@ -40,6 +41,7 @@ PROTOCOL_ERROR = {
 # (path, method) of a session endpoint -> (summary, request body schema or None)
 _SESSION_ENDPOINTS: dict[tuple[str, str], tuple[str, dict[str, Any] | None]] = {
     ("chat/completions", "post"): ("A turn of the session, OpenAI Chat Completions", ChatBody.model_json_schema()),
+    ("responses", "post"): ("A turn of the session, OpenAI Responses", ResponsesBody.model_json_schema()),
     ("messages", "post"): ("A turn of the session, Anthropic Messages", MessagesBody.model_json_schema()),
     ("messages/count_tokens", "post"): ("Anthropic's token count of a request", MessagesBody.model_json_schema()),
     ("models", "get"): ("The session's model (OpenAI's or Anthropic's list shape)", None),

@@ -34,6 +34,7 @@ from rollout_buffer.proxy.anthropic_messages import AnthropicMessagesAdapter
 from rollout_buffer.proxy.manager import SessionError, SessionManager
 from rollout_buffer.proxy.messages import WireError
 from rollout_buffer.proxy.openai_chat import OpenAIChatAdapter
+from rollout_buffer.proxy.openai_responses import OpenAIResponsesAdapter
 from rollout_buffer.proxy.replies import ReplyPart
 from rollout_buffer.proxy.session import Session, TurnRequest, TurnResult
 from rollout_buffer.schemas import (
@@ -53,6 +54,7 @@ DISCARD_BODY: TypeAdapter[DiscardSessionRequest] = TypeAdapter(DiscardSessionReq
 FINISH_BODY: TypeAdapter[FinishSessionRequest] = TypeAdapter(FinishSessionRequest)
 OPENAI = OpenAIChatAdapter()
 ANTHROPIC = AnthropicMessagesAdapter()
+RESPONSES = OpenAIResponsesAdapter()
 # A stream opens once the turn has taken this long (quick refusals still get a plain error response), then
 # sends a keep-alive at this interval while the turn is generated.
 STREAM_OPEN_AFTER_S = 0.25
@@ -134,7 +136,9 @@ def mount_proxy(app: FastAPI) -> None:
     async def list_sessions(request: Request, run_id: str | None = None) -> Response:
         return json_response({"sessions": manager(request).list(run_id)})
 
-    @app.get("/sessions/{session_id}", summary="One session: state and branch tree (open or recently closed)")
+    # HEAD too: Claude Code probes its base URL (a session's `anthropic_base_url`) before its first request.
+    @app.api_route("/sessions/{session_id}", methods=["GET", "HEAD"],
+                   summary="One session: state and branch tree (open or recently closed)")
     async def session_view(session_id: str, request: Request) -> Response:
         view = manager(request).view(session_id)
         if view is None:
@@ -183,6 +187,8 @@ def _adapter_of(endpoint: str, scope: Scope) -> WireAdapter:
     client's: Anthropic's clients send `anthropic-version`."""
     if endpoint.startswith("messages"):
         return ANTHROPIC
+    if endpoint == "responses":
+        return RESPONSES
     if endpoint != "chat/completions" and any(name == b"anthropic-version" for name, _ in scope["headers"]):
         return ANTHROPIC
     return OPENAI
@@ -216,6 +222,7 @@ def _session(scope: Scope, sessions: SessionManager, guards: Guards, session_id:
 
 async def _turn(request: Request, session: Session, adapter: WireAdapter) -> Response:
     req = adapter.parse(_json(await request.body()))
+    adapter.bind(req, session)
     if req.stream:
         return TurnStream(session, adapter, req)
     task = session.start_turn(req)
@@ -313,7 +320,7 @@ class TurnStream(Response):
                 if not opened:
                     await self._open(send)
                     opened = True
-                    events = self.adapter.stream_head(self.req)
+                    events = self.adapter.stream_head(self.req, state)
                 else:
                     events = [] if parts else [self.adapter.stream_ping()]
                 for event in [*events, *self.adapter.stream_parts(self.req, parts, state)]:
@@ -326,12 +333,12 @@ class TurnStream(Response):
                 if not opened:
                     await json_response(self.adapter.error_body(e), e.status)(scope, receive, send)
                     return
-                await self._body(send, self.adapter.stream_error(e))
+                await self._body(send, self.adapter.stream_error(self.req, e, state))
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
             if not opened:
                 await self._open(send)
-                for event in self.adapter.stream_head(self.req):
+                for event in self.adapter.stream_head(self.req, state):
                     await self._body(send, event)
             for event in self.adapter.stream_end(self.req, result.reply, state):
                 await self._body(send, event)
@@ -363,6 +370,7 @@ SessionEndpoint = Callable[[Request, Session], Awaitable[Response]]
 # (what follows `/sessions/{session_id}/v1/`) -> (method, endpoint)
 SESSION_API: dict[str, tuple[str, SessionEndpoint]] = {
     "chat/completions": ("POST", functools.partial(_turn, adapter=OPENAI)),
+    "responses": ("POST", functools.partial(_turn, adapter=RESPONSES)),
     "messages": ("POST", functools.partial(_turn, adapter=ANTHROPIC)),
     "messages/count_tokens": ("POST", _count_tokens),
     "models": ("GET", _models),

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 
+from rollout_buffer.sim.shell_agent import shell_reply, shell_tool
+
 _WRONG_OFFSETS = (-3, -2, -1, 1, 2, 3)
 _MAX_EXPR_CHARS = 200
 
@@ -466,6 +468,7 @@ def _guess_reply(text: str, draw: Draw) -> str:
 
 
 POLICIES: tuple[Policy, ...] = (
+    Policy("shell", lambda text: shell_tool(text) is not None, lambda text, _draw: shell_reply(text)),
     Policy("planner", lambda text: PLANNER_MARKER in system_turn(text), _planner_reply),
     Policy("actor", lambda text: ACTOR_MARKER in system_turn(text), _actor_reply),
     Policy("parallel_tool_call", _wants_parallel_calls, _parallel_tool_call_reply),
