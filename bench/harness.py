@@ -92,11 +92,12 @@ class Service:
         self.stop()
 
 
-def sim_engine(workdir: Path, latency_ms: float, seed: int = 0) -> Service:
-    """`rollout-buffer sim-engine` with the bundled Qwen3 tokenizer and the given per-request latency."""
+def sim_engine(workdir: Path, latency_ms: float, seed: int = 0, *extra: str) -> Service:
+    """`rollout-buffer sim-engine` with the bundled Qwen3 tokenizer, the given per-request latency and `extra`
+    arguments."""
     port = free_port()
     args = ["sim-engine", "--port", str(port), "--tokenizer", bundled_tokenizer_path(), "--latency-ms",
-            str(latency_ms), "--correct-rate", "0.5", "--seed", str(seed)]
+            str(latency_ms), "--correct-rate", "0.5", "--seed", str(seed), *extra]
     return Service("rollout_buffer", args, port, "/health", workdir / f"sim-{port}.log")
 
 

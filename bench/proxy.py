@@ -18,6 +18,7 @@ shows how many cores the machine kept busy and the engine's CPU per request.
 
     python -m bench.proxy                                  # 256 sessions, 1000 ms engine latency
     python -m bench.proxy --sessions 64 --latency-ms 200 --window-s 10
+    python -m bench.proxy --long-session     # CPU per turn against context length (bench/long_session.py)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -38,7 +40,7 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from bench import profiler
+from bench import long_session, profiler
 from bench.harness import MachineCpu, Meter, Service, rollout_buffer, sim_engine
 from rollout_buffer.generation.tokenizer import bundled_tokenizer_path
 
@@ -206,7 +208,12 @@ def warmup_s(given: float | None, latency_ms: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
+    if "--long-session" in (sys.argv[1:] if argv is None else argv):
+        long_session.main(argv)
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--long-session", action="store_true",
+                        help="CPU per turn against context length instead (bench/long_session.py, its own options)")
     parser.add_argument("--sessions", type=int, default=256)
     parser.add_argument("--latency-ms", type=float, default=1000.0)
     parser.add_argument("--turns", type=int, default=8, help="model turns per session (episode)")

@@ -44,6 +44,7 @@ from rollout_buffer.generation.sglang_wire import (
     DONE,
     AttemptError,
     GenerateDelta,
+    PromptIds,
     StreamCursor,
     chat_params,
     error_text,
@@ -372,11 +373,11 @@ class EngineClient:
         refusals = 0
         fitted = False
         while True:
-            prompt = [*input_ids, *progress.out_ids]
+            prompt_length = len(input_ids) + len(progress.out_ids)
             if len(self._limits) < len(self.urls):
                 await self._probe_all()
             progress.url = self._pick(session_id, set())
-            room = self._limits.get(progress.url, _UNKNOWN).room(len(prompt))
+            room = self._limits.get(progress.url, _UNKNOWN).room(prompt_length)
             want = None if budget is None else budget - len(progress.out_ids)
             if room == 0:
                 progress.finish, progress.context_full = "length", not progress.out_ids
@@ -387,7 +388,9 @@ class EngineClient:
                 self.stats.clamped += 1
             if want is not None:
                 params["max_new_tokens"] = want
-            payload = {"input_ids": prompt, "sampling_params": params, "return_logprob": return_logprob}
+            ids: Any = (input_ids.payload(progress.out_ids) if isinstance(input_ids, PromptIds)
+                        else [*input_ids, *progress.out_ids])
+            payload = {"input_ids": ids, "sampling_params": params, "return_logprob": return_logprob}
             try:
                 if stream:
                     payload["stream"] = True
@@ -403,7 +406,7 @@ class EngineClient:
                     progress.end_segment(len(chunk.output_ids), chunk.text, chunk)
             except EngineError as e:
                 progress.attempts += e.attempts
-                if fitted or e.status != 400 or not self._fit(e.url, e.reason, len(prompt), want):
+                if fitted or e.status != 400 or not self._fit(e.url, e.reason, prompt_length, want):
                     raise
                 fitted = True
                 continue
@@ -412,7 +415,7 @@ class EngineClient:
                 progress.refusal = None
                 kind = "http_5xx" if status >= 500 else "http_4xx" if status in _RETRYABLE_4XX else "refused"
                 self._count_error(AttemptError(kind, message, status))
-                if kind == "refused" and not fitted and self._fit(progress.url, message, len(prompt), want):
+                if kind == "refused" and not fitted and self._fit(progress.url, message, prompt_length, want):
                     fitted = True
                     continue
                 if kind == "refused" or refusals >= self.max_retries:

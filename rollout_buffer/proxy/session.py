@@ -188,7 +188,7 @@ class Session:
         try:
             if pending.remainder:
                 await _rendered(conv.aadd_context(pending.remainder), req)
-            prompt_tokens = len(conv.generation_ids())
+            prompt_tokens = conv.generation_length()
             overrides = self._sampling(req, prompt_tokens)
             before = len(conv.token_ids)
             finish = await self.ctx.generate(conv, on_delta=on_delta if sink is not None else None, **overrides)

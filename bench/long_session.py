@@ -1,0 +1,179 @@
+"""Long sessions: the buffer's CPU for a turn against the context a coding agent resends with it.
+
+Coding agents resend their whole history every turn. `--sessions` sessions advance in lockstep, one request at a
+time, each turn resending everything plus a tool output of about `--new-tokens` tokens, until the context holds
+`--context-tokens`. For every turn the buffer's CPU is read from the scheduler's per-thread counters
+(`/proc/PID/task/*/schedstat`, nanoseconds) before and after the request, so it is that turn's alone; beside it,
+the CPU this process spends tokenizing the turn's new text with the same tokenizer: the floor any exact-token
+proxy pays. A turn's CPU should follow its new tokens, not its context: the late turns' ratio to that floor
+should equal the early turns'.
+
+    python -m bench.proxy --long-session                                  # chat completions, to 128k tokens
+    python -m bench.proxy --long-session --protocol responses --context-tokens 65536
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from bench.harness import Service, rollout_buffer, sim_engine
+from rollout_buffer.generation.tokenizer import bundled_tokenizer_path, load_tokenizer
+
+console = Console(width=200)
+REPLY_TOKENS = 256
+
+
+@dataclass
+class Turn:
+    """One measured turn."""
+
+    context_tokens: int
+    new_tokens: int
+    buffer_ms: float
+    tokenize_ms: float
+
+
+def buffer_cpu_ns(pid: int) -> int:
+    """CPU time of every thread of `pid` so far, in nanoseconds (threads that ended are not counted: the buffer's
+    threads live as long as it does)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def tool_output(turn: int, tokens: int, tokenizer: Any) -> str:
+    """A file listing of about `tokens` tokens, different every turn (as a tool's output would be)."""
+    lines: list[str] = []
+    while len(tokenizer.encode("\n".join(lines))) < tokens:
+        lines += [f"def handler_{turn}_{i}(request, retries={i % 7}):\n    return dispatch(request, {turn * 31 + i})"
+                  for i in range(len(lines), len(lines) + 16)]
+    return "\n".join(lines)
+
+
+class Protocol:
+    """How a history is sent and a reply read back in one wire format."""
+
+    def __init__(self, name: str, base_url: str, anthropic_base_url: str):
+        self.name, self.base_url, self.anthropic_base_url = name, base_url, anthropic_base_url
+        self.history: list[dict[str, Any]] = []
+
+    def add_user(self, text: str) -> None:
+        if self.name == "responses":
+            self.history.append({"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
+        else:
+            self.history.append({"role": "user", "content": text})
+
+    def request(self) -> tuple[str, dict[str, Any]]:
+        if self.name == "chat":
+            return f"{self.base_url}/chat/completions", {"model": "m", "messages": self.history,
+                                                         "max_tokens": REPLY_TOKENS}
+        if self.name == "responses":
+            return f"{self.base_url}/responses", {"model": "m", "input": self.history, "store": False,
+                                                  "max_output_tokens": REPLY_TOKENS}
+        return f"{self.anthropic_base_url}/v1/messages", {"model": "m", "messages": self.history,
+                                                          "max_tokens": REPLY_TOKENS}
+
+    def add_reply(self, answer: dict[str, Any]) -> None:
+        if self.name == "chat":
+            self.history.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
+        elif self.name == "responses":
+            self.history += [item for item in answer["output"] if item["type"] == "message"]
+        else:
+            self.history.append({"role": "assistant", "content": [
+                b for b in answer["content"] if b["type"] == "text"]})
+
+
+def run(buffer: Service, engine: Service, protocol: str, sessions: int, new_tokens: int, context_tokens: int
+        ) -> list[Turn]:
+    """The turns of `sessions` sessions grown to `context_tokens`, each measured."""
+    tokenizer = load_tokenizer(bundled_tokenizer_path())
+    httpx.post(f"{buffer.url}/start_rollout", timeout=60, json={
+        "task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": bundled_tokenizer_path(),
+        "num_repeat_per_sample": 1, "max_tokens": 2 * context_tokens, "session_ttl_s": 3600}).raise_for_status()
+    http = httpx.Client(timeout=120)
+    convs = []
+    for s in range(sessions):
+        opened = http.post(f"{buffer.url}/sessions", json={"instance_id": f"long-{s}"}).json()
+        conv = Protocol(protocol, opened["base_url"], opened["anthropic_base_url"])
+        conv.add_user("You are a coding agent. Read the files I show you and say what each does, briefly.")
+        convs.append(conv)
+    turns: list[Turn] = []
+    context = 0
+    turn = 0
+    while context < context_tokens:
+        text = tool_output(turn, new_tokens, tokenizer)
+        started = time.thread_time_ns()
+        new = len(tokenizer.encode(text))
+        tokenize_ms = (time.thread_time_ns() - started) / 1e6
+        for conv in convs:
+            conv.add_user(text)
+            url, body = conv.request()
+            before = buffer_cpu_ns(buffer.pid)
+            answer = http.post(url, json=body)
+            spent = buffer_cpu_ns(buffer.pid) - before
+            answer.raise_for_status()
+            reply = answer.json()
+            conv.add_reply(reply)
+            usage = reply["usage"]
+            context = usage.get("prompt_tokens", usage.get("input_tokens", 0))
+            turns.append(Turn(context, new, spent / 1e6, tokenize_ms))
+        turn += 1
+    return turns
+
+
+def report(turns: list[Turn], title: str) -> None:
+    """A table of the turns by context length (median of each bucket) and the summary line."""
+    table = Table(title=title)
+    for column in ("context tokens", "new tokens", "buffer CPU ms/turn", "tokenizing new tokens ms",
+                   "buffer / tokenizing"):
+        table.add_column(column, justify="right")
+    buckets: dict[int, list[Turn]] = {}
+    for t in turns:
+        buckets.setdefault(t.context_tokens // 16384, []).append(t)
+    for _, group in sorted(buckets.items()):
+        cpu = statistics.median(t.buffer_ms for t in group)
+        tok = statistics.median(t.tokenize_ms for t in group)
+        table.add_row(f"{min(t.context_tokens for t in group)}–{max(t.context_tokens for t in group)}",
+                      f"{statistics.median(t.new_tokens for t in group):.0f}", f"{cpu:.2f}", f"{tok:.2f}",
+                      f"{cpu / tok:.2f}")
+    console.print(table)
+    quarter = max(1, len(turns) // 4)
+    early, late = turns[:quarter], turns[-quarter:]
+    early_cpu = statistics.median(t.buffer_ms for t in early)
+    late_cpu = statistics.median(t.buffer_ms for t in late)
+    late_tok = statistics.median(t.tokenize_ms for t in late)
+    console.print(f"SUMMARY long session: late turns {late_cpu:.2f} ms buffer CPU at ~{late[-1].context_tokens} "
+                  f"tokens of context = {late_cpu / late_tok:.2f}x tokenizing their new tokens; "
+                  f"late / early turns {late_cpu / early_cpu:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--long-session", action="store_true", help="(how bench.proxy selects this mode)")
+    parser.add_argument("--protocol", choices=["chat", "responses", "anthropic"], default="chat")
+    parser.add_argument("--sessions", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=2000, help="tokens a turn adds (a tool's output)")
+    parser.add_argument("--context-tokens", type=int, default=131072)
+    parser.add_argument("--workdir", type=Path, default=None)
+    args = parser.parse_args(argv)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-long-session-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    engine_context = str(2 * args.context_tokens + 4096)
+    with sim_engine(workdir, 1.0, 0, "--context-length", engine_context) as engine, rollout_buffer(workdir) as buffer:
+        turns = run(buffer, engine, args.protocol, args.sessions, args.new_tokens, args.context_tokens)
+    report(turns, f"Long sessions ({args.protocol}): {args.sessions} sessions, ~{args.new_tokens} new tokens a turn, "
+                  f"to {args.context_tokens} tokens of context")
