@@ -3,6 +3,9 @@
 and Codex over the Responses endpoint, each running a shell command through its own tool. The records hold the
 engine's exact ids at loss 1, the tool output and the agent's scaffolding at loss 0, the harness's reward.
 
+The same agents run as an `agent_command` through the wrapper scripts of `generators/data/agents/` (`claude_code.sh`,
+`codex.sh`): sandboxed (the agent's user, an isolated network) over an input file, their answers scored.
+
 The programs are installed once at pinned versions into a cache folder (`ROLLOUT_BUFFER_NPM_AGENTS`, default
 `~/.cache/rollout-buffer/npm-agents`); the tests skip, saying why, where node or npm is missing."""
 
@@ -10,21 +13,29 @@ from __future__ import annotations
 
 import fcntl
 import os
+import pwd
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
-from servers import Server, session_host, sim_engine
+from runs import drain, wait_finished
+from servers import Server, free_port, running, session_host, sim_engine
 from test_proxy import assert_engine_tokens, decode_tail, finish, open_session, record, spans, view
+
+from generators.agent.sandbox import namespaces_work
 
 PACKAGES = {"codex": "@openai/codex@0.169.0", "claude": "@anthropic-ai/claude-code@2.1.197"}
 VERSIONS = {"codex": "codex-cli 0.169.0", "claude": "2.1.197 (Claude Code)"}
 TASK = "Run `ls` and tell me what it printed."
 MARKER_FILE = "marker-7f3a.txt"
+WRAPPERS = Path(__file__).resolve().parents[1] / "generators" / "data" / "agents"
+MARKER = "marker-42"
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +146,72 @@ env_key = "ROLLOUT_BUFFER_API_KEY"
     assert MARKER_FILE in out
     rec = check_record(buffer, engine, session)
     assert rec["extra_info"]["protocols"] == ["responses"]
+
+
+@pytest.fixture(scope="module")
+def wrappers() -> Iterator[Path]:
+    """The wrapper scripts in a folder anyone may read: run as `nobody`, they cannot reach a checkout under a
+    private folder (a `mktemp -d` clone, /root)."""
+    folder = Path(tempfile.mkdtemp(prefix="rb-wrappers-"))
+    try:
+        folder.chmod(0o755)
+        for name in ("claude_code.sh", "codex.sh"):
+            shutil.copy(WRAPPERS / name, folder / name)
+            (folder / name).chmod(0o755)
+        yield folder
+    finally:
+        shutil.rmtree(folder)
+
+
+@pytest.fixture(scope="module")
+def command_buffer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A buffer of its own: an agent_command run replaces the run the harness tests' buffer holds."""
+    tmp = tmp_path_factory.mktemp("coding-commands")
+    port = free_port()
+    with running(["serve", "--port", str(port), "--data-dir", str(tmp / "data")], "/healthz", port,
+                 tmp / "buffer.log") as srv:
+        yield srv
+
+
+def runnable_by_all(program: Path) -> bool:
+    """Whether every user may run `program`: the default install folder, under root's private HOME, is not."""
+    real = program.resolve()
+    return all(p.stat().st_mode & 0o001 for p in [real, *real.parents])
+
+
+@pytest.mark.parametrize(("wrapper", "program", "protocol"), [("claude_code.sh", "claude", "anthropic"),
+                                                              ("codex.sh", "codex", "responses")])
+def test_the_wrapper_scripts_run_the_cli_agents_as_an_agent_command(
+        npm_agents: Path, wrappers: Path, command_buffer: Server, engine: Server, tmp_path: Path,
+        qwen_tokenizer_path: str, wrapper: str, program: str, protocol: str) -> None:
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(b"".join(orjson.dumps({"instance_id": f"echo-{i}", "golden_answers": [MARKER],
+                                            "prompt": f"Run `echo {MARKER}` and tell me what it printed."}) + b"\n"
+                              for i in range(2)))
+    # The agents run as `nobody` when the tests run as root, unless the programs sit where nobody cannot run them.
+    user = None if runnable_by_all(npm_agents / program) else pwd.getpwuid(os.geteuid()).pw_name
+    started = httpx.post(f"{command_buffer.url}/start_rollout", timeout=60, json={
+        "task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": qwen_tokenizer_path,
+        "input_file": str(rows), "num_repeat_per_sample": 1, "max_tokens": 8192,
+        "agent_command": [str(wrappers / wrapper)], "agent_user": user,
+        "agent_env": {f"{program.upper()}_BIN": str(npm_agents / program)}})
+    assert started.status_code == 200, started.text
+    status = wait_finished(command_buffer.url, timeout_s=120)
+    assert status["run"]["progress"]["failed"] == 0, status["run"]["progress"]
+    records = drain(command_buffer.url)
+    assert sorted(r["instance_id"] for r in records) == ["echo-0", "echo-1"]
+    for rec in records:
+        info = rec["extra_info"]
+        assert rec["status"] == "completed" and info["protocols"] == [protocol]
+        assert info["answer"] == MARKER and rec["raw_reward"] == 1.0, "the answer is the wrapper's last line"
+        assert info["agent"]["exit_code"] == 0
+        if user is None and os.geteuid() == 0:
+            assert info["agent"]["user"] == "nobody"
+        if namespaces_work():
+            assert info["agent"]["network"] == "isolated"
+        trained = spans(rec["loss_mask"])
+        assert len(trained) == 2, "the tool call turn and the answer turn"
+        between = decode_tail(rec["tokens"][trained[0][1]:trained[1][0]])  # loss 0
+        assert MARKER in between.split("<tool_response>", 1)[1].split("</tool_response>", 1)[0], "the command ran"
+        assert "tokenization_mismatch" not in info
+        assert_engine_tokens(engine, rec)

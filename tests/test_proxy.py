@@ -197,6 +197,7 @@ def test_anthropic_client_tool_use(buffer: Server, engine: Server, use_async: bo
     uses = [b for b in reply.content if b.type == "tool_use"]
     assert [u.input for u in uses] == [{"expression": e} for e in RESULTS]
     assert [b.type for b in reply.content] == ["thinking", "tool_use", "tool_use"]
+    assert reply.content[0].signature, "clients send a thinking block back only with its signature"
     messages.append({"role": "assistant", "content": [b.model_dump() for b in reply.content]})
     messages.append({"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": u.id, "content": RESULTS[u.input["expression"]]} for u in uses]})

@@ -1,7 +1,8 @@
 """The Responses API of a session (`POST /sessions/{id}/v1/responses`) over real HTTP with the official `openai`
 client and the OpenAI Agents SDK's default model: tool round trips continued by `previous_response_id` and by a
-resent history, streams whose events their parsers take, a rewritten history, exact tokens in the records, OpenAI
-error objects for bad input, a client that hangs up, 256 sessions at once."""
+resent history, custom and namespace tools, streams whose events their parsers take, a rewritten history, exact
+tokens in the records, OpenAI error objects for bad input and for an engine failing mid-stream, a client that hangs
+up, 256 sessions at once."""
 
 from __future__ import annotations
 
@@ -137,6 +138,8 @@ def test_a_reply_cut_by_max_output_tokens_is_incomplete(buffer: Server) -> None:
     response = client_of(session).responses.create(model="m", input="What is 2 + 3?", max_output_tokens=3)
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
     assert response.usage.output_tokens == 3
+    with client_of(session).responses.stream(model="m", input="What is 2 + 3?", max_output_tokens=3) as events:
+        assert [e.type for e in events][-1] == "response.incomplete"
     finish(buffer.url, session, 0.0)
 
 
@@ -174,6 +177,46 @@ def test_bad_input_gets_openai_errors_naming_the_field(buffer: Server) -> None:
     assert [(b["turns"], b["messages"]) for b in view(buffer.url, session)["branches"]] == [(2, 4)]
     finish(buffer.url, session, 0.0)
     finish(buffer.url, other, 0.0)
+
+
+def test_custom_and_namespace_tools_come_back_as_their_own_calls(buffer: Server) -> None:
+    """A custom tool's call is a `custom_tool_call` (its input as text) answered by a `custom_tool_call_output`;
+    a namespace's tool is called by its own name, the call naming the namespace."""
+    session = open_session(buffer.url, "responses-custom")
+    client = client_of(session)
+    task = "What is 12 * 7 + 3? Use the calculator."
+    custom: list[Any] = [{"type": "custom", "name": "calculator", "description": "Evaluate arithmetic."}]
+    first = client.responses.create(model="m", input=task, tools=custom)
+    call = next(item for item in first.output if item.type == "custom_tool_call")
+    assert call.name == "calculator" and "12 * 7 + 3" in call.input
+    second = client.responses.create(model="m", previous_response_id=first.id, tools=custom, input=[
+        {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "87"}])
+    # The calculator's answer came back: the model answers (right or off, as the simulated engine draws it).
+    assert second.status == "completed" and "The answer is \\boxed{" in second.output_text
+    assert [(b["turns"], b["tool_calls"]) for b in view(buffer.url, session)["branches"]] == [(2, 1)]
+    finish(buffer.url, session, 1.0)
+
+    other = open_session(buffer.url, "responses-namespace")
+    namespace: list[Any] = [{"type": "namespace", "name": "math", "description": "Math tools.", "tools": TOOLS}]
+    called = client_of(other).responses.create(model="m", input=task, tools=namespace)
+    assert [(i.type, i.name, i.namespace) for i in called.output if i.type != "reasoning"] == [
+        ("function_call", "calculator", "math")]
+    finish(buffer.url, other, 0.0)
+
+
+def test_an_engine_failure_mid_stream_is_an_error_event_then_response_failed(buffer: Server, engine: Server) -> None:
+    session = open_session(buffer.url, "responses-engine-down")
+    # Failures past the engine client's 3 retries; their backoff outlasts the 0.25 s before a stream opens.
+    httpx.post(f"{engine.url}/sim/faults", json={"next": ["http_500"] * 4}, timeout=5).raise_for_status()
+    events: list[dict[str, Any]] = []
+    with httpx.stream("POST", f"{session['base_url']}/responses", timeout=30, json={
+            "model": "m", "input": "What is 2 + 3?", "stream": True}) as answer:
+        assert answer.status_code == 200
+        events = [json.loads(line.removeprefix("data: ")) for line in answer.iter_lines() if line.startswith("data: ")]
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "error", "response.failed"]
+    assert events[-1]["response"]["status"] == "failed" and events[-1]["response"]["error"]["message"]
+    assert view(buffer.url, session)["branches"] == [], "the failed turn left nothing"
+    finish(buffer.url, session, 0.0)
 
 
 def test_a_client_that_hangs_up_mid_stream_leaves_no_response(buffer: Server, engine: Server) -> None:
