@@ -67,8 +67,9 @@ def tool_output(turn: int, tokens: int, tokenizer: Any) -> str:
 class Protocol:
     """How a history is sent and a reply read back in one wire format."""
 
-    def __init__(self, name: str, base_url: str, anthropic_base_url: str):
-        self.name, self.base_url, self.anthropic_base_url = name, base_url, anthropic_base_url
+    def __init__(self, name: str, opened: dict[str, Any]):
+        self.name, self.session_id = name, opened["session_id"]
+        self.base_url, self.anthropic_base_url = opened["base_url"], opened["anthropic_base_url"]
         self.history: list[dict[str, Any]] = []
 
     def add_user(self, text: str) -> None:
@@ -108,7 +109,7 @@ def run(buffer: Service, engine: Service, protocol: str, sessions: int, new_toke
     convs = []
     for s in range(sessions):
         opened = http.post(f"{buffer.url}/sessions", json={"instance_id": f"long-{s}"}).json()
-        conv = Protocol(protocol, opened["base_url"], opened["anthropic_base_url"])
+        conv = Protocol(protocol, opened)
         conv.add_user("You are a coding agent. Read the files I show you and say what each does, briefly.")
         convs.append(conv)
     turns: list[Turn] = []
@@ -132,6 +133,10 @@ def run(buffer: Service, engine: Service, protocol: str, sessions: int, new_toke
             context = usage.get("prompt_tokens", usage.get("input_tokens", 0))
             turns.append(Turn(context, new, spent / 1e6, tokenize_ms))
         turn += 1
+    for conv in convs:  # a turn that did not continue its branch was rendered afresh: not what is measured
+        branches = http.get(f"{buffer.url}/sessions/{conv.session_id}").json()["branches"]
+        if [b["turns"] for b in branches] != [turn]:
+            raise SystemExit(f"session {conv.session_id} did not continue one branch: {branches}")
     return turns
 
 

@@ -84,6 +84,15 @@ def test_proxy_measures_agent_turns_against_the_engine_directly(tmp_path: Path) 
     assert re.search(r"│ direct +│ +\d", out) and re.search(r"│ proxy +│ +\d", out), out[-3000:]
 
 
+def test_proxy_long_session_measures_cpu_per_turn_against_context(tmp_path: Path) -> None:
+    out = run_bench("proxy", "--long-session", "--protocol", "responses", "--sessions", "1", "--new-tokens", "500",
+                    "--context-tokens", "4000", "--workdir", str(tmp_path))
+    line = summary_line(out)
+    found = re.search(rf"late turns {NUMBER} ms buffer CPU at ~{NUMBER} tokens of context = {NUMBER}x tokenizing",
+                      line)
+    assert found and float(found.group(1)) > 0 and float(found.group(2)) >= 4000, line
+
+
 def test_proxy_pair_measures_two_buffers_over_the_same_windows(tmp_path: Path) -> None:
     out = run_bench("proxy_pair", "--sessions", "4", "--latency-ms", "20", "--warmup-s", "4", "--window-s", "1",
                     "--rounds", "2", "--candidate-option", "session_journal=false", "--workdir", str(tmp_path))

@@ -101,8 +101,18 @@ def test_sessions_continue_after_kill_9_with_exact_tokens_and_branches(
     forked = tools_client.chat.completions.create(model="m", messages=[*messages, *edited], tools=OPENAI_TOOLS)
     before = view(srv.url, tree)["branches"]
     assert [(b["branch"], b["parent_branch"], b["turns"]) for b in before] == [(0, None, 2), (1, 0, 2)]
+    # A Responses session the client chains by `previous_response_id`.
+    chained = open_session(srv.url, "chained")
+    responses = openai.OpenAI(base_url=chained["base_url"], api_key=chained["api_key"]).responses
+    opening = responses.create(model="m", instructions="Be brief.", input="What is 2 + 3?")
 
     restart(srv)
+
+    after_restart = responses.create(model="m", instructions="Be brief.", input="And times 4?",
+                                     previous_response_id=opening.id)
+    assert after_restart.status == "completed"
+    assert [(b["turns"], b["messages"]) for b in view(srv.url, chained)["branches"]] == [(2, 5)]
+    assert_engine_tokens(engine, record(srv.url, finish(srv.url, chained, 1.0)["uids"][0]))
 
     assert view(srv.url, tree)["branches"] == before  # the same tree, token counts and all
     third = client.chat.completions.create(model="m", messages=chat)  # the same client, the same URL and key
@@ -131,7 +141,7 @@ def test_sessions_continue_after_kill_9_with_exact_tokens_and_branches(
         assert_engine_tokens(engine, r)
 
     delivered = {r["uid"] for r in drain(srv.url)}
-    assert delivered == {plain["uid"], *(r["uid"] for r in branch_records)}
+    assert delivered == {plain["uid"], chained["uid"], *(r["uid"] for r in branch_records)}
 
 
 def test_idle_time_counts_across_a_clean_restart_and_a_replaced_run_fails_its_sessions(
@@ -223,10 +233,10 @@ def test_the_journal_replays_every_branch_exactly_and_forgets_turns_taken_back(
         stored = load_sessions(files)
         assert [s.session_id for s in stored] == ["s-j"] and len(stored[0].turns) == 3
         tree = SessionTree()
-        replay(stored[0], ctx, tree)
+        replay(stored[0], ctx, tree, {})
         assert sorted(tree.branches) == [0, 1] and tree.latest is not None and tree.latest.id == 1
-        fields = ("keys", "tools_key", "marks", "own_from", "parent", "shared_messages", "forked_at", "tool_calls",
-                  "ill_formed", "protocols", "id")
+        fields = ("keys", "messages", "tools_key", "marks", "own_from", "parent", "shared_messages", "forked_at",
+                  "tool_calls", "ill_formed", "protocols", "id")
         conv_fields = ("messages", "tools", "token_ids", "loss_mask", "log_probs", "weight_versions", "version_spans",
                        "prompt_length", "truncated", "finish_reason")
         for i, branch in session.tree.branches.items():

@@ -30,7 +30,7 @@ from rollout_buffer.generation.conversation import Conversation, ConversationTai
 from rollout_buffer.proxy.messages import assistant_message, message_key, tool_call, tools_key
 from rollout_buffer.proxy.replies import Reply
 from rollout_buffer.proxy.session_files import SessionFiles
-from rollout_buffer.proxy.tree import Branch, Route, SessionTree
+from rollout_buffer.proxy.tree import Branch, ResponseRef, Route, SessionTree
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +77,11 @@ class Journal:
         """The session was opened: its first frame."""
         self._write(_SESSION + orjson.dumps([run_id, instance_id, uid, state]), first=True)
 
-    def turn(self, branch: Branch, route: Route, base: TurnMark | None, reply: Reply, protocol: str) -> int:
-        """`branch` just committed a turn routed by `route` (`base`: where a continued branch stood before it):
-        written; returns the frame's sequence number (which `undo` takes)."""
+    def turn(self, branch: Branch, route: Route, base: TurnMark | None, reply: Reply, protocol: str,
+             response: tuple[str, ResponseRef] | None = None) -> int:
+        """`branch` just committed a turn routed by `route` (`base`: where a continued branch stood before it),
+        answered as `response` when a later request may name it: written; returns the frame's sequence number
+        (which `undo` takes)."""
         if route.kind == "continue":
             assert base is not None
             start = (base.messages, base.tokens, base.weight_versions)
@@ -90,7 +92,7 @@ class Journal:
             start = (0, 0, 0)
         tail = branch.conv.tail(*start)
         m = tail.mark
-        meta = {
+        meta: dict[str, Any] = {
             "branch": branch.id, "route": route.kind, "parent": branch.parent, "fork_turns": branch.own_from,
             "shared": branch.shared_messages, "tools": branch.conv.tools if route.kind == "new" else None,
             "from": start,
@@ -102,6 +104,9 @@ class Journal:
             "tool_calls": len(reply.calls), "ill_formed": int(reply.ill_formed), "protocol": protocol,
             "at": branch.updated_at,
         }
+        if response is not None:
+            response_id, ref = response
+            meta["response"] = [response_id, ref.instructions, sorted(ref.call_ids)]
         parts = (orjson.dumps(meta), array(_IDS, tail.token_ids).tobytes(), bytes(tail.loss_mask),
                  array(_FLOATS, tail.log_probs).tobytes())
         return self._append_turn(parts)
@@ -155,9 +160,11 @@ def load_state(stored: StoredSession) -> dict[str, Any]:
     return state
 
 
-def replay(stored: StoredSession, ctx: RolloutContext, tree: SessionTree) -> float | None:
-    """Rebuild the branches of `tree` from a stored session's turns; returns the wall time of the last turn
-    (None when it had none). ValueError when the rows do not fit together."""
+def replay(stored: StoredSession, ctx: RolloutContext, tree: SessionTree, responses: dict[str, ResponseRef]
+           ) -> float | None:
+    """Rebuild the branches of `tree`, and the `responses` later requests may name, from a stored session's turns;
+    returns the wall time of the last turn (None when it had none). ValueError when the rows do not fit
+    together."""
     last_at: float | None = None
     for _seq, meta_blob, ids, mask, log_probs in stored.turns:
         meta = orjson.loads(meta_blob)
@@ -176,6 +183,9 @@ def replay(stored: StoredSession, ctx: RolloutContext, tree: SessionTree) -> flo
         branch.keys.append(message_key(reply))
         branch.messages.append(reply)
         branch.marks.append(mark)
+        if "response" in meta:
+            response_id, instructions, call_ids = meta["response"]
+            responses[response_id] = ResponseRef(branch, mark, instructions, frozenset(call_ids))
         branch.tool_calls += meta["tool_calls"]
         branch.ill_formed += meta["ill_formed"]
         branch.protocols.add(meta["protocol"])

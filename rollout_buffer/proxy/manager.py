@@ -40,7 +40,7 @@ from rollout_buffer.proxy.journal import Journal, StoredSession, idle_since, loa
 from rollout_buffer.proxy.messages import WireError
 from rollout_buffer.proxy.session import ProxyOptions, Session
 from rollout_buffer.proxy.session_files import SessionFiles
-from rollout_buffer.proxy.tree import SessionTree
+from rollout_buffer.proxy.tree import ResponseRef, SessionTree
 from rollout_buffer.schemas import TrajectoryRecord
 
 log = logging.getLogger(__name__)
@@ -345,10 +345,11 @@ class SessionManager:
         state = load_state(stored)
         ctx = RolloutContext(run.loaded_resources(), stored.instance_id, 0, state["repeat"], stored.uid)
         tree = SessionTree()
-        last_at = replay(stored, ctx, tree)
+        responses: dict[str, ResponseRef] = {}
+        last_at = replay(stored, ctx, tree, responses)
         session = self._register(ctx, "harness", state["public_url"], state["metadata"], run=run,
                                  session_id=stored.session_id, api_key=state["api_key"])
-        session.tree, session.created_at = tree, state["created_at"]
+        session.tree, session.responses, session.created_at = tree, responses, state["created_at"]
         session.last_active = idle_since(last_at, state["created_at"])
         next_seq = max((t[0] for t in stored.turns), default=-1) + 1
         session.journal = Journal(self.files, stored.session_id, next_seq)

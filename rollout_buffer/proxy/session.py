@@ -31,7 +31,7 @@ from rollout_buffer.observability import metrics
 from rollout_buffer.proxy.journal import Journal
 from rollout_buffer.proxy.messages import MessageKey, WireError, message_key, tools_key
 from rollout_buffer.proxy.replies import Reply, ReplyParser, ReplyPart
-from rollout_buffer.proxy.tree import Branch, Route, SessionTree
+from rollout_buffer.proxy.tree import Branch, ResponseRef, Route, SessionTree
 
 log = logging.getLogger(__name__)
 
@@ -77,15 +77,6 @@ class TurnRequest:
     remember: bool = False
     instructions: int = 0
 
-
-@dataclass(frozen=True)
-class ResponseRef:
-    """Where a remembered turn's answer stands in the tree, and the tool calls it made."""
-
-    branch: Branch
-    mark: TurnMark
-    instructions: int
-    call_ids: frozenset[str]
 
 
 @dataclass
@@ -218,7 +209,9 @@ class Session:
         the session holds is what the file holds."""
         assert self.journal is not None and result.branch is not None
         try:
-            result.seq = self.journal.turn(result.branch, pending.route, pending.base, result.reply, req.protocol)
+            response = self.responses.get(req.response_id) if req.remember else None
+            result.seq = self.journal.turn(result.branch, pending.route, pending.base, result.reply, req.protocol,
+                                           (req.response_id, response) if response is not None else None)
         except StoreError as e:
             self.undo(result)
             raise WireError("server", f"the turn could not be stored: {e}") from None

@@ -68,6 +68,17 @@ class Branch:
 
 
 @dataclass(frozen=True)
+class ResponseRef:
+    """Where a turn a later request may name stands (the Responses API's `previous_response_id`): its branch and
+    mark, how many leading messages were its request's own instructions, the ids of the tool calls it made."""
+
+    branch: Branch
+    mark: TurnMark
+    instructions: int
+    call_ids: frozenset[str]
+
+
+@dataclass(frozen=True)
 class Route:
     """How a request relates to the tree.
 
