@@ -210,6 +210,24 @@ def test_anthropic_client_tool_use(buffer: Server, engine: Server, use_async: bo
     assert_engine_tokens(engine, rec)
 
 
+def test_anthropic_system_messages_anywhere_are_rendered_where_they_stand(buffer: Server) -> None:
+    """Claude Code's mid-conversation system messages: counted and answered, and kept in place in the record."""
+    session = open_session(buffer.url, "anthropic-mid-system")
+    url = session["anthropic_base_url"]
+    body = {"model": "claude-x", "system": "You are careful.", "messages": [
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "system", "content": "Answer with a boxed number."},
+        {"role": "user", "content": [{"type": "text", "text": "Go on."}]}]}
+    counted = httpx.post(f"{url}/v1/messages/count_tokens", json=body, timeout=30)
+    reply = httpx.post(f"{url}/v1/messages", json={**body, "max_tokens": 256}, timeout=30)
+    assert counted.status_code == reply.status_code == 200, (counted.text, reply.text)
+    assert reply.json()["usage"]["input_tokens"] == counted.json()["input_tokens"] > 0
+    rec = record(buffer.url, finish(buffer.url, session, 1.0)["uids"][0])
+    assert [m["role"] for m in rec["messages"]] == ["system", "user", "system", "user", "assistant"]
+    prompt = decode_tail(rec["tokens"][:rec["loss_mask"].index(1)])
+    assert prompt.index("What is 2 + 3?") < prompt.index("<|im_start|>system\nAnswer with a boxed number.")
+
+
 # ------------------------------------------------------------------ branches
 
 

@@ -196,6 +196,20 @@ def test_custom_and_namespace_tools_come_back_as_their_own_calls(buffer: Server)
     assert [(b["turns"], b["tool_calls"]) for b in view(buffer.url, session)["branches"]] == [(2, 1)]
     finish(buffer.url, session, 1.0)
 
+    # Streamed, a custom call is its input's events, then the item.
+    streamed = open_session(buffer.url, "responses-custom-stream")
+    with httpx.stream("POST", f"{streamed['base_url']}/responses", timeout=30, json={
+            "model": "m", "input": task, "tools": custom, "stream": True}) as answer:
+        events = [json.loads(line.removeprefix("data: ")) for line in answer.iter_lines() if line.startswith("data: ")]
+    kinds = [e["type"] for e in events]
+    at = kinds.index("response.custom_tool_call_input.delta")
+    assert kinds[at - 1:at + 3] == ["response.output_item.added", "response.custom_tool_call_input.delta",
+                                    "response.custom_tool_call_input.done", "response.output_item.done"]
+    item = events[at + 2]["item"]
+    assert item["type"] == "custom_tool_call" and item["input"] == events[at]["delta"] == events[at + 1]["input"]
+    assert events[-1]["response"]["output"][-1] == item
+    finish(buffer.url, streamed, 0.0)
+
     other = open_session(buffer.url, "responses-namespace")
     namespace: list[Any] = [{"type": "namespace", "name": "math", "description": "Math tools.", "tools": TOOLS}]
     called = client_of(other).responses.create(model="m", input=task, tools=namespace)
