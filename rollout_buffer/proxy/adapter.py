@@ -20,6 +20,7 @@ from typing import Any, ClassVar, TypeVar
 import orjson
 from pydantic import BaseModel, ValidationError
 
+from rollout_buffer.proxy.history import HistoryCache
 from rollout_buffer.proxy.messages import WireError
 from rollout_buffer.proxy.replies import Reply, ReplyPart
 from rollout_buffer.proxy.session import Session, TurnRequest
@@ -45,8 +46,9 @@ class WireAdapter:
 
     protocol: ClassVar[str] = ""
 
-    def parse(self, body: Any) -> TurnRequest:
-        """The request, translated; WireError naming the bad field."""
+    def parse(self, body: Any, history: HistoryCache | None = None) -> TurnRequest:
+        """The request, translated; WireError naming the bad field. With the session's `history`, what its
+        previous request already converted is reused."""
         raise NotImplementedError
 
     def response(self, req: TurnRequest, reply: Reply) -> dict[str, Any]:

@@ -21,13 +21,13 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout_buffer.proxy.adapter import StreamState, WireAdapter, ensure_user_turn_last
+from rollout_buffer.proxy.history import HistoryCache
 from rollout_buffer.proxy.messages import (
     WireError,
     arguments_of,
     assistant_message,
     documented_messages,
     function_tool,
-    merge_assistant_runs,
     text_of,
     tool_call,
 )
@@ -81,14 +81,12 @@ class AnthropicMessagesAdapter(WireAdapter):
 
     protocol = "anthropic"
 
-    def parse(self, body: Any) -> TurnRequest:
+    def parse(self, body: Any, history: HistoryCache | None = None) -> TurnRequest:
         b = self.validated(MessagesBody, body)
-        messages: list[dict[str, Any]] = []
-        if b.system:
-            messages.append({"role": "system", "content": text_of(b.system, "system")})
-        for i, m in enumerate(b.messages):
-            messages.extend(_messages(m, i))
-        messages = merge_assistant_runs(messages)
+        system = text_of(b.system, "system") if b.system else None
+        head = [{"role": "system", "content": system}] if system is not None else []
+        converted = (history or HistoryCache()).convert(system, head, b.messages, lambda m, i, _calls: _messages(m, i))
+        messages = converted.messages
         ensure_user_turn_last(messages)
         tools = [_tool(t, i) for i, t in enumerate(b.tools or [])] or None
         return TurnRequest(
@@ -102,6 +100,7 @@ class AnthropicMessagesAdapter(WireAdapter):
             stream=b.stream,
             parse_tool_calls=tools is not None and (b.tool_choice or {}).get("type") != "none",
             response_id=f"msg_{secrets.token_hex(12)}",
+            keys=converted.keys,
         )
 
     def response(self, req: TurnRequest, reply: Reply) -> dict[str, Any]:

@@ -19,13 +19,13 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout_buffer.proxy.adapter import StreamState, WireAdapter, ensure_user_turn_last
+from rollout_buffer.proxy.history import HistoryCache
 from rollout_buffer.proxy.messages import (
     WireError,
     arguments_of,
     assistant_message,
     documented_messages,
     function_tool,
-    merge_assistant_runs,
     text_of,
     tool_call,
 )
@@ -73,9 +73,10 @@ class OpenAIChatAdapter(WireAdapter):
 
     protocol = "openai"
 
-    def parse(self, body: Any) -> TurnRequest:
+    def parse(self, body: Any, history: HistoryCache | None = None) -> TurnRequest:
         b = self.validated(ChatBody, body)
-        messages = merge_assistant_runs([_message(m, i) for i, m in enumerate(b.messages)])
+        converted = (history or HistoryCache()).convert(None, [], b.messages, lambda m, i, _calls: [_message(m, i)])
+        messages = converted.messages
         ensure_user_turn_last(messages)
         tools = [_tool(t, i) for i, t in enumerate(b.tools or [])] or None
         parse_calls = tools is not None and b.tool_choice != "none"
@@ -92,6 +93,7 @@ class OpenAIChatAdapter(WireAdapter):
             include_usage=bool((b.stream_options or {}).get("include_usage")),
             parse_tool_calls=parse_calls,
             response_id=f"chatcmpl-{secrets.token_hex(12)}",
+            keys=converted.keys,
         )
 
     def response(self, req: TurnRequest, reply: Reply) -> dict[str, Any]:

@@ -23,6 +23,7 @@ carries its sequence number. Errors: OpenAI's error object; inside a stream an `
 
 from __future__ import annotations
 
+import functools
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout_buffer.proxy.adapter import StreamState, WireAdapter, ensure_user_turn_last
+from rollout_buffer.proxy.history import HistoryCache
 from rollout_buffer.proxy.messages import (
     WireError,
     arguments_of,
@@ -98,20 +100,23 @@ class OpenAIResponsesAdapter(WireAdapter):
 
     protocol = "responses"
 
-    def parse(self, body: Any) -> ResponsesRequest:
+    def parse(self, body: Any, history: HistoryCache | None = None) -> ResponsesRequest:
         b = self.validated(ResponsesBody, body)
-        messages = [{"role": "system", "content": b.instructions}] if b.instructions else []
+        head = [{"role": "system", "content": b.instructions}] if b.instructions else []
+        items = [{"role": "user", "content": b.input}] if isinstance(b.input, str) else b.input
         unanswered: list[tuple[str, str]] = []
-        if isinstance(b.input, str):
-            messages.append({"role": "user", "content": b.input})
-        else:
-            messages += _input_messages(b.input, unanswered)
+        if b.previous_response_id is None:  # the whole history: what its previous request held is reused
+            converted = (history or HistoryCache()).convert(b.instructions, head, items, _input_item)
+        else:  # new items only; their outputs may answer the previous response's calls (`bind` checks)
+            converted = HistoryCache().convert(b.instructions, head, items, functools.partial(
+                _input_item, unanswered=unanswered))
         tools, kinds = _tools(b.tools or [])
         sampling = {k: getattr(b, k) for k in ("temperature", "top_p") if getattr(b, k) is not None}
         return ResponsesRequest(
             protocol=self.protocol,
             model=b.model,
-            messages=messages,
+            messages=converted.messages,
+            keys=converted.keys,
             tools=tools or None,
             sampling=sampling,
             max_tokens=b.max_output_tokens,
@@ -130,15 +135,17 @@ class OpenAIResponsesAdapter(WireAdapter):
 
     def bind(self, req: TurnRequest, session: Session) -> None:
         assert isinstance(req, ResponsesRequest)
-        known: frozenset[str] = frozenset()
         if req.previous_response_id is not None:
-            history, known = session.continued(req.previous_response_id)
-            req.messages = [*req.messages[:req.instructions], *history, *req.messages[req.instructions:]]
-        for call_id, where in req.unanswered:
-            if call_id not in known:
-                raise WireError("invalid_request", f"{where}: no tool call {call_id!r} in this input or the previous "
-                                "response to answer", where)
-        req.messages = merge_assistant_runs(req.messages)
+            history, history_keys, known = session.continued(req.previous_response_id)
+            for call_id, where in req.unanswered:
+                if call_id not in known:
+                    raise WireError("invalid_request", f"{where}: no tool call {call_id!r} in this input or the "
+                                    "previous response to answer", where)
+            n, keys = req.instructions, req.keys or []
+            joined = [*req.messages[:n], *history, *req.messages[n:]]
+            req.messages = merge_assistant_runs(joined)
+            # The keys stand unless the input's first message merged into the history's last (both assistant's).
+            req.keys = [*keys[:n], *history_keys, *keys[n:]] if len(req.messages) == len(joined) else None
         if not req.messages:
             raise WireError("invalid_request", "input: there is nothing to answer", "input")
         ensure_user_turn_last(req.messages)
@@ -254,45 +261,48 @@ class OpenAIResponsesAdapter(WireAdapter):
                 self._event(state, "response.output_item.done", output_index=index, item=item)]
 
 
-def _input_messages(items: list[Any], unanswered: list[tuple[str, str]]) -> list[dict[str, Any]]:
-    """Input items as canonical messages; outputs whose call is not among the items go to `unanswered`."""
-    messages: list[dict[str, Any]] = []
-    calls: set[str] = set()
-    for i, item in enumerate(items):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise WireError("invalid_request", f"{where}: an input item must be an object", where)
-        kind = item.get("type", "message" if "role" in item else None)
-        if not isinstance(kind, str):  # a type given as an object or list is no type (and unhashable)
-            kind = None
-        if kind == "message":
-            messages.append(_message(item, where))
-        elif kind in _CALL_ITEMS:
-            name, call_id = item.get("name"), item.get("call_id")
-            if not isinstance(name, str) or not name:
-                raise WireError("invalid_request", f"{where}.name: a {kind} needs the tool's name", f"{where}.name")
-            if not isinstance(call_id, str):
-                raise WireError("invalid_request", f"{where}.call_id: a {kind} needs a string call_id",
-                                f"{where}.call_id")
-            calls.add(call_id)
-            if kind == "function_call":
-                arguments = arguments_of(item.get("arguments"), f"{where}.arguments")
-            else:
-                arguments = {"input": _string(item.get("input"), f"{where}.input")}
-            messages.append(assistant_message("", [tool_call(name, arguments)]))
-        elif kind in _OUTPUT_ITEMS:
-            call_id = item.get("call_id")
-            if not isinstance(call_id, str):
-                raise WireError("invalid_request", f"{where}.call_id: a {kind} needs the call_id of its call",
-                                f"{where}.call_id")
-            if call_id not in calls:
-                unanswered.append((call_id, f"{where}.call_id"))
-            messages.append({"role": "tool", "content": text_of(item.get("output"), f"{where}.output")})
-        elif kind != "reasoning":
-            raise WireError("invalid_request", f"{where}.type: unsupported input item type {kind!r} (message, "
-                            "function_call, function_call_output, custom_tool_call, custom_tool_call_output and "
-                            "reasoning are)", f"{where}.type")
-    return messages
+def _input_item(item: Any, i: int, calls: dict[str, None], unanswered: list[tuple[str, str]] | None = None
+                ) -> list[dict[str, Any]]:
+    """One input item as canonical messages (none for reasoning). An output must answer a call among `calls` (the
+    items' before it); with `unanswered`, one that does not is noted there instead (the previous response may
+    hold its call)."""
+    where = f"input[{i}]"
+    if not isinstance(item, dict):
+        raise WireError("invalid_request", f"{where}: an input item must be an object", where)
+    kind = item.get("type", "message" if "role" in item else None)
+    if not isinstance(kind, str):  # a type given as an object or list is no type (and unhashable)
+        kind = None
+    if kind == "message":
+        return [_message(item, where)]
+    if kind in _CALL_ITEMS:
+        name, call_id = item.get("name"), item.get("call_id")
+        if not isinstance(name, str) or not name:
+            raise WireError("invalid_request", f"{where}.name: a {kind} needs the tool's name", f"{where}.name")
+        if not isinstance(call_id, str):
+            raise WireError("invalid_request", f"{where}.call_id: a {kind} needs a string call_id",
+                            f"{where}.call_id")
+        calls[call_id] = None
+        if kind == "function_call":
+            arguments = arguments_of(item.get("arguments"), f"{where}.arguments")
+        else:
+            arguments = {"input": _string(item.get("input"), f"{where}.input")}
+        return [assistant_message("", [tool_call(name, arguments)])]
+    if kind in _OUTPUT_ITEMS:
+        call_id = item.get("call_id")
+        if not isinstance(call_id, str):
+            raise WireError("invalid_request", f"{where}.call_id: a {kind} needs the call_id of its call",
+                            f"{where}.call_id")
+        if call_id not in calls:
+            if unanswered is None:
+                raise WireError("invalid_request", f"{where}.call_id: no tool call {call_id!r} in this input or the "
+                                "previous response to answer", f"{where}.call_id")
+            unanswered.append((call_id, f"{where}.call_id"))
+        return [{"role": "tool", "content": text_of(item.get("output"), f"{where}.output")}]
+    if kind == "reasoning":
+        return []
+    raise WireError("invalid_request", f"{where}.type: unsupported input item type {kind!r} (message, "
+                    "function_call, function_call_output, custom_tool_call, custom_tool_call_output and "
+                    "reasoning are)", f"{where}.type")
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:

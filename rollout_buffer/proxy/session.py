@@ -28,6 +28,7 @@ from rollout_buffer.generation.options import RunOptions
 from rollout_buffer.generation.runner import Run
 from rollout_buffer.generation.sglang_wire import GenerateDelta
 from rollout_buffer.observability import metrics
+from rollout_buffer.proxy.history import HistoryCache
 from rollout_buffer.proxy.journal import Journal
 from rollout_buffer.proxy.messages import MessageKey, WireError, message_key, tools_key
 from rollout_buffer.proxy.replies import Reply, ReplyParser, ReplyPart
@@ -76,6 +77,7 @@ class TurnRequest:
     # `previous_response_id`); `instructions` leading messages are this request's own, not carried over.
     remember: bool = False
     instructions: int = 0
+    keys: list[MessageKey] | None = None  # the match key of each message, when the adapter has them
 
 
 
@@ -122,6 +124,7 @@ class Session:
     journal: Journal | None = None
     tree: SessionTree = field(default_factory=SessionTree)
     responses: dict[str, ResponseRef] = field(default_factory=dict)
+    history: HistoryCache = field(default_factory=HistoryCache)
     state: str = "open"
     created_at: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.monotonic)
@@ -163,7 +166,7 @@ class Session:
             raise WireError("not_found", f"session {self.session_id} is {self.state}")
 
     async def _turn(self, req: TurnRequest, sink: PartSink | None) -> TurnResult:
-        keys = [message_key(m) for m in req.messages]
+        keys = req.keys if req.keys is not None else [message_key(m) for m in req.messages]
         tkey = tools_key(req.tools)
         route = self.tree.route(keys, tkey)
         pending = await self._prepare(route, req, keys, tkey)
@@ -331,10 +334,10 @@ class Session:
         log.info("session %s: a turn the client did not receive was taken back", self.session_id)
         return True
 
-    def continued(self, response_id: str) -> tuple[list[dict[str, Any]], frozenset[str]]:
+    def continued(self, response_id: str) -> tuple[list[dict[str, Any]], list[MessageKey], frozenset[str]]:
         """The canonical messages a request naming `response_id` continues from (that turn's history and answer,
-        its request's instructions left out), and the ids of the tool calls that answer made. WireError naming
-        `previous_response_id` for a response this session did not give or took back."""
+        its request's instructions left out), their match keys, and the ids of the tool calls that answer made.
+        WireError naming `previous_response_id` for a response this session did not give or took back."""
         where = "previous_response_id"
         ref = self.responses.get(response_id)
         if ref is None:
@@ -344,7 +347,8 @@ class Session:
                 or not any(m is ref.mark for m in reversed(branch.marks))):
             raise WireError("invalid_request", f"{where}: response {response_id!r} was taken back (its client did "
                             "not receive it whole)", where)
-        return branch.messages[ref.instructions:ref.mark.messages], ref.call_ids
+        at = slice(ref.instructions, ref.mark.messages)
+        return branch.messages[at], branch.keys[at], ref.call_ids
 
     async def count_tokens(self, req: TurnRequest) -> int:
         """Tokens of the request's prompt as the chat template renders it (nothing is generated or kept)."""

@@ -221,7 +221,7 @@ def _session(scope: Scope, sessions: SessionManager, guards: Guards, session_id:
 
 
 async def _turn(request: Request, session: Session, adapter: WireAdapter) -> Response:
-    req = adapter.parse(_json(await request.body()))
+    req = adapter.parse(_json(await request.body()), session.history)
     adapter.bind(req, session)
     if req.stream:
         return TurnStream(session, adapter, req)
