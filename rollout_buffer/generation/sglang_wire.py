@@ -36,6 +36,7 @@ class PromptIds(list[int]):
         more = orjson.dumps(tail)[1:]
         return orjson.Fragment(self.ids_json[:-1] + (b"," + more if len(self) else more))
 
+
 # SamplingParams fields SGLang's /generate accepts (python/sglang/srt/sampling/sampling_params.py).
 _SGLANG_KEYS = frozenset(
     {

@@ -62,7 +62,8 @@ class MessagesBody(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str = "policy"
-    messages: Annotated[list[dict[str, Any]], documented_messages(["user", "assistant", "system"],
+    # Each message is checked as it is converted, and only past the part the session's previous request held.
+    messages: Annotated[list[Any], documented_messages(["user", "assistant", "system"],
                                                                          *_ASSISTANT_BLOCKS)] = Field(
         min_length=1)
     system: str | list[dict[str, Any]] | None = None

@@ -50,7 +50,8 @@ class ChatBody(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str = "policy"
-    messages: Annotated[list[dict[str, Any]], documented_messages(["system", "developer", "user", "assistant",
+    # Each message is checked as it is converted, and only past the part the session's previous request held.
+    messages: Annotated[list[Any], documented_messages(["system", "developer", "user", "assistant",
                                                                     "tool", "function"])] = Field(min_length=1)
     tools: list[Any] | None = None
     tool_choice: Any = None

@@ -97,6 +97,8 @@ class Route:
 def common_prefix(a: list[MessageKey], b: list[MessageKey]) -> int:
     """Length of the common prefix of two key lists."""
     n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case (a request extending a branch), compared in C
+        return n
     i = 0
     while i < n and a[i] == b[i]:
         i += 1
