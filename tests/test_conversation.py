@@ -474,31 +474,31 @@ def test_mark_restore_and_fork_for_branches(qwen_tokenizer, im_end):
 def test_the_engine_payload_of_the_ids_is_their_json_as_the_conversation_grows_and_cuts_back(qwen_tokenizer,
                                                                                             im_end):
     """The ids sent to the engine are serialized once per token (a long session resends its whole context each
-    turn); what is sent is always exactly the JSON of the ids, also after a turn is taken back or forked."""
+    turn); what is sent is always exactly the JSON of `generation_ids`, also after a turn is taken back or forked."""
     tok = qwen_tokenizer
     conv = Conversation(PROMPT, tok)
 
-    def sent(tail: list[int] | None = None) -> list[int]:
-        ids = conv.generation_ids()
-        assert len(ids) == conv.generation_length() and ids[:len(conv.token_ids)] == conv.token_ids
-        payload = orjson.loads(orjson.dumps({"input_ids": ids.payload(tail or [])}))["input_ids"]
-        assert payload == [*ids, *(tail or [])]
+    def sent(c: Conversation, tail: list[int] | None = None) -> list[int]:
+        prompt = c.engine_prompt()
+        assert len(prompt) == c.generation_length() == len(c.generation_ids())
+        payload = orjson.loads(orjson.dumps({"input_ids": prompt.payload(tail or [])}))["input_ids"]
+        assert payload == [*c.generation_ids(), *(tail or [])]
         return payload
 
-    sent()
+    sent(conv)
     ids, lps = engine_output(tok, TURN_1, im_end)
-    sent(ids[:3])  # an interrupted generation resumed with its output so far
+    sent(conv, ids[:3])  # an interrupted generation resumed with its output so far
     conv.add_assistant(ids, lps, TURN_1)
     mark = conv.mark()
     conv.add_messages([TOOL_RESULT])
-    sent()
+    sent(conv)
     ids, lps = engine_output(tok, TURN_2, im_end)
     conv.add_assistant(ids, lps, TURN_2)
-    sent()
+    sent(conv)
     conv.restore(mark)  # the second turn taken back
     conv.add_messages([FOLLOW_UP])
-    sent()
+    sent(conv)
     fork = conv.fork(mark)
     fork.add_messages([TOOL_RESULT])
-    forked = fork.generation_ids()
-    assert orjson.loads(orjson.dumps(forked.payload([]))) == fork.token_ids + list(fork._frame.generation_prompt_ids)
+    sent(fork)
+    sent(conv)

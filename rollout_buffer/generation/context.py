@@ -100,7 +100,7 @@ class RolloutContext:
                 budget = min(budget or self.run.max_tokens, self.run.max_tokens - conv.response_tokens_used())
             if budget is not None and budget <= 0:
                 return "length"
-            ids, engine_params = conv.generation_ids(), to_sglang_sampling_params(params, budget)
+            ids, engine_params = conv.engine_prompt(), to_sglang_sampling_params(params, budget)
             if on_delta is None:
                 result = await engine.generate(ids, engine_params, session_id=session, return_logprob=return_logprob)
             else:

@@ -39,7 +39,7 @@ import orjson
 
 from rollout_buffer.generation.chat_render import chat_renderer
 from rollout_buffer.generation.prompt_ids import BASE_HISTORY, PROMPT_CACHE_MAX_BYTES, encode, frame, light, prompt
-from rollout_buffer.generation.sglang_wire import PromptIds
+from rollout_buffer.generation.sglang_wire import EnginePrompt
 from rollout_buffer.generation.token_check import compare_text, compare_tokens
 from rollout_buffer.generation.token_sequence import TokenSequence
 
@@ -122,6 +122,7 @@ class Conversation(TokenSequence):
         self.sanity_check = sanity_check
         self.token_mode = tokenizer is not None
         self.token_ids, self.loss_mask, self.log_probs, self.weight_versions = [], [], [], []
+        self._json, self._json_count = bytearray(), 0
         self.version_spans = []
         self.prompt_length = 0
         self.truncated = False
@@ -179,13 +180,19 @@ class Conversation(TokenSequence):
         """True when the chat template's generation prompt opens `<think>` (the output starts as reasoning)."""
         return self._frame.opens_reasoning
 
-    def generation_ids(self) -> PromptIds:
-        """The tokens to send to the engine for the next assistant turn, generation prompt included (with their
-        JSON, written as the conversation grew)."""
+    def generation_ids(self) -> list[int]:
+        """The tokens to send to the engine for the next assistant turn, generation prompt included."""
+        self._require_tokens()
+        self._require_not_truncated()
+        return self.token_ids + ([] if self._open else list(self._frame.generation_prompt_ids))
+
+    def engine_prompt(self) -> EnginePrompt:
+        """`generation_ids` as the engine client sends them, without copying them: their count and their JSON,
+        written as the conversation grew."""
         self._require_tokens()
         self._require_not_truncated()
         tail = () if self._open else self._frame.generation_prompt_ids
-        return PromptIds(self.token_ids, tail, self.ids_json(tail))
+        return EnginePrompt(len(self.token_ids) + len(tail), self.ids_json(tail))
 
     def generation_length(self) -> int:
         """How many tokens `generation_ids` would send."""
@@ -342,7 +349,7 @@ class Conversation(TokenSequence):
         other = copy.copy(self)
         other.messages = self.messages[:mark.messages]
         other.token_ids = self.token_ids[:mark.tokens]
-        other._json, other._json_count = b"", 0
+        other._json, other._json_count = bytearray(), 0
         other.loss_mask = [0] * mark.tokens
         other.log_probs = [0.0] * mark.tokens
         other.weight_versions = []

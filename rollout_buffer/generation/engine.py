@@ -43,8 +43,8 @@ from rollout_buffer.generation.http_pool import HttpPool
 from rollout_buffer.generation.sglang_wire import (
     DONE,
     AttemptError,
+    EnginePrompt,
     GenerateDelta,
-    PromptIds,
     StreamCursor,
     chat_params,
     error_text,
@@ -330,7 +330,7 @@ class EngineClient:
 
     # ------------------------------------------------------------ public API
 
-    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], *, session_id: str,
+    async def generate(self, input_ids: list[int] | EnginePrompt, sampling_params: dict[str, Any], *, session_id: str,
                        return_logprob: bool = True) -> GenerateResult:
         """Token-in-token-out generation; an aborted generation is resumed from its partial output.
 
@@ -343,7 +343,7 @@ class EngineClient:
             pass
         return progress.result()
 
-    def generate_stream(self, input_ids: list[int], sampling_params: dict[str, Any], *, session_id: str,
+    def generate_stream(self, input_ids: list[int] | EnginePrompt, sampling_params: dict[str, Any], *, session_id: str,
                         return_logprob: bool = True) -> GenerationStream:
         """`generate` streamed: iterate the result for the tokens as the engine produces them (`GenerateDelta`),
         then read `.result`, the same `GenerateResult` as `generate`'s.
@@ -356,7 +356,7 @@ class EngineClient:
         deltas = self._generation(input_ids, sampling_params, session_id, return_logprob, progress, True)
         return GenerationStream(deltas, progress)
 
-    async def _generation(self, input_ids: list[int], sampling_params: dict[str, Any], session_id: str,
+    async def _generation(self, input_ids: list[int] | EnginePrompt, sampling_params: dict[str, Any], session_id: str,
                           return_logprob: bool, progress: GenerationProgress, stream: bool
                           ) -> AsyncGenerator[GenerateDelta, None]:
         """The engine requests of one generation, abort resumes included; streamed ones yield their deltas.
@@ -388,7 +388,7 @@ class EngineClient:
                 self.stats.clamped += 1
             if want is not None:
                 params["max_new_tokens"] = want
-            ids: Any = (input_ids.payload(progress.out_ids) if isinstance(input_ids, PromptIds)
+            ids: Any = (input_ids.payload(progress.out_ids) if isinstance(input_ids, EnginePrompt)
                         else [*input_ids, *progress.out_ids])
             payload = {"input_ids": ids, "sampling_params": params, "return_logprob": return_logprob}
             try:

@@ -19,22 +19,24 @@ import orjson
 logger = logging.getLogger(__name__)
 
 
-class PromptIds(list[int]):
-    """A prompt's token ids that also carry their JSON array, written as the conversation grew: a long
-    conversation resends its whole context to the engine every turn, and serializing it anew would cost as
-    much as the context, not as the turn (`TokenSequence.ids_json`)."""
+class EnginePrompt:
+    """A conversation's prompt as the engine gets it: how many ids, and their JSON array, written as the
+    conversation grew (`TokenSequence.ids_json`). A long conversation resends its whole context every turn;
+    serializing or copying its ids anew would cost as much as the context, not as the turn."""
 
-    def __init__(self, ids: list[int], tail: tuple[int, ...], ids_json: bytes):
-        super().__init__(ids)
-        self.extend(tail)
-        self.ids_json = ids_json  # the JSON array of `ids + tail`
+    def __init__(self, length: int, ids_json: bytes):
+        self.length = length
+        self.ids_json = ids_json
+
+    def __len__(self) -> int:
+        return self.length
 
     def payload(self, tail: list[int]) -> orjson.Fragment:
         """These ids followed by `tail` (output of an interrupted generation), as a JSON array."""
         if not tail:
             return orjson.Fragment(self.ids_json)
         more = orjson.dumps(tail)[1:]
-        return orjson.Fragment(self.ids_json[:-1] + (b"," + more if len(self) else more))
+        return orjson.Fragment(self.ids_json[:-1] + (b"," + more if self.length else more))
 
 
 # SamplingParams fields SGLang's /generate accepts (python/sglang/srt/sampling/sampling_params.py).

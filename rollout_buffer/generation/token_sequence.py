@@ -29,19 +29,21 @@ class TokenSequence:
     prompt_length: int
     _log_probs_complete: bool  # every generated token came with its log-prob
     # token_ids[:_json_count] as JSON numbers joined by commas, extended as tokens are appended (`ids_json`).
-    _json: bytes = b""
-    _json_count: int = 0
+    _json: bytearray
+    _json_count: int
 
     def ids_json(self, tail: list[int] | tuple[int, ...] = ()) -> bytes:
         """`token_ids + tail` as a JSON array, serializing only the tokens appended since the last call."""
         if self._json_count < len(self.token_ids):
             new = orjson.dumps(self.token_ids[self._json_count:])[1:-1]
-            self._json = self._json + b"," + new if self._json else new
+            if self._json:
+                self._json += b","
+            self._json += new
             self._json_count = len(self.token_ids)
-        if not tail:
-            return b"[" + self._json + b"]"
-        more = orjson.dumps(list(tail))[1:-1]
-        return b"[" + (self._json + b"," + more if self._json else more) + b"]"
+        if tail:
+            more = orjson.dumps(list(tail))[1:-1]
+            return b"".join((b"[", self._json, b"," if self._json else b"", more, b"]"))
+        return b"".join((b"[", self._json, b"]"))
 
     def record_fields(self, mask_offpolicy: bool = False) -> dict[str, Any]:
         """The exact-token fields of the trajectory record; `{}` in chat mode.
@@ -74,7 +76,7 @@ class TokenSequence:
     def _truncate_to(self, n: int) -> None:
         del self.token_ids[n:], self.loss_mask[n:], self.log_probs[n:]
         if n < self._json_count:  # rare (a turn taken back): written again from the start when next asked
-            self._json, self._json_count = b"", 0
+            self._json, self._json_count = bytearray(), 0
 
     def _add_version_spans(self, start: int, count: int, version: str | None,
                            segments: list[tuple[int, str | None]] | None) -> None:
