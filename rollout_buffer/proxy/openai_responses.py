@@ -91,7 +91,7 @@ class ResponsesRequest(TurnRequest):
     # tool name -> (item type of its calls: function or custom, its namespace)
     tool_kinds: dict[str, tuple[str, str | None]] = field(default_factory=dict)
     previous_response_id: str | None = None
-    # outputs whose call is not in the input: (call_id, where)
+    # with a previous response: outputs whose call is not in the input (call_id, where), for `bind` to find there
     unanswered: list[tuple[str, str]] = field(default_factory=list)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_buffer.generation.hermes import parse_call_body
-from rollout_buffer.proxy.messages import MessageKey, assistant_message, message_key, tool_call
+from rollout_buffer.proxy.messages import assistant_message, tool_call
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,6 @@ class Reply:
     def message(self) -> dict[str, Any]:
         """This reply as a canonical assistant message (reasoning left out, as in every echoed history)."""
         return assistant_message(self.text, [tool_call(c.name, c.arguments) for c in self.calls])
-
-    def key(self) -> MessageKey:
-        """The match key of this reply as the client will echo it."""
-        return message_key(self.message())
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,6 @@ class TurnRequest:
     keys: list[MessageKey] | None = None  # the match key of each message, when the adapter has them
 
 
-
 @dataclass
 class TurnResult:
     """A served turn: the reply, and what undoing it needs."""
