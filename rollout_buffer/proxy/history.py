@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_buffer.proxy.messages import MessageKey, assistant_message, message_key
+from rollout_buffer.proxy.messages import MessageKey, merged_assistant, message_key
 
 # Converts one raw item (its index given, for error messages) into canonical messages; `calls` (an ordered set)
 # holds the tool call ids of the items before it, and gets those the item makes.
@@ -71,9 +71,7 @@ class HistoryCache:
         for i in range(items, len(raw)):
             for m in one(raw[i], i, calls):
                 if m["role"] == "assistant" and messages and messages[-1]["role"] == "assistant":
-                    last = messages[-1]
-                    text = "\n".join(t for t in (last["content"], m["content"]) if t)
-                    messages[-1] = assistant_message(text, [*last.get("tool_calls", ()), *m.get("tool_calls", ())])
+                    messages[-1] = merged_assistant(messages[-1], m)
                     keys[-1] = message_key(messages[-1])
                 else:
                     messages.append(m)

@@ -151,12 +151,16 @@ def merge_assistant_runs(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
     merged: list[dict[str, Any]] = []
     for m in messages:
         if merged and m["role"] == "assistant" and merged[-1]["role"] == "assistant":
-            last = merged[-1]
-            text = "\n".join(t for t in (last["content"], m["content"]) if t)
-            merged[-1] = assistant_message(text, [*last.get("tool_calls", ()), *m.get("tool_calls", ())])
+            merged[-1] = merged_assistant(merged[-1], m)
         else:
             merged.append(m)
     return merged
+
+
+def merged_assistant(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """Two consecutive assistant messages as one: their texts joined by a newline, their tool calls in order."""
+    text = "\n".join(t for t in (first["content"], second["content"]) if t)
+    return assistant_message(text, [*first.get("tool_calls", ()), *second.get("tool_calls", ())])
 
 
 def message_key(message: dict[str, Any]) -> MessageKey:

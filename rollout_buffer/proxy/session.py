@@ -91,6 +91,7 @@ class TurnResult:
     keys_before: int = 0
     new_branch: bool = False
     seq: int | None = None  # the turn's row in the session's journal
+    response: ResponseRef | None = None  # where a later request naming this answer continues from
 
 
 @dataclass
@@ -211,9 +212,9 @@ class Session:
         the session holds is what the file holds."""
         assert self.journal is not None and result.branch is not None
         try:
-            response = self.responses.get(req.response_id) if req.remember else None
+            response = (req.response_id, result.response) if result.response is not None else None
             result.seq = self.journal.turn(result.branch, pending.route, pending.base, result.reply, req.protocol,
-                                           (req.response_id, response) if response is not None else None)
+                                           response)
         except StoreError as e:
             self.undo(result)
             raise WireError("server", f"the turn could not be stored: {e}") from None
@@ -297,12 +298,13 @@ class Session:
             if pending.route.kind == "fork" and pending.route.branch is not None:
                 pending.route.branch.forked_at.add(pending.route.turns)
         self.tree.touch(branch)
+        response = None
         if req.remember:
-            self.responses[req.response_id] = ResponseRef(branch, mark, req.instructions,
-                                                          frozenset(c.id for c in reply.calls))
+            response = ResponseRef(branch, mark, req.instructions, frozenset(c.id for c in reply.calls))
+            self.responses[req.response_id] = response
         self.last_active = time.monotonic()
         metrics.PROXY_TURNS.labels(req.protocol, pending.route.kind).inc()
-        return TurnResult(reply, pending.route.kind, branch, mark, keys_before, pending.new)
+        return TurnResult(reply, pending.route.kind, branch, mark, keys_before, pending.new, response=response)
 
     def _roll_back(self, pending: _Pending) -> None:
         pending.branch.busy = False

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 
-from rollout_buffer.sim.shell_agent import shell_reply, shell_tool
+from rollout_buffer.sim.shell_agent import TOOL_RESPONSE, shell_reply, shell_tool
 
 _WRONG_OFFSETS = (-3, -2, -1, 1, 2, 3)
 _MAX_EXPR_CHARS = 200
@@ -235,7 +235,6 @@ def _is_search(text: str) -> bool:
 
 
 CALCULATOR_TOOL = "calculator"
-_TOOL_RESPONSE = re.compile(r"<tool_response>\s*(.*?)\s*</tool_response>", re.DOTALL)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -259,7 +258,7 @@ def _tool_call_reply(text: str, draw: Draw) -> str:
     An invalid draw writes malformed calls; a tool error is answered with new calls.
     """
     start = text.find("<|im_start|>assistant")
-    responses = _TOOL_RESPONSE.findall(text[start:]) if start >= 0 else []
+    responses = TOOL_RESPONSE.findall(text[start:]) if start >= 0 else []
     value = _NUMBER.search(responses[-1]) if responses and not responses[-1].startswith("Error") else None
     if value is not None:
         shown = value.group(0) if draw.correct else format_number(Fraction(value.group(0)) + draw.offset)
@@ -296,7 +295,7 @@ def _parallel_tool_call_reply(text: str, draw: Draw) -> str:
     once every call has a response, the results in order."""
     problems = _expressions(first_user_turn(text))
     start = text.find("<|im_start|>assistant")
-    responses = _TOOL_RESPONSE.findall(text[start:]) if start >= 0 else []
+    responses = TOOL_RESPONSE.findall(text[start:]) if start >= 0 else []
     if len(responses) >= len(problems):
         results = ", ".join(f"{p.expr} = {r.strip()}" for p, r in zip(problems, responses[-len(problems):],
                                                                          strict=True))
@@ -428,7 +427,7 @@ def _actor_reply(text: str, draw: Draw) -> str:
     found = _SUBTASK.findall(first)
     subtask = found[-1].strip() if found else first
     start = text.find("<|im_start|>assistant")
-    responses = _TOOL_RESPONSE.findall(text[start:]) if start >= 0 else []
+    responses = TOOL_RESPONSE.findall(text[start:]) if start >= 0 else []
     if responses:
         last = responses[-1].strip()
         if last.startswith("Error"):

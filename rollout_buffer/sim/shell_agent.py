@@ -19,7 +19,8 @@ from typing import Any
 SHELL_TOOLS = {"Bash": "command", "exec_command": "cmd", "shell": "command", "bash": "command"}
 _TOOLS = re.compile(r"<tools>\n(.*?)\n</tools>", re.DOTALL)
 _QUOTED = re.compile(r"`([^`\n]+)`")
-_TOOL_RESPONSE = re.compile(r"<tool_response>\s*(.*?)\s*</tool_response>", re.DOTALL)
+# A tool's answer as Qwen's template renders it (every scripted policy reads them this way).
+TOOL_RESPONSE = re.compile(r"<tool_response>\s*(.*?)\s*</tool_response>", re.DOTALL)
 _SHOWN_LINES = 3
 
 
@@ -60,7 +61,7 @@ def shell_reply(text: str) -> str:
     assert tool is not None, "the shell policy applies only where a shell tool is offered"
     name, param, argv = tool
     task, after = _task(text)
-    responses = _TOOL_RESPONSE.findall(after)
+    responses = TOOL_RESPONSE.findall(after)
     if responses:
         lines = [line for line in responses[-1].splitlines() if line.strip()][-_SHOWN_LINES:]
         shown = "\n".join(lines) if lines else "(nothing)"
