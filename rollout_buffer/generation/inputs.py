@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,3 +137,19 @@ class LineIndex:
 
     def close(self) -> None:
         self._fh.close()
+
+
+def write_default_input(data_dir: Path, task_type: str, rows: list[dict[str, Any]]) -> Path:
+    """A generator's own dataset (an environment's tasks) as the run's input file under `data_dir/inputs`.
+
+    Named by its content, so the same tasks listed again are the same file and a resumed run finds it.
+    """
+    body = b"".join(orjson.dumps(row) + b"\n" for row in rows)
+    folder = data_dir / "inputs"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{task_type}-{hashlib.sha256(body).hexdigest()[:16]}.jsonl"
+    if not path.is_file():
+        partial = path.with_suffix(".partial")
+        partial.write_bytes(body)
+        partial.replace(path)
+    return path

@@ -28,7 +28,13 @@ from rollout_buffer.delivery.streams import DEFAULT_STREAM, StreamMismatch
 from rollout_buffer.delivery.versions import VersionConflict
 from rollout_buffer.generation.evaluation import EvalManager, eval_config
 from rollout_buffer.generation.executor import Executor, LocalExecutor
-from rollout_buffer.generation.inputs import InputFileError, confined_path, resolve_input_path, validate_file
+from rollout_buffer.generation.inputs import (
+    InputFileError,
+    confined_path,
+    resolve_input_path,
+    validate_file,
+    write_default_input,
+)
 from rollout_buffer.generation.options import check_engine_options
 from rollout_buffer.generation.plugins import discover
 from rollout_buffer.generation.run_manager import RunManager, reads_input
@@ -224,6 +230,11 @@ def create_app(config: ServerConfig) -> FastAPI:
             path: Path | None = None
             num_items = 0
             if reads_input(gen, payload):
+                listing = gen.hook("default_input")
+                if req.input_file is None and listing is not None:  # the generator's own dataset (an environment's)
+                    rows = await asyncio.to_thread(listing, payload)
+                    req.input_file = str(await asyncio.to_thread(write_default_input, config.data_dir, req.task_type,
+                                                                 rows))
                 if req.input_file is None:
                     raise InputFileError(f"input_file: required for task_type {req.task_type!r} (only an agent "
                                          "run that hosts sessions, without agent or agent_command, runs without)")

@@ -1,0 +1,199 @@
+"""Task type `verifiers`: environments written for PrimeIntellect's verifiers (`verifiers.v1`) train unchanged.
+
+The environment runs in its own interpreter (`env_python`, a venv with verifiers and the environment installed):
+a pool of worker processes loads it once (`rollout_buffer/environments/verifiers_worker.py`). Per row, a session
+opens here, a worker runs the environment's episode with the session as its policy endpoint (so the tokens are
+captured exactly, whatever the environment's harness sends), and the session closes with the reward the
+environment computed; its per-function rewards and metrics go to `extra_info.env`.
+
+Without `input_file` the environment's own taskset is the input: listed once at start into a file under the
+server's data folder, instance ids from the tasks' ids (else their content keys), stable across restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, ClassVar
+
+import orjson
+from pydantic import Field
+
+from rollout_buffer.environments.workers import (
+    EnvWorkerDied,
+    EnvWorkerError,
+    EnvWorkerPool,
+    WorkerSpec,
+    python_env_paths,
+    worker_script,
+)
+from rollout_buffer.generator_api import RolloutContext, RunOptions
+
+TASK_TYPE = "verifiers"
+REQUIRED_FIELDS = ("env_task",)
+
+_SHARED_KEY = "verifiers.pool"
+_BUILD_LOCK_KEY = "verifiers.pool.build"
+_LIST_TIMEOUT_S = 600.0
+
+__all__ = ["TASK_TYPE", "check_payload", "default_input", "run_rollout", "runs_in_buffer"]
+
+
+class VerifiersOptions(RunOptions):
+    """How a `verifiers` run loads and runs its environment (docs: "Bring your environment")."""
+
+    error_prefix: ClassVar[str] = "verifiers run options"
+
+    env_python: str = Field(min_length=1, description="the interpreter of a venv with verifiers and the environment")
+    env_id: str = Field(min_length=1, description="the taskset id as verifiers imports it")
+    env_args: dict[str, Any] = Field(default_factory=dict, description="the taskset's config fields")
+    env_config: dict[str, Any] = Field(default_factory=dict, description="the rest of verifiers' env config")
+    env_paths: list[str] = Field(default_factory=list, description="folders the worker imports environments from")
+    env_workers: int = Field(default=1, ge=1, le=256)
+    env_max_episodes: int = Field(default=16, ge=1, description="episodes one worker runs at once")
+    env_timeout_s: float = Field(default=1800.0, gt=0, description="time limit of one episode")
+    env_max_retries: int = Field(default=2, ge=0, description="retries of an episode whose worker died")
+    env_start_timeout_s: float = Field(default=600.0, gt=0)
+
+    def load_config(self) -> dict[str, Any]:
+        """The env config verifiers resolves: `env_config`, its taskset named by `env_id` with `env_args`."""
+        taskset = {**self.env_config.get("taskset", {}), **self.env_args, "id": self.env_id}
+        return {**self.env_config, "taskset": taskset}
+
+    def spec(self, cwd: Path | None = None) -> WorkerSpec:
+        """How this run's workers start."""
+        return WorkerSpec(self.env_python, worker_script("verifiers"), self.load_config(),
+                          python_env_paths(self.env_paths), cwd, self.env_start_timeout_s, f"verifiers:{self.env_id}")
+
+
+def runs_in_buffer(payload: dict[str, Any]) -> bool:
+    """The workers belong to the buffer's process (one pool per run)."""
+    return True
+
+
+def check_payload(payload: dict[str, Any], data_roots: Any) -> None:
+    """The start-time checks: the options, and an interpreter that exists (blocking: called in a thread)."""
+    opts = VerifiersOptions.from_run(payload)
+    python = opts.env_python
+    if shutil.which(python) is None:
+        raise ValueError(f"env_python: {python!r} is not an executable interpreter")
+    for path in opts.env_paths:
+        if not Path(path).is_dir():
+            raise ValueError(f"env_paths: {path} is not a folder")
+
+
+def default_input(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """The environment's own taskset as input rows (blocking: a worker started once to list it, in a thread).
+
+    ValueError naming the option when the environment cannot be loaded.
+    """
+    opts = VerifiersOptions.from_run(payload)
+    spec = opts.spec()
+    with tempfile.TemporaryDirectory(prefix="rb-env-list-") as cwd:
+        requests = orjson.dumps({"op": "load", "env": spec.load}) + b"\n" + orjson.dumps({"op": "tasks", "id": 0})
+        try:
+            done = subprocess.run([spec.python, "-u", str(spec.script)], input=requests + b"\n", cwd=cwd,
+                                  env=spec.environ(), capture_output=True, timeout=_LIST_TIMEOUT_S, check=False)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise ValueError(f"env_python: cannot list the environment's tasks: {e}") from None
+    answers = [orjson.loads(line) for line in done.stdout.splitlines() if line.strip()]
+    fatal = next((a for a in answers if "fatal" in a), None)
+    if fatal is not None:
+        raise ValueError(f"{fatal.get('field', 'env_id')}: {opts.env_id!r} cannot be loaded by {opts.env_python}: "
+                         f"{fatal['fatal']}")
+    listed = next((a["result"]["tasks"] for a in answers if a.get("id") == 0 and "result" in a), None)
+    if listed is None:
+        tail = done.stderr.decode(errors="replace")[-1500:]
+        raise ValueError(f"env_python: {opts.env_python} did not run the verifiers worker (exit code "
+                         f"{done.returncode}): {tail}")
+    rows = []
+    for task in listed:
+        iid = task["id"] if task.get("id") else f"{opts.env_id}-{task['key'][:16]}"
+        rows.append({"instance_id": iid, "env_task": {"idx": task["idx"], "key": task["key"]},
+                     "prompt": task.get("prompt") or ""})
+    if not rows:
+        raise ValueError(f"env_id: {opts.env_id!r} has no tasks")
+    return rows
+
+
+class _Pool(EnvWorkerPool):
+    """The run's pool with its scratch folder, removed when the run ends."""
+
+    def __init__(self, opts: VerifiersOptions):
+        self.scratch = Path(tempfile.mkdtemp(prefix="rb-env-"))
+        super().__init__(opts.spec(self.scratch), opts.env_workers, opts.env_max_episodes)
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        await asyncio.to_thread(shutil.rmtree, self.scratch, True)
+
+
+async def _pool(ctx: RolloutContext) -> tuple[_Pool, VerifiersOptions]:
+    shared = ctx.run.shared.get(_SHARED_KEY)
+    if shared is None:
+        async with ctx.run.shared.setdefault(_BUILD_LOCK_KEY, asyncio.Lock()):
+            shared = ctx.run.shared.get(_SHARED_KEY)
+            if shared is None:
+                opts = VerifiersOptions.from_run(ctx.config)
+                shared = ctx.run.shared[_SHARED_KEY] = _Pool(opts)
+    return shared, VerifiersOptions.from_run(ctx.config)
+
+
+async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> list[dict[str, Any]]:
+    """One episode of the row's task through a fresh session; its records carry the environment's reward."""
+    pool, opts = await _pool(ctx)
+    task = item.get("env_task")
+    if not isinstance(task, dict) or not isinstance(task.get("idx"), int):
+        raise EnvWorkerError("env_task", "the row's env_task must be {\"idx\": int, \"key\": str} (as listed)")
+    attempt = 0
+    while True:
+        session = await ctx.open_session({"instance_id": ctx.instance_id})
+        try:
+            result = await pool.request({"op": "episode", "idx": task["idx"], "key": task.get("key"),
+                                         "base_url": session.base_url, "api_key": session.api_key,
+                                         "model": ctx.config.get("model_name") or "policy"}, opts.env_timeout_s)
+        except EnvWorkerDied as e:
+            await session.discard(str(e))
+            attempt += 1
+            if attempt > opts.env_max_retries:
+                raise EnvWorkerError("env_worker_crash", f"{e} (episode tried {attempt} times, env_max_retries="
+                                     f"{opts.env_max_retries})") from None
+            continue
+        except BaseException as e:
+            await session.discard(f"{type(e).__name__}: {e}")
+            raise
+        return await _records(session, result, attempt)
+
+
+async def _records(session: Any, result: dict[str, Any], retries: int) -> list[dict[str, Any]]:
+    traces = result.get("traces") or []
+    info = {"env": {"ok": result.get("ok"), "traces": traces, "errors": result.get("errors") or [],
+                    "retries": retries}}
+    if result.get("is_timeout"):
+        await session.discard("the environment's own episode time limit passed")
+        raise EnvWorkerError("env_timeout", f"the episode exceeded the environment's time limit: "
+                             f"{_errors(result)}")
+    if not result.get("ok"):
+        await session.discard(_errors(result))
+        raise EnvWorkerError("env_error", f"the environment's episode failed: {_errors(result)}")
+    scored = [t for t in traces if t.get("trainable", True)] or traces
+    rewards = [t.get("reward") for t in scored]
+    if not rewards or not all(isinstance(r, (int, float)) for r in rewards):
+        await session.discard("the environment gave no reward")
+        raise EnvWorkerError("env_reward", f"the environment gave no reward (traces: {len(traces)}, rewards: "
+                             f"{rewards})")
+    reward = float(sum(rewards)) / len(rewards)
+    try:
+        return await session.close(reward, **info)
+    except ValueError as e:
+        raise EnvWorkerError("env_no_turns", f"{e}; the environment's episode asked the model nothing") from None
+
+
+def _errors(result: dict[str, Any]) -> str:
+    errors = list(result.get("errors") or [])
+    for trace in result.get("traces") or []:
+        errors += trace.get("errors") or []
+    return "; ".join(f"{e.get('type')}: {e.get('message')}" for e in errors)[:2000] or "no error given"

@@ -1,0 +1,162 @@
+"""Task type `verifiers`: environments written with verifiers' own classes (tests/data/verifiers_envs/), run by the
+real `verifiers` package from PyPI in a venv of its own, train through sessions on the simulated engine.
+
+The venv is created once at a pinned version into a cache folder (`ROLLOUT_BUFFER_ENV_VENVS`, default
+`~/.cache/rollout-buffer/env-venvs`), with `uv` for the harness programs verifiers runs."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from runs import drain, wait_finished
+from servers import Server, free_port, running, sim_engine
+from test_agent_docker import assert_engine_tokens
+from test_proxy import decode_tail, spans
+
+VERIFIERS = "verifiers==0.4.0"
+ENVS = Path(__file__).parent / "data" / "verifiers_envs"
+
+
+@pytest.fixture(scope="module")
+def verifiers_python() -> str:
+    """The interpreter of a venv holding verifiers (and uv), created there once."""
+    root = Path(os.environ.get("ROLLOUT_BUFFER_ENV_VENVS", Path.home() / ".cache" / "rollout-buffer" / "env-venvs"))
+    venv = root / VERIFIERS.replace("==", "-")
+    python = venv / "bin" / "python"
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:  # test workers share the folder: one installs, the others wait
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (venv / ".complete").exists():
+            subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True, timeout=300)
+            done = subprocess.run([str(python), "-m", "pip", "install", "-q", VERIFIERS, "uv"], capture_output=True,
+                                  text=True, timeout=900)
+            assert done.returncode == 0, done.stderr[-3000:]
+            (venv / ".complete").write_text(VERIFIERS)
+    return str(python)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_path: str) -> Iterator[Server]:
+    with sim_engine(tmp_path_factory.mktemp("vf-sim"), qwen_tokenizer_path) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def buffer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log_dir = tmp_path_factory.mktemp("vf-buffer")
+    port = free_port()
+    with running(["serve", "--port", str(port), "--data-dir", str(log_dir / "data")], "/healthz", port,
+                 log_dir / "buffer.log") as srv:
+        yield srv
+
+
+def start(buffer: Server, engine: Server, tokenizer: str, python: str, env_id: str, **options: Any
+          ) -> httpx.Response:
+    return httpx.post(f"{buffer.url}/start_rollout", timeout=600, json={
+        "task_type": "verifiers", "remote_engine_url": engine.url, "tokenizer_path": tokenizer,
+        "env_python": python, "env_id": env_id, "env_paths": [str(ENVS)], "num_repeat_per_sample": 2,
+        "max_tokens": 4096, **options})
+
+
+def direct_reward(python: str, module: str, task_cls: str, method: str, data: dict[str, Any], reply: str) -> float:
+    """The environment's own reward function run directly (in its venv) on a final reply."""
+    script = (f"import asyncio, json, sys; sys.path.insert(0, {str(ENVS)!r}); import {module} as m\n"
+              f"task = m.{task_cls}(m.{task_cls}.__orig_bases__[0].__args__[0](**json.loads(sys.argv[1])))\n"
+              "class Trace: last_reply = sys.argv[2]\n"
+              f"print(asyncio.run(task.{method}(Trace())))")
+    import json
+    out = subprocess.run([python, "-c", script, json.dumps(data), reply], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return float(out.stdout.strip())
+
+
+def test_single_turn_environment_trains_from_its_own_dataset(verifiers_python: str, buffer: Server, engine: Server,
+                                                             qwen_tokenizer_path: str) -> None:
+    # One trajectory a task: the simulated engine answers a repeated prompt anew, so each record's tokens are
+    # checked against its own prompt's latest answer.
+    answer = start(buffer, engine, qwen_tokenizer_path, verifiers_python, "rb_arith", num_repeat_per_sample=1,
+                   env_config={"agent": {"harness": {"id": "null"}}})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["num_items"] == 3  # the taskset's own tasks: no input_file
+    status = wait_finished(buffer.url, timeout_s=300)
+    assert status["run"]["progress"]["statuses"] == {"completed": 3}, status["run"]["progress"]
+    records = drain(buffer.url)
+    assert sorted(r["instance_id"] for r in records) == ["sum-2-3", "sum-4-5", "sum-7-8"]
+    for rec in records:
+        env = rec["extra_info"]["env"]
+        (trace,) = env["traces"]
+        assert rec["raw_reward"] == trace["reward"] == trace["rewards"]["correct"]["score"]
+        reply = rec["messages"][-1]["content"].split("</think>")[-1].strip()  # the client sees no reasoning
+        a, b = (int(x) for x in rec["instance_id"].split("-")[1:])
+        assert direct_reward(verifiers_python, "rb_arith", "ArithTask", "correct",
+                             {"prompt": "p", "answer": str(a + b)}, reply) == trace["reward"]
+        assert trace["metrics"]["reply_chars"] == len(reply)
+        trained = spans(rec["loss_mask"])
+        assert len(trained) == 1  # one model turn; the prompt (the environment's text) at loss 0
+        assert f"What is {a} + {b}?" in decode_tail(rec["tokens"][:trained[0][0]])
+        assert "tokenization_mismatch" not in rec["extra_info"]
+        assert_engine_tokens(engine, rec)
+
+
+def test_tool_using_environment_runs_commands_between_model_turns(verifiers_python: str, buffer: Server,
+                                                                  engine: Server, qwen_tokenizer_path: str) -> None:
+    answer = start(buffer, engine, qwen_tokenizer_path, verifiers_python, "rb_shell", num_repeat_per_sample=1)
+    assert answer.status_code == 200, answer.text
+    status = wait_finished(buffer.url, timeout_s=300)
+    assert status["run"]["progress"]["statuses"] == {"completed": 2}, status["run"]["progress"]
+    for rec in drain(buffer.url):
+        n = int(rec["instance_id"].split("-")[1])
+        trained = spans(rec["loss_mask"])
+        assert len(trained) == 2  # the bash call, then the answer
+        between = decode_tail(rec["tokens"][trained[0][1]:trained[1][0]])
+        assert f"rb-marker-{n * 7}" in between and "<tool_response>" in between  # the harness ran it: loss 0
+        assert rec["raw_reward"] == 1.0 == rec["extra_info"]["env"]["traces"][0]["reward"]
+        assert_engine_tokens(engine, rec)
+
+
+def test_a_crashed_worker_is_replaced_and_its_episodes_retried(verifiers_python: str, buffer: Server, engine: Server,
+                                                               qwen_tokenizer_path: str, tmp_path: Path) -> None:
+    answer = start(buffer, engine, qwen_tokenizer_path, verifiers_python, "rb_faults",
+                   env_args={"mode": "crash_once", "flag_dir": str(tmp_path)}, env_max_episodes=1,
+                   env_config={"agent": {"harness": {"id": "null"}}})
+    assert answer.status_code == 200, answer.text
+    status = wait_finished(buffer.url, timeout_s=300)
+    assert status["run"]["progress"]["statuses"] == {"completed": 4}, status["run"]["progress"]
+    records = drain(buffer.url)  # whole groups of two, nothing lost or stored twice
+    assert sorted(r["instance_id"] for r in records) == ["fault-0", "fault-0", "fault-1", "fault-1"]
+    assert [r["raw_reward"] for r in records] == [0.5] * 4
+    assert sorted(r["extra_info"]["env"]["retries"] for r in records) == [0, 0, 1, 1]
+    assert "exited with code 3" in buffer.log()
+
+
+@pytest.mark.parametrize(("mode", "kind", "options"), [
+    ("sleep", "env_timeout", {"env_timeout_s": 3}),
+    ("raise", "env_error", {}),
+])
+def test_time_limits_and_environment_errors_are_recorded_failed(verifiers_python: str, buffer: Server, engine: Server,
+                                                                qwen_tokenizer_path: str, mode: str, kind: str,
+                                                                options: dict[str, Any]) -> None:
+    answer = start(buffer, engine, qwen_tokenizer_path, verifiers_python, "rb_faults", num_repeat_per_sample=1,
+                   env_args={"mode": mode}, env_config={"agent": {"harness": {"id": "null"}}}, **options)
+    assert answer.status_code == 200, answer.text
+    status = wait_finished(buffer.url, timeout_s=300)
+    assert status["run"]["progress"]["failures"] == {kind: 2}, status["run"]["progress"]
+    assert httpx.get(f"{buffer.url}/healthz", timeout=10).status_code == 200
+
+
+def test_an_environment_that_cannot_load_is_refused_naming_the_option(verifiers_python: str, buffer: Server,
+                                                                      engine: Server, qwen_tokenizer_path: str) -> None:
+    missing = start(buffer, engine, qwen_tokenizer_path, verifiers_python, "rb_no_such_env")
+    assert missing.status_code == 422 and "env_id" in missing.text and "rb_no_such_env" in missing.text, missing.text
+    not_python = start(buffer, engine, qwen_tokenizer_path, "/nonexistent/bin/python", "rb_arith")
+    assert not_python.status_code == 422 and "env_python" in not_python.text, not_python.text
+    no_verifiers = start(buffer, engine, qwen_tokenizer_path, sys.executable, "rb_arith")
+    assert no_verifiers.status_code == 422 and "env_python" in no_verifiers.text, no_verifiers.text
