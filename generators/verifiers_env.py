@@ -22,15 +22,17 @@ from typing import Any, ClassVar
 import orjson
 from pydantic import Field
 
-from rollout_buffer.environments.workers import (
+from rollout_buffer.generator_api import (
+    EnvError,
+    EnvWorker,
     EnvWorkerDied,
-    EnvWorkerError,
-    EnvWorkerPool,
+    ProcessPool,
+    RolloutContext,
+    RunOptions,
     WorkerSpec,
     python_env_paths,
     worker_script,
 )
-from rollout_buffer.generator_api import RolloutContext, RunOptions
 
 TASK_TYPE = "verifiers"
 REQUIRED_FIELDS = ("env_task",)
@@ -119,12 +121,13 @@ def default_input(payload: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-class _Pool(EnvWorkerPool):
-    """The run's pool with its scratch folder, removed when the run ends."""
+class _Pool(ProcessPool[EnvWorker]):
+    """The run's workers with their scratch folder, removed when the run ends."""
 
     def __init__(self, opts: VerifiersOptions):
         self.scratch = Path(tempfile.mkdtemp(prefix="rb-env-"))
-        super().__init__(opts.spec(self.scratch), opts.env_workers, opts.env_max_episodes)
+        spec = opts.spec(self.scratch)
+        super().__init__(lambda index: EnvWorker(spec, index), opts.env_workers, opts.env_max_episodes, spec.name)
 
     async def aclose(self) -> None:
         await super().aclose()
@@ -147,19 +150,20 @@ async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> list[dict[st
     pool, opts = await _pool(ctx)
     task = item.get("env_task")
     if not isinstance(task, dict) or not isinstance(task.get("idx"), int):
-        raise EnvWorkerError("env_task", "the row's env_task must be {\"idx\": int, \"key\": str} (as listed)")
+        raise EnvError("env_task", "the row's env_task must be {\"idx\": int, \"key\": str} (as listed)")
     attempt = 0
     while True:
         session = await ctx.open_session({"instance_id": ctx.instance_id})
         try:
-            result = await pool.request({"op": "episode", "idx": task["idx"], "key": task.get("key"),
-                                         "base_url": session.base_url, "api_key": session.api_key,
-                                         "model": ctx.config.get("model_name") or "policy"}, opts.env_timeout_s)
+            async with pool.lease() as worker:
+                result = await worker.request({"op": "episode", "idx": task["idx"], "key": task.get("key"),
+                                               "base_url": session.base_url, "api_key": session.api_key,
+                                               "model": ctx.config.get("model_name") or "policy"}, opts.env_timeout_s)
         except EnvWorkerDied as e:
             await session.discard(str(e))
             attempt += 1
             if attempt > opts.env_max_retries:
-                raise EnvWorkerError("env_worker_crash", f"{e} (episode tried {attempt} times, env_max_retries="
+                raise EnvError("env_worker_crash", f"{e} (episode tried {attempt} times, env_max_retries="
                                      f"{opts.env_max_retries})") from None
             continue
         except BaseException as e:
@@ -174,22 +178,22 @@ async def _records(session: Any, result: dict[str, Any], retries: int) -> list[d
                     "retries": retries}}
     if result.get("is_timeout"):
         await session.discard("the environment's own episode time limit passed")
-        raise EnvWorkerError("env_timeout", f"the episode exceeded the environment's time limit: "
+        raise EnvError("env_timeout", f"the episode exceeded the environment's time limit: "
                              f"{_errors(result)}")
     if not result.get("ok"):
         await session.discard(_errors(result))
-        raise EnvWorkerError("env_error", f"the environment's episode failed: {_errors(result)}")
+        raise EnvError("env_error", f"the environment's episode failed: {_errors(result)}")
     scored = [t for t in traces if t.get("trainable", True)] or traces
     rewards = [t.get("reward") for t in scored]
     if not rewards or not all(isinstance(r, (int, float)) for r in rewards):
         await session.discard("the environment gave no reward")
-        raise EnvWorkerError("env_reward", f"the environment gave no reward (traces: {len(traces)}, rewards: "
+        raise EnvError("env_reward", f"the environment gave no reward (traces: {len(traces)}, rewards: "
                              f"{rewards})")
     reward = float(sum(rewards)) / len(rewards)
     try:
         return await session.close(reward, **info)
     except ValueError as e:
-        raise EnvWorkerError("env_no_turns", f"{e}; the environment's episode asked the model nothing") from None
+        raise EnvError("env_no_turns", f"{e}; the environment's episode asked the model nothing") from None
 
 
 def _errors(result: dict[str, Any]) -> str:

@@ -6,6 +6,10 @@ the service, in one module. What is not here is the service's own and may change
 See the generators guide (docs/generators.md) for what each does.
 """
 
+from rollout_buffer.environments.openenv_client import OpenEnvSession, StepResult, is_mcp
+from rollout_buffer.environments.openenv_servers import PORT_PLACEHOLDER, OpenEnvServer, ServerSpec
+from rollout_buffer.environments.pool import EnvError, ProcessPool
+from rollout_buffer.environments.workers import EnvWorker, EnvWorkerDied, WorkerSpec, python_env_paths, worker_script
 from rollout_buffer.generation.context import RolloutContext, RunResources
 from rollout_buffer.generation.conversation import Conversation
 from rollout_buffer.generation.engine import EngineClient
@@ -19,17 +23,30 @@ from rollout_buffer.schemas import check_http_urls
 
 __all__ = [
     "INLINE_CHARS",
+    "PORT_PLACEHOLDER",
     "AgentSession",
     "Conversation",
     "EngineClient",
     "EngineError",
+    "EnvError",
+    "EnvWorker",
+    "EnvWorkerDied",
+    "OpenEnvServer",
+    "OpenEnvSession",
+    "ProcessPool",
     "RolloutContext",
     "RunOptions",
     "RunResources",
+    "ServerSpec",
+    "StepResult",
     "ToolCall",
+    "WorkerSpec",
     "check_http_urls",
     "confined_path",
+    "is_mcp",
     "iter_json_objects",
     "parse_tool_calls",
+    "python_env_paths",
     "tool_call",
+    "worker_script",
 ]

@@ -30,6 +30,8 @@ ALLOWED: dict[str, set[str]] = {
     "executors": {"config", "schemas", "observability", "delivery", "generation"},
     "server": {"config", "schemas", "observability", "delivery", "generation", "proxy", "executors"},
     "sim": {"generation.tokenizer"},
+    # Environments in their own processes: the buffer's side knows nothing of the service.
+    "environments": set(),
 }
 TOP = {"tools", "__main__", "generator_api"}
 # Inside delivery, storage by concern: the store thread knows only the schema; each concern is a module over the

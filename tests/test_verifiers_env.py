@@ -1,13 +1,11 @@
 """Task type `verifiers`: environments written with verifiers' own classes (tests/data/verifiers_envs/), run by the
 real `verifiers` package from PyPI in a venv of its own, train through sessions on the simulated engine.
 
-The venv is created once at a pinned version into a cache folder (`ROLLOUT_BUFFER_ENV_VENVS`, default
-`~/.cache/rollout-buffer/env-venvs`), with `uv` for the harness programs verifiers runs."""
+The venv is created once at a pinned version into a cache folder (tests/env_venvs.py), with `uv` for the harness
+programs verifiers runs."""
 
 from __future__ import annotations
 
-import fcntl
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from env_venvs import cached_venv
 from runs import drain, wait_finished
 from servers import Server, free_port, running, sim_engine
 from test_agent_docker import assert_engine_tokens
@@ -27,20 +26,8 @@ ENVS = Path(__file__).parent / "data" / "verifiers_envs"
 
 @pytest.fixture(scope="module")
 def verifiers_python() -> str:
-    """The interpreter of a venv holding verifiers (and uv), created there once."""
-    root = Path(os.environ.get("ROLLOUT_BUFFER_ENV_VENVS", Path.home() / ".cache" / "rollout-buffer" / "env-venvs"))
-    venv = root / VERIFIERS.replace("==", "-")
-    python = venv / "bin" / "python"
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".lock", "w") as lock:  # test workers share the folder: one installs, the others wait
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (venv / ".complete").exists():
-            subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True, timeout=300)
-            done = subprocess.run([str(python), "-m", "pip", "install", "-q", VERIFIERS, "uv"], capture_output=True,
-                                  text=True, timeout=900)
-            assert done.returncode == 0, done.stderr[-3000:]
-            (venv / ".complete").write_text(VERIFIERS)
-    return str(python)
+    """The interpreter of a venv holding verifiers and uv (its harness programs run with uv)."""
+    return cached_venv(VERIFIERS, "uv")
 
 
 @pytest.fixture(scope="module")

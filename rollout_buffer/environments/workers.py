@@ -2,9 +2,8 @@
 one long-lived process per worker, driven over JSON lines on its stdin/stdout (see `verifiers_worker.py`); its
 policy is a buffer session it reaches over HTTP.
 
-A pool starts its workers lazily, sends each request to the least busy live one, and replaces a worker that died:
-the requests it held fail with `EnvWorkerDied` (the caller decides whether to retry), the next request starts a
-new process.
+A `ProcessPool` (pool.py) of them starts them lazily and replaces one that died: the requests it held fail with
+`EnvWorkerDied` (the caller decides whether to retry).
 """
 
 from __future__ import annotations
@@ -23,6 +22,8 @@ from typing import Any
 
 import orjson
 
+from rollout_buffer.environments.pool import EnvError
+
 log = logging.getLogger(__name__)
 
 _STDERR_TAIL_LINES = 40
@@ -30,15 +31,7 @@ _STOP_GRACE_S = 5.0
 _LINE_LIMIT = 64 * 1024 * 1024  # a task list or an episode's summary on one line
 
 
-class EnvWorkerError(Exception):
-    """A request the worker could not serve; `error_kind` names why (the runner records it on the trajectory)."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.error_kind = kind
-
-
-class EnvWorkerDied(EnvWorkerError):
+class EnvWorkerDied(EnvError):
     """The worker process ended with requests in flight (crashed, killed, out of memory)."""
 
     def __init__(self, message: str):
@@ -78,6 +71,7 @@ class EnvWorker:
         self._tasks: list[asyncio.Task[None]] = []
         self._started: asyncio.Future[dict[str, Any]] | None = None
         self.dead = False
+        self.leases = 0
 
     @property
     def label(self) -> str:
@@ -85,7 +79,7 @@ class EnvWorker:
         return f"{self.spec.name} worker {self.number} (pid {pid})"
 
     async def start(self) -> None:
-        """Start the process and wait until it loaded the environment; EnvWorkerError with its reason if not."""
+        """Start the process and wait until it loaded the environment; EnvError with its reason if not."""
         spec = self.spec
         try:
             self.proc = await asyncio.create_subprocess_exec(
@@ -93,7 +87,7 @@ class EnvWorker:
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=spec.environ(),
                 cwd=spec.cwd, limit=_LINE_LIMIT, start_new_session=True)
         except OSError as e:
-            raise EnvWorkerError("env_start", f"cannot start {spec.python}: {e.strerror or e}") from None
+            raise EnvError("env_start", f"cannot start {spec.python}: {e.strerror or e}") from None
         self._started = asyncio.get_running_loop().create_future()
         self._tasks = [asyncio.create_task(self._read_answers(), name=f"{self.label} answers"),
                        asyncio.create_task(self._read_stderr(), name=f"{self.label} stderr")]
@@ -102,9 +96,9 @@ class EnvWorker:
             self.ready = await asyncio.wait_for(asyncio.shield(self._started), spec.start_timeout_s)
         except TimeoutError:
             await self.stop()
-            raise EnvWorkerError("env_start", f"{self.label} did not load the environment within "
+            raise EnvError("env_start", f"{self.label} did not load the environment within "
                                  f"{spec.start_timeout_s:g} s; stderr: {self.stderr_text()!r}") from None
-        except EnvWorkerError:
+        except EnvError:
             await self.stop()
             raise
         log.info("%s ready: %s", self.label, self.ready)
@@ -121,7 +115,7 @@ class EnvWorker:
             return await asyncio.wait_for(asyncio.shield(future), timeout_s)
         except TimeoutError:
             self._cancel(rid)
-            raise EnvWorkerError("env_timeout", f"no answer within {timeout_s:g} s; the episode was cancelled"
+            raise EnvError("env_timeout", f"no answer within {timeout_s:g} s; the episode was cancelled"
                                  ) from None
         except asyncio.CancelledError:
             self._cancel(rid)
@@ -153,7 +147,7 @@ class EnvWorker:
         self._fail_pending(EnvWorkerDied(f"{self.label} was stopped"))
 
     def _cancel(self, rid: str) -> None:
-        with contextlib.suppress(EnvWorkerError, OSError, RuntimeError):
+        with contextlib.suppress(EnvError, OSError, RuntimeError):
             self._write({"op": "cancel", "target": rid, "id": f"{rid}-cancel"})
 
     def _write(self, message: dict[str, Any]) -> None:
@@ -176,7 +170,7 @@ class EnvWorker:
         self.dead = True
         reason = f"{self.label} exited with code {code}; stderr: {self.stderr_text()!r}"
         if self._started is not None and not self._started.done():
-            self._started.set_exception(EnvWorkerError("env_start", reason))
+            self._started.set_exception(EnvError("env_start", reason))
         if self.pending:
             log.error("%s with %d requests in flight", reason, len(self.pending))
         self._fail_pending(EnvWorkerDied(reason))
@@ -186,7 +180,7 @@ class EnvWorker:
         if started is not None and not started.done():
             if "fatal" in message:
                 log.error("%s cannot load the environment:\n%s", self.label, message.get("traceback", ""))
-                started.set_exception(EnvWorkerError("env_load", str(message["fatal"])))
+                started.set_exception(EnvError("env_load", str(message["fatal"])))
             else:
                 started.set_result(message)
             return
@@ -194,7 +188,7 @@ class EnvWorker:
         if future is None or future.done():
             return  # answered after its caller stopped waiting (time limit, cancel)
         if "error" in message:
-            future.set_exception(EnvWorkerError(str(message.get("kind") or "env_error"), str(message["error"])))
+            future.set_exception(EnvError(str(message.get("kind") or "env_error"), str(message["error"])))
         else:
             future.set_result(message.get("result") or {})
 
@@ -206,74 +200,11 @@ class EnvWorker:
             self.stderr_tail.append(text)
             log.debug("%s: %s", self.label, text)
 
-    def _fail_pending(self, error: EnvWorkerError) -> None:
+    def _fail_pending(self, error: EnvError) -> None:
         for future in self.pending.values():
             if not future.done():
                 future.set_exception(error)
                 future.exception()  # retrieved: a caller that stopped waiting leaves no warning
-
-
-class EnvWorkerPool:
-    """`size` workers of one environment, each serving up to `max_in_flight` requests at once."""
-
-    def __init__(self, spec: WorkerSpec, size: int, max_in_flight: int):
-        self.spec = spec
-        self.max_in_flight = max_in_flight
-        self.workers: list[EnvWorker | None] = [None] * size
-        self._starting: dict[int, asyncio.Task[EnvWorker]] = {}
-        self._slots = asyncio.Semaphore(size * max_in_flight)
-        self.replaced = 0
-        self._closed = False
-
-    async def request(self, message: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
-        """One request on the least busy worker (starting or replacing it first)."""
-        async with self._slots:
-            worker = await self._pick()
-            return await worker.request(message, timeout_s)
-
-    async def first_ready(self) -> dict[str, Any]:
-        """Start one worker (if none runs) and return what it said when ready; EnvWorkerError if it cannot load."""
-        worker = await self._pick()
-        return worker.ready
-
-    async def aclose(self) -> None:
-        """Stop every worker (the run ended or was replaced)."""
-        self._closed = True
-        for task in self._starting.values():
-            task.cancel()
-        await asyncio.gather(*(w.stop() for w in self.workers if w is not None), return_exceptions=True)
-
-    async def _pick(self) -> EnvWorker:
-        if self._closed:
-            raise EnvWorkerError("env_stopped", f"the {self.spec.name} workers were stopped (the run ended)")
-        live = [(len(w.pending), i) for i, w in enumerate(self.workers) if w is not None and not w.dead]
-        if live and (min(live)[0] == 0 or len(live) == len(self.workers)):
-            return self._worker(min(live)[1])
-        index = next(i for i, w in enumerate(self.workers) if w is None or w.dead)
-        task = self._starting.get(index)
-        if task is None:
-            task = asyncio.create_task(self._start(index), name=f"{self.spec.name} worker {index} start")
-            self._starting[index] = task
-        return await asyncio.shield(task)
-
-    def _worker(self, index: int) -> EnvWorker:
-        worker = self.workers[index]
-        assert worker is not None
-        return worker
-
-    async def _start(self, index: int) -> EnvWorker:
-        try:
-            old = self.workers[index]
-            if old is not None:
-                self.replaced += 1
-                log.warning("replacing %s", old.label)
-                await old.stop()
-            worker = EnvWorker(self.spec, index)
-            await worker.start()
-            self.workers[index] = worker
-            return worker
-        finally:
-            self._starting.pop(index, None)
 
 
 def worker_script(name: str) -> Path:

@@ -1,0 +1,323 @@
+"""Task type `openenv`: environments served by Meta / Hugging Face's OpenEnv train unchanged.
+
+The environment runs in its own server (the user's, at `openenv_url`, or processes the buffer starts from
+`openenv_command`, in their own venv); the buffer speaks OpenEnv's WebSocket protocol to it
+(`rollout_buffer/environments/openenv_client.py`) and drives a chat loop through a session: the observation is the
+user message, the policy's reply the action, `step` answers with the next observation, a reward and done. An
+environment whose actions are MCP tool calls has its tools offered to the policy; each call is a step and its
+result the tool message. The record's reward is the episode's return (the sum of the step rewards, each kept in
+`extra_info.openenv.step_rewards`).
+
+Input rows give `reset` (the keyword arguments of the environment's `reset`: a seed, a task id); without
+`input_file`, `openenv_resets` lists them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import httpx
+import orjson
+from pydantic import Field, model_validator
+
+from rollout_buffer.generator_api import (
+    PORT_PLACEHOLDER,
+    AgentSession,
+    EnvError,
+    OpenEnvServer,
+    OpenEnvSession,
+    ProcessPool,
+    RolloutContext,
+    RunOptions,
+    ServerSpec,
+    StepResult,
+    is_mcp,
+)
+
+TASK_TYPE = "openenv"
+REQUIRED_FIELDS = ()
+
+_SHARED_KEY = "openenv.run"
+_BUILD_LOCK_KEY = "openenv.run.build"
+_TEXT_FIELDS = ("prompt", "text", "message", "question", "content", "observation")
+# Failures that mean the server went away under the episode: run it again on a live one.
+_RETRIED = {"openenv_gone", "openenv_down", "openenv_capacity"}
+
+__all__ = ["TASK_TYPE", "check_payload", "default_input", "run_rollout", "runs_in_buffer"]
+
+
+def _one_default_reset() -> list[dict[str, Any]]:
+    return [{}]
+
+
+class OpenEnvOptions(RunOptions):
+    """How an `openenv` run reaches its environment and talks to it (docs: "Bring your environment")."""
+
+    error_prefix: ClassVar[str] = "openenv run options"
+
+    openenv_url: str | None = Field(default=None, min_length=1, description="a running OpenEnv server")
+    openenv_command: list[str] | None = Field(default=None, min_length=1,
+                                              description="starts one server; {port} is replaced by its port")
+    openenv_env: dict[str, str] = Field(default_factory=dict, description="environment variables of the command")
+    openenv_servers: int = Field(default=1, ge=1, le=256, description="servers started from the command")
+    openenv_max_sessions: int = Field(default=1, ge=1, description="episodes one server runs at once")
+    openenv_resets: list[dict[str, Any]] = Field(default_factory=_one_default_reset, min_length=1)
+    openenv_system_prompt: str | None = None
+    openenv_prompt_field: str | None = Field(default=None, min_length=1,
+                                             description="the observation field shown to the policy")
+    openenv_action_field: str | None = Field(default=None, min_length=1,
+                                             description="the action field the policy's reply fills")
+    openenv_max_steps: int = Field(default=32, ge=1)
+    openenv_timeout_s: float = Field(default=1800.0, gt=0, description="time limit of one episode")
+    openenv_max_retries: int = Field(default=2, ge=0, description="retries of an episode whose server went away")
+    openenv_start_timeout_s: float = Field(default=120.0, gt=0)
+
+    @model_validator(mode="after")
+    def _one_server(self) -> OpenEnvOptions:
+        if (self.openenv_url is None) == (self.openenv_command is None):
+            raise ValueError("openenv_url: give openenv_url or openenv_command (exactly one)")
+        if self.openenv_command is not None and not any(PORT_PLACEHOLDER in a for a in self.openenv_command):
+            raise ValueError(f"openenv_command: no {PORT_PLACEHOLDER} in it (where the server's port goes)")
+        return self
+
+
+def runs_in_buffer(payload: dict[str, Any]) -> bool:
+    """The servers and the chat loops belong to the buffer's process (one pool per run)."""
+    return True
+
+
+def check_payload(payload: dict[str, Any], data_roots: Any) -> None:
+    """The start-time checks (blocking: called in a thread): the options, a reachable server or a program."""
+    opts = OpenEnvOptions.from_run(payload)
+    if opts.openenv_url is not None:
+        try:
+            httpx.get(opts.openenv_url.rstrip("/") + "/schema", timeout=10).raise_for_status()
+        except httpx.HTTPError as e:
+            raise ValueError(f"openenv_url: the OpenEnv server at {opts.openenv_url} does not answer /schema: {e}"
+                             ) from None
+    elif opts.openenv_command is not None and shutil.which(opts.openenv_command[0]) is None:
+        raise ValueError(f"openenv_command: program {opts.openenv_command[0]!r} not found")
+
+
+def default_input(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per `openenv_resets` entry, its instance id from its content (the same every time)."""
+    opts = OpenEnvOptions.from_run(payload)
+    return [{"instance_id": f"openenv-{hashlib.sha256(orjson.dumps(r, option=orjson.OPT_SORT_KEYS)).hexdigest()[:12]}",
+             "reset": r} for r in opts.openenv_resets]
+
+
+class _Run(ProcessPool[OpenEnvServer]):
+    """The run's servers, its HTTP client (schemas, the policy's session), its scratch folder."""
+
+    def __init__(self, opts: OpenEnvOptions):
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30))
+        self.scratch = Path(tempfile.mkdtemp(prefix="rb-openenv-"))
+        spec = ServerSpec(opts.openenv_url, opts.openenv_command, opts.openenv_env, self.scratch,
+                          opts.openenv_start_timeout_s)
+        size = 1 if opts.openenv_url is not None else opts.openenv_servers
+        super().__init__(lambda index: OpenEnvServer(spec, index, self.http), size, opts.openenv_max_sessions,
+                         "OpenEnv server")
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        await self.http.aclose()
+        await asyncio.to_thread(shutil.rmtree, self.scratch, True)
+
+
+async def _run(ctx: RolloutContext) -> _Run:
+    shared = ctx.run.shared.get(_SHARED_KEY)
+    if shared is None:
+        async with ctx.run.shared.setdefault(_BUILD_LOCK_KEY, asyncio.Lock()):
+            shared = ctx.run.shared.get(_SHARED_KEY)
+            if shared is None:
+                shared = ctx.run.shared[_SHARED_KEY] = _Run(OpenEnvOptions.from_run(ctx.config))
+    return shared
+
+
+@dataclass
+class Episode:
+    """What an episode did, for the record."""
+
+    step_rewards: list[float | None]
+    done: bool = False
+    end: str = "done"
+
+
+async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> list[dict[str, Any]]:
+    """One episode of the row's `reset` through a fresh session; its records carry the episode's return."""
+    run = await _run(ctx)
+    opts = OpenEnvOptions.from_run(ctx.config)
+    reset = item.get("reset", {})
+    if not isinstance(reset, dict):
+        raise EnvError("reset", "the row's reset must be a JSON object (the environment's reset arguments)")
+    attempt = 0
+    while True:
+        session = await ctx.open_session({"instance_id": ctx.instance_id})
+        try:
+            async with run.lease() as server:
+                try:
+                    episode = await asyncio.wait_for(_episode(run.http, server, session, reset, opts),
+                                                     opts.openenv_timeout_s)
+                except EnvError as e:
+                    if e.error_kind in _RETRIED:
+                        await server.settle()  # a server that went away is not leased again
+                    raise
+        except TimeoutError:
+            await session.discard("time limit")
+            raise EnvError("env_timeout", f"the episode did not end within openenv_timeout_s="
+                           f"{opts.openenv_timeout_s:g}") from None
+        except EnvError as e:
+            await session.discard(str(e))
+            if e.error_kind not in _RETRIED:
+                raise
+            attempt += 1
+            if attempt > opts.openenv_max_retries:
+                raise EnvError(e.error_kind, f"{e} (episode tried {attempt} times, openenv_max_retries="
+                               f"{opts.openenv_max_retries})") from None
+            continue
+        except BaseException as e:
+            await session.discard(f"{type(e).__name__}: {e}")
+            raise
+        info = {"openenv": {"step_rewards": episode.step_rewards, "steps": len(episode.step_rewards),
+                            "done": episode.done, "end": episode.end, "retries": attempt, "reset": reset}}
+        reward = float(sum(r for r in episode.step_rewards if r is not None))
+        try:
+            return await session.close(reward, **info)
+        except ValueError as e:
+            raise EnvError("env_no_turns", f"{e}; the episode asked the model nothing") from None
+
+
+async def _episode(http: httpx.AsyncClient, server: OpenEnvServer, session: AgentSession, reset: dict[str, Any],
+                   opts: OpenEnvOptions) -> Episode:
+    mcp = is_mcp(server.schema)
+    async with OpenEnvSession(server.url) as env:
+        result = await env.reset(**reset)
+        messages: list[dict[str, Any]] = []
+        if opts.openenv_system_prompt:
+            messages.append({"role": "system", "content": opts.openenv_system_prompt})
+        messages.append({"role": "user", "content": observation_text(result, opts.openenv_prompt_field)})
+        tools = await _tools(env) if mcp else None
+        episode = Episode([])
+        while not result.done:
+            if len(episode.step_rewards) >= opts.openenv_max_steps:
+                episode.end = "max_steps"
+                return episode
+            message, finish = await _policy(http, session, messages, tools)
+            messages.append(message)
+            if finish == "length":
+                episode.end = "truncated"
+                return episode
+            if mcp:
+                calls = message.get("tool_calls") or []
+                if not calls:
+                    episode.end = "no_tool_call"
+                    return episode
+                for call in calls:
+                    result = await env.step(_tool_action(call))
+                    episode.step_rewards.append(result.reward)
+                    messages.append({"role": "tool", "tool_call_id": call.get("id"), "content": tool_text(result)})
+                    if result.done:
+                        break
+            else:
+                result = await env.step(action_from(message.get("content") or "",
+                                                    server.schema.get("action") or {}, opts.openenv_action_field))
+                episode.step_rewards.append(result.reward)
+                if not result.done:
+                    messages.append({"role": "user", "content": observation_text(result, opts.openenv_prompt_field)})
+        episode.done = True
+        return episode
+
+
+async def _policy(http: httpx.AsyncClient, session: AgentSession, messages: list[dict[str, Any]],
+                  tools: list[dict[str, Any]] | None) -> tuple[dict[str, Any], str]:
+    """The policy's next message through the session (which captures its tokens), and its finish reason."""
+    body: dict[str, Any] = {"model": "policy", "messages": messages}
+    if tools:
+        body["tools"] = tools
+    answer = await http.post(f"{session.base_url}/chat/completions", json=body,
+                             headers={"Authorization": f"Bearer {session.api_key}"})
+    if answer.status_code != 200:
+        raise EnvError("policy_error", f"the session answered {answer.status_code}: {answer.text[:500]}")
+    choice = answer.json()["choices"][0]
+    message = {k: v for k, v in choice["message"].items() if v is not None}
+    return message, str(choice.get("finish_reason"))
+
+
+async def _tools(env: OpenEnvSession) -> list[dict[str, Any]]:
+    """The environment's MCP tools as OpenAI function tools."""
+    listed = await env.step({"type": "list_tools"})
+    tools = listed.observation.get("tools") or []
+    return [{"type": "function", "function": {"name": t["name"], "description": t.get("description") or "",
+                                              "parameters": t.get("input_schema") or t.get("inputSchema")
+                                              or {"type": "object", "properties": {}}}} for t in tools]
+
+
+def _tool_action(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function") or {}
+    try:
+        arguments = json.loads(function.get("arguments") or "{}")
+    except json.JSONDecodeError:
+        arguments = {}
+    return {"type": "call_tool", "tool_name": function.get("name") or "",
+            "arguments": arguments if isinstance(arguments, dict) else {}}
+
+
+def observation_text(result: StepResult, field: str | None) -> str:
+    """What the policy is shown of an observation: `field` (dotted, looked up in the observation then its
+    metadata), else its first text field, else a `prompt` in its metadata, else the observation as JSON."""
+    obs = result.observation
+    meta = obs.get("metadata") or result.metadata
+    if field is not None:
+        for source in (obs, meta):
+            value: Any = source
+            for part in field.split("."):
+                value = value.get(part) if isinstance(value, dict) else None
+            if value is not None:
+                return value if isinstance(value, str) else json.dumps(value)
+        raise EnvError("openenv_prompt_field", f"the observation has no {field!r} (fields: {sorted(obs)})")
+    for key in _TEXT_FIELDS:
+        if isinstance(obs.get(key), str) and obs[key]:
+            return str(obs[key])
+    if isinstance(meta, dict) and isinstance(meta.get("prompt"), str):
+        return str(meta["prompt"])
+    return json.dumps({k: v for k, v in obs.items() if k != "metadata"})
+
+
+def tool_text(result: StepResult) -> str:
+    """An MCP tool's answer as the tool message: its text content, or its error."""
+    obs = result.observation
+    error = obs.get("error")
+    if error:
+        return f"Error: {error.get('message') if isinstance(error, dict) else error}"
+    content = (obs.get("result") or {}).get("content") if isinstance(obs.get("result"), dict) else None
+    if isinstance(content, list):
+        return "\n".join(str(c.get("text", "")) for c in content if isinstance(c, dict))
+    return json.dumps(obs.get("result"))
+
+
+def action_from(reply: str, action_schema: dict[str, Any], field: str | None) -> dict[str, Any]:
+    """The policy's reply as an action: into `field`; else a JSON object reply as it is; else into the action's
+    one required field."""
+    if field is not None:
+        return {field: reply}
+    text = reply.strip()
+    if text.startswith("```") and text.endswith("```"):
+        text = "\n".join(text.splitlines()[1:-1]).strip()
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError:
+        parsed = None
+    if isinstance(parsed, dict):
+        return parsed
+    required = [r for r in action_schema.get("required") or [] if r != "metadata"]
+    if len(required) != 1:
+        raise EnvError("openenv_action_field", f"the action has required fields {required}: name the one the "
+                       "reply fills with openenv_action_field")
+    return {required[0]: reply}

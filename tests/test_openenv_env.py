@@ -1,0 +1,159 @@
+"""Task type `openenv`: environments written with OpenEnv's own server library (tests/data/openenv_envs/), served
+by the real `openenv` package from PyPI in a venv of its own, train through sessions on the simulated engine —
+servers the buffer starts from a command, and a server the user runs."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from env_venvs import cached_venv
+from runs import drain, wait_finished
+from servers import Server, free_port, running, sim_engine, wait_http
+from test_agent_docker import assert_engine_tokens
+from test_proxy import decode_tail, spans
+
+OPENENV = "openenv==0.10.0"
+ENVS = Path(__file__).parent / "data" / "openenv_envs"
+
+
+@pytest.fixture(scope="module")
+def openenv_python() -> str:
+    return cached_venv(OPENENV)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_path: str) -> Iterator[Server]:
+    with sim_engine(tmp_path_factory.mktemp("openenv-sim"), qwen_tokenizer_path) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def buffer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log_dir = tmp_path_factory.mktemp("openenv-buffer")
+    port = free_port()
+    with running(["serve", "--port", str(port), "--data-dir", str(log_dir / "data")], "/healthz", port,
+                 log_dir / "buffer.log") as srv:
+        yield srv
+
+
+@pytest.fixture
+def env_server(openenv_python: str, tmp_path: Path) -> Iterator[str]:
+    """A server the user runs (here: the test), started from one of the test environments."""
+    port = free_port()
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(script: str) -> str:
+        nonlocal proc
+        log = open(tmp_path / f"{script}.log", "wb")
+        proc = subprocess.Popen([openenv_python, str(ENVS / script), "--port", str(port)], stdout=log,
+                                stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health", 120, proc)
+        return url
+
+    yield start  # type: ignore[misc]
+    if proc is not None:
+        proc.terminate()
+        proc.wait(30)
+
+
+def start(buffer: Server, engine: Server, tokenizer: str, **options: Any) -> httpx.Response:
+    return httpx.post(f"{buffer.url}/start_rollout", timeout=120, json={
+        "task_type": "openenv", "remote_engine_url": engine.url, "tokenizer_path": tokenizer,
+        "num_repeat_per_sample": 1, "max_tokens": 4096, "openenv_resets": [{"seed": 1}, {"seed": 2}], **options})
+
+
+def replayed_rewards(python: str, url: str, reset: dict[str, Any], actions: list[str]) -> list[float | None]:
+    """The environment's rewards for the same actions, through OpenEnv's own client (run in its venv)."""
+    script = ("import json, sys\nfrom openenv import GenericEnvClient\n"
+              "reset, actions = json.loads(sys.argv[1]), json.loads(sys.argv[2])\n"
+              "with GenericEnvClient(base_url=sys.argv[3]).sync() as env:\n"
+              "    env.reset(**reset)\n"
+              "    print(json.dumps([env.step({'message': a}).reward for a in actions]))\n")
+    out = subprocess.run([python, "-c", script, json.dumps(reset), json.dumps(actions), url], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rewards: list[float | None] = json.loads(out.stdout.strip().splitlines()[-1])
+    return rewards
+
+
+def test_a_multi_step_environment_started_by_the_buffer(openenv_python: str, buffer: Server, engine: Server,
+                                                        qwen_tokenizer_path: str, env_server: Any) -> None:
+    answer = start(buffer, engine, qwen_tokenizer_path, openenv_servers=2, openenv_max_sessions=2,
+                   openenv_command=[openenv_python, str(ENVS / "arith_drill.py"), "--port", "{port}"])
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["num_items"] == 2  # one row per openenv_resets entry
+    status = wait_finished(buffer.url, timeout_s=300)
+    assert status["run"]["progress"]["statuses"] == {"completed": 2}, status["run"]["progress"]
+    url = env_server("arith_drill.py")
+    for rec in drain(buffer.url):
+        info = rec["extra_info"]["openenv"]
+        assert info["steps"] == 3 and info["done"] and info["end"] == "done"
+        assert rec["raw_reward"] == sum(info["step_rewards"])
+        actions = [m["content"].split("</think>")[-1].strip() for m in rec["messages"] if m["role"] == "assistant"]
+        assert replayed_rewards(openenv_python, url, info["reset"], actions) == info["step_rewards"]
+        trained = spans(rec["loss_mask"])
+        assert len(trained) == 3  # one model turn a step; the environment's questions between them at loss 0
+        for (_, end), (begin, _) in itertools.pairwise(trained):
+            assert "What is" in decode_tail(rec["tokens"][end:begin])
+        assert_engine_tokens(engine, rec)
+
+
+def test_mcp_tools_of_a_running_server_are_offered_to_the_policy(buffer: Server, engine: Server,
+                                                                 qwen_tokenizer_path: str, env_server: Any) -> None:
+    url = env_server("calc_tools.py")
+    answer = start(buffer, engine, qwen_tokenizer_path, openenv_url=url, openenv_max_sessions=2)
+    assert answer.status_code == 200, answer.text
+    status = wait_finished(buffer.url, timeout_s=300)
+    assert status["run"]["progress"]["statuses"] == {"completed": 2}, status["run"]["progress"]
+    for rec in drain(buffer.url):
+        info = rec["extra_info"]["openenv"]
+        assert info["step_rewards"] == [1.0] and rec["raw_reward"] == 1.0  # the calculator's value was the target
+        (trained,) = spans(rec["loss_mask"])
+        prompt = decode_tail(rec["tokens"][:trained[0]])
+        assert '"name": "calculator"' in prompt  # the environment's MCP tool, offered as a function
+        assert "<tool_call>" in decode_tail(rec["tokens"][trained[0]:trained[1]])
+        assert_engine_tokens(engine, rec)
+
+
+def test_a_server_that_dies_is_replaced_and_its_episode_retried(openenv_python: str, buffer: Server, engine: Server,
+                                                                qwen_tokenizer_path: str, tmp_path: Path) -> None:
+    flag = str(tmp_path / "crashed")
+    answer = start(buffer, engine, qwen_tokenizer_path, openenv_resets=[{"seed": 3, "crash_flag": flag}],
+                   num_repeat_per_sample=2,
+                   openenv_command=[openenv_python, str(ENVS / "arith_drill.py"), "--port", "{port}"])
+    assert answer.status_code == 200, answer.text
+    status = wait_finished(buffer.url, timeout_s=300)
+    assert status["run"]["progress"]["statuses"] == {"completed": 2}, status["run"]["progress"]
+    records = drain(buffer.url)  # the whole group, nothing stored twice
+    assert len(records) == 2 and sorted(r["extra_info"]["openenv"]["retries"] for r in records)[-1] >= 1
+    assert "exited with code 7" in buffer.log()
+
+
+def test_a_time_limit_is_recorded(openenv_python: str, buffer: Server, engine: Server, qwen_tokenizer_path: str
+                                  ) -> None:
+    answer = start(buffer, engine, qwen_tokenizer_path, openenv_resets=[{"seed": 4, "sleep_s": 30}],
+                   openenv_timeout_s=3,
+                   openenv_command=[openenv_python, str(ENVS / "arith_drill.py"), "--port", "{port}"])
+    assert answer.status_code == 200, answer.text
+    status = wait_finished(buffer.url, timeout_s=300)
+    assert status["run"]["progress"]["failures"] == {"env_timeout": 1}, status["run"]["progress"]
+
+
+def test_bad_options_are_refused_naming_the_option(buffer: Server, engine: Server, qwen_tokenizer_path: str) -> None:
+    down = start(buffer, engine, qwen_tokenizer_path, openenv_url=f"http://127.0.0.1:{free_port()}")
+    assert down.status_code == 422 and "openenv_url" in down.text, down.text
+    both = start(buffer, engine, qwen_tokenizer_path, openenv_url="http://127.0.0.1:1", openenv_command=["x"])
+    assert both.status_code == 422 and "openenv_url" in both.text, both.text
+    no_port = start(buffer, engine, qwen_tokenizer_path, openenv_command=["python", "server.py"])
+    assert no_port.status_code == 422 and "openenv_command" in no_port.text and "{port}" in no_port.text
+    missing = start(buffer, engine, qwen_tokenizer_path, openenv_command=["/nonexistent/python", "{port}"])
+    assert missing.status_code == 422 and "openenv_command" in missing.text, missing.text
+    assert httpx.get(f"{buffer.url}/healthz", timeout=10).status_code == 200
