@@ -187,14 +187,19 @@ class StartRolloutRequest(BaseModel):
 
 
 class EvalDatasetSpec(BaseModel):
-    """One eval dataset of `/start_eval`: its file and what it overrides of the call's defaults."""
+    """One eval dataset of `/start_eval`: its file and what it overrides of the call's defaults.
+
+    Without `path`, a generator that lists its own input (an environment's taskset) lists it; `options` are
+    generator options of this dataset alone (e.g. another environment's `env_id` and `env_args`).
+    """
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    path: Text
+    path: Text | None = None
     n_samples_per_eval_prompt: PositiveInt | None = None
     sampling_params: dict[str, Any] | None = None
     max_tokens: PositiveInt | None = None
+    options: dict[str, Any] | None = None
 
 
 class StartEvalRequest(BaseModel):
@@ -240,6 +245,7 @@ class StartEvalRequest(BaseModel):
                 n_samples_per_eval_prompt=spec.n_samples_per_eval_prompt or self.n_samples_per_eval_prompt,
                 sampling_params={**self.sampling_params, **(spec.sampling_params or {})},
                 max_tokens=spec.max_tokens or self.max_tokens,
+                options=spec.options,
             )
         return out
 

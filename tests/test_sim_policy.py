@@ -158,3 +158,14 @@ def test_a_parallel_calculator_task_calls_every_expression_in_one_turn() -> None
                 "<tool_response>\n39\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
     assert scripted_reply(answered, WRONG)[1].endswith(
         "The results are: 12 * 7 + 3 = 87, 45 - 6 = 39.")
+
+
+def test_a_grading_prompt_gets_the_verdict_of_the_response_against_the_reference() -> None:
+    def grading(reference: str, response: str) -> str:
+        return chat("Given a task, a reference answer, and a response, determine if the response is correct.\n\n"
+                    f"Task:\n```\nWhat is 2 + 3?\n```\n\nReference answer:\n```\n{reference}\n```\n\n"
+                    f"Response:\n```\n{response}\n```\n\nRespond either \"yes\" or \"no\" only.")
+
+    assert scripted_reply(grading("5", "The answer is \\boxed{5}."), RIGHT) == ("judge", "yes")
+    assert scripted_reply(grading("5", "The answer is \\boxed{7}."), RIGHT) == ("judge", "no")
+    assert scripted_reply(grading("5", "I think it is 5"), RIGHT) == ("judge", "yes")

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 from env_venvs import cached_venv
 from runs import drain, wait_finished
@@ -65,12 +67,15 @@ def direct_reward(python: str, module: str, task_cls: str, method: str, data: di
     return float(out.stdout.strip())
 
 
-def test_single_turn_environment_trains_from_its_own_dataset(verifiers_python: str, buffer: Server, engine: Server,
-                                                             qwen_tokenizer_path: str) -> None:
+def test_a_judged_single_turn_environment_trains_from_its_own_dataset(verifiers_python: str, buffer: Server,
+                                                                      engine: Server, qwen_tokenizer_path: str
+                                                                      ) -> None:
     # One trajectory a task: the simulated engine answers a repeated prompt anew, so each record's tokens are
     # checked against its own prompt's latest answer.
+    # Judged too: verifiers' reference judge, its own endpoint the engine itself (its calls are not training data).
+    judge = {"id": "reference", "base_url": f"{engine.url}/v1", "api_key_var": "RB_TEST_JUDGE_KEY", "model": "judge"}
     answer = start(buffer, engine, qwen_tokenizer_path, verifiers_python, "rb_arith", num_repeat_per_sample=1,
-                   env_config={"agent": {"harness": {"id": "null"}}})
+                   env_config={"agent": {"harness": {"id": "null"}}}, env_args={"task": {"judges": [judge]}})
     assert answer.status_code == 200, answer.text
     assert answer.json()["num_items"] == 3  # the taskset's own tasks: no input_file
     status = wait_finished(buffer.url, timeout_s=300)
@@ -80,11 +85,14 @@ def test_single_turn_environment_trains_from_its_own_dataset(verifiers_python: s
     for rec in records:
         env = rec["extra_info"]["env"]
         (trace,) = env["traces"]
-        assert rec["raw_reward"] == trace["reward"] == trace["rewards"]["correct"]["score"]
+        correct, judged = trace["rewards"]["correct"]["score"], trace["rewards"]["reference"]["score"]
+        assert judged == correct  # the judge's verdict on the same reply, asked of the engine directly
+        assert rec["raw_reward"] == trace["reward"] == correct + judged
+        assert rec["extra_info"]["branch_turns"] == 1  # the judge's call is not in the session
         reply = rec["messages"][-1]["content"].split("</think>")[-1].strip()  # the client sees no reasoning
         a, b = (int(x) for x in rec["instance_id"].split("-")[1:])
         assert direct_reward(verifiers_python, "rb_arith", "ArithTask", "correct",
-                             {"prompt": "p", "answer": str(a + b)}, reply) == trace["reward"]
+                             {"prompt": "p", "answer": str(a + b)}, reply) == correct
         assert trace["metrics"]["reply_chars"] == len(reply)
         trained = spans(rec["loss_mask"])
         assert len(trained) == 1  # one model turn; the prompt (the environment's text) at loss 0
@@ -147,3 +155,63 @@ def test_an_environment_that_cannot_load_is_refused_naming_the_option(verifiers_
     assert not_python.status_code == 422 and "env_python" in not_python.text, not_python.text
     no_verifiers = start(buffer, engine, qwen_tokenizer_path, sys.executable, "rb_arith")
     assert no_verifiers.status_code == 422 and "env_python" in no_verifiers.text, no_verifiers.text
+
+
+def test_an_environment_is_an_eval_dataset(verifiers_python: str, buffer: Server, engine: Server,
+                                           qwen_tokenizer_path: str) -> None:
+    answer = start(buffer, engine, qwen_tokenizer_path, verifiers_python, "rb_shell", num_repeat_per_sample=1)
+    assert answer.status_code == 200, answer.text
+    wait_finished(buffer.url, timeout_s=300)
+    drain(buffer.url)
+    # Beside the training run's environment, another one evaluated: its own taskset, no file.
+    evaluated = httpx.post(f"{buffer.url}/start_eval", timeout=120, json={
+        "current_version": 3, "n_samples_per_eval_prompt": 2,
+        "eval_datasets": {"arith": {"options": {"env_id": "rb_arith", "env_config": {"agent": {"harness": {
+            "id": "null"}}}}}}})
+    assert evaluated.status_code == 200, evaluated.text
+    out = httpx.post(f"{buffer.url}/eval_results", timeout=330,
+                     json={"version": 3, "wait_s": 300, "records": True}).json()
+    arith = out["results"]["arith"]
+    assert (arith["state"], arith["samples"], arith["expected_samples"]) == ("finished", 6, 6), arith
+    assert sorted({r["instance_id"] for r in arith["records"]}) == ["sum-2-3", "sum-4-5", "sum-7-8"]
+    for rec in arith["records"]:
+        assert rec["reward"] == rec["extra_info"]["env"]["traces"][0]["reward"]  # evals store rewards as given
+    missing = httpx.post(f"{buffer.url}/start_eval", timeout=60, json={
+        "current_version": 4, "task_type": "math", "eval_datasets": {"m": {"max_tokens": 64}}})
+    assert missing.status_code == 422 and "path" in missing.text, missing.text
+
+
+def test_a_run_resumes_after_kill_9_and_its_workers_do_not_outlive_the_buffer(
+        verifiers_python: str, engine: Server, qwen_tokenizer_path: str, tmp_path: Path) -> None:
+    port = free_port()
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data")]
+    srv = Server(args, "/healthz", port, tmp_path / "buffer.log").start()
+    try:
+        answer = start(srv, engine, qwen_tokenizer_path, verifiers_python, "rb_shell", env_max_episodes=1)
+        assert answer.status_code == 200, answer.text
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{srv.url}/status", timeout=10).json()["run"]["progress"]["done"] < 1:
+            assert time.monotonic() < deadline, "no episode finished"
+            time.sleep(0.1)
+        assert srv.proc is not None
+        workers = worker_processes(srv.proc.pid)
+        assert workers, "the run's worker is running"
+        srv.kill9()
+        deadline = time.monotonic() + 30
+        while any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers):
+            assert time.monotonic() < deadline, "the worker outlived the buffer"
+            time.sleep(0.1)
+        srv = Server(args, "/healthz", port, tmp_path / "buffer.log").start()  # resumes the run
+        status = wait_finished(srv.url, timeout_s=300)
+        assert status["run"]["progress"]["failed"] == 0, status["run"]["progress"]
+        records = drain(srv.url)
+        assert sorted(r["instance_id"] for r in records) == ["echo-6", "echo-6", "echo-7", "echo-7"]
+        assert len({r["uid"] for r in records}) == 4
+    finally:
+        srv.stop()
+
+
+def worker_processes(buffer_pid: int) -> list[psutil.Process]:
+    """The buffer's verifiers workers."""
+    return [p for p in psutil.Process(buffer_pid).children(recursive=True)
+            if any("verifiers_worker.py" in part for part in p.cmdline())]

@@ -6,10 +6,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+import shutil
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Generic, Protocol, TypeVar
 
 log = logging.getLogger(__name__)
+
+
+def tied_to_buffer(argv: Sequence[str]) -> list[str]:
+    """`argv` run so that the process is killed when the buffer dies, even by SIGKILL (util-linux's `setpriv
+    --pdeathsig`, where it exists): an environment's processes never outlive the buffer that drives them."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--", *argv] if setpriv else list(argv)
 
 
 class EnvError(Exception):

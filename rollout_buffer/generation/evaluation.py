@@ -304,7 +304,7 @@ class EvalManager:
 def eval_config(base: dict[str, Any], req: StartEvalRequest, name: str, version: int) -> dict[str, Any]:
     """The full config of one dataset's eval: the latest run's (`base`) overridden by the request's."""
     spec = req.datasets()[name]
-    cfg: dict[str, Any] = {**base, **(req.model_extra or {})}
+    cfg: dict[str, Any] = {**base, **(req.model_extra or {}), **(spec.options or {})}
     for key in ("task_type", "remote_engine_url", "tokenizer_path"):
         if getattr(req, key) is not None:
             cfg[key] = getattr(req, key)

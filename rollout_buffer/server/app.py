@@ -281,7 +281,14 @@ def create_app(config: ServerConfig) -> FastAPI:
             try:
                 if check is not None:
                     await asyncio.to_thread(check, {**cfg, "input_file": spec.path}, config.data_roots)
-                path = await asyncio.to_thread(resolve_input_path, spec.path, config.data_roots)
+                listing = gen.hook("default_input")
+                if spec.path is None and listing is None:
+                    raise ValueError(f"path: required for task_type {task!r} (it has no input of its own)")
+                if spec.path is None and listing is not None:  # the generator's own dataset (an environment's)
+                    rows = await asyncio.to_thread(listing, cfg)
+                    path = await asyncio.to_thread(write_default_input, config.data_dir, str(task), rows)
+                else:
+                    path = await asyncio.to_thread(resolve_input_path, str(spec.path), config.data_roots)
                 required = getattr(gen.module, "REQUIRED_FIELDS", ())
                 num_items = (await asyncio.to_thread(validate_file, path, required)).num_items
                 if config.data_roots:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 
+from rollout_buffer.sim.judge import is_judge_prompt, judge_reply
 from rollout_buffer.sim.shell_agent import TOOL_RESPONSE, shell_reply, shell_tool
 
 _WRONG_OFFSETS = (-3, -2, -1, 1, 2, 3)
@@ -467,6 +468,7 @@ def _guess_reply(text: str, draw: Draw) -> str:
 
 
 POLICIES: tuple[Policy, ...] = (
+    Policy("judge", is_judge_prompt, lambda text, _draw: judge_reply(text)),
     Policy("shell", lambda text: shell_tool(text) is not None, lambda text, _draw: shell_reply(text)),
     Policy("planner", lambda text: PLANNER_MARKER in system_turn(text), _planner_reply),
     Policy("actor", lambda text: ACTOR_MARKER in system_turn(text), _actor_reply),
