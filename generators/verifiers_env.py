@@ -189,11 +189,35 @@ async def _records(session: Any, result: dict[str, Any], retries: int) -> list[d
         await session.discard("the environment gave no reward")
         raise EnvError("env_reward", f"the environment gave no reward (traces: {len(traces)}, rewards: "
                              f"{rewards})")
-    reward = float(sum(rewards)) / len(rewards)
     try:
-        return await session.close(reward, **info)
+        records = await session.close(float(sum(rewards)) / len(rewards), **info)
     except ValueError as e:
         raise EnvError("env_no_turns", f"{e}; the environment's episode asked the model nothing") from None
+    return per_trace(records, traces)
+
+
+def per_trace(records: list[dict[str, Any]], traces: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each record with its own trace's reward: verifiers sends every agent run's requests under the run's trace id
+    (`X-Session-ID`), which the session keeps as its branch's lane. An episode of several runs scored against
+    each other (best-of-n, relative judges) so gives each run its reward as the environment gave it; runs the
+    environment marks untrainable (a modeled user, a judge seat) leave no record; with several seats, a record's
+    `agent_id` is its seat, for role streams."""
+    by_id = {t.get("id"): t for t in traces}
+    seats = {t.get("agent") for t in traces if t.get("trainable", True)}
+    kept = []
+    for record in records:
+        trace = by_id.get(record["extra_info"].get("lane"))
+        if trace is None:
+            kept.append(record)
+            continue
+        if not trace.get("trainable", True):
+            continue
+        record["reward"] = float(trace["reward"])
+        record["extra_info"]["env_trace"] = trace["id"]
+        if len(seats) > 1:
+            record["extra_info"]["agent_id"] = trace.get("agent")
+        kept.append(record)
+    return kept
 
 
 def _errors(result: dict[str, Any]) -> str:

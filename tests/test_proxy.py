@@ -264,6 +264,30 @@ def test_a_rewritten_history_becomes_a_second_branch(buffer: Server, engine: Ser
     assert_engine_tokens(engine, fork)
 
 
+def test_conversations_the_client_names_apart_stay_apart(buffer: Server) -> None:
+    """Two agent runs that send the same history under their own `X-Session-ID` (verifiers: a trace id each)
+    keep a branch each, with that id as its lane; a run continues only its own lane's branch."""
+    session = open_session(buffer.url, "lanes")
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 6 + 7?"}]
+
+    def ask(lane: str, history: list[dict[str, Any]]) -> dict[str, Any]:
+        answer = httpx.post(f"{session['base_url']}/chat/completions", timeout=60, headers={
+            "Authorization": f"Bearer {session['api_key']}", "X-Session-ID": lane},
+            json={"model": "m", "messages": history, "max_tokens": 256, "temperature": 0})
+        assert answer.status_code == 200, answer.text
+        message: dict[str, Any] = answer.json()["choices"][0]["message"]
+        return {"role": "assistant", "content": message["content"]}
+
+    first = {lane: ask(lane, messages) for lane in ("trace-a", "trace-b")}
+    for lane in ("trace-a", "trace-b"):  # each run's second turn, even where both first replies are the same
+        ask(lane, [*messages, first[lane], {"role": "user", "content": "And 8 + 9?"}])
+    branches = view(buffer.url, session)["branches"]
+    assert sorted((b["lane"], b["turns"], b["own_turns"]) for b in branches) == [("trace-a", 2, 2),
+                                                                                 ("trace-b", 2, 2)]
+    stored = finish(buffer.url, session, 1.0)
+    assert sorted(record(buffer.url, uid)["extra_info"]["lane"] for uid in stored["uids"]) == ["trace-a", "trace-b"]
+
+
 # ------------------------------------------------------------------ bad input
 
 

@@ -215,3 +215,28 @@ def worker_processes(buffer_pid: int) -> list[psutil.Process]:
     """The buffer's verifiers workers."""
     return [p for p in psutil.Process(buffer_pid).children(recursive=True)
             if any("verifiers_worker.py" in part for part in p.cmdline())]
+
+
+def test_attempts_scored_against_each_other_keep_their_own_rewards(verifiers_python: str, buffer: Server,
+                                                                   engine: Server, qwen_tokenizer_path: str) -> None:
+    # verifiers' best-of-n env: two attempts an episode, `finalize` compares them (`best`); each attempt is its own
+    # record, with its own reward, told apart by the trace id verifiers sends with each of its requests.
+    answer = start(buffer, engine, qwen_tokenizer_path, verifiers_python, "rb_arith", num_repeat_per_sample=1,
+                   env_config={"id": "best-of-n", "n": 2, "agent": {"harness": {"id": "null"}}})
+    assert answer.status_code == 200, answer.text
+    status = wait_finished(buffer.url, timeout_s=300)
+    assert status["run"]["progress"]["statuses"] == {"completed": 6}, status["run"]["progress"]
+    records = drain(buffer.url)
+    assert len(records) == 6 and len({r["uid"] for r in records}) == 6
+    for instance in ("sum-2-3", "sum-4-5", "sum-7-8"):
+        pair = [r for r in records if r["instance_id"] == instance]
+        traces = {t["id"]: t for t in pair[0]["extra_info"]["env"]["traces"]}
+        assert len(pair) == 2 and {r["extra_info"]["lane"] for r in pair} == set(traces)
+        top = max(t["reward"] for t in traces.values())
+        for rec in pair:
+            trace = traces[rec["extra_info"]["lane"]]
+            assert rec["raw_reward"] == trace["reward"]
+            reply = rec["messages"][-1]["content"].split("</think>")[-1].strip()
+            a, b = (int(x) for x in instance.split("-")[1:])
+            assert trace["reward"] == float(f"\\boxed{{{a + b}}}" in reply)  # this attempt's own answer
+            assert trace["metrics"]["best"] == float(trace["reward"] == top)

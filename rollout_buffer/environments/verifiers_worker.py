@@ -87,6 +87,7 @@ def summary(episode: Any) -> dict[str, Any]:
     traces = []
     for trace in episode.traces:
         traces.append({
+            "id": trace.id,
             "agent": trace.agent.name,
             "trainable": trace.agent.trainable,
             "reward": trace.reward,

@@ -102,7 +102,7 @@ class Journal:
                      m.log_probs_complete],
             "reply": [reply.text, [[c.name, c.arguments] for c in reply.calls]],
             "tool_calls": len(reply.calls), "ill_formed": int(reply.ill_formed), "protocol": protocol,
-            "at": branch.updated_at,
+            "at": branch.updated_at, "lane": branch.lane,
         }
         if response is not None:
             response_id, ref = response
@@ -190,6 +190,7 @@ def replay(stored: StoredSession, ctx: RolloutContext, tree: SessionTree, respon
         branch.ill_formed += meta["ill_formed"]
         branch.protocols.add(meta["protocol"])
         branch.updated_at = meta["at"]
+        branch.lane = meta.get("lane")
         last_at = max(last_at or 0.0, meta["at"])
     tree.latest = max(tree.branches.values(), key=lambda b: b.updated_at, default=None)
     return last_at

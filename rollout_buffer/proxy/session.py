@@ -78,6 +78,7 @@ class TurnRequest:
     remember: bool = False
     instructions: int = 0
     keys: list[MessageKey] | None = None  # the match key of each message, when the adapter has them
+    lane: str | None = None  # the client's own conversation id (its X-Session-ID header), when it sends one
 
 
 @dataclass
@@ -168,7 +169,7 @@ class Session:
     async def _turn(self, req: TurnRequest, sink: PartSink | None) -> TurnResult:
         keys = req.keys if req.keys is not None else [message_key(m) for m in req.messages]
         tkey = tools_key(req.tools)
-        route = self.tree.route(keys, tkey)
+        route = self.tree.route(keys, tkey, req.lane)
         pending = await self._prepare(route, req, keys, tkey)
         conv = pending.branch.conv
         parser = ReplyParser(bool(req.tools) and req.parse_tool_calls, conv.prompt_opens_reasoning)
@@ -294,6 +295,7 @@ class Session:
         branch.protocols.add(req.protocol)
         branch.busy = False
         if pending.new:
+            branch.lane = req.lane
             self.tree.add(branch)
             if pending.route.kind == "fork" and pending.route.branch is not None:
                 pending.route.branch.forked_at.add(pending.route.turns)
@@ -406,6 +408,8 @@ class Session:
                 "protocols": sorted(b.protocols),
                 "episode_reward": float(reward),
             }
+            if b.lane is not None:
+                info["lane"] = b.lane
             if self.metadata:
                 info.setdefault("metadata", self.metadata)
             record = await self.ctx.trajectory(b.conv, reward, b.conv.finish_reason or "stop", **info)

@@ -42,6 +42,9 @@ class Branch:
     # The canonical message behind each key: what a later request naming one of this branch's turns continues
     # from (the Responses API's `previous_response_id`).
     messages: list[dict[str, Any]] = field(default_factory=list)
+    # The client's own id of the conversation (its `X-Session-ID`: verifiers sends a trace id per agent run), when
+    # it sends one: a request of one lane never continues or forks another lane's branch.
+    lane: str | None = None
 
     @property
     def own_turns(self) -> int:
@@ -51,6 +54,7 @@ class Branch:
         """JSON-ready summary (the session view and a dashboard read it)."""
         return {
             "branch": self.id,
+            "lane": self.lane,
             "parent_branch": self.parent,
             "fork_turn": self.own_from,
             "shared_messages": self.shared_messages,
@@ -113,14 +117,19 @@ class SessionTree:
         self._next_id = 0
         self.latest: Branch | None = None
 
-    def route(self, keys: list[MessageKey], tools: bytes) -> Route:
-        """Where a request with these message keys (the last one not an assistant's) and tools goes."""
+    def route(self, keys: list[MessageKey], tools: bytes, lane: str | None = None) -> Route:
+        """Where a request with these message keys (the last one not an assistant's) and tools goes; with a `lane`,
+        only that lane's branches (and those of none) are continued or forked."""
         best_fork: tuple[int, Branch, int, int] | None = None  # (messages at the fork, branch, turns, shared)
         best_shared: tuple[int, Branch] | None = None
         for branch in sorted(self.branches.values(), key=lambda b: -b.updated_at):
             if branch.tools_key != tools:
                 continue
             n = common_prefix(branch.keys, keys)
+            if lane is not None and branch.lane is not None and branch.lane != lane:
+                if n and (best_shared is None or n > best_shared[0]):
+                    best_shared = (n, branch)
+                continue
             if n == len(branch.keys) < len(keys) and not branch.busy and not branch.conv.truncated:
                 return Route("continue", branch, len(branch.marks), n, n)
             if n and (best_shared is None or n > best_shared[0]):

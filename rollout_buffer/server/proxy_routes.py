@@ -59,6 +59,7 @@ RESPONSES = OpenAIResponsesAdapter()
 # sends a keep-alive at this interval while the turn is generated.
 STREAM_OPEN_AFTER_S = 0.25
 KEEP_ALIVE_S = 10.0
+LANE_MAX_CHARS = 256  # an X-Session-ID longer than this is cut (it only names a conversation)
 
 
 def mount_proxy(app: FastAPI) -> None:
@@ -223,6 +224,7 @@ def _session(scope: Scope, sessions: SessionManager, guards: Guards, session_id:
 async def _turn(request: Request, session: Session, adapter: WireAdapter) -> Response:
     req = adapter.parse(_json(await request.body()), session.history)
     adapter.bind(req, session)
+    req.lane = _lane(request.scope)
     if req.stream:
         return TurnStream(session, adapter, req)
     task = session.start_turn(req)
@@ -230,6 +232,14 @@ async def _turn(request: Request, session: Session, adapter: WireAdapter) -> Res
     if result is None:
         return Response(status_code=499)  # nobody reads it; the turn was cancelled and taken back
     return TurnReply(adapter.response(req, result.reply), result.reply.completion_tokens)
+
+
+def _lane(scope: Scope) -> str | None:
+    """The client's own id of the conversation, `X-Session-ID` (verifiers sends one per agent run), if sent."""
+    for name, value in scope["headers"]:
+        if name == b"x-session-id":
+            return value.decode("latin-1")[:LANE_MAX_CHARS] or None
+    return None
 
 
 class TurnReply(Response):
