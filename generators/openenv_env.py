@@ -39,6 +39,7 @@ from rollout_buffer.generator_api import (
     ServerSpec,
     StepResult,
     is_mcp,
+    venv_python,
 )
 
 TASK_TYPE = "openenv"
@@ -46,6 +47,7 @@ REQUIRED_FIELDS = ()
 
 _SHARED_KEY = "openenv.run"
 _BUILD_LOCK_KEY = "openenv.run.build"
+PYTHON_PLACEHOLDER = "{python}"
 _TEXT_FIELDS = ("prompt", "text", "message", "question", "content", "observation")
 # Failures that mean the server went away under the episode: run it again on a live one.
 _RETRIED = {"openenv_gone", "openenv_down", "openenv_capacity"}
@@ -65,6 +67,9 @@ class OpenEnvOptions(RunOptions):
     openenv_url: str | None = Field(default=None, min_length=1, description="a running OpenEnv server")
     openenv_command: list[str] | None = Field(default=None, min_length=1,
                                               description="starts one server; {port} is replaced by its port")
+    openenv_requirements: list[str] | None = Field(default=None, min_length=1,
+                                                   description="pip requirements of a venv the buffer makes; "
+                                                               "{python} in the command is its interpreter")
     openenv_env: dict[str, str] = Field(default_factory=dict, description="environment variables of the command")
     openenv_servers: int = Field(default=1, ge=1, le=256, description="servers started from the command")
     openenv_max_sessions: int = Field(default=1, ge=1, description="episodes one server runs at once")
@@ -85,7 +90,17 @@ class OpenEnvOptions(RunOptions):
             raise ValueError("openenv_url: give openenv_url or openenv_command (exactly one)")
         if self.openenv_command is not None and not any(PORT_PLACEHOLDER in a for a in self.openenv_command):
             raise ValueError(f"openenv_command: no {PORT_PLACEHOLDER} in it (where the server's port goes)")
+        if self.openenv_requirements is not None and self.openenv_command is None:
+            raise ValueError("openenv_requirements: only with openenv_command (its {python})")
         return self
+
+    def command(self) -> list[str] | None:
+        """`openenv_command`, `{python}` replaced by the interpreter of the venv made from `openenv_requirements`
+        (blocking the first time: call it in a thread)."""
+        if self.openenv_command is None or self.openenv_requirements is None:
+            return self.openenv_command
+        python = venv_python(self.openenv_requirements, "openenv_requirements")
+        return [a.replace(PYTHON_PLACEHOLDER, python) for a in self.openenv_command]
 
 
 def runs_in_buffer(payload: dict[str, Any]) -> bool:
@@ -102,8 +117,10 @@ def check_payload(payload: dict[str, Any], data_roots: Any) -> None:
         except httpx.HTTPError as e:
             raise ValueError(f"openenv_url: the OpenEnv server at {opts.openenv_url} does not answer /schema: {e}"
                              ) from None
-    elif opts.openenv_command is not None and shutil.which(opts.openenv_command[0]) is None:
-        raise ValueError(f"openenv_command: program {opts.openenv_command[0]!r} not found")
+    else:
+        command = opts.command()  # the first time with openenv_requirements: the venv is made here
+        if command is not None and shutil.which(command[0]) is None:
+            raise ValueError(f"openenv_command: program {command[0]!r} not found")
 
 
 def default_input(payload: dict[str, Any]) -> list[dict[str, Any]]:
@@ -116,11 +133,10 @@ def default_input(payload: dict[str, Any]) -> list[dict[str, Any]]:
 class _Run(ProcessPool[OpenEnvServer]):
     """The run's servers, its HTTP client (schemas, the policy's session), its scratch folder."""
 
-    def __init__(self, opts: OpenEnvOptions):
+    def __init__(self, opts: OpenEnvOptions, command: list[str] | None):
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30))
         self.scratch = Path(tempfile.mkdtemp(prefix="rb-openenv-"))
-        spec = ServerSpec(opts.openenv_url, opts.openenv_command, opts.openenv_env, self.scratch,
-                          opts.openenv_start_timeout_s)
+        spec = ServerSpec(opts.openenv_url, command, opts.openenv_env, self.scratch, opts.openenv_start_timeout_s)
         size = 1 if opts.openenv_url is not None else opts.openenv_servers
         super().__init__(lambda index: OpenEnvServer(spec, index, self.http), size, opts.openenv_max_sessions,
                          "OpenEnv server")
@@ -137,7 +153,9 @@ async def _run(ctx: RolloutContext) -> _Run:
         async with ctx.run.shared.setdefault(_BUILD_LOCK_KEY, asyncio.Lock()):
             shared = ctx.run.shared.get(_SHARED_KEY)
             if shared is None:
-                shared = ctx.run.shared[_SHARED_KEY] = _Run(OpenEnvOptions.from_run(ctx.config))
+                opts = OpenEnvOptions.from_run(ctx.config)
+                command = await asyncio.to_thread(opts.command)
+                shared = ctx.run.shared[_SHARED_KEY] = _Run(opts, command)
     return shared
 
 
@@ -185,9 +203,10 @@ async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> list[dict[st
         except BaseException as e:
             await session.discard(f"{type(e).__name__}: {e}")
             raise
-        info = {"openenv": {"step_rewards": episode.step_rewards, "steps": len(episode.step_rewards),
-                            "done": episode.done, "end": episode.end, "retries": attempt, "reset": reset}}
         reward = float(sum(r for r in episode.step_rewards if r is not None))
+        info = {"openenv": {"step_rewards": episode.step_rewards, "steps": len(episode.step_rewards),
+                            "done": episode.done, "end": episode.end, "retries": attempt, "reset": reset},
+                "metrics": {"return": reward, "steps": len(episode.step_rewards), "done": float(episode.done)}}
         try:
             return await session.close(reward, **info)
         except ValueError as e:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import orjson
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rollout_buffer.generator_api import (
     EnvError,
@@ -31,6 +31,7 @@ from rollout_buffer.generator_api import (
     RunOptions,
     WorkerSpec,
     python_env_paths,
+    venv_python,
     worker_script,
 )
 
@@ -49,7 +50,10 @@ class VerifiersOptions(RunOptions):
 
     error_prefix: ClassVar[str] = "verifiers run options"
 
-    env_python: str = Field(min_length=1, description="the interpreter of a venv with verifiers and the environment")
+    env_python: str | None = Field(default=None, min_length=1,
+                                   description="the interpreter of a venv with verifiers and the environment")
+    env_requirements: list[str] | None = Field(default=None, min_length=1,
+                                               description="pip requirements of a venv the buffer makes")
     env_id: str = Field(min_length=1, description="the taskset id as verifiers imports it")
     env_args: dict[str, Any] = Field(default_factory=dict, description="the taskset's config fields")
     env_config: dict[str, Any] = Field(default_factory=dict, description="the rest of verifiers' env config")
@@ -60,15 +64,28 @@ class VerifiersOptions(RunOptions):
     env_max_retries: int = Field(default=2, ge=0, description="retries of an episode whose worker died")
     env_start_timeout_s: float = Field(default=600.0, gt=0)
 
+    @model_validator(mode="after")
+    def _one_interpreter(self) -> VerifiersOptions:
+        if (self.env_python is None) == (self.env_requirements is None):
+            raise ValueError("env_python: give env_python or env_requirements (exactly one)")
+        return self
+
+    def interpreter(self) -> str:
+        """`env_python`, or the venv made from `env_requirements` (blocking the first time: call it in a thread)."""
+        if self.env_python is not None:
+            return self.env_python
+        assert self.env_requirements is not None
+        return venv_python(self.env_requirements, "env_requirements")
+
     def load_config(self) -> dict[str, Any]:
         """The env config verifiers resolves: `env_config`, its taskset named by `env_id` with `env_args`."""
         taskset = {**self.env_config.get("taskset", {}), **self.env_args, "id": self.env_id}
         return {**self.env_config, "taskset": taskset}
 
-    def spec(self, cwd: Path | None = None) -> WorkerSpec:
-        """How this run's workers start."""
-        return WorkerSpec(self.env_python, worker_script("verifiers"), self.load_config(),
-                          python_env_paths(self.env_paths), cwd, self.env_start_timeout_s, f"verifiers:{self.env_id}")
+    def spec(self, python: str, cwd: Path | None = None) -> WorkerSpec:
+        """How this run's workers start, with the environment's interpreter `python`."""
+        return WorkerSpec(python, worker_script("verifiers"), self.load_config(), python_env_paths(self.env_paths),
+                          cwd, self.env_start_timeout_s, f"verifiers:{self.env_id}")
 
 
 def runs_in_buffer(payload: dict[str, Any]) -> bool:
@@ -79,7 +96,7 @@ def runs_in_buffer(payload: dict[str, Any]) -> bool:
 def check_payload(payload: dict[str, Any], data_roots: Any) -> None:
     """The start-time checks: the options, and an interpreter that exists (blocking: called in a thread)."""
     opts = VerifiersOptions.from_run(payload)
-    python = opts.env_python
+    python = opts.interpreter()  # the first time with env_requirements: the venv is made here
     if shutil.which(python) is None:
         raise ValueError(f"env_python: {python!r} is not an executable interpreter")
     for path in opts.env_paths:
@@ -93,7 +110,7 @@ def default_input(payload: dict[str, Any]) -> list[dict[str, Any]]:
     ValueError naming the option when the environment cannot be loaded.
     """
     opts = VerifiersOptions.from_run(payload)
-    spec = opts.spec()
+    spec = opts.spec(opts.interpreter())
     with tempfile.TemporaryDirectory(prefix="rb-env-list-") as cwd:
         requests = orjson.dumps({"op": "load", "env": spec.load}) + b"\n" + orjson.dumps({"op": "tasks", "id": 0})
         try:
@@ -104,12 +121,12 @@ def default_input(payload: dict[str, Any]) -> list[dict[str, Any]]:
     answers = [orjson.loads(line) for line in done.stdout.splitlines() if line.strip()]
     fatal = next((a for a in answers if "fatal" in a), None)
     if fatal is not None:
-        raise ValueError(f"{fatal.get('field', 'env_id')}: {opts.env_id!r} cannot be loaded by {opts.env_python}: "
+        raise ValueError(f"{fatal.get('field', 'env_id')}: {opts.env_id!r} cannot be loaded by {spec.python}: "
                          f"{fatal['fatal']}")
     listed = next((a["result"]["tasks"] for a in answers if a.get("id") == 0 and "result" in a), None)
     if listed is None:
         tail = done.stderr.decode(errors="replace")[-1500:]
-        raise ValueError(f"env_python: {opts.env_python} did not run the verifiers worker (exit code "
+        raise ValueError(f"env_python: {spec.python} did not run the verifiers worker (exit code "
                          f"{done.returncode}): {tail}")
     rows = []
     for task in listed:
@@ -124,9 +141,9 @@ def default_input(payload: dict[str, Any]) -> list[dict[str, Any]]:
 class _Pool(ProcessPool[EnvWorker]):
     """The run's workers with their scratch folder, removed when the run ends."""
 
-    def __init__(self, opts: VerifiersOptions):
+    def __init__(self, opts: VerifiersOptions, python: str):
         self.scratch = Path(tempfile.mkdtemp(prefix="rb-env-"))
-        spec = opts.spec(self.scratch)
+        spec = opts.spec(python, self.scratch)
         super().__init__(lambda index: EnvWorker(spec, index), opts.env_workers, opts.env_max_episodes, spec.name)
 
     async def aclose(self) -> None:
@@ -141,7 +158,8 @@ async def _pool(ctx: RolloutContext) -> tuple[_Pool, VerifiersOptions]:
             shared = ctx.run.shared.get(_SHARED_KEY)
             if shared is None:
                 opts = VerifiersOptions.from_run(ctx.config)
-                shared = ctx.run.shared[_SHARED_KEY] = _Pool(opts)
+                python = await asyncio.to_thread(opts.interpreter)
+                shared = ctx.run.shared[_SHARED_KEY] = _Pool(opts, python)
     return shared, VerifiersOptions.from_run(ctx.config)
 
 
@@ -208,12 +226,15 @@ def per_trace(records: list[dict[str, Any]], traces: list[dict[str, Any]]) -> li
     for record in records:
         trace = by_id.get(record["extra_info"].get("lane"))
         if trace is None:
+            if len(traces) == 1:
+                record["extra_info"]["metrics"] = trace_metrics(traces[0])
             kept.append(record)
             continue
         if not trace.get("trainable", True):
             continue
         record["reward"] = float(trace["reward"])
         record["extra_info"]["env_trace"] = trace["id"]
+        record["extra_info"]["metrics"] = trace_metrics(trace)
         if len(seats) > 1:
             record["extra_info"]["agent_id"] = trace.get("agent")
         kept.append(record)
@@ -225,3 +246,9 @@ def _errors(result: dict[str, Any]) -> str:
     for trace in result.get("traces") or []:
         errors += trace.get("errors") or []
     return "; ".join(f"{e.get('type')}: {e.get('message')}" for e in errors)[:2000] or "no error given"
+
+
+def trace_metrics(trace: dict[str, Any]) -> dict[str, float]:
+    """A trace's reward functions' scores and its metrics, by name (the dashboard shows their means)."""
+    scores = {name: r["score"] for name, r in (trace.get("rewards") or {}).items() if r is not None}
+    return {**scores, **{k: v for k, v in (trace.get("metrics") or {}).items() if v is not None}}

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,11 +15,12 @@ from typing import Any
 
 import httpx
 import pytest
-from env_venvs import cached_venv
 from runs import drain, wait_finished
 from servers import Server, free_port, running, sim_engine, wait_http
 from test_agent_docker import assert_engine_tokens
 from test_proxy import decode_tail, spans
+
+from rollout_buffer.environments.venvs import venv_python
 
 OPENENV = "openenv==0.10.0"
 ENVS = Path(__file__).parent / "data" / "openenv_envs"
@@ -25,7 +28,7 @@ ENVS = Path(__file__).parent / "data" / "openenv_envs"
 
 @pytest.fixture(scope="module")
 def openenv_python() -> str:
-    return cached_venv(OPENENV)
+    return venv_python([OPENENV])
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +89,10 @@ def replayed_rewards(python: str, url: str, reset: dict[str, Any], actions: list
 
 def test_a_multi_step_environment_started_by_the_buffer(openenv_python: str, buffer: Server, engine: Server,
                                                         qwen_tokenizer_path: str, env_server: Any) -> None:
+    # The servers' venv named by its requirements ({python} is its interpreter): made by the buffer the first time.
     answer = start(buffer, engine, qwen_tokenizer_path, openenv_servers=2, openenv_max_sessions=2,
-                   openenv_command=[openenv_python, str(ENVS / "arith_drill.py"), "--port", "{port}"])
+                   openenv_requirements=[OPENENV],
+                   openenv_command=["{python}", str(ENVS / "arith_drill.py"), "--port", "{port}"])
     assert answer.status_code == 200, answer.text
     assert answer.json()["num_items"] == 2  # one row per openenv_resets entry
     status = wait_finished(buffer.url, timeout_s=300)
@@ -157,3 +162,30 @@ def test_bad_options_are_refused_naming_the_option(buffer: Server, engine: Serve
     missing = start(buffer, engine, qwen_tokenizer_path, openenv_command=["/nonexistent/python", "{port}"])
     assert missing.status_code == 422 and "openenv_command" in missing.text, missing.text
     assert httpx.get(f"{buffer.url}/healthz", timeout=10).status_code == 200
+
+
+def test_the_dashboard_shows_the_environments_metrics(buffer: Server, engine: Server, qwen_tokenizer_path: str,
+                                                      env_server: Any) -> None:
+    url = env_server("calc_tools.py")
+    answer = start(buffer, engine, qwen_tokenizer_path, openenv_url=url, openenv_max_sessions=2)
+    assert answer.status_code == 200, answer.text
+    status = wait_finished(buffer.url, timeout_s=300)
+    metrics = status["run"]["progress"]["metrics"]
+    assert metrics["return"] == {"mean": 1.0, "n": 2} and metrics["steps"] == {"mean": 1.0, "n": 2}
+    chromium = os.environ.get("RB_CHROMIUM", "/usr/bin/chromium")
+    if shutil.which(chromium) is None:
+        pytest.skip(f"no chromium at {chromium} (Debian: apt-get install chromium; .ci/run does)")
+    playwright_sync = pytest.importorskip("playwright.sync_api")
+    with playwright_sync.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(15_000)
+            page.goto(f"{buffer.url}/ui")
+            page.wait_for_function("() => [...document.querySelectorAll('#reasons td')].some("
+                                   "td => td.textContent === 'return')")
+            rows = page.eval_on_selector_all("#reasons tbody tr", "rs => rs.map(r => r.innerText)")
+            assert any("metric (mean)" in r and "return" in r and "1.00 of 2" in r for r in rows), rows
+        finally:
+            browser.close()
+    drain(buffer.url)

@@ -1,8 +1,8 @@
 """Task type `verifiers`: environments written with verifiers' own classes (tests/data/verifiers_envs/), run by the
 real `verifiers` package from PyPI in a venv of its own, train through sessions on the simulated engine.
 
-The venv is created once at a pinned version into a cache folder (tests/env_venvs.py), with `uv` for the harness
-programs verifiers runs."""
+The venv is made once at a pinned version, with `uv` for the harness programs verifiers runs, by the buffer's own
+venv maker (rollout_buffer/environments/venvs.py): one test names it by its requirements instead."""
 
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from env_venvs import cached_venv
 from runs import drain, wait_finished
 from servers import Server, free_port, running, sim_engine
 from test_agent_docker import assert_engine_tokens
 from test_proxy import decode_tail, spans
+
+from rollout_buffer.environments.venvs import venv_python
 
 VERIFIERS = "verifiers==0.4.0"
 ENVS = Path(__file__).parent / "data" / "verifiers_envs"
@@ -29,7 +30,7 @@ ENVS = Path(__file__).parent / "data" / "verifiers_envs"
 @pytest.fixture(scope="module")
 def verifiers_python() -> str:
     """The interpreter of a venv holding verifiers and uv (its harness programs run with uv)."""
-    return cached_venv(VERIFIERS, "uv")
+    return venv_python([VERIFIERS, "uv"])
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +48,13 @@ def buffer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield srv
 
 
-def start(buffer: Server, engine: Server, tokenizer: str, python: str, env_id: str, **options: Any
+def start(buffer: Server, engine: Server, tokenizer: str, python: str | None, env_id: str, **options: Any
           ) -> httpx.Response:
+    """A verifiers run of `env_id`, its interpreter `python` (else `env_requirements` in `options`)."""
+    interpreter = {"env_python": python} if python is not None else {}
     return httpx.post(f"{buffer.url}/start_rollout", timeout=600, json={
-        "task_type": "verifiers", "remote_engine_url": engine.url, "tokenizer_path": tokenizer,
-        "env_python": python, "env_id": env_id, "env_paths": [str(ENVS)], "num_repeat_per_sample": 2,
-        "max_tokens": 4096, **options})
+        "task_type": "verifiers", "remote_engine_url": engine.url, "tokenizer_path": tokenizer, **interpreter,
+        "env_id": env_id, "env_paths": [str(ENVS)], "num_repeat_per_sample": 2, "max_tokens": 4096, **options})
 
 
 def direct_reward(python: str, module: str, task_cls: str, method: str, data: dict[str, Any], reply: str) -> float:
@@ -74,14 +76,20 @@ def test_a_judged_single_turn_environment_trains_from_its_own_dataset(verifiers_
     # checked against its own prompt's latest answer.
     # Judged too: verifiers' reference judge, its own endpoint the engine itself (its calls are not training data).
     judge = {"id": "reference", "base_url": f"{engine.url}/v1", "api_key_var": "RB_TEST_JUDGE_KEY", "model": "judge"}
-    answer = start(buffer, engine, qwen_tokenizer_path, verifiers_python, "rb_arith", num_repeat_per_sample=1,
-                   env_config={"agent": {"harness": {"id": "null"}}}, env_args={"task": {"judges": [judge]}})
+    # The venv named by its requirements: the buffer makes it (here it finds the fixture's, made the same way).
+    answer = start(buffer, engine, qwen_tokenizer_path, None, "rb_arith", num_repeat_per_sample=1,
+                   env_requirements=[VERIFIERS, "uv"], env_config={"agent": {"harness": {"id": "null"}}},
+                   env_args={"task": {"judges": [judge]}})
     assert answer.status_code == 200, answer.text
     assert answer.json()["num_items"] == 3  # the taskset's own tasks: no input_file
     status = wait_finished(buffer.url, timeout_s=300)
     assert status["run"]["progress"]["statuses"] == {"completed": 3}, status["run"]["progress"]
+    # The environment's reward functions and metrics, averaged for /status and the dashboard.
+    assert set(status["run"]["progress"]["metrics"]) == {"correct", "reference", "reply_chars"}
     records = drain(buffer.url)
     assert sorted(r["instance_id"] for r in records) == ["sum-2-3", "sum-4-5", "sum-7-8"]
+    assert status["run"]["progress"]["metrics"]["correct"]["mean"] == sum(
+        r["extra_info"]["metrics"]["correct"] for r in records) / 3
     for rec in records:
         env = rec["extra_info"]["env"]
         (trace,) = env["traces"]
@@ -155,6 +163,11 @@ def test_an_environment_that_cannot_load_is_refused_naming_the_option(verifiers_
     assert not_python.status_code == 422 and "env_python" in not_python.text, not_python.text
     no_verifiers = start(buffer, engine, qwen_tokenizer_path, sys.executable, "rb_arith")
     assert no_verifiers.status_code == 422 and "env_python" in no_verifiers.text, no_verifiers.text
+    both = start(buffer, engine, qwen_tokenizer_path, verifiers_python, "rb_arith", env_requirements=["x"])
+    assert both.status_code == 422 and "env_python" in both.text, both.text
+    uninstallable = start(buffer, engine, qwen_tokenizer_path, None, "rb_arith",
+                          env_requirements=["rollout-buffer-no-such-package==0.0.1"])
+    assert uninstallable.status_code == 422 and "env_requirements" in uninstallable.text, uninstallable.text
 
 
 def test_an_environment_is_an_eval_dataset(verifiers_python: str, buffer: Server, engine: Server,

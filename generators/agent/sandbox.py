@@ -49,6 +49,8 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlsplit
 
+from rollout_buffer.generator_api import fate_shared
+
 FORWARDER = Path(__file__).with_name("forward.py")
 _KEPT_ENV = ("PATH", "LANG", "LC_ALL")
 _READ_CHUNK = 65536
@@ -293,18 +295,13 @@ class LocalSandbox:
 
 
 def _fate_shared(argv: list[str], user: AgentUser | None = None) -> list[str]:
-    """`argv` killed when the process that started it (the buffer, or a Ray actor) dies, even by SIGKILL, and run
-    as `user` when that is another user than the buffer's: `setpriv` (util-linux) switches the user, then sets the
-    parent-death signal, which the exec keeps. (Not subprocess's own `user=`: uvloop's subprocesses lack it.)
-    Without setpriv the agent may outlive a crashed buffer (its session is gone, so its next request fails)."""
-    setpriv = shutil.which("setpriv")
-    switch = user is not None and user.switch
-    if setpriv is None:
-        if switch:
-            raise AgentFailed("agent_sandbox", "running the agent as another user needs setpriv (util-linux)")
-        return argv
-    ids = ["--reuid", str(user.uid), "--regid", str(user.gid), "--clear-groups"] if switch and user else []
-    return [setpriv, *ids, "--pdeathsig", "KILL", "--", *argv]
+    """`argv` killed when the process that started it dies and run as `user` when that is another user than the
+    buffer's (`fate_shared`). Without setpriv the agent may outlive a crashed buffer (its session is gone, so its
+    next request fails)."""
+    try:
+        return fate_shared(argv, (user.uid, user.gid) if user is not None and user.switch else None)
+    except PermissionError as e:
+        raise AgentFailed("agent_sandbox", f"running the agent as another user {e}") from None
 
 
 def _bind(source: str, target: str, read_only: bool = False) -> list[str]:

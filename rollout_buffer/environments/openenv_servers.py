@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from rollout_buffer.environments.openenv_client import fetch_schema
-from rollout_buffer.environments.pool import EnvError, tied_to_buffer
+from rollout_buffer.environments.pool import EnvError, fate_shared
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class OpenEnvServer:
             argv = [a.replace(PORT_PLACEHOLDER, str(port)) for a in self.spec.command]
             try:
                 self.proc = await asyncio.create_subprocess_exec(
-                    *tied_to_buffer(argv), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                    *fate_shared(argv), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.STDOUT, env={**os.environ, "PORT": str(port), **self.spec.env},
                     cwd=self.spec.cwd, start_new_session=True)
             except OSError as e:

@@ -13,11 +13,18 @@ from typing import Generic, Protocol, TypeVar
 log = logging.getLogger(__name__)
 
 
-def tied_to_buffer(argv: Sequence[str]) -> list[str]:
-    """`argv` run so that the process is killed when the buffer dies, even by SIGKILL (util-linux's `setpriv
-    --pdeathsig`, where it exists): an environment's processes never outlive the buffer that drives them."""
+def fate_shared(argv: Sequence[str], switch_to: tuple[int, int] | None = None) -> list[str]:
+    """`argv` killed when the process that started it (the buffer, a Ray actor) dies, even by SIGKILL, and run as
+    `switch_to` (uid, gid) when given: `setpriv` (util-linux) switches the user, then sets the parent-death signal,
+    which the exec keeps (not subprocess's own `user=`: uvloop's subprocesses lack it). Without setpriv the process
+    may outlive a crashed buffer; PermissionError when it would have to switch users."""
     setpriv = shutil.which("setpriv")
-    return [setpriv, "--pdeathsig", "KILL", "--", *argv] if setpriv else list(argv)
+    if setpriv is None:
+        if switch_to is not None:
+            raise PermissionError("needs setpriv (util-linux) to run as another user")
+        return list(argv)
+    ids = ["--reuid", str(switch_to[0]), "--regid", str(switch_to[1]), "--clear-groups"] if switch_to else []
+    return [setpriv, *ids, "--pdeathsig", "KILL", "--", *argv]
 
 
 class EnvError(Exception):

@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from rollout_buffer.environments.pool import EnvError, tied_to_buffer
+from rollout_buffer.environments.pool import EnvError, fate_shared
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class EnvWorker:
         spec = self.spec
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                *tied_to_buffer([spec.python, "-u", str(spec.script)]), stdin=asyncio.subprocess.PIPE,
+                *fate_shared([spec.python, "-u", str(spec.script)]), stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=spec.environ(),
                 cwd=spec.cwd, limit=_LINE_LIMIT, start_new_session=True)
         except OSError as e:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections import Counter, deque
@@ -56,6 +57,19 @@ class Progress:
     failures: Counter[str] = field(default_factory=Counter)
     state: str = "running"
     ended_at: float | None = None  # freezes the rate once the run ends
+    # Sum and count of each numeric `extra_info.metrics` value the run's records carry (an environment's reward
+    # functions and metrics): their means are shown.
+    metric_sums: dict[str, list[float]] = field(default_factory=dict)
+
+    def note_metrics(self, metrics: Any) -> None:
+        """Add a record's `extra_info.metrics` (name → number) to the run's means."""
+        if not isinstance(metrics, dict):
+            return
+        for name, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                acc = self.metric_sums.setdefault(str(name), [0.0, 0])
+                acc[0] += value
+                acc[1] += 1
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-ready view, with the rate in trajectories per second."""
@@ -75,6 +89,8 @@ class Progress:
             "elapsed_s": elapsed,
             "statuses": dict(self.statuses),
             "failures": dict(self.failures),
+            "metrics": {name: {"mean": total / n, "n": int(n)}
+                        for name, (total, n) in sorted(self.metric_sums.items())},
         }
 
 
@@ -390,6 +406,7 @@ class Run:
         await self.buffer.write(records, self._run_row)
         for r in records:
             self.progress.statuses[r.status] += 1
+            self.progress.note_metrics(r.extra_info.get("metrics"))
             if r.status == "failed":
                 self.progress.failed += 1
             else:

@@ -377,6 +377,9 @@ async function refreshReasons(s) {
   const rows = [];
   for (const [reason, n] of Object.entries(s.filtered || {})) rows.push(["filtered group", reason, n]);
   for (const [status, n] of Object.entries(s.records || {})) rows.push(["trajectory status", status, n]);
+  // The run's records' own metrics (an environment's reward functions and metrics): their means.
+  const metrics = (s.run && s.run.progress && s.run.progress.metrics) || {};
+  for (const [name, m] of Object.entries(metrics)) rows.push(["metric (mean)", name, `${fmt(m.mean)} of ${m.n}`]);
   try {
     if (state.runId && (s.records || {}).failed) {
       const { failures } = await getJSON(`/ui/api/failures?run_id=${encodeURIComponent(state.runId)}`);

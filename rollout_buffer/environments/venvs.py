@@ -1,0 +1,51 @@
+"""Venvs the buffer makes for environments from a requirement list: one per list, in a cache folder
+(`ROLLOUT_BUFFER_ENV_VENVS`, default `~/.cache/rollout-buffer/env-venvs`), created once under a file lock and
+reused by every later run (and every process) that names the same list."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_READY = ".complete"
+_INSTALL_TIMEOUT_S = 1800
+
+
+def venv_root() -> Path:
+    """Where environment venvs live."""
+    default = Path.home() / ".cache" / "rollout-buffer" / "env-venvs"
+    return Path(os.environ.get("ROLLOUT_BUFFER_ENV_VENVS", default))
+
+
+def venv_python(requirements: Sequence[str], field: str = "requirements") -> str:
+    """The interpreter of a venv holding `requirements` (pip specifiers), created the first time (blocking: minutes
+    for a large list; call it in a thread). ValueError naming `field` when pip cannot install them."""
+    if not requirements or not all(isinstance(r, str) and r.strip() for r in requirements):
+        raise ValueError(f"{field}: a list of pip requirement specifiers")
+    key = hashlib.sha256("\n".join(sorted(r.strip() for r in requirements)).encode()).hexdigest()[:16]
+    venv = venv_root() / key
+    python = venv / "bin" / "python"
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / f"{key}.lock", "w") as lock:  # one creates it, the others wait and reuse it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (venv / _READY).exists():
+            started = time.monotonic()
+            log.info("creating the environment venv %s for %s", venv, list(requirements))
+            subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True, timeout=300,
+                           capture_output=True)
+            done = subprocess.run([str(python), "-m", "pip", "install", "-q", *requirements], capture_output=True,
+                                  text=True, timeout=_INSTALL_TIMEOUT_S)
+            if done.returncode != 0:
+                raise ValueError(f"{field}: pip could not install {list(requirements)}: {done.stderr[-1500:]}")
+            (venv / _READY).write_text("\n".join(requirements) + "\n")
+            log.info("environment venv %s ready in %.0f s", venv, time.monotonic() - started)
+    return str(python)
