@@ -38,7 +38,9 @@ from rollout_buffer.generator_api import (
     RunOptions,
     ServerSpec,
     StepResult,
+    give_to,
     is_mcp,
+    user_ids,
     venv_python,
 )
 
@@ -83,6 +85,7 @@ class OpenEnvOptions(RunOptions):
     openenv_timeout_s: float = Field(default=1800.0, gt=0, description="time limit of one episode")
     openenv_max_retries: int = Field(default=2, ge=0, description="retries of an episode whose server went away")
     openenv_start_timeout_s: float = Field(default=120.0, gt=0)
+    openenv_user: str | None = Field(default=None, min_length=1, description="the user started servers run as")
 
     @model_validator(mode="after")
     def _one_server(self) -> OpenEnvOptions:
@@ -92,7 +95,13 @@ class OpenEnvOptions(RunOptions):
             raise ValueError(f"openenv_command: no {PORT_PLACEHOLDER} in it (where the server's port goes)")
         if self.openenv_requirements is not None and self.openenv_command is None:
             raise ValueError("openenv_requirements: only with openenv_command (its {python})")
+        if self.openenv_user is not None and self.openenv_command is None:
+            raise ValueError("openenv_user: only with openenv_command (the servers the buffer starts)")
         return self
+
+    def user(self) -> tuple[int, int] | None:
+        """(uid, gid) of `openenv_user` when started servers run as another user than the buffer's."""
+        return user_ids(self.openenv_user, "openenv_user") if self.openenv_user is not None else None
 
     def command(self) -> list[str] | None:
         """`openenv_command`, `{python}` replaced by the interpreter of the venv made from `openenv_requirements`
@@ -118,6 +127,7 @@ def check_payload(payload: dict[str, Any], data_roots: Any) -> None:
             raise ValueError(f"openenv_url: the OpenEnv server at {opts.openenv_url} does not answer /schema: {e}"
                              ) from None
     else:
+        opts.user()
         command = opts.command()  # the first time with openenv_requirements: the venv is made here
         if command is not None and shutil.which(command[0]) is None:
             raise ValueError(f"openenv_command: program {command[0]!r} not found")
@@ -136,7 +146,9 @@ class _Run(ProcessPool[OpenEnvServer]):
     def __init__(self, opts: OpenEnvOptions, command: list[str] | None):
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30))
         self.scratch = Path(tempfile.mkdtemp(prefix="rb-openenv-"))
-        spec = ServerSpec(opts.openenv_url, command, opts.openenv_env, self.scratch, opts.openenv_start_timeout_s)
+        spec = ServerSpec(opts.openenv_url, command, opts.openenv_env, self.scratch, opts.openenv_start_timeout_s,
+                          opts.user())
+        give_to(self.scratch, spec.user)
         size = 1 if opts.openenv_url is not None else opts.openenv_servers
         super().__init__(lambda index: OpenEnvServer(spec, index, self.http), size, opts.openenv_max_sessions,
                          "OpenEnv server")
@@ -203,6 +215,10 @@ async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> list[dict[st
         except BaseException as e:
             await session.discard(f"{type(e).__name__}: {e}")
             raise
+        if episode.step_rewards and all(r is None for r in episode.step_rewards):
+            await session.discard("no reward")
+            raise EnvError("env_reward", f"the OpenEnv environment gave no reward in any of its "
+                           f"{len(episode.step_rewards)} steps")
         reward = float(sum(r for r in episode.step_rewards if r is not None))
         info = {"openenv": {"step_rewards": episode.step_rewards, "steps": len(episode.step_rewards),
                             "done": episode.done, "end": episode.end, "retries": attempt, "reset": reset},

@@ -30,7 +30,10 @@ from rollout_buffer.generator_api import (
     RolloutContext,
     RunOptions,
     WorkerSpec,
+    fate_shared,
+    give_to,
     python_env_paths,
+    user_ids,
     venv_python,
     worker_script,
 )
@@ -63,6 +66,7 @@ class VerifiersOptions(RunOptions):
     env_timeout_s: float = Field(default=1800.0, gt=0, description="time limit of one episode")
     env_max_retries: int = Field(default=2, ge=0, description="retries of an episode whose worker died")
     env_start_timeout_s: float = Field(default=600.0, gt=0)
+    env_user: str | None = Field(default=None, min_length=1, description="the user the workers run as")
 
     @model_validator(mode="after")
     def _one_interpreter(self) -> VerifiersOptions:
@@ -82,10 +86,14 @@ class VerifiersOptions(RunOptions):
         taskset = {**self.env_config.get("taskset", {}), **self.env_args, "id": self.env_id}
         return {**self.env_config, "taskset": taskset}
 
+    def user(self) -> tuple[int, int] | None:
+        """(uid, gid) of `env_user` when the workers run as another user than the buffer's."""
+        return user_ids(self.env_user, "env_user") if self.env_user is not None else None
+
     def spec(self, python: str, cwd: Path | None = None) -> WorkerSpec:
         """How this run's workers start, with the environment's interpreter `python`."""
         return WorkerSpec(python, worker_script("verifiers"), self.load_config(), python_env_paths(self.env_paths),
-                          cwd, self.env_start_timeout_s, f"verifiers:{self.env_id}")
+                          cwd, self.env_start_timeout_s, f"verifiers:{self.env_id}", self.user())
 
 
 def runs_in_buffer(payload: dict[str, Any]) -> bool:
@@ -102,6 +110,13 @@ def check_payload(payload: dict[str, Any], data_roots: Any) -> None:
     for path in opts.env_paths:
         if not Path(path).is_dir():
             raise ValueError(f"env_paths: {path} is not a folder")
+    ids = opts.user()
+    if ids is not None:  # the user must be able to run the interpreter and import verifiers from it
+        probe = subprocess.run(fate_shared([python, "-c", "import verifiers.v1"], ids), cwd="/", capture_output=True,
+                               timeout=_LIST_TIMEOUT_S, check=False)
+        if probe.returncode != 0:
+            raise ValueError(f"env_user: {opts.env_user!r} cannot run {python} and import verifiers: "
+                             f"{probe.stderr.decode(errors='replace')[-800:]}")
 
 
 def default_input(payload: dict[str, Any]) -> list[dict[str, Any]]:
@@ -112,10 +127,11 @@ def default_input(payload: dict[str, Any]) -> list[dict[str, Any]]:
     opts = VerifiersOptions.from_run(payload)
     spec = opts.spec(opts.interpreter())
     with tempfile.TemporaryDirectory(prefix="rb-env-list-") as cwd:
+        give_to(Path(cwd), spec.user)
         requests = orjson.dumps({"op": "load", "env": spec.load}) + b"\n" + orjson.dumps({"op": "tasks", "id": 0})
         try:
-            done = subprocess.run([spec.python, "-u", str(spec.script)], input=requests + b"\n", cwd=cwd,
-                                  env=spec.environ(), capture_output=True, timeout=_LIST_TIMEOUT_S, check=False)
+            done = subprocess.run(spec.argv(), input=requests + b"\n", cwd=cwd, env=spec.environ(),
+                                  capture_output=True, timeout=_LIST_TIMEOUT_S, check=False)
         except (OSError, subprocess.TimeoutExpired) as e:
             raise ValueError(f"env_python: cannot list the environment's tasks: {e}") from None
     answers = [orjson.loads(line) for line in done.stdout.splitlines() if line.strip()]
@@ -144,6 +160,7 @@ class _Pool(ProcessPool[EnvWorker]):
     def __init__(self, opts: VerifiersOptions, python: str):
         self.scratch = Path(tempfile.mkdtemp(prefix="rb-env-"))
         spec = opts.spec(python, self.scratch)
+        give_to(self.scratch, spec.user)
         super().__init__(lambda index: EnvWorker(spec, index), opts.env_workers, opts.env_max_episodes, spec.name)
 
     async def aclose(self) -> None:
@@ -202,13 +219,14 @@ async def _records(session: Any, result: dict[str, Any], retries: int) -> list[d
         await session.discard(_errors(result))
         raise EnvError("env_error", f"the environment's episode failed: {_errors(result)}")
     scored = [t for t in traces if t.get("trainable", True)] or traces
-    rewards = [t.get("reward") for t in scored]
-    if not rewards or not all(isinstance(r, (int, float)) for r in rewards):
+    given = [t.get("reward") if t.get("rewards") else None for t in scored]  # no reward function ran: none
+    rewards = [float(r) for r in given if isinstance(r, (int, float))]
+    if not rewards or len(rewards) < len(given):
         await session.discard("the environment gave no reward")
-        raise EnvError("env_reward", f"the environment gave no reward (traces: {len(traces)}, rewards: "
-                             f"{rewards})")
+        raise EnvError("env_reward", f"the environment gave no reward (no reward function or judge ran; "
+                       f"traces: {len(traces)}, rewards: {given})")
     try:
-        records = await session.close(float(sum(rewards)) / len(rewards), **info)
+        records = await session.close(sum(rewards) / len(rewards), **info)
     except ValueError as e:
         raise EnvError("env_no_turns", f"{e}; the environment's episode asked the model nothing") from None
     return per_trace(records, traces)

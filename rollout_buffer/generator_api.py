@@ -8,7 +8,8 @@ See the generators guide (docs/generators.md) for what each does.
 
 from rollout_buffer.environments.openenv_client import OpenEnvSession, StepResult, is_mcp
 from rollout_buffer.environments.openenv_servers import PORT_PLACEHOLDER, OpenEnvServer, ServerSpec
-from rollout_buffer.environments.pool import EnvError, ProcessPool, fate_shared
+from rollout_buffer.environments.pool import EnvError, ProcessPool
+from rollout_buffer.environments.processes import fate_shared, give_to, user_ids
 from rollout_buffer.environments.venvs import venv_python
 from rollout_buffer.environments.workers import EnvWorker, EnvWorkerDied, WorkerSpec, python_env_paths, worker_script
 from rollout_buffer.generation.context import RolloutContext, RunResources
@@ -45,11 +46,13 @@ __all__ = [
     "check_http_urls",
     "confined_path",
     "fate_shared",
+    "give_to",
     "is_mcp",
     "iter_json_objects",
     "parse_tool_calls",
     "python_env_paths",
     "tool_call",
+    "user_ids",
     "venv_python",
     "worker_script",
 ]

@@ -4,17 +4,25 @@ servers the buffer starts from a command, and a server the user runs."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import json
 import os
 import shutil
 import subprocess
+import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
+import uvicorn
+from fastapi import FastAPI, WebSocket
 from runs import drain, wait_finished
 from servers import Server, free_port, running, sim_engine, wait_http
 from test_agent_docker import assert_engine_tokens
@@ -189,3 +197,88 @@ def test_the_dashboard_shows_the_environments_metrics(buffer: Server, engine: Se
         finally:
             browser.close()
     drain(buffer.url)
+
+
+def test_no_reward_and_a_malformed_one_are_recorded_failed(openenv_python: str, buffer: Server, engine: Server,
+                                                           qwen_tokenizer_path: str) -> None:
+    unscored = start(buffer, engine, qwen_tokenizer_path, openenv_resets=[{"seed": 5, "unscored": True}],
+                     openenv_command=[openenv_python, str(ENVS / "arith_drill.py"), "--port", "{port}"])
+    assert unscored.status_code == 200, unscored.text
+    status = wait_finished(buffer.url, timeout_s=300)
+    assert status["run"]["progress"]["failures"] == {"env_reward": 1}, status["run"]["progress"]
+    with not_openenv_server() as url:  # speaks OpenEnv's protocol, but its reward is not a number
+        malformed = start(buffer, engine, qwen_tokenizer_path, openenv_url=url)
+        assert malformed.status_code == 200, malformed.text
+        status = wait_finished(buffer.url, timeout_s=300)
+    assert status["run"]["progress"]["failures"] == {"env_reward": 2}, status["run"]["progress"]
+    assert "reward that is not a number: 'lots'" in buffer.log()
+
+
+@contextlib.contextmanager
+def not_openenv_server() -> Iterator[str]:
+    """A server of OpenEnv's wire protocol (`/schema`, `/ws`) that answers every step with the reward "lots"."""
+    app = FastAPI()
+
+    @app.get("/schema")
+    def schema() -> dict[str, Any]:
+        return {"action": {"properties": {"message": {"type": "string"}}, "required": ["message"]}}
+
+    @app.websocket("/ws")
+    async def ws(socket: WebSocket) -> None:
+        await socket.accept()
+        while True:
+            frame = await socket.receive_json()
+            if frame["type"] == "close":
+                return
+            reward = None if frame["type"] == "reset" else "lots"
+            await socket.send_json({"type": "observation", "data": {"observation": {"prompt": "Say a number."},
+                                                                     "reward": reward, "done": False}})
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    try:
+        wait_http(f"http://127.0.0.1:{port}/schema", 30)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def readable_openenv_python() -> Iterator[str]:
+    """openenv in a venv other users can run (the default cache folder is in the home of the tests' user)."""
+    before = os.environ.get("ROLLOUT_BUFFER_ENV_VENVS")
+    os.environ["ROLLOUT_BUFFER_ENV_VENVS"] = str(Path(tempfile.gettempdir()) / "rollout-buffer-env-venvs")
+    try:
+        yield venv_python([OPENENV])
+    finally:
+        if before is None:
+            os.environ.pop("ROLLOUT_BUFFER_ENV_VENVS")
+        else:
+            os.environ["ROLLOUT_BUFFER_ENV_VENVS"] = before
+
+
+def test_started_servers_run_as_the_user_the_run_names(readable_openenv_python: str, buffer: Server,
+                                                        engine: Server, qwen_tokenizer_path: str) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("switching users needs the buffer to run as root")
+    answer = start(buffer, engine, qwen_tokenizer_path, openenv_user="nobody", openenv_resets=[{"seed": 6,
+                                                                                                 "sleep_s": 1}],
+                   openenv_command=[readable_openenv_python, str(ENVS / "arith_drill.py"), "--port", "{port}"])
+    assert answer.status_code == 200, answer.text
+    assert buffer.proc is not None
+    owners: set[str] = set()
+    deadline = time.monotonic() + 120
+    while not owners and time.monotonic() < deadline:  # the server the buffer started, while its episode runs
+        owners = {c.username() for c in psutil.Process(buffer.proc.pid).children()
+                  if any("arith_drill.py" in part for part in c.cmdline())}
+        time.sleep(0.1)
+    assert owners == {"nobody"}
+    status = wait_finished(buffer.url, timeout_s=300)
+    assert status["run"]["progress"]["statuses"] == {"completed": 1}, status["run"]["progress"]
+    drain(buffer.url)
+    nobody = start(buffer, engine, qwen_tokenizer_path, openenv_user="no-such-user-rb",
+                   openenv_command=[readable_openenv_python, str(ENVS / "arith_drill.py"), "--port", "{port}"])
+    assert nobody.status_code == 422 and "openenv_user" in nobody.text, nobody.text

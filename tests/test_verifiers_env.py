@@ -163,6 +163,9 @@ def test_an_environment_that_cannot_load_is_refused_naming_the_option(verifiers_
     assert not_python.status_code == 422 and "env_python" in not_python.text, not_python.text
     no_verifiers = start(buffer, engine, qwen_tokenizer_path, sys.executable, "rb_arith")
     assert no_verifiers.status_code == 422 and "env_python" in no_verifiers.text, no_verifiers.text
+    # The venv lies where another user cannot run it (or the buffer is not root): named, before anything runs.
+    other_user = start(buffer, engine, qwen_tokenizer_path, verifiers_python, "rb_arith", env_user="nobody")
+    assert other_user.status_code == 422 and "env_user" in other_user.text, other_user.text
     both = start(buffer, engine, qwen_tokenizer_path, verifiers_python, "rb_arith", env_requirements=["x"])
     assert both.status_code == 422 and "env_python" in both.text, both.text
     uninstallable = start(buffer, engine, qwen_tokenizer_path, None, "rb_arith",
@@ -253,3 +256,34 @@ def test_attempts_scored_against_each_other_keep_their_own_rewards(verifiers_pyt
             a, b = (int(x) for x in instance.split("-")[1:])
             assert trace["reward"] == float(f"\\boxed{{{a + b}}}" in reply)  # this attempt's own answer
             assert trace["metrics"]["best"] == float(trace["reward"] == top)
+
+
+def test_seats_are_role_streams_and_untrained_seats_leave_no_record(verifiers_python: str, buffer: Server,
+                                                                     engine: Server, qwen_tokenizer_path: str
+                                                                     ) -> None:
+    seats = {seat: {"harness": {"id": "null"}} for seat in ("solver", "checker", "observer")}
+    answer = start(buffer, engine, qwen_tokenizer_path, verifiers_python, "rb_duo", num_repeat_per_sample=1,
+                   env_config=seats)
+    assert answer.status_code == 200, answer.text
+    status = wait_finished(buffer.url, timeout_s=300)
+    assert status["run"]["progress"]["statuses"] == {"completed": 6}, status["run"]["progress"]
+    for role in ("solver", "checker"):  # each seat is a trainer's stream of its own
+        out = httpx.post(f"{buffer.url}/get_rollout_data", timeout=30, json={"agent_id": role}).json()
+        records = out["data"]["data"]
+        assert sorted(r["instance_id"] for r in records) == ["sum-2-3", "sum-4-5", "sum-7-8"], out
+        for rec in records:
+            info = rec["extra_info"]
+            trace = next(t for t in info["env"]["traces"] if t["id"] == info["lane"])
+            assert info["agent_id"] == trace["agent"] == role and rec["raw_reward"] == trace["reward"]
+            assert {t["agent"]: t["trainable"] for t in info["env"]["traces"]} == {
+                "solver": True, "checker": True, "observer": False}
+
+
+def test_an_environment_without_a_reward_is_recorded_failed(verifiers_python: str, buffer: Server, engine: Server,
+                                                            qwen_tokenizer_path: str) -> None:
+    answer = start(buffer, engine, qwen_tokenizer_path, verifiers_python, "rb_unscored", num_repeat_per_sample=1,
+                   env_config={"agent": {"harness": {"id": "null"}}})
+    assert answer.status_code == 200, answer.text
+    status = wait_finished(buffer.url, timeout_s=300)
+    assert status["run"]["progress"]["failures"] == {"env_reward": 1}, status["run"]["progress"]
+    assert "no reward function or judge ran" in buffer.log()

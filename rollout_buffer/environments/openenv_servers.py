@@ -18,7 +18,8 @@ from typing import Any
 import httpx
 
 from rollout_buffer.environments.openenv_client import fetch_schema
-from rollout_buffer.environments.pool import EnvError, fate_shared
+from rollout_buffer.environments.pool import EnvError
+from rollout_buffer.environments.processes import fate_shared
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class ServerSpec:
     env: dict[str, str] = field(default_factory=dict)
     cwd: Path | None = None
     start_timeout_s: float = 120.0
+    user: tuple[int, int] | None = None  # (uid, gid) started servers run as, when not the buffer's
 
 
 class OpenEnvServer:
@@ -72,8 +74,8 @@ class OpenEnvServer:
             argv = [a.replace(PORT_PLACEHOLDER, str(port)) for a in self.spec.command]
             try:
                 self.proc = await asyncio.create_subprocess_exec(
-                    *fate_shared(argv), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.STDOUT, env={**os.environ, "PORT": str(port), **self.spec.env},
+                    *fate_shared(argv, self.spec.user), stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=self._environ(port),
                     cwd=self.spec.cwd, start_new_session=True)
             except OSError as e:
                 raise EnvError("openenv_start", f"openenv_command: cannot start {argv[0]}: {e.strerror or e}"
@@ -94,6 +96,10 @@ class OpenEnvServer:
                     raise EnvError("openenv_start", f"{e}; output: {self.output_text()!r}") from None
             await asyncio.sleep(0.2)
         log.info("%s ready", self.label)
+
+    def _environ(self, port: int) -> dict[str, str]:
+        home = {"HOME": str(self.spec.cwd)} if self.spec.user is not None and self.spec.cwd is not None else {}
+        return {**os.environ, "PORT": str(port), **home, **self.spec.env}
 
     async def settle(self, wait_s: float = 3.0) -> None:
         """After a session broke: a started server that exits within `wait_s` is marked dead (and replaced at the

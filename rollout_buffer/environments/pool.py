@@ -6,25 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import shutil
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Generic, Protocol, TypeVar
 
 log = logging.getLogger(__name__)
-
-
-def fate_shared(argv: Sequence[str], switch_to: tuple[int, int] | None = None) -> list[str]:
-    """`argv` killed when the process that started it (the buffer, a Ray actor) dies, even by SIGKILL, and run as
-    `switch_to` (uid, gid) when given: `setpriv` (util-linux) switches the user, then sets the parent-death signal,
-    which the exec keeps (not subprocess's own `user=`: uvloop's subprocesses lack it). Without setpriv the process
-    may outlive a crashed buffer; PermissionError when it would have to switch users."""
-    setpriv = shutil.which("setpriv")
-    if setpriv is None:
-        if switch_to is not None:
-            raise PermissionError("needs setpriv (util-linux) to run as another user")
-        return list(argv)
-    ids = ["--reuid", str(switch_to[0]), "--regid", str(switch_to[1]), "--clear-groups"] if switch_to else []
-    return [setpriv, *ids, "--pdeathsig", "KILL", "--", *argv]
 
 
 class EnvError(Exception):

@@ -22,7 +22,8 @@ from typing import Any
 
 import orjson
 
-from rollout_buffer.environments.pool import EnvError, fate_shared
+from rollout_buffer.environments.pool import EnvError
+from rollout_buffer.environments.processes import fate_shared
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +50,19 @@ class WorkerSpec:
     cwd: Path | None = None
     start_timeout_s: float = 300.0
     name: str = "env"
+    user: tuple[int, int] | None = None  # (uid, gid) the worker runs as, when not the buffer's
 
     def environ(self) -> dict[str, str]:
-        """The worker's environment: ours, the venv's `bin` first on PATH (its tools, e.g. `uv`), `env` on top."""
+        """The worker's environment: ours, the venv's `bin` first on PATH (its tools, e.g. `uv`), `env` on top;
+        run as another user, its home is its scratch folder (where its tools' caches go)."""
         bin_dir = str(Path(self.python).parent)
+        home = {"HOME": str(self.cwd)} if self.user is not None and self.cwd is not None else {}
         return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-                "PYTHONUNBUFFERED": "1", **self.env}
+                "PYTHONUNBUFFERED": "1", **home, **self.env}
+
+    def argv(self) -> list[str]:
+        """The worker's command line, tied to the buffer and run as `user`."""
+        return fate_shared([self.python, "-u", str(self.script)], self.user)
 
 
 class EnvWorker:
@@ -83,7 +91,7 @@ class EnvWorker:
         spec = self.spec
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                *fate_shared([spec.python, "-u", str(spec.script)]), stdin=asyncio.subprocess.PIPE,
+                *spec.argv(), stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=spec.environ(),
                 cwd=spec.cwd, limit=_LINE_LIMIT, start_new_session=True)
         except OSError as e:

@@ -1,6 +1,6 @@
 """A multi-step OpenEnv environment written with OpenEnv's own server library: three sums a seed picks, one per
 step; reward 1 for a step whose reply boxes the right sum, else 0. `crash_flag` in reset kills the server the
-first time (a file remembers it); `sleep_s` makes every step that slow.
+first time (a file remembers it); `sleep_s` makes every step that slow; `unscored` gives no reward.
 
     python arith_drill.py --port 8765
 """
@@ -34,6 +34,7 @@ class Question(Observation):
 class DrillState(State):
     sums: list[tuple[int, int]] = Field(default_factory=list)
     sleep_s: float = 0.0
+    unscored: bool = False
 
 
 class ArithDrill(Environment[Answer, Question, DrillState]):
@@ -44,13 +45,14 @@ class ArithDrill(Environment[Answer, Question, DrillState]):
         self._state = DrillState(episode_id="none", step_count=0)
 
     def reset(self, seed: int | None = None, episode_id: str | None = None, crash_flag: str | None = None,
-              sleep_s: float = 0.0, **kwargs: Any) -> Question:
+              sleep_s: float = 0.0, unscored: bool = False, **kwargs: Any) -> Question:
         if crash_flag and not Path(crash_flag).exists():
             Path(crash_flag).write_text("1")
             os._exit(7)
         rng = random.Random(seed)
         sums = [(rng.randint(2, 40), rng.randint(2, 40)) for _ in range(QUESTIONS)]
-        self._state = DrillState(episode_id=episode_id or f"seed-{seed}", step_count=0, sums=sums, sleep_s=sleep_s)
+        self._state = DrillState(episode_id=episode_id or f"seed-{seed}", step_count=0, sums=sums, sleep_s=sleep_s,
+                                 unscored=unscored)
         return Question(prompt=self._ask(0), step=0, done=False, reward=None)
 
     def step(self, action: Answer, timeout_s: float | None = None, **kwargs: Any) -> Question:  # type: ignore[override]
@@ -62,7 +64,7 @@ class ArithDrill(Environment[Answer, Question, DrillState]):
         s.step_count += 1
         done = s.step_count >= QUESTIONS
         prompt = "Done." if done else self._ask(s.step_count)
-        return Question(prompt=prompt, step=s.step_count, done=done, reward=reward)
+        return Question(prompt=prompt, step=s.step_count, done=done, reward=None if s.unscored else reward)
 
     def _ask(self, i: int) -> str:
         a, b = self._state.sums[i]
