@@ -287,3 +287,17 @@ def test_an_environment_without_a_reward_is_recorded_failed(verifiers_python: st
     status = wait_finished(buffer.url, timeout_s=300)
     assert status["run"]["progress"]["failures"] == {"env_reward": 1}, status["run"]["progress"]
     assert "no reward function or judge ran" in buffer.log()
+
+
+def test_a_truncated_episode_is_recorded_truncated(verifiers_python: str, buffer: Server, engine: Server,
+                                                   qwen_tokenizer_path: str) -> None:
+    # A token budget the reply cannot fit in: the model's turn is cut, verifiers sees `length`, the record says so.
+    answer = start(buffer, engine, qwen_tokenizer_path, verifiers_python, "rb_arith", num_repeat_per_sample=1,
+                   max_tokens=8, env_config={"agent": {"harness": {"id": "null"}}})
+    assert answer.status_code == 200, answer.text
+    status = wait_finished(buffer.url, timeout_s=300)
+    assert status["run"]["progress"]["statuses"] == {"truncated": 3}, status["run"]["progress"]
+    for rec in drain(buffer.url):
+        (trace,) = rec["extra_info"]["env"]["traces"]
+        assert rec["status"] == "truncated" and rec["extra_info"]["finish_reason"] == "length"
+        assert trace["truncated"] and trace["reward"] == rec["raw_reward"]
