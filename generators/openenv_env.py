@@ -48,7 +48,6 @@ TASK_TYPE = "openenv"
 REQUIRED_FIELDS = ()
 
 _SHARED_KEY = "openenv.run"
-_BUILD_LOCK_KEY = "openenv.run.build"
 PYTHON_PLACEHOLDER = "{python}"
 _TEXT_FIELDS = ("prompt", "text", "message", "question", "content", "observation")
 # Failures that mean the server went away under the episode: run it again on a live one.
@@ -160,15 +159,12 @@ class _Run(ProcessPool[OpenEnvServer]):
 
 
 async def _run(ctx: RolloutContext) -> _Run:
-    shared = ctx.run.shared.get(_SHARED_KEY)
-    if shared is None:
-        async with ctx.run.shared.setdefault(_BUILD_LOCK_KEY, asyncio.Lock()):
-            shared = ctx.run.shared.get(_SHARED_KEY)
-            if shared is None:
-                opts = OpenEnvOptions.from_run(ctx.config)
-                command = await asyncio.to_thread(opts.command)
-                shared = ctx.run.shared[_SHARED_KEY] = _Run(opts, command)
-    return shared
+    opts = OpenEnvOptions.from_run(ctx.config)
+
+    async def build() -> _Run:
+        return _Run(opts, await asyncio.to_thread(opts.command))
+
+    return await ctx.run.once(_SHARED_KEY, build)
 
 
 @dataclass

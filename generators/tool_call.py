@@ -96,13 +96,8 @@ def load_run_tools(config: dict[str, Any]) -> RunTools:
 
 
 async def run_tools(ctx: RolloutContext) -> RunTools:
-    """The run's tools, loaded once in a thread by the first trajectory that asks."""
-    loading = ctx.run.shared.get(_SHARED_KEY)
-    if loading is None:
-        loading = asyncio.ensure_future(asyncio.to_thread(load_run_tools, ctx.config))
-        ctx.run.shared[_SHARED_KEY] = loading
-    # Shielded: one trajectory being cancelled must not cancel the load the others wait for.
-    return await asyncio.shield(loading)
+    """The run's tools, loaded once in a thread by the first trajectory that asks (the others wait for it)."""
+    return await ctx.run.once(_SHARED_KEY, lambda: asyncio.to_thread(load_run_tools, ctx.config))
 
 
 def _tools_kwargs(item: dict[str, Any]) -> dict[str, Any]:

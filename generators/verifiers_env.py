@@ -42,7 +42,6 @@ TASK_TYPE = "verifiers"
 REQUIRED_FIELDS = ("env_task",)
 
 _SHARED_KEY = "verifiers.pool"
-_BUILD_LOCK_KEY = "verifiers.pool.build"
 _LIST_TIMEOUT_S = 600.0
 
 __all__ = ["TASK_TYPE", "check_payload", "default_input", "run_rollout", "runs_in_buffer"]
@@ -169,15 +168,12 @@ class _Pool(ProcessPool[EnvWorker]):
 
 
 async def _pool(ctx: RolloutContext) -> tuple[_Pool, VerifiersOptions]:
-    shared = ctx.run.shared.get(_SHARED_KEY)
-    if shared is None:
-        async with ctx.run.shared.setdefault(_BUILD_LOCK_KEY, asyncio.Lock()):
-            shared = ctx.run.shared.get(_SHARED_KEY)
-            if shared is None:
-                opts = VerifiersOptions.from_run(ctx.config)
-                python = await asyncio.to_thread(opts.interpreter)
-                shared = ctx.run.shared[_SHARED_KEY] = _Pool(opts, python)
-    return shared, VerifiersOptions.from_run(ctx.config)
+    opts = VerifiersOptions.from_run(ctx.config)
+
+    async def build() -> _Pool:
+        return _Pool(opts, await asyncio.to_thread(opts.interpreter))
+
+    return await ctx.run.once(_SHARED_KEY, build), opts
 
 
 async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> list[dict[str, Any]]:

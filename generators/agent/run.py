@@ -31,7 +31,6 @@ from rollout_buffer.generator_api import AgentSession, RolloutContext
 log = logging.getLogger(__name__)
 
 _SHARED_KEY = "agent"
-_BUILD_LOCK_KEY = "agent.build"
 RESULT_FILE = "result.json"
 _OUTPUT_IN_RECORD = 2000  # characters of stdout / stderr kept in extra_info
 
@@ -64,18 +63,14 @@ class Outcome:
 
 
 async def agent_run(ctx: RolloutContext) -> AgentRun:
-    """The run's shared state, built once by its first rows (imports go to a thread)."""
-    shared = ctx.run.shared.get(_SHARED_KEY)
-    if shared is not None:
-        return shared
-    # One build: rows arriving together would otherwise import the agent's file at once in several threads, and
-    # one could see the module another is still executing (without its function yet).
-    async with ctx.run.shared.setdefault(_BUILD_LOCK_KEY, asyncio.Lock()):
-        return ctx.run.shared.get(_SHARED_KEY) or await _build_agent_run(ctx)
+    """The run's shared state, built once by its first rows (imports go to a thread): rows arriving together would
+    otherwise import the agent's file at once in several threads, and one could see the module another is still
+    executing (without its function yet)."""
+    return await ctx.run.once(_SHARED_KEY, lambda: _build_agent_run(ctx))
 
 
 async def _build_agent_run(ctx: RolloutContext) -> AgentRun:
-    """Load the run's agent and scorer, make its threads and sandbox; kept in `ctx.run.shared`."""
+    """Load the run's agent and scorer, make its threads and sandbox (kept in `ctx.run.shared`)."""
     opts = AgentOptions.from_run(ctx.config)
     shared = AgentRun(opts)
     if opts.agent_max_running is not None:
@@ -90,7 +85,6 @@ async def _build_agent_run(ctx: RolloutContext) -> AgentRun:
         user = agent_user(opts.agent_user)
         shared.sandbox = (DockerSandbox(user, opts.agent_image or "") if opts.agent_sandbox == "docker"
                           else LocalSandbox(user))
-    ctx.run.shared[_SHARED_KEY] = shared
     return shared
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import os
 import signal
@@ -19,7 +18,7 @@ import httpx
 
 from rollout_buffer.environments.openenv_client import fetch_schema
 from rollout_buffer.environments.pool import EnvError
-from rollout_buffer.environments.processes import fate_shared
+from rollout_buffer.environments.processes import end_process, fate_shared
 
 log = logging.getLogger(__name__)
 
@@ -120,15 +119,8 @@ class OpenEnvServer:
         """Terminate a started server (its process group), then kill what is left."""
         self.dead = True
         proc = self.proc
-        if proc is not None and proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), _STOP_GRACE_S)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                await proc.wait()
+        if proc is not None:
+            await end_process(proc, lambda: os.killpg(proc.pid, signal.SIGTERM), _STOP_GRACE_S)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

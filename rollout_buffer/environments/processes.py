@@ -3,10 +3,13 @@ another user when a run asks."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import pwd
 import shutil
-from collections.abc import Sequence
+import signal
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -42,3 +45,18 @@ def give_to(path: Path, ids: tuple[int, int] | None) -> None:
     """Make a scratch folder the user's (nothing when the processes run as the buffer's user)."""
     if ids is not None:
         os.chown(path, *ids)
+
+
+async def end_process(proc: asyncio.subprocess.Process, ask: Callable[[], None], grace_s: float) -> None:
+    """Ask a process to end (`ask`: close its stdin, send SIGTERM), give it `grace_s`, then SIGKILL its process
+    group (it was started in a session of its own)."""
+    if proc.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError, OSError, RuntimeError):
+        ask()
+    try:
+        await asyncio.wait_for(proc.wait(), grace_s)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()

@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 
 from rollout_buffer.environments.pool import EnvError
-from rollout_buffer.environments.processes import fate_shared
+from rollout_buffer.environments.processes import end_process, fate_shared
 
 log = logging.getLogger(__name__)
 
@@ -139,16 +139,8 @@ class EnvWorker:
         """Close its stdin (it ends its episodes and exits), then terminate and kill what is left."""
         proc = self.proc
         self.dead = True
-        if proc is not None and proc.returncode is None:
-            if proc.stdin is not None:
-                with contextlib.suppress(OSError, RuntimeError):
-                    proc.stdin.close()
-            try:
-                await asyncio.wait_for(proc.wait(), _STOP_GRACE_S)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                await proc.wait()
+        if proc is not None and proc.stdin is not None:
+            await end_process(proc, proc.stdin.close, _STOP_GRACE_S)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from rollout_buffer.delivery.versions import ordered_versions
 from rollout_buffer.generation.conversation import Conversation
@@ -13,6 +14,8 @@ from rollout_buffer.generation.engine import EngineClient
 from rollout_buffer.generation.sessions import AgentSession, SessionHost
 from rollout_buffer.generation.sglang_wire import GenerateDelta, to_sglang_sampling_params
 from rollout_buffer.observability import metrics
+
+T = TypeVar("T")
 
 STATUS_BY_FINISH = {"stop": "completed", "length": "truncated", "abort": "aborted"}
 
@@ -37,6 +40,17 @@ class RunResources:
     shared: dict[str, Any] = field(default_factory=dict)
     # The agent proxy's sessions, when the server has the proxy.
     sessions: SessionHost | None = None
+    _building: dict[str, asyncio.Lock] = field(default_factory=dict, repr=False)
+
+    async def once(self, key: str, build: Callable[[], Awaitable[T]]) -> T:
+        """`shared[key]`, made by `build()` the first time it is asked for: trajectories that arrive together
+        wait for the one build instead of making their own."""
+        if key not in self.shared:
+            async with self._building.setdefault(key, asyncio.Lock()):
+                if key not in self.shared:
+                    self.shared[key] = await build()
+        value: T = self.shared[key]
+        return value
 
 
 @dataclass
