@@ -38,6 +38,7 @@ from rollout_buffer.generator_api import (
     RunOptions,
     ServerSpec,
     StepResult,
+    confined_path,
     give_to,
     is_mcp,
     user_ids,
@@ -127,7 +128,11 @@ def check_payload(payload: dict[str, Any], data_roots: Any) -> None:
                              ) from None
     else:
         opts.user()
+        if data_roots and opts.openenv_requirements is not None:  # a locked-down server (docs/security.md)
+            raise ValueError("openenv_requirements: not with --data-root (it installs code from an index)")
         command = opts.command()  # the first time with openenv_requirements: the venv is made here
+        if data_roots and command is not None:
+            confined_path(shutil.which(command[0]) or command[0], data_roots, "openenv_command")
         if command is not None and shutil.which(command[0]) is None:
             raise ValueError(f"openenv_command: program {command[0]!r} not found")
 

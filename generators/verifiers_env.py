@@ -30,6 +30,7 @@ from rollout_buffer.generator_api import (
     RolloutContext,
     RunOptions,
     WorkerSpec,
+    confined_path,
     fate_shared,
     give_to,
     python_env_paths,
@@ -103,6 +104,14 @@ def runs_in_buffer(payload: dict[str, Any]) -> bool:
 def check_payload(payload: dict[str, Any], data_roots: Any) -> None:
     """The start-time checks: the options, and an interpreter that exists (blocking: called in a thread)."""
     opts = VerifiersOptions.from_run(payload)
+    if data_roots:  # a locked-down server runs only code under its data roots (docs/security.md)
+        if opts.env_requirements is not None:
+            raise ValueError("env_requirements: not with --data-root (it installs code from an index); name an "
+                             "env_python under a data root")
+        assert opts.env_python is not None
+        confined_path(shutil.which(opts.env_python) or opts.env_python, data_roots, "env_python")
+        for path in opts.env_paths:
+            confined_path(path, data_roots, "env_paths")
     python = opts.interpreter()  # the first time with env_requirements: the venv is made here
     if shutil.which(python) is None:
         raise ValueError(f"env_python: {python!r} is not an executable interpreter")

@@ -282,3 +282,18 @@ def test_started_servers_run_as_the_user_the_run_names(readable_openenv_python: 
     nobody = start(buffer, engine, qwen_tokenizer_path, openenv_user="no-such-user-rb",
                    openenv_command=[readable_openenv_python, str(ENVS / "arith_drill.py"), "--port", "{port}"])
     assert nobody.status_code == 422 and "openenv_user" in nobody.text, nobody.text
+
+
+def test_a_server_with_data_roots_starts_only_programs_under_them(openenv_python: str, engine: Server,
+                                                                   qwen_tokenizer_path: str, tmp_path: Path) -> None:
+    port = free_port()
+    root = tmp_path / "root"
+    root.mkdir()
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--data-root", str(root)]
+    with running(args, "/healthz", port, tmp_path / "buffer.log") as srv:
+        outside = start(srv, engine, qwen_tokenizer_path,
+                        openenv_command=[openenv_python, str(ENVS / "arith_drill.py"), "--port", "{port}"])
+        assert outside.status_code == 422 and "openenv_command" in outside.text and "data roots" in outside.text
+        installing = start(srv, engine, qwen_tokenizer_path, openenv_requirements=[OPENENV],
+                           openenv_command=["{python}", str(ENVS / "arith_drill.py"), "--port", "{port}"])
+        assert installing.status_code == 422 and "openenv_requirements" in installing.text, installing.text

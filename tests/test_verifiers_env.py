@@ -301,3 +301,17 @@ def test_a_truncated_episode_is_recorded_truncated(verifiers_python: str, buffer
         (trace,) = rec["extra_info"]["env"]["traces"]
         assert rec["status"] == "truncated" and rec["extra_info"]["finish_reason"] == "length"
         assert trace["truncated"] and trace["reward"] == rec["raw_reward"]
+
+
+def test_a_server_with_data_roots_runs_only_environments_under_them(verifiers_python: str, engine: Server,
+                                                                      qwen_tokenizer_path: str, tmp_path: Path
+                                                                      ) -> None:
+    port = free_port()
+    root = tmp_path / "root"
+    root.mkdir()
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--data-root", str(root)]
+    with running(args, "/healthz", port, tmp_path / "buffer.log") as srv:
+        outside = start(srv, engine, qwen_tokenizer_path, verifiers_python, "rb_arith")
+        assert outside.status_code == 422 and "env_python" in outside.text and "data roots" in outside.text
+        installing = start(srv, engine, qwen_tokenizer_path, None, "rb_arith", env_requirements=[VERIFIERS])
+        assert installing.status_code == 422 and "env_requirements" in installing.text, installing.text

@@ -233,12 +233,12 @@ def create_app(config: ServerConfig) -> FastAPI:
                 listing = gen.hook("default_input")
                 if req.input_file is None and listing is not None:  # the generator's own dataset (an environment's)
                     rows = await asyncio.to_thread(listing, payload)
-                    req.input_file = str(await asyncio.to_thread(write_default_input, config.data_dir, req.task_type,
-                                                                 rows))
-                if req.input_file is None:
+                    path = await asyncio.to_thread(write_default_input, config.data_dir, req.task_type, rows)
+                elif req.input_file is None:
                     raise InputFileError(f"input_file: required for task_type {req.task_type!r} (only an agent "
                                          "run that hosts sessions, without agent or agent_command, runs without)")
-                path = await asyncio.to_thread(resolve_input_path, req.input_file, config.data_roots)
+                else:
+                    path = await asyncio.to_thread(resolve_input_path, req.input_file, config.data_roots)
                 required = getattr(gen.module, "REQUIRED_FIELDS", ())
                 num_items = (await asyncio.to_thread(validate_file, path, required)).num_items
             if config.data_roots:
