@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,8 +149,8 @@ def write_default_input(data_dir: Path, task_type: str, rows: list[dict[str, Any
     folder = data_dir / "inputs"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{task_type}-{hashlib.sha256(body).hexdigest()[:16]}.jsonl"
-    if not path.is_file():
-        partial = path.with_suffix(".partial")
+    if not path.is_file():  # written aside and renamed: two runs listing the same tasks at once both see it whole
+        partial = path.with_name(f"{path.name}.{uuid.uuid4().hex}.partial")
         partial.write_bytes(body)
         partial.replace(path)
     return path
