@@ -117,12 +117,19 @@ def sim_engine(log_dir: Path, tokenizer: str, *extra: str) -> Iterator[Server]:
 
 
 @contextlib.contextmanager
-def session_host(log_dir: Path, engine_url: str, tokenizer: str, *extra: str, **run: object) -> Iterator[Server]:
-    """A buffer (`serve` with the extra flags) holding an agent run that hosts sessions on `engine_url`; `run`
-    adds to or overrides the run's `/start_rollout` payload."""
+def buffer_server(log_dir: Path, *extra: str) -> Iterator[Server]:
+    """A `rollout-buffer serve` subprocess on a free port, its store and log in `log_dir`, with the extra flags."""
     port = free_port()
     args = ["serve", "--port", str(port), "--data-dir", str(log_dir / "data"), *extra]
     with running(args, "/healthz", port, log_dir / "buffer.log") as srv:
+        yield srv
+
+
+@contextlib.contextmanager
+def session_host(log_dir: Path, engine_url: str, tokenizer: str, *extra: str, **run: object) -> Iterator[Server]:
+    """A buffer (`serve` with the extra flags) holding an agent run that hosts sessions on `engine_url`; `run`
+    adds to or overrides the run's `/start_rollout` payload."""
+    with buffer_server(log_dir, *extra) as srv:
         start = httpx.post(f"{srv.url}/start_rollout", timeout=30, json={
             "task_type": "agent", "remote_engine_url": engine_url, "tokenizer_path": tokenizer, **run})
         assert start.status_code == 200 and start.json()["num_items"] == 0, start.text

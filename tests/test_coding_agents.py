@@ -25,7 +25,7 @@ import httpx
 import orjson
 import pytest
 from runs import drain, wait_finished
-from servers import Server, free_port, running, session_host, sim_engine
+from servers import Server, buffer_server, session_host, sim_engine
 from test_proxy import assert_engine_tokens, decode_tail, finish, open_session, record, spans, view
 
 from generators.agent.sandbox import namespaces_work
@@ -166,10 +166,7 @@ def wrappers() -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def command_buffer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A buffer of its own: an agent_command run replaces the run the harness tests' buffer holds."""
-    tmp = tmp_path_factory.mktemp("coding-commands")
-    port = free_port()
-    with running(["serve", "--port", str(port), "--data-dir", str(tmp / "data")], "/healthz", port,
-                 tmp / "buffer.log") as srv:
+    with buffer_server(tmp_path_factory.mktemp("coding-commands")) as srv:
         yield srv
 
 

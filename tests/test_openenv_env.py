@@ -24,7 +24,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, WebSocket
 from runs import drain, wait_finished
-from servers import Server, free_port, running, sim_engine, wait_http
+from servers import Server, buffer_server, free_port, sim_engine, wait_http
 from test_agent_docker import assert_engine_tokens
 from test_proxy import decode_tail, spans
 
@@ -47,10 +47,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_path: str) -
 
 @pytest.fixture(scope="module")
 def buffer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log_dir = tmp_path_factory.mktemp("openenv-buffer")
-    port = free_port()
-    with running(["serve", "--port", str(port), "--data-dir", str(log_dir / "data")], "/healthz", port,
-                 log_dir / "buffer.log") as srv:
+    with buffer_server(tmp_path_factory.mktemp("openenv-buffer")) as srv:
         yield srv
 
 
@@ -286,11 +283,9 @@ def test_started_servers_run_as_the_user_the_run_names(readable_openenv_python: 
 
 def test_a_server_with_data_roots_starts_only_programs_under_them(openenv_python: str, engine: Server,
                                                                    qwen_tokenizer_path: str, tmp_path: Path) -> None:
-    port = free_port()
     root = tmp_path / "root"
     root.mkdir()
-    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--data-root", str(root)]
-    with running(args, "/healthz", port, tmp_path / "buffer.log") as srv:
+    with buffer_server(tmp_path, "--data-root", str(root)) as srv:
         outside = start(srv, engine, qwen_tokenizer_path,
                         openenv_command=[openenv_python, str(ENVS / "arith_drill.py"), "--port", "{port}"])
         assert outside.status_code == 422 and "openenv_command" in outside.text and "data roots" in outside.text

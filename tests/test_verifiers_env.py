@@ -17,7 +17,7 @@ import httpx
 import psutil
 import pytest
 from runs import drain, wait_finished
-from servers import Server, free_port, running, sim_engine
+from servers import Server, buffer_server, free_port, sim_engine
 from test_agent_docker import assert_engine_tokens
 from test_proxy import decode_tail, spans
 
@@ -41,10 +41,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_path: str) -
 
 @pytest.fixture(scope="module")
 def buffer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log_dir = tmp_path_factory.mktemp("vf-buffer")
-    port = free_port()
-    with running(["serve", "--port", str(port), "--data-dir", str(log_dir / "data")], "/healthz", port,
-                 log_dir / "buffer.log") as srv:
+    with buffer_server(tmp_path_factory.mktemp("vf-buffer")) as srv:
         yield srv
 
 
@@ -306,11 +303,9 @@ def test_a_truncated_episode_is_recorded_truncated(verifiers_python: str, buffer
 def test_a_server_with_data_roots_runs_only_environments_under_them(verifiers_python: str, engine: Server,
                                                                       qwen_tokenizer_path: str, tmp_path: Path
                                                                       ) -> None:
-    port = free_port()
     root = tmp_path / "root"
     root.mkdir()
-    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--data-root", str(root)]
-    with running(args, "/healthz", port, tmp_path / "buffer.log") as srv:
+    with buffer_server(tmp_path, "--data-root", str(root)) as srv:
         outside = start(srv, engine, qwen_tokenizer_path, verifiers_python, "rb_arith")
         assert outside.status_code == 422 and "env_python" in outside.text and "data roots" in outside.text
         installing = start(srv, engine, qwen_tokenizer_path, None, "rb_arith", env_requirements=[VERIFIERS])
