@@ -33,6 +33,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive TCP ports free on 127.0.0.1 right now."""
+    for _ in range(100):
+        first = free_port()
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(first, first + n):
+                    stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return first
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 class Service:
     """One server subprocess (`python -m <module> <args>`) with its log in `log_path`, run from the source tree
     `src` (this checkout by default)."""
@@ -101,10 +115,12 @@ def sim_engine(workdir: Path, latency_ms: float, seed: int = 0, *extra: str) -> 
     return Service("rollout_buffer", args, port, "/health", workdir / f"sim-{port}.log")
 
 
-def rollout_buffer(workdir: Path, src: Path = REPO) -> Service:
-    """`rollout-buffer serve` with a fresh data dir under `workdir`, from the source tree `src`."""
+def rollout_buffer(workdir: Path, src: Path = REPO, *extra: str) -> Service:
+    """`rollout-buffer serve` with a fresh data dir under `workdir`, from the source tree `src`, with `extra`
+    arguments."""
     port = free_port()
-    args = ["serve", "--port", str(port), "--data-dir", str(workdir / f"data-{port}"), "--log-level", "WARNING"]
+    args = ["serve", "--port", str(port), "--data-dir", str(workdir / f"data-{port}"), "--log-level", "WARNING",
+            *extra]
     return Service("rollout_buffer", args, port, "/healthz", workdir / f"buffer-{port}.log", src)
 
 
@@ -143,8 +159,9 @@ class Meter:
     a tree of forked workers is the memory they really cost.
     """
 
-    def __init__(self, pid: int, interval_s: float = 0.5):
+    def __init__(self, pid: int, interval_s: float = 0.5, children: bool = True):
         self.root = psutil.Process(pid)
+        self.children = children  # False: the process alone (a buffer's session workers are metered apart)
         self.interval_s = interval_s
         self._peak_pss = 0
         self._max_procs = 1
@@ -166,7 +183,7 @@ class Meter:
 
     def _tree(self) -> list[psutil.Process]:
         try:
-            return [self.root, *self.root.children(recursive=True)]
+            return [self.root, *(self.root.children(recursive=True) if self.children else [])]
         except psutil.NoSuchProcess:
             return []
 

@@ -10,6 +10,7 @@ should equal the early turns'.
 
     python -m bench.proxy --long-session                                  # chat completions, to 128k tokens
     python -m bench.proxy --long-session --protocol responses --context-tokens 65536
+    python -m bench.proxy --long-session --workers 2     # sessions on session workers: their CPU beside the buffer's
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from bench.harness import Service, rollout_buffer, sim_engine
+from bench.harness import REPO, Service, free_ports, rollout_buffer, sim_engine
 from rollout_buffer.generation.tokenizer import bundled_tokenizer_path, load_tokenizer
 
 console = Console(width=200)
@@ -41,6 +42,12 @@ class Turn:
     new_tokens: int
     buffer_ms: float
     tokenize_ms: float
+    worker_ms: float = 0.0  # the CPU of the session worker serving the session (`--workers`)
+
+    @property
+    def total_ms(self) -> float:
+        """The turn's CPU in the buffer and in its session worker."""
+        return self.buffer_ms + self.worker_ms
 
 
 def buffer_cpu_ns(pid: int) -> int:
@@ -71,6 +78,7 @@ class Protocol:
         self.name, self.session_id = name, opened["session_id"]
         self.base_url, self.anthropic_base_url = opened["base_url"], opened["anthropic_base_url"]
         self.history: list[dict[str, Any]] = []
+        self.worker_pid: int | None = None  # the session worker serving it, if one does
 
     def add_user(self, text: str) -> None:
         if self.name == "responses":
@@ -107,9 +115,11 @@ def run(buffer: Service, engine: Service, protocol: str, sessions: int, new_toke
         "num_repeat_per_sample": 1, "max_tokens": 2 * context_tokens, "session_ttl_s": 3600}).raise_for_status()
     http = httpx.Client(timeout=120)
     convs = []
+    workers = {w["worker"]: w["pid"] for w in http.get(f"{buffer.url}/status").json().get("session_workers", [])}
     for s in range(sessions):
         opened = http.post(f"{buffer.url}/sessions", json={"instance_id": f"long-{s}"}).json()
         conv = Protocol(protocol, opened)
+        conv.worker_pid = workers.get(opened.get("worker", -1))
         conv.add_user("You are a coding agent. Read the files I show you and say what each does, briefly.")
         convs.append(conv)
     turns: list[Turn] = []
@@ -123,15 +133,17 @@ def run(buffer: Service, engine: Service, protocol: str, sessions: int, new_toke
         for conv in convs:
             conv.add_user(text)
             url, body = conv.request()
+            worker_before = buffer_cpu_ns(conv.worker_pid) if conv.worker_pid else 0
             before = buffer_cpu_ns(buffer.pid)
             answer = http.post(url, json=body)
             spent = buffer_cpu_ns(buffer.pid) - before
+            worker_spent = buffer_cpu_ns(conv.worker_pid) - worker_before if conv.worker_pid else 0
             answer.raise_for_status()
             reply = answer.json()
             conv.add_reply(reply)
             usage = reply["usage"]
             context = usage.get("prompt_tokens", usage.get("input_tokens", 0))
-            turns.append(Turn(context, new, spent / 1e6, tokenize_ms))
+            turns.append(Turn(context, new, spent / 1e6, tokenize_ms, worker_spent / 1e6))
         turn += 1
     for conv in convs:  # a turn that did not continue its branch was rendered afresh: not what is measured
         branches = http.get(f"{buffer.url}/sessions/{conv.session_id}").json()["branches"]
@@ -143,8 +155,10 @@ def run(buffer: Service, engine: Service, protocol: str, sessions: int, new_toke
 def report(turns: list[Turn], title: str) -> None:
     """A table of the turns by context length (median of each bucket) and the summary line."""
     table = Table(title=title)
-    for column in ("context tokens", "new tokens", "buffer CPU ms/turn", "tokenizing new tokens ms",
-                   "buffer / tokenizing"):
+    on_workers = any(t.worker_ms for t in turns)
+    for column in ("context tokens", "new tokens", "buffer CPU ms/turn", *(["worker CPU ms/turn"] if on_workers
+                   else []), "tokenizing new tokens ms", "(buffer + worker) / tokenizing" if on_workers
+                   else "buffer / tokenizing"):
         table.add_column(column, justify="right")
     buckets: dict[int, list[Turn]] = {}
     for t in turns:
@@ -152,18 +166,22 @@ def report(turns: list[Turn], title: str) -> None:
     for _, group in sorted(buckets.items()):
         cpu = statistics.median(t.buffer_ms for t in group)
         tok = statistics.median(t.tokenize_ms for t in group)
+        worker = [f"{statistics.median(t.worker_ms for t in group):.2f}"] if on_workers else []
         table.add_row(f"{min(t.context_tokens for t in group)}–{max(t.context_tokens for t in group)}",
-                      f"{statistics.median(t.new_tokens for t in group):.0f}", f"{cpu:.2f}", f"{tok:.2f}",
-                      f"{cpu / tok:.2f}")
+                      f"{statistics.median(t.new_tokens for t in group):.0f}", f"{cpu:.2f}", *worker, f"{tok:.2f}",
+                      f"{statistics.median(t.total_ms for t in group) / tok:.2f}")
     console.print(table)
     quarter = max(1, len(turns) // 4)
     early, late = turns[:quarter], turns[-quarter:]
-    early_cpu = statistics.median(t.buffer_ms for t in early)
-    late_cpu = statistics.median(t.buffer_ms for t in late)
+    early_cpu = statistics.median(t.total_ms for t in early)
+    late_cpu = statistics.median(t.total_ms for t in late)
     late_tok = statistics.median(t.tokenize_ms for t in late)
-    console.print(f"SUMMARY long session: late turns {late_cpu:.2f} ms buffer CPU at ~{late[-1].context_tokens} "
-                  f"tokens of context = {late_cpu / late_tok:.2f}x tokenizing their new tokens; "
-                  f"late / early turns {late_cpu / early_cpu:.2f}x")
+    where = (f"CPU ({statistics.median(t.buffer_ms for t in late):.2f} in the buffer, "
+             f"{statistics.median(t.worker_ms for t in late):.2f} in its session worker)" if on_workers
+             else "buffer CPU")
+    console.print(f"SUMMARY long session: late turns {late_cpu:.2f} ms {where} at ~{late[-1].context_tokens} tokens "
+                  f"of context = {late_cpu / late_tok:.2f}x tokenizing their new tokens; late / early turns "
+                  f"{late_cpu / early_cpu:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -174,11 +192,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=2000, help="tokens a turn adds (a tool's output)")
     parser.add_argument("--context-tokens", type=int, default=131072)
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--workers", type=int, default=0, help="session workers serving the sessions (0: the buffer)")
     args = parser.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-long-session-"))
     workdir.mkdir(parents=True, exist_ok=True)
     engine_context = str(2 * args.context_tokens + 4096)
-    with sim_engine(workdir, 1.0, 0, "--context-length", engine_context) as engine, rollout_buffer(workdir) as buffer:
+    extra = ["--session-workers", str(args.workers), "--session-worker-port", str(free_ports(args.workers))
+             ] if args.workers else []
+    with sim_engine(workdir, 1.0, 0, "--context-length", engine_context) as engine, \
+            rollout_buffer(workdir, REPO, *extra) as buffer:
         turns = run(buffer, engine, args.protocol, args.sessions, args.new_tokens, args.context_tokens)
     report(turns, f"Long sessions ({args.protocol}): {args.sessions} sessions, ~{args.new_tokens} new tokens a turn, "
                   f"to {args.context_tokens} tokens of context")

@@ -19,6 +19,11 @@ shows how many cores the machine kept busy and the engine's CPU per request.
     python -m bench.proxy                                  # 256 sessions, 1000 ms engine latency
     python -m bench.proxy --sessions 64 --latency-ms 200 --window-s 10
     python -m bench.proxy --long-session     # CPU per turn against context length (bench/long_session.py)
+    python -m bench.proxy --workers 0,1,2,4  # the proxy served by N session workers (0: the buffer itself)
+
+With `--workers`, the proxy is measured once per worker count (`serve --session-workers N`), and the table
+splits the CPU per turn between the buffer process (placing, finishing and storing) and its workers (each
+turn's parsing, rendering, tokenizing, engine call and journal).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +46,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import long_session, profiler
-from bench.harness import MachineCpu, Meter, Service, rollout_buffer, sim_engine
+from bench.harness import REPO, MachineCpu, Meter, Service, free_ports, rollout_buffer, sim_engine
 from rollout_buffer.generation.tokenizer import bundled_tokenizer_path
 
 console = Console(width=200)
@@ -60,6 +65,11 @@ class Result:
     buffer_cores: float | None
     engine_cores: float
     machine_cores: float
+    worker_cores: list[float] = field(default_factory=list)
+
+    @property
+    def workers_ms_per_turn(self) -> float:
+        return 1000 * sum(self.worker_cores) / self.turns_per_s
 
     @property
     def buffer_ms_per_turn(self) -> float | None:
@@ -171,20 +181,27 @@ class _Profile:
 
 def measure(system: str, engine: Service, buffer: Service | None, sessions: int, turns: int, latency_s: float,
             warmup_s: float, window_s: float, profile: Path | None = None) -> Result:
-    agents = Agents(sessions, turns, latency_s, system, engine.url, buffer.url if buffer else None)
+    agents = Agents(sessions, turns, latency_s, "proxy" if buffer else "direct", engine.url,
+                    buffer.url if buffer else None)
     machine = MachineCpu()
     cpu_s: dict[str, float] = {}
+    worker_pids = [w["pid"] for w in httpx.get(f"{buffer.url}/status", timeout=10).json().get(
+        "session_workers", [])] if buffer else []
     with contextlib.ExitStack() as stack:
         engine_meter = stack.enter_context(Meter(engine.pid))
-        buffer_meter = stack.enter_context(Meter(buffer.pid)) if buffer else None
+        buffer_meter = stack.enter_context(Meter(buffer.pid, children=False)) if buffer else None
+        worker_meters = [stack.enter_context(Meter(pid, children=False)) for pid in worker_pids]
         spy = _Profile(buffer.pid, window_s, profile) if buffer and profile is not None else None
+        worker_cpu_s: list[float] = []
 
         def window_closed() -> None:
             cpu_s["engine"], cpu_s["machine"] = engine_meter.usage().cpu_s, machine.busy_cores()
             if buffer_meter is not None:
                 cpu_s["buffer"] = buffer_meter.usage().cpu_s
+            worker_cpu_s.extend(m.usage().cpu_s for m in worker_meters)
 
-        meters = [engine_meter, machine, *([buffer_meter] if buffer_meter else []), *([spy] if spy else [])]
+        meters = [engine_meter, machine, *([buffer_meter] if buffer_meter else []), *worker_meters,
+                  *([spy] if spy else [])]
         turns, window = asyncio.run(agents.run(warmup_s, window_s, meters, window_closed))
     if spy is not None and spy.spy is not None:
         spy.spy.wait(window_s + 30)
@@ -192,14 +209,27 @@ def measure(system: str, engine: Service, buffer: Service | None, sessions: int,
     if agents.errors:
         console.print(f"[yellow]{system}: {agents.errors} failed episodes[/]")
     buffer_cores = cpu_s["buffer"] / window if "buffer" in cpu_s else None
-    return Result(system, turns / window, buffer_cores, cpu_s["engine"] / window, cpu_s["machine"])
+    return Result(system, turns / window, buffer_cores, cpu_s["engine"] / window, cpu_s["machine"],
+                  [c / window for c in worker_cpu_s])
 
 
-def start_agent_run(buffer: Service, engine: Service, **options: Any) -> None:
-    """Start the agent run the measured sessions open in (sessions only, no input), with extra run `options`."""
+def start_agent_run(buffer: Service, engine: Service, workers: int = 0, **options: Any) -> None:
+    """Start the agent run the measured sessions open in (sessions only, no input), with extra run `options`; with
+    session `workers`, one session opened and finished on each first (a worker loads the run's tokenizer when it
+    gets the run's first session: not what is measured)."""
     httpx.post(f"{buffer.url}/start_rollout", timeout=60, json={
         "task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": bundled_tokenizer_path(),
         "num_repeat_per_sample": 8, "max_tokens": 4 * MAX_TOKENS, **options}).raise_for_status()
+
+    async def warm() -> None:
+        async with httpx.AsyncClient(base_url=buffer.url, timeout=120) as http:
+            opened = await asyncio.gather(*(http.post("/sessions", json={"instance_id": "warm-up"})
+                                            for _ in range(workers)))
+            for answer in opened:
+                await http.post(f"/sessions/{answer.raise_for_status().json()['session_id']}/finish",
+                                json={"reward": 0.0})
+
+    asyncio.run(warm())
 
 
 def warmup_s(given: float | None, latency_ms: float) -> float:
@@ -223,33 +253,46 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", action="store_true", help="py-spy the buffer during its window")
     parser.add_argument("--no-journal", action="store_true",
                         help="sessions not written to their files turn by turn (run option session_journal: false)")
+    parser.add_argument("--workers", default="0",
+                        help="comma-separated session worker counts to measure the proxy with (0: the buffer "
+                        "serves the sessions itself; default %(default)s)")
     args = parser.parse_args(argv)
+    counts = [int(n) for n in args.workers.split(",")]
     warmup = warmup_s(args.warmup_s, args.latency_ms)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-proxy-"))
     workdir.mkdir(parents=True, exist_ok=True)
     with sim_engine(workdir, args.latency_ms) as engine:
         shape = (args.sessions, args.turns, args.latency_ms / 1000, warmup, args.window_s)
         direct = measure("direct", engine, None, *shape)
-        with rollout_buffer(workdir) as buffer:
-            start_agent_run(buffer, engine, session_journal=not args.no_journal)
-            proxy = measure("proxy", engine, buffer, *shape, workdir / "profile-proxy.txt" if args.profile else None)
-    for r in (direct, proxy):
+        proxies: list[Result] = []
+        for n in counts:
+            extra = ["--session-workers", str(n), "--session-worker-port", str(free_ports(n))] if n else []
+            with rollout_buffer(workdir, REPO, *extra) as buffer:
+                start_agent_run(buffer, engine, n, session_journal=not args.no_journal)
+                name = f"proxy, {n} workers" if n else "proxy"
+                proxies.append(measure(name, engine, buffer, *shape,
+                                       workdir / f"profile-proxy-{n}.txt" if args.profile else None))
+    for r in (direct, *proxies):
         if r.turns_per_s == 0:
             raise SystemExit(f"{r.system}: no turn finished within the {args.window_s:g} s window; "
                              "give a longer --window-s (or --warmup-s)")
     table = Table(title=f"Agent proxy: {args.sessions} sessions of {args.turns} turns, engine latency "
                   f"{args.latency_ms:g} ms, window {args.window_s:g} s")
-    for column in ("system", "turns/s", "% of direct", "buffer CPU ms/turn", "engine CPU ms/turn",
-                   "machine busy cores"):
+    for column in ("system", "turns/s", "% of direct", "buffer CPU ms/turn", "workers CPU ms/turn",
+                   "per worker cores", "engine CPU ms/turn", "machine busy cores"):
         table.add_column(column, justify="left" if column == "system" else "right")
-    for r in (direct, proxy):
+    for r in (direct, *proxies):
         table.add_row(r.system, f"{r.turns_per_s:.1f}", f"{100 * r.turns_per_s / direct.turns_per_s:.0f}%",
                       "-" if r.buffer_ms_per_turn is None else f"{r.buffer_ms_per_turn:.2f}",
+                      f"{r.workers_ms_per_turn:.2f}" if r.worker_cores else "-",
+                      " ".join(f"{c:.2f}" for c in r.worker_cores) or "-",
                       f"{r.engine_ms_per_turn:.2f}", f"{r.machine_cores:.2f}")
     console.print(table)
-    console.print(f"SUMMARY proxy {args.sessions}@{args.latency_ms:g}ms: {proxy.turns_per_s:.1f} turns/s, "
-                  f"{100 * proxy.turns_per_s / direct.turns_per_s:.0f}% of direct, "
-                  f"{proxy.buffer_ms_per_turn:.2f} ms buffer CPU per turn")
+    for proxy in proxies:
+        workers = f", {proxy.workers_ms_per_turn:.2f} ms in workers" if proxy.worker_cores else ""
+        console.print(f"SUMMARY {proxy.system} {args.sessions}@{args.latency_ms:g}ms: {proxy.turns_per_s:.1f} "
+                      f"turns/s, {100 * proxy.turns_per_s / direct.turns_per_s:.0f}% of direct, "
+                      f"{proxy.buffer_ms_per_turn:.2f} ms buffer CPU per turn{workers}")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,10 @@ class ServerConfig:
     ray_actors: int | None = None
     # The buffer's URL as Ray actors (on any node) reach it, for the agent sessions they open; None: `local_url`.
     public_url: str | None = None
+    # Processes serving harness sessions' endpoints (0: this process serves them), on consecutive ports from
+    # `session_worker_port` (None: the port after the buffer's).
+    session_workers: int = 0
+    session_worker_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
@@ -61,6 +65,13 @@ class ServerConfig:
             raise ValueError("ray_actors must be at least 1")
         if self.public_url is not None and not self.public_url.startswith(("http://", "https://")):
             raise ValueError("public_url must be an http:// or https:// URL")
+        if self.session_workers < 0:
+            raise ValueError("session_workers must be 0 or more")
+        first = self.first_worker_port
+        if self.session_workers and not (0 < first and first + self.session_workers <= 65536):
+            raise ValueError("session_worker_port: the session workers' ports must lie between 1 and 65535")
+        if self.session_workers and first <= self.port < first + self.session_workers:
+            raise ValueError("session_worker_port: the session workers' ports must not include the buffer's")
 
     @property
     def local_url(self) -> str:
@@ -68,6 +79,11 @@ class ServerConfig:
         host = self.host if self.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         host = f"[{host}]" if ":" in host else host
         return f"http://{host}:{self.port}"
+
+    @property
+    def first_worker_port(self) -> int:
+        """The first session worker's port (the others follow it)."""
+        return self.session_worker_port if self.session_worker_port is not None else self.port + 1
 
     @property
     def buffer_url(self) -> str:

@@ -22,6 +22,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive ports free on 127.0.0.1 right now."""
+    for _ in range(100):
+        first = free_port()
+        socks = []
+        try:
+            for port in range(first, first + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 def wait_http(url: str, timeout_s: float = 30.0, proc: subprocess.Popen | None = None) -> None:
     """Poll `url` until it answers 200, the process dies, or `timeout_s` passes."""
     deadline = time.monotonic() + timeout_s

@@ -19,7 +19,7 @@ import httpx
 import orjson
 import pytest
 from ops_helpers import math_rows, scrape, start_run, write_jsonl
-from servers import Server, free_port, running
+from servers import Server, free_port, free_ports, running
 from servers import sim_engine as start_sim_engine
 
 CHROMIUM = os.environ.get("RB_CHROMIUM", "/usr/bin/chromium")
@@ -281,12 +281,14 @@ def test_the_event_stream_sends_history_then_snapshots(buffer: Server, run_id: s
     assert httpx.get(f"{buffer.url}/ui/api/events", timeout=10).status_code == 401
 
 
-@pytest.fixture(scope="module")
-def agent_buffer(tmp_path_factory, sim_engine: Server, qwen_tokenizer_path: str) -> Iterator[Server]:
-    """A buffer hosting agent sessions (a harness run: no input file)."""
+@pytest.fixture(scope="module", params=[0, 2], ids=["in-the-buffer", "on-two-session-workers"])
+def agent_buffer(request, tmp_path_factory, sim_engine: Server, qwen_tokenizer_path: str) -> Iterator[Server]:
+    """A buffer hosting agent sessions (a harness run: no input file), itself or on two session workers."""
     tmp = tmp_path_factory.mktemp("agent-buffer")
     port = free_port()
     args = ["serve", "--port", str(port), "--data-dir", str(tmp / "data"), "--auth-token", TOKEN]
+    if request.param:
+        args += ["--session-workers", str(request.param), "--session-worker-port", str(free_ports(request.param))]
     with running(args, "/healthz", port, tmp / "buffer.log") as srv:
         body = {"task_type": "agent", "remote_engine_url": sim_engine.url, "tokenizer_path": qwen_tokenizer_path,
                 "max_tokens": 256}
@@ -309,11 +311,15 @@ def test_an_open_capture_proxy_session_shows_its_branches(page, agent_buffer: Se
     answer = {"role": "assistant", "content": turn([question])}
     turn([question, answer, {"role": "user", "content": "And 5 + 5?"}])
     turn([question, answer, {"role": "user", "content": "And 6 + 6?"}])  # the same first turn, another follow-up
+    other = httpx.post(f"{agent_buffer.url}/sessions", json={"instance_id": "live-2"}, headers=AUTH,
+                       timeout=60).json()
+    assert other.get("worker") != opened.get("worker") or "worker" not in opened, "with workers: one on each"
     connect(page, agent_buffer, TOKEN)
     page.wait_for_selector("#sessions .branch >> nth=1")
     lines = page.locator("#sessions .branch").all_inner_texts()
     assert lines[0].startswith("branch 0 · root") and "forked from 0 at turn 1" in lines[1], lines
-    assert opened["session_id"][:12] in page.inner_text("#sessions")
+    shown = page.inner_text("#sessions")
+    assert opened["session_id"][:12] in shown and other["session_id"][:12] in shown, shown
 
 
 def test_an_earlier_runs_undelivered_groups_show_beside_the_current_run(page, tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-_REQUEST = b"POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+_REQUEST = b"POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s"
 # Bytes a streamed answer holds before the connection stops reading (its consumer is behind).
 _STREAM_PAUSE_BYTES = 1 << 20
 
@@ -237,9 +237,11 @@ class _Origin:
 class HttpPool:
     """Pooled keep-alive connections to any number of origins (`scheme://host:port[/prefix]`)."""
 
-    def __init__(self, max_connections: int = 4096, timeout_s: float = 600.0):
+    def __init__(self, max_connections: int = 4096, timeout_s: float = 600.0, headers: dict[str, str] | None = None):
         self.loop = asyncio.get_running_loop()  # connections belong to the loop they were made on
         self.timeout_s = timeout_s
+        # Sent with every request (a session worker's secret).
+        self._headers = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in (headers or {}).items())
         self._slots = asyncio.Semaphore(max_connections)
         self._origins: dict[str, _Origin] = {}
         self.closed = False
@@ -267,7 +269,8 @@ class HttpPool:
         if self.closed:
             raise TransportError("the engine client is closed")
         origin = self._origin(url)
-        request = _REQUEST % (origin.base_path.encode(), path.encode(), origin.host_header, len(body), body)
+        request = _REQUEST % (origin.base_path.encode(), path.encode(), origin.host_header, len(body), self._headers,
+                              body)
         conn = None
         while origin.idle and conn is None:
             conn = origin.idle.pop()

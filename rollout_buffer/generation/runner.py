@@ -183,12 +183,25 @@ class Run:
             raise RuntimeError(f"run {self.run_id} has not loaded its tokenizer and engine yet")
         return self.resources
 
+    async def wait_loaded(self, timeout_s: float) -> RunResources:
+        """The run's resources once loaded (waiting up to `timeout_s` for a run that just started); RuntimeError
+        naming `run_id` when the run is not running or did not get ready in time."""
+        if self.task is None or self.task.done():
+            raise RuntimeError(f"run_id: run {self.run_id} is not running")
+        if not self.ready.is_set():
+            ready = asyncio.create_task(self.ready.wait())
+            await asyncio.wait({ready, self.task}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            ready.cancel()
+        if not self.ready.is_set():
+            raise RuntimeError(f"run_id: run {self.run_id} did not get ready (see GET /status)")
+        return self.loaded_resources()
+
     # ---- what agent sessions of the run report ----------------------------------------------------------
-    def session_opened(self) -> None:
+    def session_opened(self, session_id: str) -> None:
         """A harness session of the run opened (or was restored): one trajectory in flight."""
         self.progress.in_flight += 1
 
-    def session_closed(self) -> None:
+    def session_closed(self, session_id: str) -> None:
         """A harness session of the run closed, whatever its outcome."""
         self.progress.in_flight -= 1
 

@@ -19,6 +19,7 @@ ACCESS_LOG_MODES = ("info", "debug", "off")
 access = logging.getLogger("rollout_buffer.access")
 # The level access lines are logged at; `off` raises the access logger's level above every level instead.
 access_level = logging.INFO
+_access_mode = "info"
 # Refusals of the buffer's own routes (slime's protocol, sessions, inspection), whichever layer answered them.
 refusals = logging.getLogger("rollout_buffer.http")
 # Enough of an error body for its message; error bodies are small JSON objects.
@@ -50,16 +51,24 @@ def setup_logging(level: str = "INFO", fmt: str = "text", access_log: str = "inf
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True
+    # httpx logs every request at INFO: the buffer's own calls (engines' info, session workers) are not events.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     set_access_log(access_log)
 
 
 def set_access_log(mode: str) -> None:
     """Log agent requests' access lines at INFO, at DEBUG (seen only with `--log-level DEBUG`), or not at all."""
-    global access_level
+    global access_level, _access_mode
     if mode not in ACCESS_LOG_MODES:
         raise ValueError(f"access log must be one of {', '.join(ACCESS_LOG_MODES)}, not {mode!r}")
+    _access_mode = mode
     access_level = logging.DEBUG if mode == "debug" else logging.INFO
     access.setLevel(logging.CRITICAL + 1 if mode == "off" else logging.NOTSET)
+
+
+def access_mode() -> str:
+    """The access-log mode `set_access_log` was given (what a session worker is started with)."""
+    return _access_mode
 
 
 class RefusalLog:

@@ -205,7 +205,7 @@ PROXY_TURNS = Counter(
 # Why the proxy refused or failed a request (a fixed set: never free text or ids in labels).
 PROXY_ERROR_REASONS = (
     "unknown_session", "session_closed", "unknown_route", "method_not_allowed", "bad_request", "context_length",
-    "unauthorized", "body_too_large", "engine_error", "server_error", "client_gone",
+    "unauthorized", "body_too_large", "engine_error", "server_error", "client_gone", "restoring",
 )
 PROXY_ERRORS = Counter(
     "rollout_buffer_proxy_errors",
@@ -218,6 +218,10 @@ PROXY_SESSIONS_CLOSED = Counter(
     "Agent sessions closed, by outcome (finished, expired, failed, discarded, empty)",
     ["outcome"],
     registry=REGISTRY,
+)
+SESSION_WORKER_RESTARTS = Counter(
+    "rollout_buffer_session_worker_restarts",
+    "Session workers started again after they exited (killed, crashed)", registry=REGISTRY,
 )
 PROXY_SESSIONS_OPEN = Gauge("rollout_buffer_proxy_sessions_open", "Agent sessions open", registry=REGISTRY)
 
@@ -413,13 +417,13 @@ def engine_latency() -> dict[str, dict[str, float]]:
 
 
 # ---- metrics of trajectories run in other processes ---------------------------------------------------
-# The metrics a trajectory bumps wherever it runs (engine calls, tokenization checks). A Ray actor of the `ray`
-# executor ships what they gained (`Deltas.take`) with its records; the buffer adds it (`apply_deltas`), so
-# /metrics counts the same with either executor.
+# The metrics a trajectory bumps wherever it runs (engine calls, tokenization checks, a session's turns). A Ray
+# actor of the `ray` executor and a session worker ship what they gained (`Deltas.take`) with their records; the
+# buffer adds it (`apply_deltas`), so /metrics counts the same wherever the work ran.
 TRAJECTORY_METRICS: dict[str, Counter | Histogram] = {
     m._name: m
     for m in (ENGINE_REQUEST_SECONDS, ENGINE_ERRORS, ENGINE_RETRIES, ENGINE_ABORT_RESUMES, TOKENS_GENERATED,
-              TOKENIZATION_MISMATCHES)
+              TOKENIZATION_MISMATCHES, PROXY_TURNS, PROXY_ERRORS, PROXY_SESSIONS_CLOSED)
 }
 # (metric name, label values, increments): a counter's one increment, or a histogram's per-bucket counts then
 # its sum.
@@ -444,7 +448,8 @@ def _totals(metric: Counter | Histogram) -> dict[tuple[str, ...], tuple[float, .
 
 
 class Deltas:
-    """What this process's trajectory metrics gained since the last `take()` (in a Ray actor)."""
+    """What this process's trajectory and session metrics gained since the last `take()` (in a Ray actor, a
+    session worker)."""
 
     def __init__(self) -> None:
         self._last: dict[tuple[str, tuple[str, ...]], tuple[float, ...]] = {}

@@ -42,6 +42,7 @@ _ERROR_TYPES = {
     "too_large": "request_too_large",
     "server": "api_error",
     "engine": "api_error",
+    "restoring": "api_error",
 }
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "stop_sequence": "stop_sequence"}
 _SAMPLING = ("temperature", "top_p", "top_k")

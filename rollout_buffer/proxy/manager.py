@@ -32,15 +32,19 @@ from pydantic import ValidationError
 
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.store import StoreError
-from rollout_buffer.generation.context import RolloutContext, stamp
+from rollout_buffer.generation.context import RolloutContext, RunResources, stamp
 from rollout_buffer.generation.run_manager import RunManager
 from rollout_buffer.generation.runner import Run
+from rollout_buffer.generation.sessions import AgentSession
 from rollout_buffer.observability import metrics
 from rollout_buffer.proxy.journal import Journal, StoredSession, idle_since, load_sessions, load_state, replay
 from rollout_buffer.proxy.messages import WireError
-from rollout_buffer.proxy.session import ProxyOptions, Session
+from rollout_buffer.proxy.recovery import StoredSummary, record_failure, recovery_plan
+from rollout_buffer.proxy.session import HarnessRun, ProxyOptions, Session, new_session_id
 from rollout_buffer.proxy.session_files import SessionFiles
 from rollout_buffer.proxy.tree import ResponseRef, SessionTree
+from rollout_buffer.proxy.worker_pool import SessionWorkers
+from rollout_buffer.proxy.worker_sessions import WorkerCallError, WorkerSessionError, WorkerUnavailable
 from rollout_buffer.schemas import TrajectoryRecord
 
 log = logging.getLogger(__name__)
@@ -63,18 +67,25 @@ class SessionError(Exception):
 class SessionManager:
     """Every open agent session; implements `generation.sessions.SessionHost`."""
 
-    def __init__(self, config: ServerConfig):
+    def __init__(self, config: ServerConfig, workers: SessionWorkers | None = None):
         self.config = config
+        # Session workers serve harness sessions in processes of their own (`serve --session-workers`).
+        self.workers = workers
         self.sessions: dict[str, Session] = {}
         self.closed: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._options: dict[str, ProxyOptions] = {}
         self._repeats: dict[tuple[str, str], int] = {}
         self._for_actors: dict[str, Session] = {}  # uid -> the open session an actor's trajectory holds
+        # Sessions a session worker handed to the buffer (`hand_over`), until it stored their records.
+        self._handed: dict[str, tuple[Session, builtins.list[TrajectoryRecord], str]] = {}
         self.files = SessionFiles(config.data_dir / "sessions")  # harness sessions' journals
         self._wake = asyncio.Event()
         self._reap_at = 0.0  # when the expiry loop looks again, unless woken earlier
         self._reaper: asyncio.Task[None] | None = None
         self._stopping = False  # the server shuts down: harness sessions stay stored, not closed
+        # A session worker that started again, until the buffer has had its stored sessions restored: a request
+        # for a session it does not hold yet is answered "send it again" rather than "unknown".
+        self.restoring = False
 
     @property
     def local_url(self) -> str:
@@ -82,20 +93,49 @@ class SessionManager:
         return self.config.local_url
 
     # ---- opening -------------------------------------------------------------------------------------
-    async def open(self, ctx: RolloutContext, metadata: dict[str, Any] | None = None) -> Session:
-        """A session for one trajectory a generator runs (`SessionHost.open`)."""
+    async def open(self, ctx: RolloutContext, metadata: dict[str, Any] | None = None) -> AgentSession:
+        """A session for one trajectory a generator runs (`SessionHost.open`): on a session worker when the server
+        has them and the trajectory belongs to the training run, else here."""
+        if self.workers is not None and self.workers.serves(ctx.run.run_id):
+            try:
+                return await self.workers.open_generator(ctx, metadata or {})
+            except WorkerUnavailable as e:
+                raise WorkerSessionError(str(e)) from None
         return self._register(ctx, "generator", self.local_url, metadata or {}, run=None)
 
-    async def open_harness(self, run: Run, instance_id: str, metadata: dict[str, Any], public_url: str) -> Session:
-        """A session a harness opened with `POST /sessions` in `run` (the generation `Run`)."""
-        await self._wait_ready(run)
-        key = (run.run_id, instance_id)
+    async def place(self, run: Run, instance_id: str, metadata: dict[str, Any], public_url: str) -> dict[str, Any]:
+        """Open a harness session (`POST /sessions`): on a session worker when the server has them, else here.
+        What identifies it and how to reach it (ids, base URLs, key, uid; the worker's number on a worker)."""
+        if self.workers is not None:
+            await self._wait_ready(run)
+            try:
+                return await self.workers.place(run, instance_id, metadata)
+            except WorkerCallError as e:
+                raise SessionError(e.status, str(e)) from None
+            except WorkerUnavailable as e:
+                raise SessionError(503, str(e)) from None
+        session = await self.open_harness(run, instance_id, metadata, public_url)
+        return {"session_id": session.session_id, "base_url": session.base_url,
+                "anthropic_base_url": session.anthropic_base_url, "api_key": session.api_key, "uid": session.ctx.uid}
+
+    def next_repeat(self, run_id: str, instance_id: str) -> int:
+        """The repeat number of the next harness session of `instance_id` in the run."""
+        key = (run_id, instance_id)
         repeat = self._repeats.get(key, 0)
         self._repeats[key] = repeat + 1
-        session_id = _new_id()
-        ctx = RolloutContext(run.loaded_resources(), instance_id, 0, repeat, f"{run.run_id}:{instance_id}:{session_id}")
+        return repeat
+
+    async def open_harness(self, run: HarnessRun, instance_id: str, metadata: dict[str, Any], public_url: str,
+                           repeat: int | None = None, session_id: str | None = None) -> Session:
+        """A session a harness opened with `POST /sessions` in `run` (the generation `Run`, or a session worker's
+        `WorkerRun`, which the buffer gives the repeat number and id)."""
+        resources = await self._wait_ready(run)
+        if repeat is None:
+            repeat = self.next_repeat(run.run_id, instance_id)
+        session_id = session_id or new_session_id()
+        ctx = RolloutContext(resources, instance_id, 0, repeat, f"{run.run_id}:{instance_id}:{session_id}")
         session = self._register(ctx, "harness", public_url, metadata, run=run, session_id=session_id)
-        run.session_opened()
+        run.session_opened(session_id)
         if not session.options.session_journal:
             return session
         session.journal = Journal(self.files, session_id)
@@ -105,20 +145,20 @@ class SessionManager:
                 "created_at": session.created_at})
         except StoreError:  # not answered: nobody holds it, so it goes
             self.sessions.pop(session_id, None)
-            run.session_closed()
+            run.session_closed(session_id)
             session.journal.closed()
             raise
         return session
 
-    async def open_for_actor(self, run: Run, uid: str, instance_id: str, epoch: int, repeat: int,
+    async def open_for_actor(self, run: HarnessRun, uid: str, instance_id: str, epoch: int, repeat: int,
                              metadata: dict[str, Any], public_url: str) -> Session:
         """A generator session for trajectory `uid` of `run`, which a Ray actor runs: it generates through the run's
         engine and tokenizer here; a session the trajectory opened before (on an actor since lost) is discarded."""
-        await self._wait_ready(run)
+        resources = await self._wait_ready(run)
         earlier = self._for_actors.pop(uid, None)
         if earlier is not None and earlier.state == "open":
             await self._discard(earlier, "its trajectory opened a new session (the actor running it was lost)", 0.0)
-        ctx = RolloutContext(run.loaded_resources(), instance_id, epoch, repeat, uid)
+        ctx = RolloutContext(resources, instance_id, epoch, repeat, uid)
         session = self._register(ctx, "generator", public_url, metadata, run=None)
         self._for_actors[uid] = session
         return session
@@ -159,24 +199,22 @@ class SessionManager:
         await session.discard(reason)
         session.ctx.engine.release(session.ctx.uid)
 
-    async def _wait_ready(self, run: Run) -> None:
-        if run.task is None or run.task.done():
-            raise SessionError(409, f"run_id: run {run.run_id} is not running")
-        if not run.ready.is_set():
-            ready = asyncio.create_task(run.ready.wait())
-            await asyncio.wait({ready, run.task}, timeout=READY_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
-            ready.cancel()
-        if not run.ready.is_set():
-            raise SessionError(409, f"run_id: run {run.run_id} did not get ready (see GET /status)")
-        if run.loaded_resources().tokenizer is None:
+    @staticmethod
+    async def _wait_ready(run: HarnessRun) -> RunResources:
+        try:
+            resources = await run.wait_loaded(READY_WAIT_S)
+        except RuntimeError as e:
+            raise SessionError(409, str(e)) from None
+        if resources.tokenizer is None:
             raise SessionError(409, f"run_id: run {run.run_id} has no tokenizer (chat mode); agent sessions "
                                "capture exact tokens and need tokenizer_path")
+        return resources
 
-    def _register(self, ctx: RolloutContext, kind: str, public_url: str, metadata: dict[str, Any], run: Run | None,
-                  session_id: str | None = None, api_key: str | None = None) -> Session:
+    def _register(self, ctx: RolloutContext, kind: str, public_url: str, metadata: dict[str, Any],
+                  run: HarnessRun | None, session_id: str | None = None, api_key: str | None = None) -> Session:
         if ctx.tokenizer is None:
             raise SessionError(409, "agent sessions need token mode: the run has no tokenizer")
-        session_id = session_id or _new_id()
+        session_id = session_id or new_session_id()
         root = f"{public_url.rstrip('/')}/sessions/{session_id}"
         session = Session(
             session_id=session_id, api_key=api_key or secrets.token_urlsafe(24), ctx=ctx, kind=kind,
@@ -211,26 +249,86 @@ class SessionManager:
             raise WireError("not_found", f"session {session_id} is {closed['state']}")
         raise WireError("not_found", f"unknown session {session_id!r}")
 
-    def view(self, session_id: str) -> dict[str, Any] | None:
-        """The state of an open or recently closed session."""
+    async def view(self, session_id: str) -> dict[str, Any] | None:
+        """The state of an open or recently closed session (asked of its worker when one holds it)."""
+        if self.workers is not None and self.workers.holds(session_id):
+            try:
+                return await self.workers.view(session_id)
+            except WorkerUnavailable as e:
+                raise SessionError(503, str(e)) from None
         session = self.sessions.get(session_id)
         return session.view() if session is not None else self.closed.get(session_id)
 
-    def list(self, run_id: str | None = None) -> list[dict[str, Any]]:
-        """Summaries of the open sessions (of one run)."""
-        return [{k: v for k, v in s.view().items() if k != "branches"} | {"branches": len(s.tree.branches)}
+    async def list(self, run_id: str | None = None) -> builtins.list[dict[str, Any]]:
+        """Summaries of the open sessions (of one run), those of every session worker included."""
+        here = [{k: v for k, v in s.view().items() if k != "branches"} | {"branches": len(s.tree.branches)}
                 for s in self.sessions.values() if run_id is None or s.ctx.run.run_id == run_id]
+        return here + (await self.workers.list(run_id) if self.workers is not None else [])
+
+    def open_count(self) -> int:
+        """Sessions open here and on the session workers."""
+        return len(self.sessions) + (len(self.workers.placed) if self.workers is not None else 0)
 
     # ---- closing -------------------------------------------------------------------------------------
     async def finish(self, session_id: str, reward: float, extra_info: dict[str, Any]) -> dict[str, Any]:
-        """Close a harness session and store its records in its run; returns what was stored."""
+        """Close a harness session and store its records in its run (through the worker holding it, if one
+        does); returns what was stored."""
+        if self.workers is not None and self.workers.holds(session_id):
+            try:
+                status, answer = await self.workers.finish(session_id, {"reward": reward, "extra_info": extra_info})
+            except WorkerUnavailable as e:
+                raise SessionError(503, str(e)) from None
+            except ValueError as e:  # its run is gone from the store
+                raise SessionError(409, str(e)) from None
+            if status != 200:
+                raise SessionError(status, str(answer.get("message", answer)))
+            return {k: v for k, v in answer.items() if k != "success"}
+        session = self._harness(session_id)
+        records, outcome = await self._close(session, reward, extra_info)
+        await self._store(session, records)
+        self._forget(session, outcome)
+        return _finished(session, records, outcome)
+
+    async def hand_over(self, session_id: str, reward: float, extra_info: dict[str, Any]
+                        ) -> tuple[dict[str, Any], builtins.list[TrajectoryRecord]]:
+        """A session worker's finish: close the session and answer its records for the buffer to store (what
+        `finish` answers, and the records). The session keeps its journal until the buffer says it stored them
+        (`released`); asked again before that (the buffer could not store them), it answers the same records."""
+        handed = self._handed.get(session_id)
+        if handed is not None:
+            return _finished(*handed), handed[1]
+        session = self._harness(session_id)
+        records, outcome = await self._close(session, reward, extra_info)
+        self._handed[session_id] = (session, records, outcome)
+        return _finished(session, records, outcome), records
+
+    def released(self, session_ids: builtins.list[str]) -> None:
+        """The buffer stored the records of these handed-over sessions: their journals go."""
+        for session_id in session_ids:
+            handed = self._handed.pop(session_id, None)
+            if handed is None:
+                continue
+            session, _, outcome = handed
+            if session.journal is not None:
+                session.journal.closed()
+            session.ctx.engine.release(session.ctx.uid)
+            self._forget(session, outcome, tell_run=False)  # the buffer let it go when it stored the records
+
+    def _harness(self, session_id: str) -> Session:
         session = self.sessions.get(session_id)
         if session is None:
             if session_id in self.closed:
                 raise SessionError(409, f"session {session_id} is already {self.closed[session_id]['state']}")
             raise SessionError(404, f"unknown session {session_id!r}")
+        if session_id in self._handed:
+            raise SessionError(409, f"session {session_id} is already finished")
         if session.kind != "harness":
             raise SessionError(409, f"session {session_id} belongs to a generator, which closes it")
+        return session
+
+    async def _close(self, session: Session, reward: float, extra_info: dict[str, Any]
+                     ) -> tuple[builtins.list[TrajectoryRecord], str]:
+        """Stop a harness session: its records (one failed record when it generated nothing), and the outcome."""
         await session.stop("finished")
         try:
             raw = await session.records(reward, **extra_info)
@@ -238,24 +336,23 @@ class SessionManager:
         except ValueError as e:
             raw = [session.harness_run().failed({}, session.ctx, "empty_session", str(e)).model_dump(mode="json")]
             outcome = "empty"
-        records = await self._store(session, raw)
-        self._forget(session, outcome)
-        return {"session_id": session_id, "records": len(records), "uids": [r.uid for r in records],
-                "branches": len(session.tree.branches), "status": outcome}
+        return self._stamped(session, raw), outcome
 
     # `builtins.list`: in the class body below `def list`, `list` is that method.
-    async def _store(self, session: Session, raw: builtins.list[dict[str, Any]]) -> builtins.list[TrajectoryRecord]:
+    @staticmethod
+    def _stamped(session: Session, raw: builtins.list[dict[str, Any]]) -> builtins.list[TrajectoryRecord]:
         several = len(raw) > 1
         try:
-            records = [TrajectoryRecord.model_validate(stamp(r, session.ctx, k if several else None))
-                       for k, r in enumerate(raw)]
+            return [TrajectoryRecord.model_validate(stamp(r, session.ctx, k if several else None))
+                    for k, r in enumerate(raw)]
         except ValidationError as e:
             raise SessionError(422, f"the session's records are invalid: {e}") from None
+
+    async def _store(self, session: Session, records: builtins.list[TrajectoryRecord]) -> None:
         await session.harness_run().accept(records)
         if session.journal is not None:  # only once its records are stored: a failed write keeps it restorable
             session.journal.closed()
         session.ctx.engine.release(session.ctx.uid)
-        return records
 
     async def expire(self, session: Session, reason: str, outcome: str = "expired", wait_s: float = 0.0) -> None:
         """Close a harness session as failed: its branches are stored with `status: failed` and the reason
@@ -270,7 +367,7 @@ class SessionManager:
             session.harness_run().session_failed(f"session_{outcome}")
             metrics.TRAJECTORIES_FAILED.labels(f"session_{outcome}").inc()
         try:
-            await self._store(session, raw)
+            await self._store(session, self._stamped(session, raw))
         finally:
             self._forget(session, outcome)
         log.warning("session %s closed as failed: %s", session.session_id, reason)
@@ -284,7 +381,8 @@ class SessionManager:
                 await self._discard(session, f"run {run_id} ended", 0.0)
             except Exception as e:  # the run is ending: keep closing the others
                 log.warning("discarding session %s of run %s failed: %s", session.session_id, run_id, e)
-        for session in [s for s in self.sessions.values() if s.kind == "harness" and s.ctx.run.run_id == run_id]:
+        for session in [s for s in self.sessions.values() if s.kind == "harness" and s.ctx.run.run_id == run_id
+                        and s.session_id not in self._handed]:  # handed over: the buffer has its records
             if self._stopping:
                 await session.stop("stopped", 0)  # a turn in flight is cancelled: the client's retry reruns it
                 self.sessions.pop(session.session_id, None)
@@ -293,16 +391,18 @@ class SessionManager:
                 await self.expire(session, f"run {run_id} ended before the session was finished", "failed")
             except Exception as e:  # the run is ending: keep closing the others
                 log.warning("closing session %s of run %s failed: %s", session.session_id, run_id, e)
+        if self.workers is not None and not self._stopping:
+            await self.workers.end_run(run_id)
         self._options.pop(run_id, None)
         self._repeats = {k: v for k, v in self._repeats.items() if k[0] != run_id}
 
-    def _forget(self, session: Session, outcome: str) -> None:
+    def _forget(self, session: Session, outcome: str, tell_run: bool = True) -> None:
         if self.sessions.pop(session.session_id, None) is None:
             return
         if self._for_actors.get(session.ctx.uid) is session:
             del self._for_actors[session.ctx.uid]
-        if session.kind == "harness" and session.run is not None:
-            session.run.session_closed()
+        if session.kind == "harness" and session.run is not None and tell_run:
+            session.run.session_closed(session.session_id)
         metrics.PROXY_SESSIONS_CLOSED.labels(outcome).inc()
         self.closed[session.session_id] = {**session.view(), "state": session.state, "outcome": outcome}
         while len(self.closed) > _CLOSED_KEPT:
@@ -311,39 +411,46 @@ class SessionManager:
     # ---- restart -------------------------------------------------------------------------------------
     async def recover(self, runs: RunManager) -> None:
         """After a (re)start, once `runs` resumed its run: restore the stored harness sessions of that run, and
-        close those of any other run as failed (a record with the reason each)."""
-        stored = load_sessions(self.files)
-        done = await runs.buffer.episodes_stored([(s.run_id, s.instance_id, s.uid) for s in stored])
-        for s in [s for s in stored if s.uid in done]:  # finished or expired just before a crash: its records stand
-            self.files.remove(s.session_id)
-        stored = [s for s in stored if s.uid not in done]
+        close those of any other run as failed (a record with the reason each; `proxy.recovery`). Session workers
+        start here, each doing the same for the sessions of its folder."""
+        if self.workers is not None:
+            await self.workers.start(runs)
+        stored = {s.session_id: s for s in load_sessions(self.files)}
         if not stored:
             return
-        run = runs.current
-        refused: str | None = None
-        if run is not None and any(s.run_id == run.run_id for s in stored):
-            try:
-                await self._wait_ready(run)
-            except SessionError as e:
-                refused = str(e)
-        for s in stored:
-            if run is not None and s.run_id == run.run_id and refused is None:
-                try:
-                    self._restore(run, s)
-                    continue
-                except (ValueError, KeyError, TypeError, RuntimeError, SessionError) as e:
-                    log.exception("session %s could not be restored", s.session_id)
-                    reason = f"session {s.session_id} could not be restored after a restart: {e}"
-            else:
-                reason = refused or await self._ended_reason(runs, s.run_id)
-            await self._fail_stored(runs, s, reason)
-        log.info("restored %d agent sessions after a restart",
-                 sum(1 for s in stored if s.session_id in self.sessions))
+        summaries = {sid: StoredSummary.of(s) for sid, s in stored.items()}
+        plan = await recovery_plan(runs, list(summaries.values()))
+        for session_id in plan.done:  # finished or expired just before a crash: its records stand
+            self.files.remove(session_id)
+        unrestored: dict[str, str] = {}
+        if plan.run is not None and plan.restore:
+            unrestored = self.restore(plan.run, plan.run.loaded_resources(), [stored[sid] for sid in plan.restore])
+        for session_id, reason in (plan.fail | unrestored).items():
+            await record_failure(runs, summaries[session_id], reason)
+            self.files.remove(session_id)
+        log.info("restored %d agent sessions after a restart", len(plan.restore) - len(unrestored))
         self._wake.set()
 
-    def _restore(self, run: Run, stored: StoredSession) -> Session:
+    def stored(self) -> builtins.list[StoredSession]:
+        """The harness sessions this process's journal holds."""
+        return load_sessions(self.files)
+
+    def restore(self, run: HarnessRun, resources: RunResources, stored: builtins.list[StoredSession]
+                ) -> dict[str, str]:
+        """Restore stored sessions of `run`; those that cannot be, with why (they stay stored)."""
+        failed: dict[str, str] = {}
+        for s in stored:
+            try:
+                self._restore(run, resources, s)
+            except (ValueError, KeyError, TypeError, RuntimeError, SessionError) as e:
+                log.exception("session %s could not be restored", s.session_id)
+                failed[s.session_id] = f"session {s.session_id} could not be restored after a restart: {e}"
+        self._wake.set()
+        return failed
+
+    def _restore(self, run: HarnessRun, resources: RunResources, stored: StoredSession) -> Session:
         state = load_state(stored)
-        ctx = RolloutContext(run.loaded_resources(), stored.instance_id, 0, state["repeat"], stored.uid)
+        ctx = RolloutContext(resources, stored.instance_id, 0, state["repeat"], stored.uid)
         tree = SessionTree()
         responses: dict[str, ResponseRef] = {}
         last_at = replay(stored, ctx, tree, responses)
@@ -354,32 +461,10 @@ class SessionManager:
         next_seq = max((t[0] for t in stored.turns), default=-1) + 1
         session.journal = Journal(self.files, stored.session_id, next_seq)
         ctx.engine_stats["turns"] = len(stored.turns)
-        run.session_opened()
+        run.session_opened(stored.session_id)
         key = (run.run_id, stored.instance_id)
         self._repeats[key] = max(self._repeats.get(key, 0), state["repeat"] + 1)
         return session
-
-    @staticmethod
-    async def _ended_reason(runs: RunManager, run_id: str) -> str:
-        row = await runs.buffer.runs.get(run_id)
-        state = row.state if row is not None else "gone"
-        return f"run {run_id} was {state} while the buffer was down, before the session was finished"
-
-    async def _fail_stored(self, runs: RunManager, stored: StoredSession, reason: str) -> None:
-        """Close a stored session that is not restored: one failed record with the reason, in its run."""
-        run_row = await runs.buffer.runs.get(stored.run_id)
-        if run_row is not None:
-            state = load_state(stored)
-            record = TrajectoryRecord(
-                uid=stored.uid, instance_id=stored.instance_id, messages=[], reward=0.0, status="failed",
-                extra_info={"error": reason, "error_kind": "session_failed", "session_id": stored.session_id,
-                            "turns": len(stored.turns), "metadata": state.get("metadata") or {}, "epoch": 0,
-                            "repeat": state.get("repeat", 0), "task_type": run_row.config.get("task_type"),
-                            "run_id": stored.run_id, "timestamp": time.time()})
-            await runs.buffer.write([record], run_row)
-            metrics.TRAJECTORIES_FAILED.labels("session_failed").inc()
-        self.files.remove(stored.session_id)
-        log.warning("session %s closed as failed: %s", stored.session_id, reason)
 
     # ---- expiry --------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -393,6 +478,8 @@ class SessionManager:
         if self._reaper is not None:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
+        if self.workers is not None:
+            await self.workers.stop()
 
     async def _reap_loop(self) -> None:
         while True:
@@ -417,5 +504,7 @@ class SessionManager:
                 pass
 
 
-def _new_id() -> str:
-    return f"s-{secrets.token_hex(12)}"
+def _finished(session: Session, records: list[TrajectoryRecord], outcome: str) -> dict[str, Any]:
+    """What finishing a session answers."""
+    return {"session_id": session.session_id, "records": len(records), "uids": [r.uid for r in records],
+            "branches": len(session.tree.branches), "status": outcome}

@@ -29,6 +29,7 @@ ERROR_STATUS = {
     "too_large": 413,
     "server": 500,
     "engine": 503,
+    "restoring": 503,
 }
 IMAGE_PLACEHOLDER = "[image omitted]"
 _REASONING = re.compile(r"<think>.*?</think>", re.DOTALL)

@@ -40,6 +40,7 @@ _ERROR_TYPES = {
     "too_large": ("invalid_request_error", "request_too_large"),
     "server": ("server_error", None),
     "engine": ("server_error", "engine_unavailable"),
+    "restoring": ("server_error", "session_restoring"),
 }
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty")
 

@@ -12,20 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 from jinja2 import TemplateError
 from pydantic import Field
 
 from rollout_buffer.delivery.store import StoreError
-from rollout_buffer.generation.context import RolloutContext
+from rollout_buffer.generation.context import RolloutContext, RunResources
 from rollout_buffer.generation.conversation import Conversation, TurnMark
 from rollout_buffer.generation.engine_results import EngineError
 from rollout_buffer.generation.options import RunOptions
-from rollout_buffer.generation.runner import Run
 from rollout_buffer.generation.sglang_wire import GenerateDelta
 from rollout_buffer.observability import metrics
 from rollout_buffer.proxy.history import HistoryCache
@@ -33,6 +33,7 @@ from rollout_buffer.proxy.journal import Journal
 from rollout_buffer.proxy.messages import MessageKey, WireError, message_key, tools_key
 from rollout_buffer.proxy.replies import Reply, ReplyParser, ReplyPart
 from rollout_buffer.proxy.tree import Branch, ResponseRef, Route, SessionTree
+from rollout_buffer.schemas import TrajectoryRecord
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,33 @@ FINISH_WAIT_S = 30.0
 PartSink = Callable[[list[ReplyPart]], None]
 # Output tokens decoded to tell which stop sequence ended a turn.
 _STOP_TAIL_TOKENS = 16
+
+
+class HarnessRun(Protocol):
+    """The run a harness session writes to: the generation `Run` in the buffer, or in a session worker the
+    `WorkerRun` that hands its records to the buffer."""
+
+    run_id: str
+
+    async def wait_loaded(self, timeout_s: float) -> RunResources:
+        """The run's resources once loaded; RuntimeError naming `run_id` when it is not running or not ready."""
+        ...
+
+    def session_opened(self, session_id: str) -> None:
+        """A session of the run opened or was restored."""
+
+    def session_closed(self, session_id: str) -> None:
+        """A session of the run closed, whatever its outcome."""
+
+    def session_failed(self, kind: str) -> None:
+        """A session of the run was closed as failed (`kind`: why) with its records."""
+
+    def failed(self, item: dict[str, Any], ctx: RolloutContext, kind: str, text: str) -> TrajectoryRecord:
+        """The record of a failed trajectory, counted."""
+        ...
+
+    async def accept(self, records: list[TrajectoryRecord]) -> None:
+        """Store the session's records in the run (raises StoreError when they are not)."""
 
 
 class ProxyOptions(RunOptions):
@@ -118,7 +146,7 @@ class Session:
     anthropic_base_url: str
     agent_socket: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
-    run: Run | None = None  # the generation `Run` a harness session writes to
+    run: HarnessRun | None = None  # the run a harness session writes to
     # Called once when the session is closed, with the outcome (the manager forgets it).
     on_closed: Callable[[Session, str], None] = lambda _session, _outcome: None
     # Persists committed turns (harness sessions, so they survive a restart); None: memory only.
@@ -426,7 +454,7 @@ class Session:
         latest = self.tree.latest
         return list(latest.conv.messages[:latest.marks[-1].messages]) if latest is not None else []
 
-    def harness_run(self) -> Run:
+    def harness_run(self) -> HarnessRun:
         """The run a harness session writes its records to; RuntimeError for a generator's session."""
         if self.run is None:
             raise RuntimeError(f"session {self.session_id} belongs to a generator, not to a run's harness")
@@ -457,3 +485,8 @@ async def _rendered(render: Any, req: TurnRequest) -> Any:
     except (TemplateError, TypeError, ValueError) as e:
         where = "tools" if req.tools else "messages"
         raise WireError("invalid_request", f"the chat template cannot render this request: {e}", where) from None
+
+
+def new_session_id() -> str:
+    """A fresh session id."""
+    return f"s-{secrets.token_hex(12)}"

@@ -41,6 +41,7 @@ from rollout_buffer.generation.run_manager import RunManager, reads_input
 from rollout_buffer.observability import metrics
 from rollout_buffer.observability.logs import RefusalLog
 from rollout_buffer.proxy.manager import SessionManager
+from rollout_buffer.proxy.worker_pool import SessionWorkers
 from rollout_buffer.schemas import (
     AckRequest,
     EvalResultsRequest,
@@ -68,6 +69,7 @@ from rollout_buffer.server.proxy_routes import SessionApi, mount_proxy
 from rollout_buffer.server.ui_history import RunHistory
 from rollout_buffer.server.ui_routes import mount_ui
 from rollout_buffer.server.views import evals_view, run_control, status_view
+from rollout_buffer.server.worker_routes import mount_workers
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +122,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         reader = Reader(config.db_path)  # the dashboard's queries, beside the store thread
         app.state.reader = reader
         buffer = RolloutBuffer(config, store, generators)
-        sessions = SessionManager(config)
+        sessions = SessionManager(config, SessionWorkers(config) if config.session_workers else None)
         executor = make_executor(config)
         runs = RunManager(config, buffer, generators, sessions, executor)
         evals = EvalManager(config, buffer, generators, sessions)
@@ -424,10 +426,11 @@ def create_app(config: ServerConfig) -> FastAPI:
         sessions: SessionManager = request.app.state.sessions
         public = run.public() if run is not None else None
         body, content_type = metrics.render(groups, public, runs.progress(), request.headers.get("accept", ""), control,
-                                            len(sessions.sessions), await evals_view(request.app), roles)
+                                            sessions.open_count(), await evals_view(request.app), roles)
         return Response(body, media_type=content_type)
 
     mount_proxy(app)
+    mount_workers(app)
     mount_ui(app)
     openapi.install(app)
     return app

@@ -83,12 +83,8 @@ def mount_proxy(app: FastAPI) -> None:
             return await _open_for_actor(request, validated(OPEN_GENERATOR_BODY, raw))
         body = validated(OPEN_BODY, raw)
         run = _agent_run(request, body.run_id)
-        session = await manager(request).open_harness(run, body.instance_id, body.metadata, str(request.base_url))
-        return json_response({
-            "success": True, "session_id": session.session_id, "base_url": session.base_url,
-            "anthropic_base_url": session.anthropic_base_url, "api_key": session.api_key,
-            "run_id": run.run_id, "instance_id": body.instance_id, "uid": session.ctx.uid,
-        })
+        opened = await manager(request).place(run, body.instance_id, body.metadata, str(request.base_url))
+        return json_response({"success": True, **opened, "run_id": run.run_id, "instance_id": body.instance_id})
 
     async def _open_for_actor(request: Request, body: OpenGeneratorSessionRequest) -> Response:
         run = _agent_run(request, body.run_id)
@@ -135,13 +131,13 @@ def mount_proxy(app: FastAPI) -> None:
 
     @app.get("/sessions", summary="Open agent sessions (of one run)")
     async def list_sessions(request: Request, run_id: str | None = None) -> Response:
-        return json_response({"sessions": manager(request).list(run_id)})
+        return json_response({"sessions": await manager(request).list(run_id)})
 
     # HEAD too: Claude Code probes its base URL (a session's `anthropic_base_url`) before its first request.
     @app.api_route("/sessions/{session_id}", methods=["GET", "HEAD"],
                    summary="One session: state and branch tree (open or recently closed)")
     async def session_view(session_id: str, request: Request) -> Response:
-        view = manager(request).view(session_id)
+        view = await manager(request).view(session_id)
         if view is None:
             raise HTTPException(404, f"session_id: unknown session {session_id!r}")
         return json_response(view)
@@ -165,6 +161,7 @@ class Refusal(WireError):
 KIND_REASONS = {
     "invalid_request": "bad_request", "context_length": "context_length", "authentication": "unauthorized",
     "not_found": "session_closed", "too_large": "body_too_large", "server": "server_error", "engine": "engine_error",
+    "restoring": "restoring",
 }
 CLIENT_GONE = "the client hung up before the reply; the turn was taken back"
 
@@ -214,6 +211,9 @@ def _session(scope: Scope, sessions: SessionManager, guards: Guards, session_id:
     try:
         session = sessions.get(session_id)
     except WireError as e:
+        if sessions.restoring:  # a session worker started again: its sessions come back from their journals
+            raise WireError("restoring", f"session {session_id} may be among the sessions this worker is "
+                            "restoring after a restart; send the request again") from None
         raise Refusal("session_closed" if session_id in sessions.closed else "unknown_session", e.kind,
                       e.message) from None
     if not guards.session_key_ok(scope, session.api_key):

@@ -39,6 +39,9 @@ async def status_view(app: Starlette) -> dict[str, Any]:
     body["control"] = await run_control(app, body["run"]["run_id"] if body["run"] is not None else None)
     body["evals"] = await evals_view(app)
     body["executor"] = runs.executor.snapshot()
+    workers = app.state.sessions.workers
+    if workers is not None:
+        body["session_workers"] = workers.snapshot()
     return body
 
 

@@ -35,7 +35,8 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "  rollout-buffer serve                                   # 127.0.0.1:8889, store in ./rollout_data\n"
         "  rollout-buffer serve --host 0.0.0.0 --data-dir /data --auth-token $TOKEN --data-root /inputs\n"
         "  rollout-buffer serve --generator-path ./my_generators --log-format json\n"
-        "  rollout-buffer serve --executor ray --ray-address 10.0.0.1:6379   # trajectories on a Ray cluster",
+        "  rollout-buffer serve --executor ray --ray-address 10.0.0.1:6379   # trajectories on a Ray cluster\n"
+        "  rollout-buffer serve --session-workers 4               # harness sessions served on ports 8890-8893",
     )
     p.add_argument("--host", default=DEFAULT_HOST, help="bind address (default: %(default)s, loopback only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
@@ -64,6 +65,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--public-url", default=None,
                    help="the buffer's URL as Ray actors on other nodes reach it, for the agent sessions they open "
                    "(default: http://127.0.0.1:PORT, or --host when it is a specific address)")
+    p.add_argument("--session-workers", type=int, default=0, metavar="N",
+                   help="serve harness sessions' endpoints from N worker processes (each on its own port; the "
+                   "buffer keeps the store), so that proxied turns use more than one core (default: 0, this "
+                   "process serves them)")
+    p.add_argument("--session-worker-port", type=int, default=None, metavar="PORT",
+                   help="the first session worker's port; the others follow it (default: --port + 1)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one JSON object per line")
     p.add_argument("--access-log", choices=ACCESS_LOG_MODES, default="info",
@@ -101,6 +108,8 @@ def serve(args: argparse.Namespace) -> None:
         ray_address=args.ray_address,
         ray_actors=args.ray_actors,
         public_url=args.public_url,
+        session_workers=args.session_workers,
+        session_worker_port=args.session_worker_port,
     )
     with contextlib.ExitStack() as stack:
         listeners = [socket.create_server((config.host, config.port),
@@ -139,6 +148,7 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "retriever": ("generators.retriever", "Search-R1 retrieval server (BM25) over a JSONL corpus"),
     "status": ("rollout_buffer.tools.status", "print a running buffer's run, progress and counts"),
     "export": ("rollout_buffer.tools.export", "write stored trajectories as JSONL"),
+    "session-worker": ("rollout_buffer.server.session_worker", "a session worker (started by serve --session-workers)"),
 }
 
 

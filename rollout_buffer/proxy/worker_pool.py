@@ -1,0 +1,477 @@
+"""The buffer's session workers (`serve --session-workers N`): processes that serve harness sessions' endpoints,
+so that parsing, rendering, tokenizing and journaling a turn cost the buffer nothing (`server.session_worker`).
+
+The buffer keeps the store, grouping, delivery and each run's accounting. `POST /sessions` places a session on
+the worker holding the fewest and answers a base URL that names that worker's own port: agents talk to their
+worker directly, with nothing forwarded (a forwarding front would spend on every turn the buffer CPU the workers
+exist to save). Finishing, showing and listing sessions go through the buffer, which asks the worker holding them.
+Workers hand records back in batches (`POST /workers/records`, `take`).
+
+A worker that dies (SIGKILL, an OOM kill) is started again on the same port with the same folder: it restores
+its sessions from their journals (`proxy.recovery` decides which), so a client's retry of the turn in flight, at
+the same URL, succeeds once it is back; sessions that cannot come back are closed as failed with the reason.
+Workers die with the buffer (parent-death signal); the next buffer starts them again on the same ports, and they
+restore their sessions the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import functools
+import logging
+import os
+import secrets
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import orjson
+from pydantic import TypeAdapter, ValidationError
+
+from rollout_buffer.config import AUTH_TOKEN_ENV, ServerConfig
+from rollout_buffer.generation.http_pool import HttpPool, TransportError
+from rollout_buffer.generation.run_manager import RunManager
+from rollout_buffer.generation.runner import Run
+from rollout_buffer.observability import logs, metrics
+from rollout_buffer.proxy.recovery import StoredSummary, record_failure, recovery_plan
+from rollout_buffer.proxy.session import new_session_id
+from rollout_buffer.proxy.worker_run import WORKER_SECRET_ENV, WORKER_SECRET_HEADER
+from rollout_buffer.proxy.worker_sessions import WorkerCallError, WorkerSession, WorkerUnavailable
+from rollout_buffer.schemas import TrajectoryRecord
+
+log = logging.getLogger(__name__)
+
+RECORDS: TypeAdapter[list[TrajectoryRecord]] = TypeAdapter(list[TrajectoryRecord])
+START_TIMEOUT_S = 60.0  # a worker that does not answer /healthz by then is started again
+_RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0)
+_CALL_TIMEOUT_S = 150.0  # finishing waits for turns in flight (up to 30 s there)
+
+
+
+@dataclass(eq=False)
+class WorkerSlot:
+    """One session worker: its port and folder stay the same across its restarts."""
+
+    index: int
+    url: str  # as the buffer reaches it
+    public_url: str  # as agents reach it (the host of the buffer's public URL)
+    proc: asyncio.subprocess.Process | None = None
+    up: asyncio.Event = field(default_factory=asyncio.Event)
+    sessions: set[str] = field(default_factory=set)
+    runs: dict[str, asyncio.Task[Any]] = field(default_factory=dict)  # run id -> its opening on this process
+    restarts: int = 0
+    supervisor: asyncio.Task[None] | None = None
+    released: list[str] = field(default_factory=list)  # sessions whose records were stored, to tell it
+    served: int = 0  # sessions placed on it since the buffer started
+    opening: int = 0  # sessions being opened on it
+
+    @property
+    def load(self) -> int:
+        """Its sessions, those being opened included (what placing a session compares)."""
+        return len(self.sessions) + self.opening
+
+
+class SessionWorkers:
+    """The pool of session workers, the sessions placed on them, and the records they hand back."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.secret = secrets.token_urlsafe(32)
+        ports = range(config.first_worker_port, config.first_worker_port + config.session_workers)
+        self.slots = [WorkerSlot(k, _with_port(config.local_url, port), _with_port(config.buffer_url, port))
+                      for k, port in enumerate(ports)]
+        self.placed: dict[str, WorkerSlot] = {}  # session id -> the worker holding it
+        self.summaries: dict[str, StoredSummary] = {}  # what a session's failure record says, if it is lost
+        self._repeats: dict[tuple[str, str], int] = {}
+        self._runs: RunManager | None = None
+        # The engines' keep-alive client: placing and finishing sessions cost the buffer little more than its own
+        # routes. Every call to a worker is a POST of JSON.
+        self._client: HttpPool | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self._stopping = False
+
+    # ---- lifecycle -----------------------------------------------------------------------------------
+    async def start(self, runs: RunManager) -> None:
+        """Start every worker (each restores the stored sessions of its folder for the run `runs` resumed) and
+        wait until they answer; RuntimeError when none came up."""
+        self._runs = runs
+        self._client = HttpPool(timeout_s=_CALL_TIMEOUT_S, headers={WORKER_SECRET_HEADER: self.secret})
+        for slot in self.slots:
+            slot.supervisor = asyncio.create_task(self._supervise(slot), name=f"session-worker-{slot.index}")
+        waits = [asyncio.create_task(s.up.wait()) for s in self.slots]
+        done, pending = await asyncio.wait(waits, timeout=START_TIMEOUT_S)
+        for w in pending:
+            w.cancel()
+        if not done:
+            raise RuntimeError(f"no session worker came up within {START_TIMEOUT_S:g} s (see their lines above)")
+        log.info("session workers: %d of %d up at %s", len(done), len(self.slots),
+                 ", ".join(s.public_url for s in self.slots if s.up.is_set()))
+
+    async def stop(self) -> None:
+        """Stop the workers (SIGTERM; their sessions stay stored for the next start)."""
+        self._stopping = True
+        for task in self._background:  # journals not yet let go stay: the next start finds their records stored
+            task.cancel()
+        for slot in self.slots:
+            if slot.supervisor is not None:
+                slot.supervisor.cancel()
+        await asyncio.gather(*(s.supervisor for s in self.slots if s.supervisor), return_exceptions=True)
+        await asyncio.gather(*(self._end_process(s) for s in self.slots))
+        if self._client is not None:
+            await self._client.aclose()
+
+    async def _supervise(self, slot: WorkerSlot) -> None:
+        for attempt in range(10**9):
+            await asyncio.sleep(_RESTART_BACKOFF_S[min(attempt, len(_RESTART_BACKOFF_S) - 1)] if attempt else 0)
+            try:
+                await self._start_process(slot)
+                await self._recover(slot)
+                slot.up.set()
+                assert slot.proc is not None
+                code = await slot.proc.wait()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.error("session worker %d did not start: %s", slot.index, e)
+                await self._end_process(slot)
+                code = None
+            slot.up.clear()
+            slot.runs.clear()
+            if self._stopping:
+                return
+            slot.restarts += 1
+            metrics.SESSION_WORKER_RESTARTS.inc()
+            log.warning("session worker %d exited (code %s) holding %d sessions; starting it again on %s",
+                        slot.index, code, len(slot.sessions), slot.url)
+
+    async def _start_process(self, slot: WorkerSlot) -> None:
+        folder = self.config.data_dir / "session-workers" / str(slot.index)
+        await asyncio.to_thread(folder.mkdir, parents=True, exist_ok=True)
+        port = urlsplit(slot.url).port
+        argv = [sys.executable, "-m", "rollout_buffer", "session-worker", "--index", str(slot.index),
+                "--host", self.config.host, "--port", str(port), "--data-dir", str(folder),
+                "--buffer-url", self.config.local_url, "--max-body-bytes", str(self.config.max_body_bytes),
+                "--log-level", logging.getLevelName(logging.getLogger().level),
+                "--access-log", logs.access_mode()]
+        env = {**os.environ, WORKER_SECRET_ENV: self.secret}
+        if self.config.auth_token:
+            env[AUTH_TOKEN_ENV] = self.config.auth_token
+        setpriv = shutil.which("setpriv")  # dies with the buffer, even a SIGKILLed one
+        if setpriv is not None:
+            argv = [setpriv, "--pdeathsig", "KILL", "--", *argv]
+        slot.proc = await asyncio.create_subprocess_exec(*argv, env=env, start_new_session=True,
+                                                         stdin=asyncio.subprocess.DEVNULL)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if slot.proc.returncode is not None:
+                raise RuntimeError(f"it exited with code {slot.proc.returncode} before answering")
+            with contextlib.suppress(WorkerUnavailable):
+                if (await self.ask(slot, "/healthz", {}, timeout_s=1.0))[0] == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"it did not answer {slot.url}/healthz within {START_TIMEOUT_S:g} s")
+            await asyncio.sleep(0.05)
+
+    @staticmethod
+    async def _end_process(slot: WorkerSlot) -> None:
+        proc = slot.proc
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), 15.0)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+
+    # ---- recovery ------------------------------------------------------------------------------------
+    async def _recover(self, slot: WorkerSlot) -> None:
+        """A worker (re)started: its stored sessions of the running run come back, the rest are closed; sessions
+        the buffer had placed on it that did not come back are closed as failed."""
+        assert self._runs is not None
+        stored = [StoredSummary(**s) for s in (await self._call(slot, "/worker/journal"))["sessions"]]
+        plan = await recovery_plan(self._runs, stored) if stored else None
+        restored: set[str] = set()
+        fail: dict[str, str] = {}
+        if plan is None:
+            await self._call(slot, "/worker/restore", {})  # nothing to restore: it serves from now on
+        else:
+            run = plan.run
+            if plan.restore and run is not None:
+                await self._open_run(slot, run)
+            answer = await self._call(slot, "/worker/restore", {
+                "run_id": run.run_id if run is not None else None, "restore": plan.restore, "remove": plan.done})
+            fail = plan.fail | answer["failed"]
+            restored = set(plan.restore) - set(answer["failed"])
+            by_id = {s.session_id: s for s in stored}
+            for session_id, reason in fail.items():
+                await record_failure(self._runs, by_id[session_id], reason)
+            if fail:
+                await self._call(slot, "/worker/restore", {"remove": list(fail)})
+            for s in stored:
+                self._repeats[(s.run_id, s.instance_id)] = max(self._repeats.get((s.run_id, s.instance_id), 0),
+                                                               s.repeat + 1)
+            for session_id in restored:
+                self._hold(slot, by_id[session_id])
+            for session_id in set(plan.done) | set(fail):
+                self._let_go(session_id)
+        for session_id in [sid for sid in slot.sessions if sid not in self.summaries]:
+            self.forget_generator(session_id)  # a generator's: gone with the process (its trajectory fails)
+        # Placed here, not in the journal: finished just before the worker died (records stored, its closing not
+        # told), or not journaled (`session_journal: false`) and gone with the process.
+        lost = [self.summaries[sid] for sid in slot.sessions if sid not in restored and sid in self.summaries]
+        stored_uids = await self._runs.buffer.episodes_stored([(s.run_id, s.instance_id, s.uid) for s in lost])
+        for summary in lost:
+            if self._let_go(summary.session_id) and summary.uid not in stored_uids:
+                await record_failure(self._runs, summary, f"session worker {slot.index} was lost and the session "
+                                     "was not journaled (session_journal: false)")
+        if restored or fail or lost:
+            log.info("session worker %d: %d sessions restored, %d closed as failed", slot.index, len(restored),
+                     len(fail) + len(lost))
+
+    # ---- placing and asking ----------------------------------------------------------------------------
+    async def place(self, run: Run, instance_id: str, metadata: dict[str, Any]) -> dict[str, Any]:
+        """Open a harness session of `run` on the worker holding the fewest; what `POST /sessions` answers."""
+        up = [s for s in self.slots if s.up.is_set()]
+        if not up:
+            raise WorkerUnavailable("no session worker is up (they are starting again; see the buffer's log)")
+        slot = min(up, key=lambda s: s.load)
+        key = (run.run_id, instance_id)
+        repeat = self._repeats.get(key, 0)
+        self._repeats[key] = repeat + 1
+        session_id = new_session_id()
+        slot.opening += 1
+        try:
+            await self._open_run(slot, run)
+            answer = await self._call(slot, "/worker/sessions", {
+                "run_id": run.run_id, "session_id": session_id, "instance_id": instance_id, "repeat": repeat,
+                "public_url": slot.public_url, "metadata": metadata})
+        finally:
+            slot.opening -= 1
+        self._hold(slot, StoredSummary(session_id, run.run_id, instance_id, answer["uid"], repeat, 0, metadata))
+        return {**answer, "worker": slot.index}
+
+    def _hold(self, slot: WorkerSlot, summary: StoredSummary) -> None:
+        if summary.session_id in self.placed:
+            return
+        self.placed[summary.session_id] = slot
+        self.summaries[summary.session_id] = summary
+        slot.sessions.add(summary.session_id)
+        slot.served += 1
+        run = self._current(summary.run_id)
+        if run is not None:
+            run.session_opened(summary.session_id)
+
+    def _let_go(self, session_id: str) -> bool:
+        """Forget a closed session (counted out of its run); False when it was not held."""
+        slot = self.placed.pop(session_id, None)
+        summary = self.summaries.pop(session_id, None)
+        if slot is None:
+            return False
+        slot.sessions.discard(session_id)
+        run = self._current(summary.run_id) if summary is not None else None
+        if run is not None:
+            run.session_closed(session_id)
+        return True
+
+    def _current(self, run_id: str) -> Run | None:
+        run = self._runs.current if self._runs is not None else None
+        return run if run is not None and run.run_id == run_id else None
+
+    async def _open_run(self, slot: WorkerSlot, run: Run) -> None:
+        opening = slot.runs.get(run.run_id)
+        if opening is None or (opening.done() and opening.exception() is not None):
+            payload = run.req.model_dump(mode="json")
+            opening = slot.runs[run.run_id] = asyncio.create_task(
+                self._call(slot, f"/worker/runs/{run.run_id}/open", payload))
+        await asyncio.shield(opening)
+
+    def serves(self, run_id: str) -> bool:
+        """Whether the workers serve the generator sessions of `run_id`: those of the training run (an eval's
+        stay in the buffer)."""
+        return self._current(run_id) is not None
+
+    async def open_generator(self, ctx: Any, metadata: dict[str, Any]) -> WorkerSession:
+        """A session for trajectory `ctx` (a `RolloutContext` of the current run) on the worker holding the
+        fewest; the runner stores its records."""
+        run = self._current(ctx.run.run_id)
+        up = [s for s in self.slots if s.up.is_set()]
+        if run is None or not up:
+            raise WorkerUnavailable("no session worker is up (they are starting again; see the buffer's log)")
+        slot = min(up, key=lambda s: s.load)
+        slot.opening += 1
+        try:
+            await self._open_run(slot, run)
+            opened = await self._call(slot, "/worker/generator-sessions", {
+                "run_id": run.run_id, "uid": ctx.uid, "instance_id": ctx.instance_id, "epoch": ctx.epoch,
+                "repeat": ctx.repeat, "metadata": metadata, "public_url": slot.public_url})
+        finally:
+            slot.opening -= 1
+        self.placed[opened["session_id"]] = slot
+        slot.sessions.add(opened["session_id"])
+        slot.served += 1
+        return WorkerSession(functools.partial(self.ask, slot), functools.partial(self.forget_generator,
+                             opened["session_id"]), slot.index, opened)
+
+    def forget_generator(self, session_id: str) -> None:
+        """A generator's session closed."""
+        slot = self.placed.pop(session_id, None)
+        if slot is not None:
+            slot.sessions.discard(session_id)
+
+    def _up(self, session_id: str) -> WorkerSlot:
+        slot = self.placed[session_id]
+        if not slot.up.is_set():
+            raise WorkerUnavailable(f"session worker {slot.index} is starting again; ask again in a few seconds")
+        return slot
+
+    def holds(self, session_id: str) -> bool:
+        """Whether a worker holds the session."""
+        return session_id in self.placed
+
+    async def finish(self, session_id: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """Finish a session on its worker and store the records it hands over (then the worker lets its journal
+        go): the worker's status and what finishing answers. StoreError when the records were not stored (the
+        worker keeps the session's journal, and hands the same records over when asked again)."""
+        slot = self._up(session_id)
+        status, answer = await self.ask(slot, f"/worker/sessions/{session_id}/finish", body)
+        if status != 200:
+            return status, answer
+        summary = self.summaries.get(session_id)
+        try:
+            records = RECORDS.validate_python(answer["records"])
+        except (KeyError, ValidationError) as e:
+            return 502, {"message": f"session worker {slot.index} answered records that are not valid: {e}"}
+        await self._store(summary.run_id if summary is not None else records[0].extra_info["run_id"], records)
+        self._let_go(session_id)
+        self._release(slot, session_id)
+        summary_answer: dict[str, Any] = answer["summary"]
+        return status, summary_answer
+
+    def _release(self, slot: WorkerSlot, session_id: str) -> None:
+        """Tell the worker its session's records are stored (sent with the others released meanwhile)."""
+        slot.released.append(session_id)
+        if len(slot.released) == 1:
+            task = asyncio.create_task(self._send_released(slot))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _send_released(self, slot: WorkerSlot) -> None:
+        await asyncio.sleep(0.005)  # with those released meanwhile
+        released, slot.released = slot.released, []
+        try:
+            await self._call(slot, "/worker/sessions/released", {"session_ids": released})
+        except WorkerUnavailable as e:  # its journals stay: recovery finds their records stored and lets them go
+            log.warning("session worker %d was not told %d sessions were stored: %s", slot.index, len(released), e)
+
+    async def _store(self, run_id: str, records: builtins.list[TrajectoryRecord]) -> None:
+        """Store records of `run_id`: in the run when it is running, else straight in the store (ValueError when
+        the run is gone)."""
+        assert self._runs is not None
+        run = self._current(run_id)
+        if run is not None:
+            await run.accept(records)
+            return
+        row = await self._runs.buffer.runs.get(run_id)
+        if row is None:
+            raise ValueError(f"records: no run {run_id!r}")
+        await self._runs.buffer.write(records, row)
+
+    async def view(self, session_id: str) -> dict[str, Any] | None:
+        """A session's view from its worker (None when it has none)."""
+        slot = self._up(session_id)
+        status, answer = await self.ask(slot, f"/worker/sessions/{session_id}/view", {})
+        return {**answer, "worker": slot.index} if status == 200 else None
+
+    async def list(self, run_id: str | None) -> builtins.list[dict[str, Any]]:
+        """The open sessions of every worker that answers."""
+        async def of(slot: WorkerSlot) -> builtins.list[dict[str, Any]]:
+            try:
+                status, answer = await self.ask(slot, "/worker/sessions/list", {"run_id": run_id})
+            except WorkerUnavailable:
+                return []
+            return [{**s, "worker": slot.index} for s in answer.get("sessions", [])] if status == 200 else []
+
+        found = await asyncio.gather(*(of(s) for s in self.slots if s.up.is_set()))
+        return [s for part in found for s in part]
+
+    async def end_run(self, run_id: str) -> None:
+        """The run ends: each worker closes its open sessions of it as failed (records handed back first)."""
+
+        async def end(slot: WorkerSlot) -> None:
+            if run_id in slot.runs:
+                slot.runs.pop(run_id)
+                try:
+                    await self._call(slot, f"/worker/runs/{run_id}/end")
+                except WorkerUnavailable as e:
+                    log.warning("session worker %d did not end run %s: %s", slot.index, run_id, e)
+
+        await asyncio.gather(*(end(s) for s in self.slots))
+        for session_id in [sid for sid, s in self.summaries.items() if s.run_id == run_id]:
+            self._let_go(session_id)
+        self._repeats = {k: v for k, v in self._repeats.items() if k[0] != run_id}
+
+    def snapshot(self) -> builtins.list[dict[str, Any]]:
+        """The workers in /status."""
+        return [{"worker": s.index, "url": s.public_url, "up": s.up.is_set(), "sessions": len(s.sessions),
+                 "served": s.served, "restarts": s.restarts, "pid": s.proc.pid if s.proc is not None else None}
+                for s in self.slots]
+
+    async def ask(self, slot: WorkerSlot, path: str, body: Any, timeout_s: float | None = None
+                   ) -> tuple[int, dict[str, Any]]:
+        """POST `body` to the worker: its status and answer. WorkerUnavailable when it cannot be asked."""
+        if self._client is None:
+            raise WorkerUnavailable("the session workers are not started")
+        try:
+            async with asyncio.timeout(timeout_s):
+                status, data = await self._client.post(slot.url, path, orjson.dumps(body))
+        except (TransportError, TimeoutError) as e:
+            raise WorkerUnavailable(f"session worker {slot.index} did not answer: {type(e).__name__}: {e}") from None
+        try:
+            answer: dict[str, Any] = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            answer = {"success": False, "message": data[:500].decode(errors="replace")}
+        return status, answer
+
+    async def _call(self, slot: WorkerSlot, path: str, body: Any = None) -> dict[str, Any]:
+        """`_ask`, for calls that must succeed: WorkerCallError with the worker's answer when refused."""
+        status, answer = await self.ask(slot, path, {} if body is None else body)
+        if status >= 400:
+            raise WorkerCallError(status, str(answer.get("message", answer)))
+        return answer
+
+    # ---- what workers hand back --------------------------------------------------------------------
+    async def take(self, batch: dict[str, Any]) -> None:
+        """Store a worker's batch of records (each in its run), then apply its session events and metric gains.
+        ValueError for a malformed batch; StoreError when the store refused (the worker sends it again)."""
+        assert self._runs is not None
+        try:
+            parts = [(str(p["run_id"]), RECORDS.validate_python(p["records"])) for p in batch.get("records", [])]
+        except (KeyError, TypeError, ValidationError) as e:
+            raise ValueError(f"records: {e}") from None
+        for run_id, records in parts:
+            await self._store(run_id, records)
+        for event in batch.get("events", []):
+            if event.get("kind") == "closed":
+                self._let_go(str(event.get("session_id")))
+            elif event.get("kind") == "failed":
+                kind = str(event.get("error_kind"))
+                metrics.TRAJECTORIES_FAILED.labels(kind).inc()
+                run = self._current(str(event.get("run_id")))
+                if run is not None:
+                    run.session_failed(kind)
+        metrics.apply_deltas([(str(n), tuple(labels), tuple(gain)) for n, labels, gain in batch.get("metrics", [])])
+
+
+def _with_port(url: str, port: int) -> str:
+    parts = urlsplit(url)
+    host = parts.hostname or "127.0.0.1"
+    return urlunsplit(parts._replace(netloc=f"[{host}]:{port}" if ":" in host else f"{host}:{port}"))

@@ -1,0 +1,316 @@
+"""A session worker (`serve --session-workers N`): a process of its own serving the OpenAI chat, Responses and
+Anthropic endpoints of the harness sessions the buffer places on it.
+
+Each worker holds its sessions' state and journal (its own folder, `<data dir>/session-workers/<n>`), builds the
+run's engine client and tokenizer from the run's start payload, talks to the engines itself and hands finished
+records to the buffer in batches (`proxy.worker_run`); the buffer keeps the store, grouping, delivery and the run's
+accounting (`proxy.worker_pool`). Agents reach their session here directly (the session's base URL names this
+worker's port); the buffer alone calls the rest — placing a session, opening or ending a run, finishing or
+showing a session, restoring sessions after a restart — with the worker's secret (an environment variable, never
+an argument, like the server's token).
+
+Started by the buffer as `rollout-buffer session-worker ...`; it dies with the buffer (parent-death signal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import gc
+import hmac
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import setproctitle
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from rollout_buffer.config import AUTH_TOKEN_ENV, DEFAULT_MAX_BODY_BYTES, ServerConfig
+from rollout_buffer.generation.resources import close_resources, run_resources
+from rollout_buffer.observability.logs import ACCESS_LOG_MODES, setup_logging
+from rollout_buffer.proxy.manager import SessionError, SessionManager
+from rollout_buffer.proxy.recovery import StoredSummary
+from rollout_buffer.proxy.worker_run import WORKER_SECRET_ENV, WORKER_SECRET_HEADER, BufferLink, WorkerRun
+from rollout_buffer.schemas import DiscardSessionRequest, FinishSessionRequest, StartRolloutRequest
+from rollout_buffer.server.bodies import error_response, json_response
+from rollout_buffer.server.guards import Guards, is_session_api
+from rollout_buffer.server.middleware import BodyLimitMiddleware
+from rollout_buffer.server.proxy_routes import SessionApi
+
+log = logging.getLogger(__name__)
+
+
+class PlaceSession(BaseModel):
+    """`POST /worker/sessions`: a harness session the buffer placed here."""
+
+    run_id: str
+    session_id: str
+    instance_id: str
+    repeat: int = Field(ge=0)
+    public_url: str
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class OpenGeneratorSession(BaseModel):
+    """`POST /worker/generator-sessions`: a session for one trajectory a generator runs in the buffer."""
+
+    run_id: str
+    uid: str
+    instance_id: str
+    epoch: int
+    repeat: int
+    public_url: str
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class ReleaseSessions(BaseModel):
+    """`POST /worker/sessions/released`: sessions whose records the buffer stored (their journals go)."""
+
+    session_ids: list[str]
+
+
+class ListSessions(BaseModel):
+    """`POST /worker/sessions/list`: the open sessions (of one run)."""
+
+    run_id: str | None = None
+
+
+class RestoreSessions(BaseModel):
+    """`POST /worker/restore`: what the buffer decided for this worker's stored sessions."""
+
+    run_id: str | None = None
+    restore: list[str] = Field(default_factory=list)
+    remove: list[str] = Field(default_factory=list)
+
+
+class WorkerSecret:
+    """Every route but a session's API, `/healthz` and `HEAD /sessions/{id}` (Claude Code probes its base URL) is
+    the buffer's: it must present the worker's secret."""
+
+    def __init__(self, app: ASGIApp, secret: str):
+        self.app = app
+        self.secret = secret.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not _public(scope):
+            given = next((v for k, v in scope["headers"] if k == WORKER_SECRET_HEADER.encode()), b"")
+            if not hmac.compare_digest(given, self.secret):
+                await error_response(403, "this route of a session worker is the buffer's")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _public(scope: Scope) -> bool:
+    path = scope["path"]
+    return (path == "/healthz" or is_session_api(path)
+            or (scope["method"] == "HEAD" and path.startswith("/sessions/") and path.count("/") == 2))
+
+
+class WorkerApp(FastAPI):
+    """The worker's ASGI app: the sessions' API ahead of FastAPI, as in the buffer (`server.app.BufferApp`)."""
+
+    def __init__(self, guards: Guards, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.front = SessionApi(functools.partial(FastAPI.__call__, self), self.state, guards)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await self.front(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+
+
+def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret: str) -> FastAPI:
+    """The app of session worker `index`; `config.data_dir` is its own folder (its sessions' journals)."""
+    link = BufferLink(buffer_url, index, secret, config.auth_token)
+    sessions = SessionManager(config)
+    sessions.restoring = True  # until the buffer has said which stored sessions come back (`/worker/restore`)
+    runs: dict[str, WorkerRun] = {}
+    building: dict[str, asyncio.Task[WorkerRun]] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        link.start()
+        sessions.start()
+        log.info("session worker %d ready on %s (sessions in %s)", index, config.local_url, config.data_dir)
+        try:
+            yield
+        finally:
+            await sessions.stop()  # the buffer stops: sessions stay stored, restored by the next worker
+            for run in runs.values():
+                await close_resources(run.resources)
+            await link.aclose()
+
+    guards = Guards.of(config)
+    app = WorkerApp(guards, title=f"rollout-buffer session worker {index}", lifespan=lifespan, openapi_url=None,
+                    docs_url=None, redoc_url=None)
+    app.state.sessions = sessions
+    app.add_middleware(BodyLimitMiddleware, guards=guards)
+    app.add_middleware(WorkerSecret, secret=secret)
+
+    @app.exception_handler(SessionError)
+    async def _refused(_: Request, exc: SessionError) -> Response:
+        return error_response(exc.status, str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
+        return error_response(exc.status_code, str(exc.detail))
+
+    async def run_of(run_id: str) -> WorkerRun:
+        run = runs.get(run_id)
+        if run is None:
+            raise HTTPException(409, f"run_id: run {run_id} is not open on session worker {index}")
+        return run
+
+    async def build(run_id: str, payload: dict[str, Any]) -> WorkerRun:
+        req = StartRolloutRequest.model_validate(payload)
+        run = WorkerRun(await run_resources(run_id, req), link)
+        runs[run_id] = run
+        return run
+
+    @app.api_route("/healthz", methods=["GET", "POST"])
+    async def healthz() -> Response:
+        return json_response({"ok": True, "worker": index, "sessions": len(sessions.sessions)})
+
+    @app.post("/worker/runs/{run_id}/open")
+    async def open_run(run_id: str, request: Request) -> Response:
+        if run_id not in building:
+            building[run_id] = asyncio.create_task(build(run_id, await request.json()))
+        try:
+            await asyncio.shield(building[run_id])
+        except Exception as e:
+            building.pop(run_id, None)
+            raise HTTPException(422, f"run {run_id} could not be opened on session worker {index}: {e}") from None
+        return json_response({"success": True, "run_id": run_id})
+
+    @app.post("/worker/runs/{run_id}/end")
+    async def end_run(run_id: str) -> Response:
+        building.pop(run_id, None)
+        run = runs.pop(run_id, None)
+        await sessions.end_run(run_id)  # its open sessions closed as failed, their records handed over
+        if run is not None:
+            await close_resources(run.resources)
+        return json_response({"success": True, "run_id": run_id})
+
+    @app.post("/worker/sessions")
+    async def place(body: PlaceSession) -> Response:
+        run = await run_of(body.run_id)
+        session = await sessions.open_harness(run, body.instance_id, body.metadata, body.public_url, body.repeat,
+                                              body.session_id)
+        return json_response({"session_id": session.session_id, "base_url": session.base_url,
+                              "anthropic_base_url": session.anthropic_base_url, "api_key": session.api_key,
+                              "uid": session.ctx.uid})
+
+    @app.post("/worker/generator-sessions")
+    async def open_generator(body: OpenGeneratorSession) -> Response:
+        run = await run_of(body.run_id)
+        session = await sessions.open_for_actor(run, body.uid, body.instance_id, body.epoch, body.repeat,
+                                                body.metadata, body.public_url)
+        return json_response({"session_id": session.session_id, "base_url": session.base_url,
+                              "anthropic_base_url": session.anthropic_base_url, "api_key": session.api_key})
+
+    @app.post("/worker/sessions/{session_id}/transcript")
+    async def transcript(session_id: str) -> Response:
+        return json_response({"messages": await sessions.for_actor(session_id).transcript()})
+
+    @app.post("/worker/sessions/{session_id}/close")
+    async def close(session_id: str, body: FinishSessionRequest) -> Response:
+        try:
+            records = await sessions.close_for_actor(session_id, body.reward, body.extra_info)
+        except ValueError as e:  # closed all the same; the generator fails its trajectory
+            return error_response(409, str(e), {"error_kind": "empty_session"})
+        return json_response({"success": True, "records": records})
+
+    @app.post("/worker/sessions/{session_id}/discard")
+    async def discard(session_id: str, body: DiscardSessionRequest) -> Response:
+        await sessions.discard_for_actor(session_id, body.reason)
+        return json_response({"success": True})
+
+    @app.post("/worker/journal")
+    async def journal() -> Response:
+        stored = await asyncio.to_thread(sessions.stored)
+        return json_response({"sessions": [StoredSummary.of(s).__dict__ for s in stored]})
+
+    @app.post("/worker/restore")
+    async def restore(body: RestoreSessions) -> Response:
+        failed: dict[str, str] = {}
+        if body.restore:
+            if body.run_id is None:
+                raise HTTPException(422, "run_id: required to restore sessions")
+            run = await run_of(body.run_id)
+            wanted = set(body.restore)
+            stored = [s for s in await asyncio.to_thread(sessions.stored) if s.session_id in wanted]
+            failed = sessions.restore(run, run.resources, stored)
+            failed |= {sid: f"session {sid} is not stored on session worker {index}"
+                       for sid in wanted - {s.session_id for s in stored}}
+        for session_id in body.remove:
+            sessions.files.remove(session_id)
+        sessions.restoring = False
+        return json_response({"success": True, "failed": failed})
+
+    @app.post("/worker/sessions/{session_id}/finish")
+    async def finish(session_id: str, body: FinishSessionRequest) -> Response:
+        summary, records = await sessions.hand_over(session_id, body.reward, body.extra_info)
+        return json_response({"success": True, "summary": summary,
+                              "records": [r.model_dump(mode="json") for r in records]})
+
+    @app.post("/worker/sessions/released")
+    async def released(body: ReleaseSessions) -> Response:
+        sessions.released(body.session_ids)
+        return json_response({"success": True})
+
+    @app.post("/worker/sessions/list")
+    async def list_sessions(body: ListSessions) -> Response:
+        return json_response({"sessions": await sessions.list(body.run_id)})
+
+    @app.post("/worker/sessions/{session_id}/view")
+    async def view(session_id: str) -> Response:
+        found = await sessions.view(session_id)
+        if found is None:
+            raise HTTPException(404, f"session_id: unknown session {session_id!r}")
+        return json_response(found)
+
+    @app.head("/sessions/{session_id}")  # Claude Code probes its base URL (a session's `anthropic_base_url`)
+    async def probe(session_id: str) -> Response:
+        if session_id not in sessions.sessions:
+            raise HTTPException(404, f"session_id: unknown session {session_id!r}")
+        return Response(status_code=200)
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`rollout-buffer session-worker`: started by `serve --session-workers`, not by hand."""
+    import uvicorn
+
+    p = argparse.ArgumentParser(prog="rollout-buffer session-worker", description=main.__doc__)
+    p.add_argument("--index", type=int, required=True)
+    p.add_argument("--host", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--data-dir", type=Path, required=True, help="this worker's folder (its sessions' journals)")
+    p.add_argument("--buffer-url", required=True, help="where the buffer takes this worker's records")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", choices=["text", "json"], default="text")
+    p.add_argument("--access-log", choices=ACCESS_LOG_MODES, default="info")
+    args = p.parse_args(argv)
+    secret = os.environ.pop(WORKER_SECRET_ENV, "")
+    if not secret:
+        p.error(f"{WORKER_SECRET_ENV} must hold the secret the buffer gave this worker")
+    setup_logging(args.log_level, args.log_format, args.access_log)
+    setproctitle.setproctitle(f"rollout-buffer session-worker {args.index} :{args.port}")
+    gc.set_threshold(50_000, 20, 10)  # as `serve`: thousands of sessions' objects in flight
+    config = ServerConfig(host=args.host, port=args.port, data_dir=args.data_dir, max_body_bytes=args.max_body_bytes,
+                          auth_token=os.environ.pop(AUTH_TOKEN_ENV, None) or None)
+    app = create_worker_app(config, args.index, args.buffer_url, secret)
+    gc.freeze()
+    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False, timeout_keep_alive=75,
+                log_level=args.log_level.lower())
