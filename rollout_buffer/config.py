@@ -49,6 +49,8 @@ class ServerConfig:
     # `session_worker_port` (None: the port after the buffer's).
     session_workers: int = 0
     session_worker_port: int | None = None
+    # CPUs each session worker reserves on the Ray cluster (`--executor ray`).
+    session_worker_cpus: float = 1.0
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
@@ -67,6 +69,8 @@ class ServerConfig:
             raise ValueError("public_url must be an http:// or https:// URL")
         if self.session_workers < 0:
             raise ValueError("session_workers must be 0 or more")
+        if self.session_worker_cpus < 0:
+            raise ValueError("session_worker_cpus must be 0 or more")
         first = self.first_worker_port
         if self.session_workers and not (0 < first and first + self.session_workers <= 65536):
             raise ValueError("session_worker_port: the session workers' ports must lie between 1 and 65535")

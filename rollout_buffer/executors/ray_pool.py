@@ -90,6 +90,7 @@ class RayExecutor:
         self._remote: Any = None
         self._head: LocalHead | None = None
         self._created = 0  # actors started, for unique names (a lost actor's name may still be taken)
+        self._connecting = asyncio.Lock()
 
     def check_options(self, payload: dict[str, Any]) -> None:
         """Raise ValueError naming the bad `ray_*` options of a run's payload."""
@@ -98,8 +99,7 @@ class RayExecutor:
     async def start_run(self, generator: Generator, resources: RunResources) -> None:
         """Connect to Ray, (re)build the pool for the run's options and open the run on every actor."""
         options = RayRunOptions.from_run(resources.config)
-        if self._remote is None:
-            await self._connect()
+        await self.connect()
         if self._options is not None and options.pool_key() != self._options.pool_key():
             await self._stop_pool()
         self._runs[resources.run_id] = resources.config
@@ -115,8 +115,14 @@ class RayExecutor:
                 self._watch(slot)
         await asyncio.gather(*(self._open(slot, resources.run_id) for slot in self._slots))
 
-    async def _connect(self) -> None:
-        """Join the cluster at `address` (or RAY_ADDRESS), else a head of the buffer's own, started here."""
+    async def connect(self) -> None:
+        """Join the cluster at `address` (or RAY_ADDRESS), else a head of the buffer's own, started here (once:
+        the session workers' launcher and the pool share it)."""
+        async with self._connecting:
+            if self._remote is None:
+                await self._join()
+
+    async def _join(self) -> None:
         if not ray.is_initialized():
             if self.address is None and not os.environ.get("RAY_ADDRESS"):
                 self._head = await LocalHead.start(self._auth_token)

@@ -15,16 +15,15 @@ server restores the open sessions of the run it resumes before it serves (`recov
 the same branches and exact tokens, idle time counted from the last turn before the restart. Sessions of a run
 that did not resume (replaced, ended) are closed as failed. Generator sessions are not stored: the runner
 generates their unfinished trajectories again. A server shutting down keeps its harness sessions stored
-instead of closing them.
+instead of closing them. With session workers (`proxy.worker_pool`) the training run's sessions live on them;
+this manager places them there and asks them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import builtins
 import logging
 import secrets
-import time
 from collections import OrderedDict
 from typing import Any
 
@@ -32,11 +31,12 @@ from pydantic import ValidationError
 
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.store import StoreError
-from rollout_buffer.generation.context import RolloutContext, RunResources, stamp
+from rollout_buffer.generation.context import RolloutContext, RunResources
 from rollout_buffer.generation.run_manager import RunManager
 from rollout_buffer.generation.runner import Run
 from rollout_buffer.generation.sessions import AgentSession
 from rollout_buffer.observability import metrics
+from rollout_buffer.proxy.expiry import Reaper
 from rollout_buffer.proxy.journal import Journal, StoredSession, idle_since, load_sessions, load_state, replay
 from rollout_buffer.proxy.messages import WireError
 from rollout_buffer.proxy.recovery import StoredSummary, record_failure, recovery_plan
@@ -44,7 +44,7 @@ from rollout_buffer.proxy.session import HarnessRun, ProxyOptions, Session, new_
 from rollout_buffer.proxy.session_files import SessionFiles
 from rollout_buffer.proxy.tree import ResponseRef, SessionTree
 from rollout_buffer.proxy.worker_pool import SessionWorkers
-from rollout_buffer.proxy.worker_sessions import WorkerCallError, WorkerSessionError, WorkerUnavailable
+from rollout_buffer.proxy.worker_sessions import WorkerCallError, WorkerSession, WorkerSessionError, WorkerUnavailable
 from rollout_buffer.schemas import TrajectoryRecord
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,6 @@ log = logging.getLogger(__name__)
 _CLOSED_KEPT = 4096
 # How long POST /sessions waits for a just-started run to load its tokenizer.
 READY_WAIT_S = 120.0
-_REAP_MAX_SLEEP_S = 30.0
 
 
 class SessionError(Exception):
@@ -75,13 +74,13 @@ class SessionManager:
         self.closed: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._options: dict[str, ProxyOptions] = {}
         self._repeats: dict[tuple[str, str], int] = {}
-        self._for_actors: dict[str, Session] = {}  # uid -> the open session an actor's trajectory holds
+        # uid -> the open session an actor's trajectory holds (here, or on a session worker)
+        self._for_actors: dict[str, Session | WorkerSession] = {}
+        self._on_workers: dict[str, WorkerSession] = {}  # session id -> an actor's session on a session worker
         # Sessions a session worker handed to the buffer (`hand_over`), until it stored their records.
         self._handed: dict[str, tuple[Session, builtins.list[TrajectoryRecord], str]] = {}
         self.files = SessionFiles(config.data_dir / "sessions")  # harness sessions' journals
-        self._wake = asyncio.Event()
-        self._reap_at = 0.0  # when the expiry loop looks again, unless woken earlier
-        self._reaper: asyncio.Task[None] | None = None
+        self.reaper = Reaper(self.sessions, self.expire)
         self._stopping = False  # the server shuts down: harness sessions stay stored, not closed
         # A session worker that started again, until the buffer has had its stored sessions restored: a request
         # for a session it does not hold yet is answered "send it again" rather than "unknown".
@@ -151,14 +150,25 @@ class SessionManager:
         return session
 
     async def open_for_actor(self, run: HarnessRun, uid: str, instance_id: str, epoch: int, repeat: int,
-                             metadata: dict[str, Any], public_url: str) -> Session:
+                             metadata: dict[str, Any], public_url: str) -> AgentSession:
         """A generator session for trajectory `uid` of `run`, which a Ray actor runs: it generates through the run's
-        engine and tokenizer here; a session the trajectory opened before (on an actor since lost) is discarded."""
+        engine and tokenizer here (or on a session worker, which the buffer asks for the actor); a session the
+        trajectory opened before (on an actor since lost) is discarded."""
         resources = await self._wait_ready(run)
         earlier = self._for_actors.pop(uid, None)
-        if earlier is not None and earlier.state == "open":
+        if isinstance(earlier, Session) and earlier.state == "open":
             await self._discard(earlier, "its trajectory opened a new session (the actor running it was lost)", 0.0)
+        elif earlier is not None:
+            self._on_workers.pop(earlier.session_id, None)
+            await earlier.discard("its trajectory opened a new session (the actor running it was lost)")
         ctx = RolloutContext(resources, instance_id, epoch, repeat, uid)
+        if self.workers is not None and self.workers.serves(run.run_id):
+            try:
+                remote = await self.workers.open_generator(ctx, metadata)
+            except WorkerUnavailable as e:
+                raise SessionError(503, str(e)) from None
+            self._for_actors[uid] = self._on_workers[remote.session_id] = remote
+            return remote
         session = self._register(ctx, "generator", public_url, metadata, run=None)
         self._for_actors[uid] = session
         return session
@@ -180,6 +190,12 @@ class SessionManager:
                               ) -> list[dict[str, Any]]:
         """Close an actor's session: its records (not stored: the actor hands them to the runner, which stamps
         and stores them). ValueError when it generated nothing (it is closed all the same)."""
+        remote = self._off_workers(session_id)
+        if remote is not None:
+            try:
+                return await remote.close(reward, **extra_info)
+            except WorkerSessionError as e:
+                raise SessionError(503, str(e)) from None
         session = self.for_actor(session_id)
         try:
             return await session.close(reward, **extra_info)
@@ -188,7 +204,31 @@ class SessionManager:
 
     async def discard_for_actor(self, session_id: str, reason: str) -> None:
         """Close an actor's session without records (its trajectory failed)."""
+        remote = self._off_workers(session_id)
+        if remote is not None:
+            await remote.discard(reason)
+            return
         await self._discard(self.for_actor(session_id), reason)
+
+    async def transcript(self, session_id: str) -> builtins.list[dict[str, Any]]:
+        """The messages of an open session's latest branch (asked of its worker when one holds it)."""
+        remote = self._on_workers.get(session_id)
+        if remote is not None:
+            try:
+                return await remote.transcript()
+            except WorkerSessionError as e:
+                raise SessionError(503, str(e)) from None
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise SessionError(404, f"session_id: no open session {session_id!r}")
+        return await session.transcript()
+
+    def _off_workers(self, session_id: str) -> WorkerSession | None:
+        """An actor's session on a worker, forgotten here (it is being closed)."""
+        remote = self._on_workers.pop(session_id, None)
+        if remote is not None:
+            self._for_actors = {uid: s for uid, s in self._for_actors.items() if s is not remote}
+        return remote
 
     @staticmethod
     async def _discard(session: Session, reason: str, wait_s: float | None = None) -> None:
@@ -223,8 +263,8 @@ class SessionManager:
             metadata=metadata, run=run, on_closed=self._forget,
         )
         self.sessions[session_id] = session
-        if kind == "harness" and session.last_active + session.options.session_ttl_s < self._reap_at:
-            self._wake.set()  # expires before the loop looks again (sessions usually open in expiry order)
+        if kind == "harness":
+            self.reaper.opened(session)
         log.debug("session %s opened (%s) for %s", session_id, kind, ctx.uid)
         return session
 
@@ -284,7 +324,7 @@ class SessionManager:
                 raise SessionError(status, str(answer.get("message", answer)))
             return {k: v for k, v in answer.items() if k != "success"}
         session = self._harness(session_id)
-        records, outcome = await self._close(session, reward, extra_info)
+        records, outcome = await self._closed_records(session, reward, extra_info)
         await self._store(session, records)
         self._forget(session, outcome)
         return _finished(session, records, outcome)
@@ -298,7 +338,7 @@ class SessionManager:
         if handed is not None:
             return _finished(*handed), handed[1]
         session = self._harness(session_id)
-        records, outcome = await self._close(session, reward, extra_info)
+        records, outcome = await self._closed_records(session, reward, extra_info)
         self._handed[session_id] = (session, records, outcome)
         return _finished(session, records, outcome), records
 
@@ -326,25 +366,17 @@ class SessionManager:
             raise SessionError(409, f"session {session_id} belongs to a generator, which closes it")
         return session
 
-    async def _close(self, session: Session, reward: float, extra_info: dict[str, Any]
-                     ) -> tuple[builtins.list[TrajectoryRecord], str]:
-        """Stop a harness session: its records (one failed record when it generated nothing), and the outcome."""
-        await session.stop("finished")
+    async def _closed_records(self, session: Session, reward: float, extra_info: dict[str, Any]
+                              ) -> tuple[builtins.list[TrajectoryRecord], str]:
         try:
-            raw = await session.records(reward, **extra_info)
-            outcome = "finished"
-        except ValueError as e:
-            raw = [session.harness_run().failed({}, session.ctx, "empty_session", str(e)).model_dump(mode="json")]
-            outcome = "empty"
-        return self._stamped(session, raw), outcome
+            return await session.finish_records(reward, extra_info)
+        except ValidationError as e:
+            raise SessionError(422, f"the session's records are invalid: {e}") from None
 
-    # `builtins.list`: in the class body below `def list`, `list` is that method.
     @staticmethod
     def _stamped(session: Session, raw: builtins.list[dict[str, Any]]) -> builtins.list[TrajectoryRecord]:
-        several = len(raw) > 1
         try:
-            return [TrajectoryRecord.model_validate(stamp(r, session.ctx, k if several else None))
-                    for k, r in enumerate(raw)]
+            return session.stamped(raw)
         except ValidationError as e:
             raise SessionError(422, f"the session's records are invalid: {e}") from None
 
@@ -376,7 +408,9 @@ class SessionManager:
         """Close the harness sessions of a run that ends (`SessionHost.end_run`; when the server shuts down, only
         let go of them: they stay stored and are restored at the next start), and discard those Ray actors still
         hold (their trajectories were cancelled, or their actors lost)."""
-        for session in [s for s in self._for_actors.values() if s.ctx.run.run_id == run_id]:
+        for remote in [s for s in self._on_workers.values() if s.run_id == run_id]:  # the workers end them
+            self._off_workers(remote.session_id)
+        for session in [s for s in self._for_actors.values() if isinstance(s, Session) and s.ctx.run.run_id == run_id]:
             try:
                 await self._discard(session, f"run {run_id} ended", 0.0)
             except Exception as e:  # the run is ending: keep closing the others
@@ -429,11 +463,7 @@ class SessionManager:
             await record_failure(runs, summaries[session_id], reason)
             self.files.remove(session_id)
         log.info("restored %d agent sessions after a restart", len(plan.restore) - len(unrestored))
-        self._wake.set()
-
-    def stored(self) -> builtins.list[StoredSession]:
-        """The harness sessions this process's journal holds."""
-        return load_sessions(self.files)
+        self.reaper.wake()
 
     def restore(self, run: HarnessRun, resources: RunResources, stored: builtins.list[StoredSession]
                 ) -> dict[str, str]:
@@ -445,7 +475,7 @@ class SessionManager:
             except (ValueError, KeyError, TypeError, RuntimeError, SessionError) as e:
                 log.exception("session %s could not be restored", s.session_id)
                 failed[s.session_id] = f"session {s.session_id} could not be restored after a restart: {e}"
-        self._wake.set()
+        self.reaper.wake()
         return failed
 
     def _restore(self, run: HarnessRun, resources: RunResources, stored: StoredSession) -> Session:
@@ -468,40 +498,16 @@ class SessionManager:
 
     # ---- expiry --------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start expiring idle harness sessions (call from the running event loop)."""
-        self._reaper = asyncio.create_task(self._reap_loop(), name="session-reaper")
+        """Start expiring idle harness sessions (call from the running event loop; `proxy.expiry`)."""
+        self.reaper.start()
 
     async def stop(self) -> None:
         """The server shuts down: stop the expiry loop, and keep harness sessions stored rather than closing them
         when their run stops (call before the runs stop)."""
         self._stopping = True
-        if self._reaper is not None:
-            self._reaper.cancel()
-            await asyncio.gather(self._reaper, return_exceptions=True)
+        await self.reaper.stop()
         if self.workers is not None:
             await self.workers.stop()
-
-    async def _reap_loop(self) -> None:
-        while True:
-            now = time.monotonic()
-            due = [s for s in self.sessions.values()
-                   if s.kind == "harness" and s.state == "open" and not s.generating
-                   and now - s.last_active >= s.options.session_ttl_s]
-            for session in due:
-                try:
-                    await self.expire(session, f"no finish within session_ttl_s={session.options.session_ttl_s:g} "
-                                      "of its last request")
-                except Exception:
-                    log.exception("expiring session %s failed", session.session_id)
-            waits = [s.last_active + s.options.session_ttl_s - time.monotonic()
-                     for s in self.sessions.values() if s.kind == "harness" and s.state == "open"]
-            self._wake.clear()
-            timeout = max(min([_REAP_MAX_SLEEP_S, *waits]), 0.05)
-            self._reap_at = time.monotonic() + timeout
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
-            except TimeoutError:
-                pass
 
 
 def _finished(session: Session, records: list[TrajectoryRecord], outcome: str) -> dict[str, Any]:

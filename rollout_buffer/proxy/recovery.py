@@ -78,8 +78,8 @@ async def _ended_reason(runs: RunManager, run_id: str) -> str:
 
 
 async def record_failure(runs: RunManager, stored: StoredSummary, reason: str) -> None:
-    """Close a stored session that is not restored: one failed record with the reason, in its run (nothing when
-    the run is gone from the store)."""
+    """Close a stored session that is not restored: one failed record with the reason, in its run (counted in its
+    progress when it is the running run; nothing when the run is gone from the store)."""
     run_row = await runs.buffer.runs.get(stored.run_id)
     if run_row is not None:
         record = TrajectoryRecord(
@@ -88,6 +88,11 @@ async def record_failure(runs: RunManager, stored: StoredSummary, reason: str) -
                         "turns": stored.turns, "metadata": stored.metadata, "epoch": 0, "repeat": stored.repeat,
                         "task_type": run_row.config.get("task_type"), "run_id": stored.run_id,
                         "timestamp": time.time()})
-        await runs.buffer.write([record], run_row)
+        run = runs.current
+        if run is not None and run.run_id == stored.run_id:
+            await run.accept([record])
+            run.session_failed("session_failed")
+        else:
+            await runs.buffer.write([record], run_row)
         metrics.TRAJECTORIES_FAILED.labels("session_failed").inc()
     log.warning("session %s closed as failed: %s", stored.session_id, reason)

@@ -22,7 +22,7 @@ from jinja2 import TemplateError
 from pydantic import Field
 
 from rollout_buffer.delivery.store import StoreError
-from rollout_buffer.generation.context import RolloutContext, RunResources
+from rollout_buffer.generation.context import RolloutContext, RunResources, stamp
 from rollout_buffer.generation.conversation import Conversation, TurnMark
 from rollout_buffer.generation.engine_results import EngineError
 from rollout_buffer.generation.options import RunOptions
@@ -448,6 +448,24 @@ class Session:
                 record["uid"] = f"{self.ctx.uid}-{b.id}"
             out.append(record)
         return out
+
+    async def finish_records(self, reward: float, extra_info: dict[str, Any]
+                             ) -> tuple[list[TrajectoryRecord], str]:
+        """Stop a harness session: its stamped records (one failed record when it generated nothing) and the
+        outcome (`finished`, `empty`). ValidationError when a record is not valid."""
+        await self.stop("finished")
+        try:
+            raw = await self.records(reward, **extra_info)
+            outcome = "finished"
+        except ValueError as e:
+            raw = [self.harness_run().failed({}, self.ctx, "empty_session", str(e)).model_dump(mode="json")]
+            outcome = "empty"
+        return self.stamped(raw), outcome
+
+    def stamped(self, raw: list[dict[str, Any]]) -> list[TrajectoryRecord]:
+        """Records as the runner stamps a trajectory's (uid per branch when there are several), validated."""
+        several = len(raw) > 1
+        return [TrajectoryRecord.model_validate(stamp(r, self.ctx, k if several else None)) for k, r in enumerate(raw)]
 
     async def transcript(self) -> list[dict[str, Any]]:
         """The messages of the branch that committed last (`AgentSession.transcript`)."""

@@ -21,15 +21,10 @@ import builtins
 import contextlib
 import functools
 import logging
-import os
 import secrets
-import shutil
-import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 from pydantic import TypeAdapter, ValidationError
@@ -41,6 +36,7 @@ from rollout_buffer.generation.runner import Run
 from rollout_buffer.observability import logs, metrics
 from rollout_buffer.proxy.recovery import StoredSummary, record_failure, recovery_plan
 from rollout_buffer.proxy.session import new_session_id
+from rollout_buffer.proxy.worker_launch import WorkerLauncher
 from rollout_buffer.proxy.worker_run import WORKER_SECRET_ENV, WORKER_SECRET_HEADER
 from rollout_buffer.proxy.worker_sessions import WorkerCallError, WorkerSession, WorkerUnavailable
 from rollout_buffer.schemas import TrajectoryRecord
@@ -59,9 +55,9 @@ class WorkerSlot:
     """One session worker: its port and folder stay the same across its restarts."""
 
     index: int
-    url: str  # as the buffer reaches it
-    public_url: str  # as agents reach it (the host of the buffer's public URL)
-    proc: asyncio.subprocess.Process | None = None
+    url: str = ""  # as the buffer reaches it (known once started)
+    public_url: str = ""  # as agents reach it
+    where: dict[str, Any] = field(default_factory=dict)  # which process it is (pid, node)
     up: asyncio.Event = field(default_factory=asyncio.Event)
     sessions: set[str] = field(default_factory=set)
     runs: dict[str, asyncio.Task[Any]] = field(default_factory=dict)  # run id -> its opening on this process
@@ -70,6 +66,7 @@ class WorkerSlot:
     released: list[str] = field(default_factory=list)  # sessions whose records were stored, to tell it
     served: int = 0  # sessions placed on it since the buffer started
     opening: int = 0  # sessions being opened on it
+    moved: bool = False  # started again at another address (its Ray actor was lost): its sessions' URLs are dead
 
     @property
     def load(self) -> int:
@@ -80,12 +77,11 @@ class WorkerSlot:
 class SessionWorkers:
     """The pool of session workers, the sessions placed on them, and the records they hand back."""
 
-    def __init__(self, config: ServerConfig):
+    def __init__(self, config: ServerConfig, launcher: WorkerLauncher):
         self.config = config
+        self.launcher = launcher
         self.secret = secrets.token_urlsafe(32)
-        ports = range(config.first_worker_port, config.first_worker_port + config.session_workers)
-        self.slots = [WorkerSlot(k, _with_port(config.local_url, port), _with_port(config.buffer_url, port))
-                      for k, port in enumerate(ports)]
+        self.slots = [WorkerSlot(k) for k in range(config.session_workers)]
         self.placed: dict[str, WorkerSlot] = {}  # session id -> the worker holding it
         self.summaries: dict[str, StoredSummary] = {}  # what a session's failure record says, if it is lost
         self._repeats: dict[tuple[str, str], int] = {}
@@ -122,7 +118,8 @@ class SessionWorkers:
             if slot.supervisor is not None:
                 slot.supervisor.cancel()
         await asyncio.gather(*(s.supervisor for s in self.slots if s.supervisor), return_exceptions=True)
-        await asyncio.gather(*(self._end_process(s) for s in self.slots))
+        await asyncio.gather(*(self.launcher.stop(s.index) for s in self.slots))
+        await self.launcher.aclose()
         if self._client is not None:
             await self._client.aclose()
 
@@ -130,16 +127,15 @@ class SessionWorkers:
         for attempt in range(10**9):
             await asyncio.sleep(_RESTART_BACKOFF_S[min(attempt, len(_RESTART_BACKOFF_S) - 1)] if attempt else 0)
             try:
-                await self._start_process(slot)
+                exited = await self._start_process(slot)
                 await self._recover(slot)
                 slot.up.set()
-                assert slot.proc is not None
-                code = await slot.proc.wait()
+                code = await exited
             except asyncio.CancelledError:
                 raise
             except Exception as e:
                 log.error("session worker %d did not start: %s", slot.index, e)
-                await self._end_process(slot)
+                await self.launcher.stop(slot.index)
                 code = None
             slot.up.clear()
             slot.runs.clear()
@@ -150,47 +146,30 @@ class SessionWorkers:
             log.warning("session worker %d exited (code %s) holding %d sessions; starting it again on %s",
                         slot.index, code, len(slot.sessions), slot.url)
 
-    async def _start_process(self, slot: WorkerSlot) -> None:
+    async def _start_process(self, slot: WorkerSlot) -> asyncio.Task[int | None]:
+        """Start the worker and wait until it answers; the task that ends when it exits."""
         folder = self.config.data_dir / "session-workers" / str(slot.index)
         await asyncio.to_thread(folder.mkdir, parents=True, exist_ok=True)
-        port = urlsplit(slot.url).port
-        argv = [sys.executable, "-m", "rollout_buffer", "session-worker", "--index", str(slot.index),
-                "--host", self.config.host, "--port", str(port), "--data-dir", str(folder),
-                "--buffer-url", self.config.local_url, "--max-body-bytes", str(self.config.max_body_bytes),
-                "--log-level", logging.getLevelName(logging.getLogger().level),
-                "--access-log", logs.access_mode()]
-        env = {**os.environ, WORKER_SECRET_ENV: self.secret}
-        if self.config.auth_token:
-            env[AUTH_TOKEN_ENV] = self.config.auth_token
-        setpriv = shutil.which("setpriv")  # dies with the buffer, even a SIGKILLed one
-        if setpriv is not None:
-            argv = [setpriv, "--pdeathsig", "KILL", "--", *argv]
-        slot.proc = await asyncio.create_subprocess_exec(*argv, env=env, start_new_session=True,
-                                                         stdin=asyncio.subprocess.DEVNULL)
+        args = ["--index", str(slot.index), "--data-dir", str(folder), "--buffer-url", self.launcher.buffer_url,
+                "--max-body-bytes", str(self.config.max_body_bytes),
+                "--log-level", logging.getLevelName(logging.getLogger().level), "--access-log", logs.access_mode()]
+        hidden = {WORKER_SECRET_ENV: self.secret, **({AUTH_TOKEN_ENV: self.config.auth_token}
+                                                     if self.config.auth_token else {})}
+        before = slot.public_url
+        slot.url, slot.public_url, slot.where = await self.launcher.start(slot.index, args, hidden)
+        slot.moved = bool(before) and before != slot.public_url
+        exited = asyncio.create_task(self.launcher.wait(slot.index))
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
-            if slot.proc.returncode is not None:
-                raise RuntimeError(f"it exited with code {slot.proc.returncode} before answering")
+            if exited.done():
+                raise RuntimeError(f"it exited with code {exited.result()} before answering")
             with contextlib.suppress(WorkerUnavailable):
                 if (await self.ask(slot, "/healthz", {}, timeout_s=1.0))[0] == 200:
-                    return
+                    return exited
             if time.monotonic() > deadline:
+                exited.cancel()
                 raise RuntimeError(f"it did not answer {slot.url}/healthz within {START_TIMEOUT_S:g} s")
             await asyncio.sleep(0.05)
-
-    @staticmethod
-    async def _end_process(slot: WorkerSlot) -> None:
-        proc = slot.proc
-        if proc is None or proc.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            proc.terminate()
-        try:
-            await asyncio.wait_for(proc.wait(), 15.0)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
 
     # ---- recovery ------------------------------------------------------------------------------------
     async def _recover(self, slot: WorkerSlot) -> None:
@@ -201,6 +180,10 @@ class SessionWorkers:
         plan = await recovery_plan(self._runs, stored) if stored else None
         restored: set[str] = set()
         fail: dict[str, str] = {}
+        if plan is not None and slot.moved:  # agents hold the old address: nothing would reach these sessions
+            plan.fail |= {sid: f"session worker {slot.index} was started again at another address ({slot.public_url})"
+                          " after its Ray actor was lost" for sid in plan.restore}
+            plan.restore = []
         if plan is None:
             await self._call(slot, "/worker/restore", {})  # nothing to restore: it serves from now on
         else:
@@ -319,7 +302,7 @@ class SessionWorkers:
         slot.sessions.add(opened["session_id"])
         slot.served += 1
         return WorkerSession(functools.partial(self.ask, slot), functools.partial(self.forget_generator,
-                             opened["session_id"]), slot.index, opened)
+                             opened["session_id"]), slot.index, run.run_id, opened)
 
     def forget_generator(self, session_id: str) -> None:
         """A generator's session closed."""
@@ -422,8 +405,7 @@ class SessionWorkers:
     def snapshot(self) -> builtins.list[dict[str, Any]]:
         """The workers in /status."""
         return [{"worker": s.index, "url": s.public_url, "up": s.up.is_set(), "sessions": len(s.sessions),
-                 "served": s.served, "restarts": s.restarts, "pid": s.proc.pid if s.proc is not None else None}
-                for s in self.slots]
+                 "served": s.served, "restarts": s.restarts, **s.where} for s in self.slots]
 
     async def ask(self, slot: WorkerSlot, path: str, body: Any, timeout_s: float | None = None
                    ) -> tuple[int, dict[str, Any]]:
@@ -469,9 +451,3 @@ class SessionWorkers:
                 if run is not None:
                     run.session_failed(kind)
         metrics.apply_deltas([(str(n), tuple(labels), tuple(gain)) for n, labels, gain in batch.get("metrics", [])])
-
-
-def _with_port(url: str, port: int) -> str:
-    parts = urlsplit(url)
-    host = parts.hostname or "127.0.0.1"
-    return urlunsplit(parts._replace(netloc=f"[{host}]:{port}" if ":" in host else f"{host}:{port}"))

@@ -37,8 +37,8 @@ class WorkerSession:
     """A generator's session on a session worker (`generation.sessions.AgentSession`): the agent talks to the
     worker; its transcript and records are asked of it."""
 
-    def __init__(self, ask: Ask, forget: Callable[[], None], worker: int, opened: dict[str, Any]):
-        self._ask_worker, self._forget, self.worker = ask, forget, worker
+    def __init__(self, ask: Ask, forget: Callable[[], None], worker: int, run_id: str, opened: dict[str, Any]):
+        self._ask_worker, self._forget, self.worker, self.run_id = ask, forget, worker, run_id
         self.session_id: str = opened["session_id"]
         self.base_url: str = opened["base_url"]
         self.anthropic_base_url: str = opened["anthropic_base_url"]

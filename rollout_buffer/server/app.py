@@ -41,6 +41,7 @@ from rollout_buffer.generation.run_manager import RunManager, reads_input
 from rollout_buffer.observability import metrics
 from rollout_buffer.observability.logs import RefusalLog
 from rollout_buffer.proxy.manager import SessionManager
+from rollout_buffer.proxy.worker_launch import LocalLauncher
 from rollout_buffer.proxy.worker_pool import SessionWorkers
 from rollout_buffer.schemas import (
     AckRequest,
@@ -96,9 +97,24 @@ def make_executor(config: ServerConfig) -> Executor:
     return LocalExecutor()
 
 
+def make_session_workers(config: ServerConfig, executor: Executor) -> SessionWorkers | None:
+    """The session workers `--session-workers` asks for: on the Ray cluster with `--executor ray`, else this
+    machine's processes."""
+    if not config.session_workers:
+        return None
+    if config.executor == "ray":
+        from rollout_buffer.executors.ray_pool import RayExecutor
+        from rollout_buffer.executors.ray_session_workers import RayLauncher
+
+        assert isinstance(executor, RayExecutor)
+        return SessionWorkers(config, RayLauncher(config, executor))
+    return SessionWorkers(config, LocalLauncher(config))
+
+
 class BufferApp(FastAPI):
-    """The buffer's ASGI app: the agent sessions' own API served before FastAPI's middleware stack and router
-    (see `SessionApi`), everything else by FastAPI; both apply the same security checks (`guards`)."""
+    """The buffer's ASGI app (and a session worker's): the agent sessions' own API served before FastAPI's
+    middleware stack and router (see `SessionApi`), everything else by FastAPI; both apply the same security checks
+    (`guards`)."""
 
     def __init__(self, guards: Guards, **kwargs: Any):
         super().__init__(**kwargs)
@@ -122,8 +138,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         reader = Reader(config.db_path)  # the dashboard's queries, beside the store thread
         app.state.reader = reader
         buffer = RolloutBuffer(config, store, generators)
-        sessions = SessionManager(config, SessionWorkers(config) if config.session_workers else None)
         executor = make_executor(config)
+        sessions = SessionManager(config, make_session_workers(config, executor))
         runs = RunManager(config, buffer, generators, sessions, executor)
         evals = EvalManager(config, buffer, generators, sessions)
         app.state.buffer = buffer

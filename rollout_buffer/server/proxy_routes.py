@@ -117,10 +117,7 @@ def mount_proxy(app: FastAPI) -> None:
 
     @app.get("/sessions/{session_id}/transcript", summary="The messages of an open session's latest branch")
     async def session_transcript(session_id: str, request: Request) -> Response:
-        session = manager(request).sessions.get(session_id)
-        if session is None:
-            raise HTTPException(404, f"session_id: no open session {session_id!r}")
-        return json_response({"session_id": session_id, "messages": await session.transcript()})
+        return json_response({"session_id": session_id, "messages": await manager(request).transcript(session_id)})
 
     @app.post("/sessions/{session_id}/finish", summary="Close a harness session with its reward; store its records",
               openapi_extra=documented_body(FinishSessionRequest.model_json_schema(), required=True))

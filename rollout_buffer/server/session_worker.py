@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import gc
 import hmac
 import logging
@@ -36,14 +35,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from rollout_buffer.config import AUTH_TOKEN_ENV, DEFAULT_MAX_BODY_BYTES, ServerConfig
 from rollout_buffer.generation.resources import close_resources, run_resources
 from rollout_buffer.observability.logs import ACCESS_LOG_MODES, setup_logging
+from rollout_buffer.proxy.journal import load_sessions
 from rollout_buffer.proxy.manager import SessionError, SessionManager
 from rollout_buffer.proxy.recovery import StoredSummary
 from rollout_buffer.proxy.worker_run import WORKER_SECRET_ENV, WORKER_SECRET_HEADER, BufferLink, WorkerRun
 from rollout_buffer.schemas import DiscardSessionRequest, FinishSessionRequest, StartRolloutRequest
+from rollout_buffer.server.app import BufferApp
 from rollout_buffer.server.bodies import error_response, json_response
 from rollout_buffer.server.guards import Guards, is_session_api
 from rollout_buffer.server.middleware import BodyLimitMiddleware
-from rollout_buffer.server.proxy_routes import SessionApi
 
 log = logging.getLogger(__name__)
 
@@ -114,20 +114,6 @@ def _public(scope: Scope) -> bool:
             or (scope["method"] == "HEAD" and path.startswith("/sessions/") and path.count("/") == 2))
 
 
-class WorkerApp(FastAPI):
-    """The worker's ASGI app: the sessions' API ahead of FastAPI, as in the buffer (`server.app.BufferApp`)."""
-
-    def __init__(self, guards: Guards, **kwargs: Any):
-        super().__init__(**kwargs)
-        self.front = SessionApi(functools.partial(FastAPI.__call__, self), self.state, guards)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            await self.front(scope, receive, send)
-        else:
-            await super().__call__(scope, receive, send)
-
-
 def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret: str) -> FastAPI:
     """The app of session worker `index`; `config.data_dir` is its own folder (its sessions' journals)."""
     link = BufferLink(buffer_url, index, secret, config.auth_token)
@@ -150,7 +136,7 @@ def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret:
             await link.aclose()
 
     guards = Guards.of(config)
-    app = WorkerApp(guards, title=f"rollout-buffer session worker {index}", lifespan=lifespan, openapi_url=None,
+    app = BufferApp(guards, title=f"rollout-buffer session worker {index}", lifespan=lifespan, openapi_url=None,
                     docs_url=None, redoc_url=None)
     app.state.sessions = sessions
     app.add_middleware(BodyLimitMiddleware, guards=guards)
@@ -236,7 +222,7 @@ def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret:
 
     @app.post("/worker/journal")
     async def journal() -> Response:
-        stored = await asyncio.to_thread(sessions.stored)
+        stored = await asyncio.to_thread(load_sessions, sessions.files)
         return json_response({"sessions": [StoredSummary.of(s).__dict__ for s in stored]})
 
     @app.post("/worker/restore")
@@ -247,7 +233,7 @@ def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret:
                 raise HTTPException(422, "run_id: required to restore sessions")
             run = await run_of(body.run_id)
             wanted = set(body.restore)
-            stored = [s for s in await asyncio.to_thread(sessions.stored) if s.session_id in wanted]
+            stored = [s for s in await asyncio.to_thread(load_sessions, sessions.files) if s.session_id in wanted]
             failed = sessions.restore(run, run.resources, stored)
             failed |= {sid: f"session {sid} is not stored on session worker {index}"
                        for sid in wanted - {s.session_id for s in stored}}

@@ -71,6 +71,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
                    "process serves them)")
     p.add_argument("--session-worker-port", type=int, default=None, metavar="PORT",
                    help="the first session worker's port; the others follow it (default: --port + 1)")
+    p.add_argument("--session-worker-cpus", type=float, default=1.0, metavar="CPUS",
+                   help="with --executor ray the session workers run on the cluster's nodes, each reserving this "
+                   "many CPUs (default: %(default)s)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one JSON object per line")
     p.add_argument("--access-log", choices=ACCESS_LOG_MODES, default="info",
@@ -110,6 +113,7 @@ def serve(args: argparse.Namespace) -> None:
         public_url=args.public_url,
         session_workers=args.session_workers,
         session_worker_port=args.session_worker_port,
+        session_worker_cpus=args.session_worker_cpus,
     )
     with contextlib.ExitStack() as stack:
         listeners = [socket.create_server((config.host, config.port),

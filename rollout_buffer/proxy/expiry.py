@@ -1,0 +1,69 @@
+"""Idle harness sessions expire: a session without a request for longer than its run's `session_ttl_s` (and no
+turn generating) is closed as failed by the manager (`SessionManager.expire`), so its group is dropped rather
+than waiting forever. One loop sleeps until the next session is due, woken early when one opens that is due
+sooner."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from rollout_buffer.proxy.session import Session
+
+log = logging.getLogger(__name__)
+
+_MAX_SLEEP_S = 30.0
+
+
+class Reaper:
+    """The expiry loop over the manager's open sessions (`sessions`), closing each with `expire(session, why)`."""
+
+    def __init__(self, sessions: dict[str, Session], expire: Callable[[Session, str], Awaitable[None]]):
+        self._sessions = sessions
+        self._expire = expire
+        self._wake = asyncio.Event()
+        self._look_at = 0.0  # when the loop looks again, unless woken earlier
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start the loop (from the running event loop)."""
+        self._task = asyncio.create_task(self._loop(), name="session-reaper")
+
+    async def stop(self) -> None:
+        """Stop the loop."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def opened(self, session: Session) -> None:
+        """A harness session opened: look again now when it is due before the loop would."""
+        if session.last_active + session.options.session_ttl_s < self._look_at:
+            self._wake.set()  # sessions usually open in expiry order: this is rare
+
+    def wake(self) -> None:
+        """Look at the sessions now (many came back at once after a restart)."""
+        self._wake.set()
+
+    async def _loop(self) -> None:
+        while True:
+            now = time.monotonic()
+            due = [s for s in self._sessions.values()
+                   if s.kind == "harness" and s.state == "open" and not s.generating
+                   and now - s.last_active >= s.options.session_ttl_s]
+            for session in due:
+                try:
+                    await self._expire(session, f"no finish within session_ttl_s={session.options.session_ttl_s:g} "
+                                       "of its last request")
+                except Exception:
+                    log.exception("expiring session %s failed", session.session_id)
+            waits = [s.last_active + s.options.session_ttl_s - time.monotonic()
+                     for s in self._sessions.values() if s.kind == "harness" and s.state == "open"]
+            self._wake.clear()
+            timeout = max(min([_MAX_SLEEP_S, *waits]), 0.05)
+            self._look_at = time.monotonic() + timeout
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                pass
