@@ -97,8 +97,10 @@ class VerifiersOptions(RunOptions):
 
 
 def runs_in_buffer(payload: dict[str, Any]) -> bool:
-    """The workers belong to the buffer's process (one pool per run)."""
-    return True
+    """Episodes run where the server's executor runs trajectories: with `--executor ray` each Ray actor keeps its
+    own pool of environment workers on its node (`env_workers` per actor), its episodes' sessions opened through
+    the buffer (on its session workers when it has them)."""
+    return False
 
 
 def check_payload(payload: dict[str, Any], data_roots: Any) -> None:

@@ -8,6 +8,7 @@ the sessions it held are recorded failed with the reason."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ from typing import Any
 
 import httpx
 import openai
+import psutil
 import pytest
 import ray
 from runs import drain, wait_finished
@@ -26,6 +28,8 @@ from servers import Server, free_port
 from test_agent_runs import AGENTS
 from test_proxy import assert_engine_tokens, spans
 from test_ray_executor import NAMESPACE, engine, ray_address  # noqa: F401 (fixtures)
+from test_verifiers_env import ENVS as VERIFIERS_ENVS
+from test_verifiers_env import verifiers_python  # noqa: F401 (a fixture)
 
 TOKEN = "ray-workers-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -159,3 +163,51 @@ def test_an_agent_run_on_ray_actors_has_its_sessions_on_the_workers(
     for r in records:
         assert r["status"] == "completed" and r["extra_info"]["tool_calls"] == 1 and len(spans(r["loss_mask"])) == 2
         assert_engine_tokens(engine, r)
+
+
+def test_workers_the_cluster_cannot_place_are_a_clear_error_not_a_hang(
+        tmp_path: Path, ray_address: str, engine: Server, qwen_tokenizer_path: str) -> None:  # noqa: F811
+    port = free_port()
+    srv = Server(["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--executor", "ray",
+                  "--ray-address", ray_address, "--session-workers", "1", "--session-worker-cpus", "64"],
+                 "/healthz", port, tmp_path / "buffer.log", env={"ROLLOUT_BUFFER_AUTH_TOKEN": TOKEN})
+    with srv.start(timeout_s=120):
+        assert [w["up"] for w in workers(srv)] == [False]
+        assert "--session-worker-cpus 64: no node of the Ray cluster has that many CPUs" in srv.log()
+        started = httpx.post(f"{srv.url}/start_rollout", headers=AUTH, timeout=60, json={
+            "task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": qwen_tokenizer_path})
+        assert started.status_code == 200, started.text
+        refused = httpx.post(f"{srv.url}/sessions", json={"instance_id": "x"}, headers=AUTH, timeout=60)
+        assert refused.status_code == 503 and "no session worker is up" in refused.json()["message"]
+
+
+def test_an_environments_workers_run_in_the_ray_actors(
+        buffer: Server, engine: Server, qwen_tokenizer_path: str, verifiers_python: str) -> None:  # noqa: F811
+    """verifiers' tool-using environment with `--executor ray`: its worker processes run under the Ray actor that
+    runs the episodes (not the buffer), the episodes' sessions on the session workers."""
+    served = [w["served"] for w in workers(buffer)]
+    started = httpx.post(f"{buffer.url}/start_rollout", headers=AUTH, timeout=600, json={
+        "task_type": "verifiers", "remote_engine_url": engine.url, "tokenizer_path": qwen_tokenizer_path,
+        "env_python": verifiers_python, "env_id": "rb_shell", "env_paths": [str(VERIFIERS_ENVS)],
+        "num_repeat_per_sample": 1, "max_tokens": 4096, "ray_actors": 1})
+    assert started.status_code == 200, started.text
+    parents: set[str] = set()  # what started the environment's worker processes, seen while the run runs
+
+    def finished() -> dict[str, Any] | None:
+        # This test's processes only (its Ray cluster and its buffer descend from it; other tests' do not).
+        for proc in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if "verifiers_worker.py" in " ".join(proc.cmdline()):
+                    parents.update(" ".join(p.cmdline()) for p in proc.parents())
+        run = httpx.get(f"{buffer.url}/status", headers=AUTH, timeout=10).json()["run"]
+        return run if run["state"] in ("finished", "failed") else None
+
+    run = wait_until(finished, 300)
+    assert run["progress"]["statuses"] == {"completed": 2}, run["progress"]
+    assert sum(w["served"] for w in workers(buffer)) - sum(served) == 2
+    assert any("TrajectoryWorker" in p for p in parents), parents  # Ray's name for the actor's process
+    assert not any("rollout_buffer serve" in p for p in parents), "not the buffer's"
+    for rec in drain(buffer.url, headers=AUTH):
+        trained = spans(rec["loss_mask"])
+        assert len(trained) == 2 and rec["status"] == "completed"
+        assert_engine_tokens(engine, rec)

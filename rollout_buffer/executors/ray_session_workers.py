@@ -112,6 +112,7 @@ class RayLauncher:
             self._remote = ray.remote(WorkerHost)
         host = self._hosts.get(index)
         if host is None:
+            await asyncio.to_thread(self._check_fits)
             options = {"num_cpus": self.config.session_worker_cpus, "name": f"session-worker-{os.getpid()}-{index}",
                        "namespace": NAMESPACE, "scheduling_strategy": "SPREAD"}
             host = self._hosts[index] = self._remote.options(**options).remote()
@@ -122,6 +123,17 @@ class RayLauncher:
             raise
         url = f"http://{f'[{node}]' if ':' in node else node}:{port}"
         return url, url, {"pid": pid, "node": node}
+
+    def _check_fits(self) -> None:
+        """RuntimeError naming the option when no node of the cluster has the CPUs a worker reserves (Ray would
+        wait for one forever)."""
+        want = self.config.session_worker_cpus
+        # ray (2.60) annotates neither `nodes()` nor the dicts it answers.
+        nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
+        most = max((float(n.get("Resources", {}).get("CPU", 0)) for n in nodes if n.get("Alive")), default=0.0)
+        if want > most:
+            raise RuntimeError(f"--session-worker-cpus {want:g}: no node of the Ray cluster has that many CPUs (the "
+                               f"largest has {most:g}); the buffer tries again, serving with the workers it has")
 
     async def wait(self, index: int) -> int | None:
         """The worker's exit code; None when its actor (or node) is gone, which a new actor replaces."""

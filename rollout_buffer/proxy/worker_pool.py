@@ -59,6 +59,7 @@ class WorkerSlot:
     public_url: str = ""  # as agents reach it
     where: dict[str, Any] = field(default_factory=dict)  # which process it is (pid, node)
     up: asyncio.Event = field(default_factory=asyncio.Event)
+    tried: asyncio.Event = field(default_factory=asyncio.Event)  # its first start succeeded or failed
     sessions: set[str] = field(default_factory=set)
     runs: dict[str, asyncio.Task[Any]] = field(default_factory=dict)  # run id -> its opening on this process
     restarts: int = 0
@@ -95,19 +96,19 @@ class SessionWorkers:
     # ---- lifecycle -----------------------------------------------------------------------------------
     async def start(self, runs: RunManager) -> None:
         """Start every worker (each restores the stored sessions of its folder for the run `runs` resumed) and
-        wait until they answer; RuntimeError when none came up."""
+        wait until each answered or failed to start (those are tried again; meanwhile the others serve)."""
         self._runs = runs
         self._client = HttpPool(timeout_s=_CALL_TIMEOUT_S, headers={WORKER_SECRET_HEADER: self.secret})
         for slot in self.slots:
             slot.supervisor = asyncio.create_task(self._supervise(slot), name=f"session-worker-{slot.index}")
-        waits = [asyncio.create_task(s.up.wait()) for s in self.slots]
-        done, pending = await asyncio.wait(waits, timeout=START_TIMEOUT_S)
+        waits = [asyncio.create_task(s.tried.wait()) for s in self.slots]
+        _, pending = await asyncio.wait(waits, timeout=2 * START_TIMEOUT_S)
         for w in pending:
             w.cancel()
-        if not done:
-            raise RuntimeError(f"no session worker came up within {START_TIMEOUT_S:g} s (see their lines above)")
-        log.info("session workers: %d of %d up at %s", len(done), len(self.slots),
-                 ", ".join(s.public_url for s in self.slots if s.up.is_set()))
+        up = [s for s in self.slots if s.up.is_set()]
+        if not up:
+            log.error("no session worker is up (see the lines above): agent sessions are refused (503) until one is")
+        log.info("session workers: %d of %d up at %s", len(up), len(self.slots), ", ".join(s.public_url for s in up))
 
     async def stop(self) -> None:
         """Stop the workers (SIGTERM; their sessions stay stored for the next start)."""
@@ -130,11 +131,13 @@ class SessionWorkers:
                 exited = await self._start_process(slot)
                 await self._recover(slot)
                 slot.up.set()
+                slot.tried.set()
                 code = await exited
             except asyncio.CancelledError:
                 raise
             except Exception as e:
                 log.error("session worker %d did not start: %s", slot.index, e)
+                slot.tried.set()
                 await self.launcher.stop(slot.index)
                 code = None
             slot.up.clear()
@@ -156,7 +159,11 @@ class SessionWorkers:
         hidden = {WORKER_SECRET_ENV: self.secret, **({AUTH_TOKEN_ENV: self.config.auth_token}
                                                      if self.config.auth_token else {})}
         before = slot.public_url
-        slot.url, slot.public_url, slot.where = await self.launcher.start(slot.index, args, hidden)
+        try:
+            async with asyncio.timeout(START_TIMEOUT_S):
+                slot.url, slot.public_url, slot.where = await self.launcher.start(slot.index, args, hidden)
+        except TimeoutError:
+            raise RuntimeError(f"it was not started within {START_TIMEOUT_S:g} s") from None
         slot.moved = bool(before) and before != slot.public_url
         exited = asyncio.create_task(self.launcher.wait(slot.index))
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -87,7 +87,7 @@ def mount_proxy(app: FastAPI) -> None:
         return json_response({"success": True, **opened, "run_id": run.run_id, "instance_id": body.instance_id})
 
     async def _open_for_actor(request: Request, body: OpenGeneratorSessionRequest) -> Response:
-        run = _agent_run(request, body.run_id)
+        run = _agent_run(request, body.run_id, any_task=True)
         if run.input_path is None:
             raise HTTPException(409, f"run_id: run {run.run_id} hosts harness sessions; it runs no agents")
         session = await manager(request).open_for_actor(run, body.uid, body.instance_id, body.epoch, body.repeat,
@@ -189,15 +189,16 @@ def _adapter_of(endpoint: str, scope: Scope) -> WireAdapter:
     return OPENAI
 
 
-def _agent_run(request: Request, run_id: str | None) -> Any:
-    """The running agent run (the one `run_id` names, when given); 409 naming run_id otherwise."""
+def _agent_run(request: Request, run_id: str | None, any_task: bool = False) -> Any:
+    """The running agent run (the one `run_id` names, when given; with `any_task`, a run of any task type: an
+    environment's episodes in Ray actors open sessions too); 409 naming run_id otherwise."""
     runs: RunManager = request.app.state.runs
     run = runs.current
     if run is None or run.task is None or run.task.done():
         raise HTTPException(409, "run_id: no run is running; start one with task_type agent")
     if run_id is not None and run_id != run.run_id:
         raise HTTPException(409, f"run_id: {run_id!r} is not the running run ({run.run_id})")
-    if run.req.task_type != "agent":
+    if run.req.task_type != "agent" and not any_task:
         raise HTTPException(409, f"run_id: the running run is task_type {run.req.task_type!r}, not agent")
     return run
 
