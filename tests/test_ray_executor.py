@@ -249,7 +249,8 @@ def test_staleness_admission_and_weight_update_aborts_behave_as_locally(tmp_path
     inp = math_file(tmp_path / "math.jsonl", 40)
     # Earlier runs' groups would be delivered first (oldest first, across runs).
     drain_batches(ray_buffer.url, headers=AUTH)
-    with start_sim_engine(tmp_path, qwen_tokenizer_path, "--latency-ms", "300") as eng:
+    # Requests long enough that the update below lands while all eight are running, on a loaded machine too.
+    with start_sim_engine(tmp_path, qwen_tokenizer_path, "--latency-ms", "2000") as eng:
         httpx.post(f"{eng.url}/update_weight_version", json={"new_version": "0"}, timeout=10).raise_for_status()
         assert start(ray_buffer.url, eng.url, inp, qwen_tokenizer_path, num_repeat_per_sample=2, max_staleness=1,
                      rollout_batch_size=2, current_version=0).status_code == 200
