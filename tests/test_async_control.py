@@ -179,7 +179,7 @@ def test_partial_rollout_keeps_tokens_and_segment_versions(tmp_path, buffer, qwe
     second run masks the tokens of the older weights (mask_offpolicy_in_partial_rollout)."""
     inp = write_jsonl(tmp_path / "math.jsonl", math_rows(1))
     im_end = qwen_tokenizer.convert_tokens_to_ids("<|im_end|>")
-    with start_sim_engine(tmp_path, qwen_tokenizer_path, "--latency-ms", "600", "--correct-rate", "1") as slow:
+    with start_sim_engine(tmp_path, qwen_tokenizer_path, "--latency-ms", "1500", "--correct-rate", "1") as slow:
         for mask, old, new in ((False, "default", "1"), (True, "1", "2")):
             start(buffer.url, slow.url, inp, qwen_tokenizer_path, num_repeat_per_sample=2, num_process=2,
                   mask_offpolicy_in_partial_rollout=mask, max_abort_resumes=5)
