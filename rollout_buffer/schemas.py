@@ -311,6 +311,9 @@ class OpenSessionRequest(BaseModel):
     instance_id: Id
     run_id: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
+    # With session workers: the node of the agent that will use the session (its address, or its Ray node id);
+    # a worker on that node is preferred, else the least loaded.
+    node: Text | None = None
 
 
 class OpenGeneratorSessionRequest(BaseModel):
@@ -327,6 +330,7 @@ class OpenGeneratorSessionRequest(BaseModel):
     epoch: NonNegativeInt
     repeat: NonNegativeInt
     metadata: dict[str, Any] = Field(default_factory=dict)
+    node: Text | None = None  # the actor's Ray node id: a session worker there serves the session, if any
 
     @model_validator(mode="after")
     def _uid_of_the_run(self) -> OpenGeneratorSessionRequest:

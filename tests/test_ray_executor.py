@@ -203,15 +203,22 @@ def test_in_flight_limit_holds_and_resource_hints_place_the_actors(tmp_path, ray
     bad = start(ray_buffer.url, "http://127.0.0.1:9", inp, qwen_tokenizer_path, ray_num_cpus=-1)
     assert bad.status_code == 422 and "ray_num_cpus" in bad.json()["message"]
     with start_sim_engine(tmp_path, qwen_tokenizer_path, "--latency-ms", "40") as eng:
-        assert start(ray_buffer.url, eng.url, inp, qwen_tokenizer_path, num_process=4).status_code == 200
+        assert start(ray_buffer.url, eng.url, inp, qwen_tokenizer_path, num_process=4,
+                     ray_memory_mb=64).status_code == 200
         status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=60)
         stats = httpx.get(f"{eng.url}/sim/stats").json()
     assert status["run"]["state"] == "finished" and status["run"]["progress"]["done"] == 32
     # num_process bounds the requests at the engine however many actors run them.
     assert stats["max_in_flight"] == 4
-    # The run's hint placed its actors: two of them hold half a CPU each of the cluster's two.
+    # The run's hints placed its actors: two of them hold half a CPU each of the cluster's two, and 64 MiB.
     assert status["executor"]["actors"] == 2
-    assert status["executor"]["options"] == {"num_cpus": 0.5, "resources": {}}
+    assert status["executor"]["options"] == {"num_cpus": 0.5, "memory": 64 * 2**20, "resources": {}}
+    # What no node of the cluster has is refused by name (Ray would wait for such a node forever).
+    for over, named in (({"ray_resources": {"sandbox_gpu": 1}}, "ray_resources"),
+                        ({"ray_memory_mb": 2**30}, "ray_memory_mb"), ({"ray_num_cpus": 3}, "ray_num_cpus")):
+        refused = start(ray_buffer.url, "http://127.0.0.1:9", inp, qwen_tokenizer_path, **over)
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["message"].startswith(f"{named}: no node of the Ray cluster has that"), refused.text
     deadline = time.monotonic() + 10  # actors of a buffer that was killed are reaped by Ray a moment later
     while ray.available_resources().get("CPU") != 1.0:
         assert time.monotonic() < deadline, ray.available_resources()

@@ -51,8 +51,8 @@ def workers(srv: Server) -> list[dict[str, Any]]:
     return found
 
 
-def open_session(srv: Server, instance_id: str) -> dict[str, Any]:
-    answer = httpx.post(f"{srv.url}/sessions", json={"instance_id": instance_id}, headers=AUTH, timeout=120)
+def open_session(srv: Server, instance_id: str, **hints: str) -> dict[str, Any]:
+    answer = httpx.post(f"{srv.url}/sessions", json={"instance_id": instance_id, **hints}, headers=AUTH, timeout=120)
     assert answer.status_code == 200, answer.text
     opened: dict[str, Any] = answer.json()
     return opened
@@ -85,10 +85,16 @@ def test_sessions_on_ray_workers_survive_a_killed_worker_and_report_a_lost_actor
         "task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": qwen_tokenizer_path,
         "num_repeat_per_sample": 2, "max_tokens": 2048})
     assert started.status_code == 200, started.text
-    first, second = open_session(buffer, "ray-0"), open_session(buffer, "ray-0")
+    first = open_session(buffer, "ray-0", node=ray.get_runtime_context().get_node_id())
+    second = open_session(buffer, "ray-0")
     assert {first["worker"], second["worker"]} == {0, 1}
     placed = workers(buffer)
     assert all(w["node"] == "127.0.0.1" and w["up"] for w in placed), placed
+    # Each worker says which Ray node it is on; a harness may name its node (address or Ray id) to be placed there.
+    assert {w["node_id"] for w in placed} == {ray.get_runtime_context().get_node_id()}
+    assert first["node"] == "127.0.0.1"
+    refused = httpx.post(f"{buffer.url}/sessions", json={"instance_id": "x", "node": ""}, headers=AUTH, timeout=60)
+    assert refused.status_code == 422 and "node" in refused.json()["message"], refused.text
     assert {s["base_url"].split("/sessions/")[0] for s in (first, second)} == {w["url"] for w in placed}
 
     # One turn each; then the first session's worker process is killed while its second turn is in flight.

@@ -44,6 +44,9 @@ from test_verifiers_env import ENVS as VERIFIERS_ENVS
 from test_verifiers_env import verifiers_python  # noqa: F401 (a fixture)
 
 from rollout_buffer.config import ServerConfig
+from rollout_buffer.proxy.worker_launch import LocalLauncher
+from rollout_buffer.proxy.worker_pool import SessionWorkers
+from rollout_buffer.proxy.worker_sessions import WorkerUnavailable
 
 
 @pytest.fixture(scope="module")
@@ -301,6 +304,25 @@ def test_session_worker_ports_are_checked() -> None:
     with pytest.raises(ValueError, match="session_worker_port"):
         ServerConfig(port=9000, session_workers=2, session_worker_port=65535)
     assert ServerConfig(port=9000, session_workers=2).first_worker_port == 9001
+
+
+def test_a_session_goes_to_a_worker_on_the_node_named_else_to_the_least_loaded() -> None:
+    config = ServerConfig(session_workers=3)
+    pool = SessionWorkers(config, LocalLauncher(config))
+    a, b1, b2 = pool.slots
+    a.where, b1.where, b2.where = ({"node": "10.0.0.1", "node_id": "n-a"}, {"node": "10.0.0.2", "node_id": "n-b"},
+                                   {"node": "10.0.0.2", "node_id": "n-b"})
+    with pytest.raises(WorkerUnavailable, match="no session worker is up"):
+        pool.pick()
+    for slot in pool.slots:
+        slot.up.set()
+    b1.sessions.add("s-1")
+    a.sessions.update({"s-2", "s-3"})
+    # By the node's address or its Ray id, the least loaded there; elsewhere (or no hint): the least loaded.
+    assert pool.pick("10.0.0.2") is b2 and pool.pick("n-b") is b2 and pool.pick("n-a") is a
+    assert pool.pick("10.9.9.9") is b2 and pool.pick() is b2
+    a.up.clear()
+    assert pool.pick("n-a") is b2  # a hint, not a requirement: the run goes on with the workers it has
 
 
 def test_agent_runs_open_their_sessions_on_the_workers(

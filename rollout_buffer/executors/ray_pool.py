@@ -92,14 +92,26 @@ class RayExecutor:
         self._created = 0  # actors started, for unique names (a lost actor's name may still be taken)
         self._connecting = asyncio.Lock()
 
-    def check_options(self, payload: dict[str, Any]) -> None:
-        """Raise ValueError naming the bad `ray_*` options of a run's payload."""
-        RayRunOptions.from_run(payload)
+    async def check_options(self, payload: dict[str, Any]) -> None:
+        """Raise ValueError naming the bad `ray_*` options of a run's payload, or those no node of the cluster can
+        meet (checked once the buffer has joined the cluster; a run's start checks them again)."""
+        options = RayRunOptions.from_run(payload)
+        if self._remote is not None:
+            await self._check_fits(options)
+
+    @staticmethod
+    async def _check_fits(options: RayRunOptions) -> None:
+        # ray (2.60) annotates neither `nodes()` nor the dicts it answers.
+        nodes: list[dict[str, Any]] = await asyncio.to_thread(ray.nodes)
+        unmet = options.unmet(nodes)
+        if unmet is not None:
+            raise ValueError(unmet)
 
     async def start_run(self, generator: Generator, resources: RunResources) -> None:
         """Connect to Ray, (re)build the pool for the run's options and open the run on every actor."""
         options = RayRunOptions.from_run(resources.config)
         await self.connect()
+        await self._check_fits(options)
         if self._options is not None and options.pool_key() != self._options.pool_key():
             await self._stop_pool()
         self._runs[resources.run_id] = resources.config
@@ -150,7 +162,7 @@ class RayExecutor:
         self._created += 1
         name = f"trajectory-worker-{self._pool_id}-{self._created}"
         handle = self._remote.options(name=name, namespace=NAMESPACE, **self._options.actor_options()).remote(
-            self.generator_paths, self.buffer_url)
+            self.generator_paths, self.buffer_url, node_id)
         return _Slot(name, handle, handle.authorize.remote(self._auth_token))
 
     async def _open(self, slot: _Slot, run_id: str) -> None:
@@ -353,6 +365,12 @@ class RayExecutor:
             log.info("ray executor: actors stopped, left the cluster")
         if self._head is not None:
             await self._head.stop()
+
+
+def node_id() -> str:
+    """The Ray id of the node this process runs on (what an actor tells the buffer its sessions should be near)."""
+    found: str = ray.get_runtime_context().get_node_id()
+    return found
 
 
 def _cluster_cpus(per_actor: float) -> int:

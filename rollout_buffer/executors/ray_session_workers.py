@@ -38,10 +38,10 @@ class WorkerHost:
         self._proc: asyncio.subprocess.Process | None = None
         self._port: int | None = None
 
-    async def start(self, args: list[str], secrets: dict[str, str], bind: str) -> tuple[str, int, int]:
+    async def start(self, args: list[str], secrets: dict[str, str], bind: str) -> tuple[str, int, int, str]:
         """Start `rollout-buffer session-worker` with `args`, killed with the actor even by SIGKILL (`setpriv`),
         bound as the buffer is (`bind`: `loopback`, `any`, else the node's address): the address agents reach it
-        at, the port, the worker's pid."""
+        at, the port, the worker's pid, the Ray id of its node."""
         host = "127.0.0.1" if bind == "loopback" else _node_address()
         if self._port is None:
             self._port = _free_port(host)
@@ -52,7 +52,7 @@ class WorkerHost:
             argv = [setpriv, "--pdeathsig", "KILL", "--", *argv]
         self._proc = await asyncio.create_subprocess_exec(*argv, env={**os.environ, **secrets},
                                                           start_new_session=True, stdin=asyncio.subprocess.DEVNULL)
-        return host, self._port, self._proc.pid
+        return host, self._port, self._proc.pid, ray.get_runtime_context().get_node_id()
 
     async def wait(self) -> int:
         """Return when the worker exits: its exit code."""
@@ -117,12 +117,12 @@ class RayLauncher:
                        "namespace": NAMESPACE, "scheduling_strategy": "SPREAD"}
             host = self._hosts[index] = self._remote.options(**options).remote()
         try:
-            node, port, pid = await host.start.remote(args, secrets, self._bind)
+            address, port, pid, node_id = await host.start.remote(args, secrets, self._bind)
         except RayActorError:
             self._hosts.pop(index, None)
             raise
-        url = f"http://{f'[{node}]' if ':' in node else node}:{port}"
-        return url, url, {"pid": pid, "node": node}
+        url = f"http://{f'[{address}]' if ':' in address else address}:{port}"
+        return url, url, {"pid": pid, "node": address, "node_id": node_id}
 
     def _check_fits(self) -> None:
         """RuntimeError naming the option when no node of the cluster has the CPUs a worker reserves (Ray would

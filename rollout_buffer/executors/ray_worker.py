@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,10 +43,12 @@ class Job:
 class TrajectoryWorker:
     """Runs the trajectories the pool submits; `poll` hands back the finished ones with the metric deltas."""
 
-    def __init__(self, generator_paths: list[str], buffer_url: str):
+    def __init__(self, generator_paths: list[str], buffer_url: str, node_id: Callable[[], str] | None = None):
         self._generators = discover([Path(p) for p in generator_paths])
         self._buffer_url = buffer_url
-        self._sessions = BufferSessionHost(buffer_url)
+        # The node it runs on (the pool passes Ray's own lookup): its sessions go to a session worker there.
+        self._node = node_id() if node_id is not None else None
+        self._sessions = BufferSessionHost(buffer_url, node=self._node)
         self._runs: dict[str, tuple[Generator, RunResources]] = {}
         self._opening: dict[str, asyncio.Task[None]] = {}
         self._tasks: dict[str, set[asyncio.Task[None]]] = {}
@@ -56,7 +59,7 @@ class TrajectoryWorker:
     async def authorize(self, auth_token: str | None) -> None:
         """Open agent sessions with the buffer's bearer token (the pool calls this before opening any run). A call
         rather than a constructor argument: Ray keeps those in its GCS and raylet for as long as the actor lives."""
-        self._sessions = BufferSessionHost(self._buffer_url, auth_token)
+        self._sessions = BufferSessionHost(self._buffer_url, auth_token, self._node)
 
     async def open_run(self, run_id: str, payload: dict[str, Any]) -> None:
         """Build the run's resources (once; concurrent calls wait for the same build)."""

@@ -72,8 +72,9 @@ class BufferSessionHost:
     """Opens the sessions of an actor's trajectories in the buffer at `buffer_url`
     (`generation.sessions.SessionHost`)."""
 
-    def __init__(self, buffer_url: str, auth_token: str | None = None):
+    def __init__(self, buffer_url: str, auth_token: str | None = None, node: str | None = None):
         self.buffer_url = buffer_url.rstrip("/")
+        self.node = node  # the actor's Ray node id: the buffer places its sessions on a session worker there
         self._headers = {"authorization": f"Bearer {auth_token}"} if auth_token else {}
         self._client: httpx.AsyncClient | None = None
         self._sockets: dict[str, bool] = {}
@@ -83,7 +84,7 @@ class BufferSessionHost:
         if self._client is None:  # made on the actor's event loop, where it is used (it lives as long as the actor)
             self._client = httpx.AsyncClient(base_url=self.buffer_url, headers=self._headers, timeout=_TIMEOUT)
         body = {"kind": "generator", "run_id": ctx.run.run_id, "uid": ctx.uid, "instance_id": ctx.instance_id,
-                "epoch": ctx.epoch, "repeat": ctx.repeat, "metadata": metadata or {}}
+                "epoch": ctx.epoch, "repeat": ctx.repeat, "metadata": metadata or {}, "node": self.node}
         opened = await _call(self._client, "POST", "/sessions", body)
         return RemoteSession(self._client, opened, await self._local_socket(opened.get("agent_socket")))
 

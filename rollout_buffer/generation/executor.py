@@ -19,7 +19,7 @@ from rollout_buffer.schemas import TrajectoryRecord
 class Executor(Protocol):
     """Runs trajectories of the runs it was told about."""
 
-    def check_options(self, payload: dict[str, Any]) -> None:
+    async def check_options(self, payload: dict[str, Any]) -> None:
         """Raise ValueError naming the executor's run options in a `/start_rollout` payload that are bad."""
 
     async def start_run(self, generator: Generator, resources: RunResources) -> None:
@@ -44,7 +44,7 @@ class Executor(Protocol):
 class LocalExecutor:
     """Trajectories as asyncio tasks of the buffer process, sharing the run's engine client and tokenizer."""
 
-    def check_options(self, payload: dict[str, Any]) -> None:
+    async def check_options(self, payload: dict[str, Any]) -> None:
         """The local executor has no run options."""
 
     async def start_run(self, generator: Generator, resources: RunResources) -> None:

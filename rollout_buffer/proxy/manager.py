@@ -102,13 +102,15 @@ class SessionManager:
                 raise WorkerSessionError(str(e)) from None
         return self._register(ctx, "generator", self.local_url, metadata or {}, run=None)
 
-    async def place(self, run: Run, instance_id: str, metadata: dict[str, Any], public_url: str) -> dict[str, Any]:
-        """Open a harness session (`POST /sessions`): on a session worker when the server has them, else here.
-        What identifies it and how to reach it (ids, base URLs, key, uid; the worker's number on a worker)."""
+    async def place(self, run: Run, instance_id: str, metadata: dict[str, Any], public_url: str,
+                    near: str | None = None) -> dict[str, Any]:
+        """Open a harness session (`POST /sessions`): on a session worker when the server has them (one on node
+        `near`, if any), else here. What identifies it and how to reach it (ids, base URLs, key, uid; the worker's
+        number on a worker)."""
         if self.workers is not None:
             await self._wait_ready(run)
             try:
-                return await self.workers.place(run, instance_id, metadata)
+                return await self.workers.place(run, instance_id, metadata, near)
             except WorkerCallError as e:
                 raise SessionError(e.status, str(e)) from None
             except WorkerUnavailable as e:
@@ -150,10 +152,10 @@ class SessionManager:
         return session
 
     async def open_for_actor(self, run: HarnessRun, uid: str, instance_id: str, epoch: int, repeat: int,
-                             metadata: dict[str, Any], public_url: str) -> AgentSession:
+                             metadata: dict[str, Any], public_url: str, near: str | None = None) -> AgentSession:
         """A generator session for trajectory `uid` of `run`, which a Ray actor runs: it generates through the run's
-        engine and tokenizer here (or on a session worker, which the buffer asks for the actor); a session the
-        trajectory opened before (on an actor since lost) is discarded."""
+        engine and tokenizer here (or on a session worker, which the buffer asks for the actor: one on the actor's
+        node `near`, if any); a session the trajectory opened before (on an actor since lost) is discarded."""
         resources = await self._wait_ready(run)
         earlier = self._for_actors.pop(uid, None)
         if isinstance(earlier, Session) and earlier.state == "open":
@@ -164,7 +166,7 @@ class SessionManager:
         ctx = RolloutContext(resources, instance_id, epoch, repeat, uid)
         if self.workers is not None and self.workers.serves(run.run_id):
             try:
-                remote = await self.workers.open_generator(ctx, metadata)
+                remote = await self.workers.open_generator(ctx, metadata, near)
             except WorkerUnavailable as e:
                 raise SessionError(503, str(e)) from None
             self._for_actors[uid] = self._on_workers[remote.session_id] = remote

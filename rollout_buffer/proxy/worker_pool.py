@@ -228,12 +228,19 @@ class SessionWorkers:
                      len(fail) + len(lost))
 
     # ---- placing and asking ----------------------------------------------------------------------------
-    async def place(self, run: Run, instance_id: str, metadata: dict[str, Any]) -> dict[str, Any]:
-        """Open a harness session of `run` on the worker holding the fewest; what `POST /sessions` answers."""
+    def pick(self, near: str | None = None) -> WorkerSlot:
+        """The worker a new session goes to: of those up, the one holding the fewest, among those on node `near`
+        (an address or a Ray node id) when any is (a hint: elsewhere is fine). WorkerUnavailable when none is up."""
         up = [s for s in self.slots if s.up.is_set()]
         if not up:
             raise WorkerUnavailable("no session worker is up (they are starting again; see the buffer's log)")
-        slot = min(up, key=lambda s: s.load)
+        there = [s for s in up if near is not None and near in (s.where.get("node"), s.where.get("node_id"))]
+        return min(there or up, key=lambda s: s.load)
+
+    async def place(self, run: Run, instance_id: str, metadata: dict[str, Any], near: str | None = None
+                    ) -> dict[str, Any]:
+        """Open a harness session of `run` on a worker (`pick`); what `POST /sessions` answers."""
+        slot = self.pick(near)
         key = (run.run_id, instance_id)
         repeat = self._repeats.get(key, 0)
         self._repeats[key] = repeat + 1
@@ -247,7 +254,7 @@ class SessionWorkers:
         finally:
             slot.opening -= 1
         self._hold(slot, StoredSummary(session_id, run.run_id, instance_id, answer["uid"], repeat, 0, metadata))
-        return {**answer, "worker": slot.index}
+        return {**answer, "worker": slot.index, "node": slot.where.get("node")}
 
     def _hold(self, slot: WorkerSlot, summary: StoredSummary) -> None:
         if summary.session_id in self.placed:
@@ -289,14 +296,13 @@ class SessionWorkers:
         stay in the buffer)."""
         return self._current(run_id) is not None
 
-    async def open_generator(self, ctx: Any, metadata: dict[str, Any]) -> WorkerSession:
-        """A session for trajectory `ctx` (a `RolloutContext` of the current run) on the worker holding the
-        fewest; the runner stores its records."""
+    async def open_generator(self, ctx: Any, metadata: dict[str, Any], near: str | None = None) -> WorkerSession:
+        """A session for trajectory `ctx` (a `RolloutContext` of the current run) on a worker (`pick`); the runner
+        (or the Ray actor running the trajectory, on node `near`) stores its records."""
         run = self._current(ctx.run.run_id)
-        up = [s for s in self.slots if s.up.is_set()]
-        if run is None or not up:
-            raise WorkerUnavailable("no session worker is up (they are starting again; see the buffer's log)")
-        slot = min(up, key=lambda s: s.load)
+        if run is None:
+            raise WorkerUnavailable(f"run {ctx.run.run_id} is not the training run the session workers serve")
+        slot = self.pick(near)
         slot.opening += 1
         try:
             await self._open_run(slot, run)

@@ -243,7 +243,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         try:
             if check is not None:  # the generator's own options (it may resolve files: off the loop)
                 await asyncio.to_thread(check, payload, config.data_roots)
-            request.app.state.runs.executor.check_options(payload)
+            await request.app.state.runs.executor.check_options(payload)
             await check_engine_options(payload)  # the engines' context length; keys a router would drop
             path: Path | None = None
             num_items = 0

@@ -83,7 +83,8 @@ def mount_proxy(app: FastAPI) -> None:
             return await _open_for_actor(request, validated(OPEN_GENERATOR_BODY, raw))
         body = validated(OPEN_BODY, raw)
         run = _agent_run(request, body.run_id)
-        opened = await manager(request).place(run, body.instance_id, body.metadata, str(request.base_url))
+        opened = await manager(request).place(run, body.instance_id, body.metadata, str(request.base_url),
+                                              near=body.node)
         return json_response({"success": True, **opened, "run_id": run.run_id, "instance_id": body.instance_id})
 
     async def _open_for_actor(request: Request, body: OpenGeneratorSessionRequest) -> Response:
@@ -91,7 +92,8 @@ def mount_proxy(app: FastAPI) -> None:
         if run.input_path is None:
             raise HTTPException(409, f"run_id: run {run.run_id} hosts harness sessions; it runs no agents")
         session = await manager(request).open_for_actor(run, body.uid, body.instance_id, body.epoch, body.repeat,
-                                                        body.metadata, str(request.base_url))
+                                                        body.metadata, str(request.base_url),
+                                                        near=body.node)
         return json_response({
             "success": True, "session_id": session.session_id, "base_url": session.base_url,
             "anthropic_base_url": session.anthropic_base_url, "api_key": session.api_key,
