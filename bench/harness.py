@@ -115,6 +115,17 @@ def sim_engine(workdir: Path, latency_ms: float, seed: int = 0, *extra: str) -> 
     return Service("rollout_buffer", args, port, "/health", workdir / f"sim-{port}.log")
 
 
+def ray_actors_cpu_s() -> float:
+    """CPU seconds used so far by the Ray executor's actors (processes titled `ray::TrajectoryWorker`)."""
+    total = 0.0
+    for proc in psutil.process_iter(["cmdline"]):
+        if any("ray::TrajectoryWorker" in part for part in proc.info["cmdline"] or ()):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                t = proc.cpu_times()
+                total += t.user + t.system
+    return total
+
+
 def rollout_buffer(workdir: Path, src: Path = REPO, *extra: str) -> Service:
     """`rollout-buffer serve` with a fresh data dir under `workdir`, from the source tree `src`, with `extra`
     arguments."""

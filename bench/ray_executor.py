@@ -17,7 +17,6 @@ run-to-run spread (`FASTER`).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import tempfile
 import time
@@ -25,12 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import psutil
 import ray
 from rich.console import Console
 from rich.table import Table
 
-from bench.harness import REPO, MachineCpu, Meter, Service, free_port, sim_engine
+from bench.harness import REPO, MachineCpu, Meter, Service, free_port, ray_actors_cpu_s, sim_engine
 from bench.workload import GROUP_SIZE, start_payload, write_tasks
 
 console = Console(width=160)
@@ -61,17 +59,6 @@ class Point:
     @property
     def path_ms_per_sample(self) -> float:
         return 1000 * (self.buffer_cpu_s + self.actors_cpu_s) / self.samples
-
-
-def actors_cpu_s() -> float:
-    """CPU seconds used so far by the Ray actors of the executor (processes titled `ray::TrajectoryWorker`)."""
-    total = 0.0
-    for proc in psutil.process_iter(["cmdline"]):
-        if any("ray::TrajectoryWorker" in part for part in proc.info["cmdline"] or ()):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                t = proc.cpu_times()
-                total += t.user + t.system
-    return total
 
 
 def buffer(workdir: Path, *extra: str) -> Service:
@@ -107,10 +94,10 @@ def measure(name: str, service: Service, args: argparse.Namespace, workdir: Path
         for reward_ms in args.reward_ms:
             meter.mark()
             machine.mark()
-            actors_at_mark = actors_cpu_s()
+            actors_at_mark = ray_actors_cpu_s()
             done, seconds = run(service.url, tasks, engine_url, args, reward_ms)
-            points.append(Point(name, reward_ms, done, seconds, meter.usage().cpu_s, actors_cpu_s() - actors_at_mark,
-                                machine.busy_cores()))
+            actors_s = ray_actors_cpu_s() - actors_at_mark
+            points.append(Point(name, reward_ms, done, seconds, meter.usage().cpu_s, actors_s, machine.busy_cores()))
             console.print(f"  {name} reward {reward_ms:g} ms: {done / seconds:.0f} samples/s")
     return points
 

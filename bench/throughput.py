@@ -6,6 +6,8 @@ math task with groups of 8, in token mode and chat mode, it measures in one run:
 - **bare**: a bare asyncio client sending the same engine requests with no buffer (`bench.bare_client`);
 - **buffer**: `rollout-buffer serve` running the math generator, samples/s delivered to a consumer that
   fetches like the slime adapter (long-poll, lease, ack); CPU time and peak PSS of the buffer process;
+- **buffer+ray** (`--executors local,ray`): the same with `serve --executor ray` on a Ray cluster started here
+  (one CPU per core, one actor per CPU): the trajectories run in the actors, whose CPU is reported apart;
 - **baseline**: the process-per-trajectory buffer (`bench.baseline_buffer`, chat only: its design has no
   token mode), CPU time and peak PSS summed over its process tree.
 
@@ -16,6 +18,7 @@ window after the first deliveries, so start-up is not counted.
 
     python -m bench.throughput            # the full matrix (about 25 minutes on 2 cores)
     python -m bench.throughput --quick    # the two target points and one middle point (about 5 minutes)
+    python -m bench.throughput --latency-ms 20 --in-flight 128 --modes token --no-baseline --executors local,ray
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -34,7 +38,7 @@ from rich.table import Table
 
 from bench import bare_client, profiler
 from bench.consumer import PollingConsumer
-from bench.harness import REPO, MachineCpu, Meter, Service, free_port, rollout_buffer, sim_engine
+from bench.harness import REPO, MachineCpu, Meter, Service, free_port, ray_actors_cpu_s, rollout_buffer, sim_engine
 from bench.workload import GROUP_SIZE, start_payload, write_tasks
 
 log = logging.getLogger(__name__)
@@ -56,10 +60,15 @@ class Result:
     note: str = ""
     engine_cores: float | None = None
     machine_cores: float | None = None
+    actors_cores: float | None = None  # the Ray executor's actors (buffer+ray)
 
     @property
     def cpu_ms_per_sample(self) -> float | None:
         return None if self.cpu_cores is None or not self.rate else 1000 * self.cpu_cores / self.rate
+
+    @property
+    def actors_ms_per_sample(self) -> float | None:
+        return None if self.actors_cores is None or not self.rate else 1000 * self.actors_cores / self.rate
 
     @property
     def engine_ms_per_sample(self) -> float | None:
@@ -131,12 +140,15 @@ def measure_bare(engine: Service, latency_ms: float, in_flight: int, mode: str, 
 
 
 def measure_buffer(workdir: Path, engine: Service, latency_ms: float, in_flight: int, mode: str,
-                   timing: Timing, expected_rate: float, profile: bool, sanity_check: str = "strict") -> Result:
-    """The rollout buffer on the math task; samples/s at a slime-like consumer."""
+                   timing: Timing, expected_rate: float, profile: bool, sanity_check: str = "strict",
+                   ray_address: str | None = None) -> Result:
+    """The rollout buffer on the math task (on the Ray cluster at `ray_address` when given); samples/s at a
+    slime-like consumer."""
     tasks = write_tasks(workdir / f"tasks-{mode}-{in_flight}.jsonl",
                         _task_count(expected_rate, in_flight, timing, 5 + 2 * latency_ms / 1000))
-    with rollout_buffer(workdir) as buf, Meter(buf.pid) as meter, Meter(engine.pid) as engine_meter, \
-            PollingConsumer(buf.url) as consumer:
+    extra = ("--executor", "ray", "--ray-address", ray_address) if ray_address else ()
+    with rollout_buffer(workdir, REPO, *extra) as buf, Meter(buf.pid) as meter, \
+            Meter(engine.pid) as engine_meter, PollingConsumer(buf.url) as consumer:
         payload = start_payload(tasks, engine.url, in_flight, mode, sanity_check)
         resp = httpx.post(f"{buf.url}/start_rollout", json=payload, timeout=60)
         resp.raise_for_status()
@@ -146,8 +158,11 @@ def measure_buffer(workdir: Path, engine: Service, latency_ms: float, in_flight:
         if profile:
             out = workdir / f"profile-{latency_ms:g}ms-{in_flight}-{mode}.txt"
             spy = (profiler.record(buf.pid, timing.window_s, out), out)
+        actors_before = time.monotonic(), ray_actors_cpu_s() if ray_address else 0.0
         result = _measure_window(timing.window_s, meter, engine_meter, consumer, latency_ms, in_flight, mode,
-                                 "buffer")
+                                 "buffer+ray" if ray_address else "buffer")
+        if ray_address:
+            result.actors_cores = (ray_actors_cpu_s() - actors_before[1]) / (time.monotonic() - actors_before[0])
         progress = httpx.get(f"{buf.url}/status", timeout=30).json()["run"]["progress"]
     notes = [f"{progress['failed']} failed"] if progress.get("failed") else []
     if progress.get("state") == "finished":
@@ -196,18 +211,20 @@ def print_results(results: list[Result]) -> None:
     for name, justify in (("latency", "right"), ("in flight", "right"), ("mode", "left"), ("system", "left"),
                           ("samples/s", "right"), ("ceiling", "right"), ("% of ceiling", "right"),
                           ("× baseline", "right"), ("CPU cores", "right"), ("CPU ms/sample", "right"),
-                          ("peak PSS MB", "right"), ("procs", "right"), ("engine ms/sample", "right"),
+                          ("peak PSS MB", "right"), ("procs", "right"), ("actors ms/sample", "right"),
+                          ("engine ms/sample", "right"),
                           ("machine busy cores", "right"), ("note", "left")):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for r in results:
         ceiling = ceiling_of(results, r.latency_ms, r.in_flight, r.mode)
         base = _find(results, r.latency_ms, r.in_flight, "chat", "baseline")
-        ratio = r.rate / base.rate if r.system == "buffer" and base and base.rate else None
+        ratio = r.rate / base.rate if r.system.startswith("buffer") and base and base.rate else None
         ran = r.system != "baseline" or r.processes is not None
         table.add_row(f"{r.latency_ms:g} ms", str(r.in_flight), r.mode, r.system, f"{r.rate:.0f}" if ran else "—",
                       _fmt(ceiling, ".0f"), _fmt(100 * r.rate / ceiling if ceiling and ran else None, ".0f"),
                       _fmt(ratio, ".1f"), _fmt(r.cpu_cores, ".2f"), _fmt(r.cpu_ms_per_sample, ".2f"),
-                      _fmt(r.pss_mb, ".0f"), _fmt(r.processes, "d"), _fmt(r.engine_ms_per_sample, ".2f"),
+                      _fmt(r.pss_mb, ".0f"), _fmt(r.processes, "d"), _fmt(r.actors_ms_per_sample, ".2f"),
+                      _fmt(r.engine_ms_per_sample, ".2f"),
                       _fmt(r.machine_cores, ".2f"), r.note)
     console.print(table)
 
@@ -228,10 +245,11 @@ def summary(results: list[Result]) -> str:
     """One line: every buffer point as % of its ceiling, and the ratio to the baseline where it ran."""
     parts = []
     for r in results:
-        if r.system != "buffer":
+        if not r.system.startswith("buffer"):
             continue
         ceiling = ceiling_of(results, r.latency_ms, r.in_flight, r.mode)
-        text = f"{r.in_flight}@{r.latency_ms:g}ms/{r.mode} {100 * r.rate / ceiling:.0f}%" if ceiling else ""
+        on = "" if r.system == "buffer" else "/ray"
+        text = f"{r.in_flight}@{r.latency_ms:g}ms/{r.mode}{on} {100 * r.rate / ceiling:.0f}%" if ceiling else ""
         base = _find(results, r.latency_ms, r.in_flight, "chat", "baseline")
         if base and base.rate:
             text += f" {r.rate / base.rate:.1f}×base"
@@ -249,6 +267,16 @@ def _points(args: argparse.Namespace) -> list[tuple[float, int]]:
     return [(lat, n) for lat in latencies for n in in_flight]
 
 
+def _start_ray() -> str:
+    """A local Ray cluster of one CPU per core (the `ray` extra); its address."""
+    import ray  # only for --executors ray
+
+    ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False,
+             _node_ip_address="127.0.0.1")
+    address: str = ray.get_runtime_context().gcs_address
+    return address
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the matrix and print the table and the summary line."""
     p = argparse.ArgumentParser(prog="python -m bench.throughput", description=__doc__.split("\n\n")[0])
@@ -262,6 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile", action="store_true", help="py-spy the buffer during each measured window")
     p.add_argument("--sanity-check", choices=("strict", "ignore_strippable", "disable"), default="strict",
                    help="tokenization_sanity_check_mode of the buffer's runs (token mode)")
+    p.add_argument("--executors", default="local", help="comma-separated: local, ray (a Ray cluster started here)")
     p.add_argument("--workdir", type=Path, default=None, help="keep logs and profiles here")
     p.add_argument("--window-s", type=float, default=None, help="measured window of every point (default: by point)")
     args = p.parse_args(argv)
@@ -273,6 +302,8 @@ def main(argv: list[str] | None = None) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     results: list[Result] = []
     points = _points(args)
+    executors = [e.strip() for e in args.executors.split(",") if e.strip()]
+    ray_address = _start_ray() if "ray" in executors else None
     for latency in sorted({lat for lat, _ in points}):
         with sim_engine(workdir, latency) as engine:
             for lat, n in points:
@@ -285,11 +316,13 @@ def main(argv: list[str] | None = None) -> None:
                     console.print(f"[dim]{latency:g} ms, {n} in flight, {mode}: bare client…[/]")
                     results.append(measure_bare(engine, latency, n, mode, timing))
                     time.sleep(latency / 1000 + 0.5)  # let the engine finish what was cut off
-                    console.print(f"[dim]{latency:g} ms, {n} in flight, {mode}: buffer…[/]")
                     expected = min(n / (latency / 1000), results[-1].rate)
-                    results.append(measure_buffer(workdir, engine, latency, n, mode, timing, expected, args.profile,
-                                                  args.sanity_check))
-                    time.sleep(latency / 1000 + 0.5)
+                    for executor in executors:
+                        console.print(f"[dim]{latency:g} ms, {n} in flight, {mode}: buffer ({executor})…[/]")
+                        results.append(measure_buffer(workdir, engine, latency, n, mode, timing, expected,
+                                                      args.profile, args.sanity_check,
+                                                      ray_address if executor == "ray" else None))
+                        time.sleep(latency / 1000 + 0.5)
                 if not args.no_baseline and "chat" in modes:
                     if n > args.baseline_max_procs:
                         results.append(Result(latency, n, "chat", "baseline", 0.0,
@@ -299,6 +332,10 @@ def main(argv: list[str] | None = None) -> None:
                     expected = ceiling_of(results, latency, n, "chat") or n / (latency / 1000)
                     results.append(measure_baseline(workdir, engine, latency, n, timing, expected))
                     time.sleep(latency / 1000 + 0.5)
+    if ray_address is not None:
+        import ray
+
+        ray.shutdown()
     print_results(results)
     console.print(f"logs: {workdir}  (repo {REPO})")
     console.print(summary(results))
