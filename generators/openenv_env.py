@@ -10,6 +10,10 @@ result the tool message. The record's reward is the episode's return (the sum of
 
 Input rows give `reset` (the keyword arguments of the environment's `reset`: a seed, a task id); without
 `input_file`, `openenv_resets` lists them.
+
+Episodes run where the server's executor runs trajectories: with `--executor ray`, each Ray actor starts its own
+servers on its node (`openenv_servers` and `openenv_max_sessions` are per actor), and its episodes' sessions are
+opened through the buffer (on a session worker of the actor's node when there is one).
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ _TEXT_FIELDS = ("prompt", "text", "message", "question", "content", "observation
 # Failures that mean the server went away under the episode: run it again on a live one.
 _RETRIED = {"openenv_gone", "openenv_down", "openenv_capacity"}
 
-__all__ = ["TASK_TYPE", "check_payload", "default_input", "run_rollout", "runs_in_buffer"]
+__all__ = ["TASK_TYPE", "check_payload", "default_input", "run_rollout"]
 
 
 def _one_default_reset() -> list[dict[str, Any]]:
@@ -110,11 +114,6 @@ class OpenEnvOptions(RunOptions):
             return self.openenv_command
         python = venv_python(self.openenv_requirements, "openenv_requirements")
         return [a.replace(PYTHON_PLACEHOLDER, python) for a in self.openenv_command]
-
-
-def runs_in_buffer(payload: dict[str, Any]) -> bool:
-    """The servers and the chat loops belong to the buffer's process (one pool per run)."""
-    return True
 
 
 def check_payload(payload: dict[str, Any], data_roots: Any) -> None:

@@ -4,7 +4,8 @@ joins the cluster, the engine the simulated one, the tokenizer the real Qwen3 on
 
 Harness sessions across the two workers with exact tokens and whole groups; a worker process killed with SIGKILL
 comes back through its actor at the same URL with its sessions; a lost actor is replaced at another address and
-the sessions it held are recorded failed with the reason."""
+the sessions it held are recorded failed with the reason; agent runs and environments (verifiers, OpenEnv) in the
+Ray actors with their sessions on the workers."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ import ray
 from runs import drain, wait_finished
 from servers import Server, free_port
 from test_agent_runs import AGENTS
+from test_openenv_env import ENVS as OPENENV_ENVS
+from test_openenv_env import openenv_python  # noqa: F401 (a fixture)
 from test_proxy import assert_engine_tokens, spans
 from test_ray_executor import NAMESPACE, engine, ray_address  # noqa: F401 (fixtures)
 from test_verifiers_env import ENVS as VERIFIERS_ENVS
@@ -216,4 +219,37 @@ def test_an_environments_workers_run_in_the_ray_actors(
     for rec in drain(buffer.url, headers=AUTH):
         trained = spans(rec["loss_mask"])
         assert len(trained) == 2 and rec["status"] == "completed"
+        assert_engine_tokens(engine, rec)
+
+
+def test_an_openenv_runs_servers_in_the_ray_actors(
+        buffer: Server, engine: Server, qwen_tokenizer_path: str, openenv_python: str) -> None:  # noqa: F811
+    """OpenEnv with `--executor ray`: the servers `openenv_command` starts run under the actor that runs the
+    episodes (not the buffer), the episodes' sessions on the session workers."""
+    served = [w["served"] for w in workers(buffer)]
+    started = httpx.post(f"{buffer.url}/start_rollout", headers=AUTH, timeout=600, json={
+        "task_type": "openenv", "remote_engine_url": engine.url, "tokenizer_path": qwen_tokenizer_path,
+        "num_repeat_per_sample": 1, "max_tokens": 4096, "openenv_resets": [{"seed": 1}, {"seed": 2}],
+        "openenv_command": [openenv_python, str(OPENENV_ENVS / "arith_drill.py"), "--port", "{port}"],
+        "ray_actors": 1})
+    assert started.status_code == 200, started.text
+    parents: set[str] = set()
+
+    def finished() -> dict[str, Any] | None:
+        for proc in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if "arith_drill.py" in " ".join(proc.cmdline()):
+                    parents.update(" ".join(p.cmdline()) for p in proc.parents())
+        run = httpx.get(f"{buffer.url}/status", headers=AUTH, timeout=10).json()["run"]
+        return run if run["state"] in ("finished", "failed") else None
+
+    run = wait_until(finished, 300)
+    assert run["progress"]["statuses"] == {"completed": 2}, run["progress"]
+    assert sum(w["served"] for w in workers(buffer)) - sum(served) == 2
+    assert any("TrajectoryWorker" in p for p in parents), parents
+    assert not any("rollout_buffer serve" in p for p in parents), "not the buffer's"
+    for rec in drain(buffer.url, headers=AUTH):
+        info = rec["extra_info"]["openenv"]
+        assert info["steps"] == 3 and info["done"] and rec["raw_reward"] == sum(info["step_rewards"])
+        assert len(spans(rec["loss_mask"])) == 3
         assert_engine_tokens(engine, rec)
