@@ -1,6 +1,6 @@
 """Session workers on a Ray cluster (`serve --executor ray --session-workers N`): each worker process runs on a
 node of the cluster, started and watched by a small actor there (`WorkerHost`), so it can be placed by the
-cluster's resources (`--session-worker-cpus`) and spread over nodes.
+cluster's resources (`--session-worker-cpus`) and spread over nodes (worker k on the k-th node, round robin).
 
 The actor starts `rollout-buffer session-worker` on its node (bound to the node's address, on a port it picked
 once: a worker started again by the same actor keeps its port and its folder, so its sessions come back at the
@@ -24,6 +24,7 @@ from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.executors.ray_pool import NAMESPACE, RayExecutor
@@ -112,9 +113,15 @@ class RayLauncher:
             self._remote = ray.remote(WorkerHost)
         host = self._hosts.get(index)
         if host is None:
-            await asyncio.to_thread(self._check_fits)
+            nodes = await asyncio.to_thread(self._nodes)
+            # Worker k on node k mod n: every node that can host one gets its share (Ray's SPREAD is best effort,
+            # and so is a soft affinity). A node that dies meanwhile fails the start; the next try picks again.
+            node = nodes[index % len(nodes)]
+            log.info("session worker %d: starting on Ray node %s (%d of %d nodes)", index, node,
+                     index % len(nodes) + 1, len(nodes))
+            where = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
             options = {"num_cpus": self.config.session_worker_cpus, "name": f"session-worker-{os.getpid()}-{index}",
-                       "namespace": NAMESPACE, "scheduling_strategy": "SPREAD"}
+                       "namespace": NAMESPACE, "scheduling_strategy": where}
             host = self._hosts[index] = self._remote.options(**options).remote()
         try:
             address, port, pid, node_id = await host.start.remote(args, secrets, self._bind)
@@ -124,16 +131,19 @@ class RayLauncher:
         url = f"http://{f'[{address}]' if ':' in address else address}:{port}"
         return url, url, {"pid": pid, "node": address, "node_id": node_id}
 
-    def _check_fits(self) -> None:
-        """RuntimeError naming the option when no node of the cluster has the CPUs a worker reserves (Ray would
-        wait for one forever)."""
+    def _nodes(self) -> list[str]:
+        """The ids of the alive nodes with the CPUs a worker reserves, in a stable order; RuntimeError naming the
+        option when there is none (Ray would wait for one forever)."""
         want = self.config.session_worker_cpus
         # ray (2.60) annotates neither `nodes()` nor the dicts it answers.
         nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
-        most = max((float(n.get("Resources", {}).get("CPU", 0)) for n in nodes if n.get("Alive")), default=0.0)
-        if want > most:
+        alive = [n for n in nodes if n.get("Alive")]
+        fits = sorted(str(n["NodeID"]) for n in alive if float(n.get("Resources", {}).get("CPU", 0)) >= want)
+        if not fits:
+            most = max((float(n.get("Resources", {}).get("CPU", 0)) for n in alive), default=0.0)
             raise RuntimeError(f"--session-worker-cpus {want:g}: no node of the Ray cluster has that many CPUs (the "
                                f"largest has {most:g}); the buffer tries again, serving with the workers it has")
+        return fits
 
     async def wait(self, index: int) -> int | None:
         """The worker's exit code; None when its actor (or node) is gone, which a new actor replaces."""
