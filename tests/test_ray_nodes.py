@@ -7,20 +7,17 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 import ray
 from ray.cluster_utils import Cluster
 from runs import drain, wait_finished
-from servers import Server, free_port
+from servers import Server
 from test_agent_runs import AGENTS
 from test_proxy import assert_engine_tokens, spans
 from test_ray_executor import NAMESPACE, engine  # noqa: F401 (a fixture)
-
-TOKEN = "ray-nodes-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
+from test_ray_session_workers import AUTH, buffer_on_ray, workers
 
 
 @pytest.fixture(scope="module")
@@ -41,18 +38,8 @@ def cluster() -> Iterator[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def buffer(tmp_path_factory: pytest.TempPathFactory, cluster: dict[str, str]) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("ray-nodes")
-    port = free_port()
-    srv = Server(["serve", "--port", str(port), "--data-dir", str(tmp / "data"), "--executor", "ray",
-                  "--ray-address", cluster["address"], "--session-workers", "2", "--session-worker-cpus", "0"],
-                 "/healthz", port, tmp / "buffer.log", env={"ROLLOUT_BUFFER_AUTH_TOKEN": TOKEN})
-    with srv.start(timeout_s=120):
+    with buffer_on_ray(tmp_path_factory.mktemp("ray-nodes"), cluster["address"]).start(timeout_s=120) as srv:
         yield srv
-
-
-def workers(srv: Server) -> list[dict[str, Any]]:
-    found: list[dict[str, Any]] = httpx.get(f"{srv.url}/status", headers=AUTH, timeout=10).json()["session_workers"]
-    return found
 
 
 def test_sessions_go_to_the_worker_on_the_node_of_their_agent(

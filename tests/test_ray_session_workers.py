@@ -38,14 +38,17 @@ TOKEN = "ray-workers-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
+def buffer_on_ray(folder: Path, address: str) -> Server:
+    """`serve --executor ray --session-workers 2` joined to the Ray cluster at `address` (workers reserve no CPU)."""
+    port = free_port()
+    return Server(["serve", "--port", str(port), "--data-dir", str(folder / "data"), "--executor", "ray",
+                   "--ray-address", address, "--session-workers", "2", "--session-worker-cpus", "0"],
+                  "/healthz", port, folder / "buffer.log", env={"ROLLOUT_BUFFER_AUTH_TOKEN": TOKEN})
+
+
 @pytest.fixture(scope="module")
 def buffer(tmp_path_factory: pytest.TempPathFactory, ray_address: str) -> Iterator[Server]:  # noqa: F811
-    tmp = tmp_path_factory.mktemp("ray-workers")
-    port = free_port()
-    srv = Server(["serve", "--port", str(port), "--data-dir", str(tmp / "data"), "--executor", "ray",
-                  "--ray-address", ray_address, "--session-workers", "2", "--session-worker-cpus", "0"],
-                 "/healthz", port, tmp / "buffer.log", env={"ROLLOUT_BUFFER_AUTH_TOKEN": TOKEN})
-    with srv.start(timeout_s=120):
+    with buffer_on_ray(tmp_path_factory.mktemp("ray-workers"), ray_address).start(timeout_s=120) as srv:
         yield srv
 
 
@@ -190,6 +193,28 @@ def test_workers_the_cluster_cannot_place_are_a_clear_error_not_a_hang(
         assert refused.status_code == 503 and "no session worker is up" in refused.json()["message"]
 
 
+def assert_ran_in_an_actor(buffer: Server, program: str, served: list[int]) -> None:
+    """Wait for the run's end: its two episodes completed, their sessions served by the workers (`served`: their
+    counts before), and the environment's processes (`program` in their command line) started under a Ray actor,
+    not the buffer."""
+    parents: set[str] = set()  # what started the environment's processes, seen while the run runs
+
+    def finished() -> dict[str, Any] | None:
+        # This test's processes only (its Ray cluster and its buffer descend from it; other tests' do not).
+        for proc in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if program in " ".join(proc.cmdline()):
+                    parents.update(" ".join(p.cmdline()) for p in proc.parents())
+        run = httpx.get(f"{buffer.url}/status", headers=AUTH, timeout=10).json()["run"]
+        return run if run["state"] in ("finished", "failed") else None
+
+    run = wait_until(finished, 300)
+    assert run["progress"]["statuses"] == {"completed": 2}, run["progress"]
+    assert sum(w["served"] for w in workers(buffer)) - sum(served) == 2
+    assert any("TrajectoryWorker" in p for p in parents), parents  # Ray's name for the actor's process
+    assert not any("rollout_buffer serve" in p for p in parents), "not the buffer's"
+
+
 def test_an_environments_workers_run_in_the_ray_actors(
         buffer: Server, engine: Server, qwen_tokenizer_path: str, verifiers_python: str) -> None:  # noqa: F811
     """verifiers' tool-using environment with `--executor ray`: its worker processes run under the Ray actor that
@@ -200,22 +225,7 @@ def test_an_environments_workers_run_in_the_ray_actors(
         "env_python": verifiers_python, "env_id": "rb_shell", "env_paths": [str(VERIFIERS_ENVS)],
         "num_repeat_per_sample": 1, "max_tokens": 4096, "ray_actors": 1})
     assert started.status_code == 200, started.text
-    parents: set[str] = set()  # what started the environment's worker processes, seen while the run runs
-
-    def finished() -> dict[str, Any] | None:
-        # This test's processes only (its Ray cluster and its buffer descend from it; other tests' do not).
-        for proc in psutil.Process().children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                if "verifiers_worker.py" in " ".join(proc.cmdline()):
-                    parents.update(" ".join(p.cmdline()) for p in proc.parents())
-        run = httpx.get(f"{buffer.url}/status", headers=AUTH, timeout=10).json()["run"]
-        return run if run["state"] in ("finished", "failed") else None
-
-    run = wait_until(finished, 300)
-    assert run["progress"]["statuses"] == {"completed": 2}, run["progress"]
-    assert sum(w["served"] for w in workers(buffer)) - sum(served) == 2
-    assert any("TrajectoryWorker" in p for p in parents), parents  # Ray's name for the actor's process
-    assert not any("rollout_buffer serve" in p for p in parents), "not the buffer's"
+    assert_ran_in_an_actor(buffer, "verifiers_worker.py", served)
     for rec in drain(buffer.url, headers=AUTH):
         trained = spans(rec["loss_mask"])
         assert len(trained) == 2 and rec["status"] == "completed"
@@ -233,21 +243,7 @@ def test_an_openenv_runs_servers_in_the_ray_actors(
         "openenv_command": [openenv_python, str(OPENENV_ENVS / "arith_drill.py"), "--port", "{port}"],
         "ray_actors": 1})
     assert started.status_code == 200, started.text
-    parents: set[str] = set()
-
-    def finished() -> dict[str, Any] | None:
-        for proc in psutil.Process().children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                if "arith_drill.py" in " ".join(proc.cmdline()):
-                    parents.update(" ".join(p.cmdline()) for p in proc.parents())
-        run = httpx.get(f"{buffer.url}/status", headers=AUTH, timeout=10).json()["run"]
-        return run if run["state"] in ("finished", "failed") else None
-
-    run = wait_until(finished, 300)
-    assert run["progress"]["statuses"] == {"completed": 2}, run["progress"]
-    assert sum(w["served"] for w in workers(buffer)) - sum(served) == 2
-    assert any("TrajectoryWorker" in p for p in parents), parents
-    assert not any("rollout_buffer serve" in p for p in parents), "not the buffer's"
+    assert_ran_in_an_actor(buffer, "arith_drill.py", served)
     for rec in drain(buffer.url, headers=AUTH):
         info = rec["extra_info"]["openenv"]
         assert info["steps"] == 3 and info["done"] and rec["raw_reward"] == sum(info["step_rewards"])
