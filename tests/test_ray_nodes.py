@@ -1,6 +1,7 @@
 """Session workers on a Ray cluster of two nodes (`ray.cluster_utils.Cluster`: two raylets on this machine, each a
-node of its own with its own id): a worker on each node, and the sessions of agents running in a Ray actor pinned
-to one node (a custom resource only that node has) are served by the worker on that node."""
+node of its own with its own id): a worker on each node, and the sessions of subprocess agents (`agent_command`)
+running in a Ray actor pinned to one node (a custom resource only that node has) are served by the worker on that
+node; a harness naming a node gets a session there."""
 
 from __future__ import annotations
 
@@ -14,9 +15,8 @@ import ray
 from ray.cluster_utils import Cluster
 from runs import drain, wait_finished
 from servers import Server
-from test_agent_runs import AGENTS
 from test_proxy import assert_engine_tokens, spans
-from test_ray_executor import NAMESPACE, engine  # noqa: F401 (a fixture)
+from test_ray_executor import NAMESPACE, engine, readable_agents  # noqa: F401 (fixtures)
 from test_ray_session_workers import AUTH, buffer_on_ray, workers
 
 
@@ -44,20 +44,21 @@ def buffer(tmp_path_factory: pytest.TempPathFactory, cluster: dict[str, str]) ->
 
 def test_sessions_go_to_the_worker_on_the_node_of_their_agent(
         buffer: Server, cluster: dict[str, str], engine: Server, qwen_tokenizer_path: str,  # noqa: F811
-        tmp_path: Path) -> None:
+        readable_agents: Path, tmp_path: Path) -> None:  # noqa: F811
     placed = workers(buffer)
     assert all(w["up"] for w in placed) and sorted(w["node_id"] for w in placed) == sorted(
         [cluster["head"], cluster["b"]]), placed  # one worker on each node (the workers' actors are spread)
     on_b = next(w["worker"] for w in placed if w["node_id"] == cluster["b"])
 
-    # Agents in one actor that only node b can host (ray_resources): every session on b's worker, though the
-    # other worker holds fewer.
+    # Subprocess agents (`agent_command`) in one actor that only node b can host (ray_resources): every session on
+    # b's worker, though the other worker holds fewer.
     rows = tmp_path / "tasks.jsonl"
     rows.write_text("".join(json.dumps({"instance_id": f"node-{i}", "prompt": "What is 12 * 7 + 3? Use the "
                                         "calculator.", "label": "87"}) + "\n" for i in range(3)))
     started = httpx.post(f"{buffer.url}/start_rollout", headers=AUTH, timeout=60, json={
         "task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": qwen_tokenizer_path,
-        "input_file": str(rows), "agent": f"{AGENTS / 'openai_agent.py'}:agent", "num_repeat_per_sample": 2,
+        "input_file": str(rows), "agent_command": [str(readable_agents / "stdlib_agent.py")],
+        "num_repeat_per_sample": 2,
         "max_tokens": 2048, "ray_actors": 1, "ray_num_cpus": 0.5, "ray_resources": {"node_b": 0.5}})
     assert started.status_code == 200, started.text
     status = wait_finished(buffer.url, headers=AUTH, timeout_s=180)
@@ -67,7 +68,9 @@ def test_sessions_go_to_the_worker_on_the_node_of_their_agent(
     records = drain(buffer.url, headers=AUTH)
     assert len(records) == 6
     for r in records:
-        assert r["status"] == "completed" and r["extra_info"]["tool_calls"] == 1 and len(spans(r["loss_mask"])) == 2
+        info = r["extra_info"]
+        assert r["status"] == "completed" and info["tool_calls"] == 1 and len(spans(r["loss_mask"])) == 2
+        assert info["agent"]["network"] == "host", "the agent socket serves the buffer's sessions, not a worker's"
         assert_engine_tokens(engine, r)
 
     # A harness that names its node (by Ray id) gets a session there; one naming no node of the cluster, the least
