@@ -43,6 +43,7 @@ from test_proxy import (
 from test_verifiers_env import ENVS as VERIFIERS_ENVS
 from test_verifiers_env import verifiers_python  # noqa: F401 (a fixture)
 
+from generators.agent.sandbox import namespaces_work
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.proxy.worker_launch import LocalLauncher
 from rollout_buffer.proxy.worker_pool import SessionWorkers
@@ -347,6 +348,8 @@ def test_agent_runs_open_their_sessions_on_the_workers(
             assert r["status"] == "completed" and r["raw_reward"] == 1.0 and r["extra_info"]["tool_calls"] == 1
             assert r["uid"].startswith(f"{run_id}:") and len(spans(r["loss_mask"])) == 2
             assert_engine_tokens(engine, r)
+            if "agent_command" in agent and namespaces_work():  # sandboxed without a network: the worker's socket
+                assert r["extra_info"]["agent"]["network"] == "isolated", r["extra_info"]["agent"]
         assert sorted(stored_uids(buffer, run_id)) == sorted(r["uid"] for r in records)
 
 

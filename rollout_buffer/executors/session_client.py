@@ -7,20 +7,20 @@ recorded as the trajectory's uid and answers its URLs as this node reaches the b
 outcome and the runner stamps and stores them once, as for any generator. The buffer discards a session whose
 actor was lost when its trajectory (same uid) opens the next one, and every session of a run that ends.
 
-The buffer's agent socket (how `agent_network: isolated` agents reach their session) is a file on the buffer's
-machine: a session answers it only where that file is (actors on the buffer's node); elsewhere it is None and
-`auto` networking falls back to `host`.
+The agent socket (how `agent_network: isolated` agents reach their session) is a file on the machine of the
+process serving the session — the buffer, or the session worker on the actor's node: a session answers it only
+where that file is; elsewhere it is None and `auto` networking falls back to `host`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import stat
 from typing import Any
 
 import httpx
+
+from rollout_buffer.generation.sessions import is_socket
 
 log = logging.getLogger(__name__)
 
@@ -93,18 +93,11 @@ class BufferSessionHost:
         if path is None:
             return None
         if path not in self._sockets:
-            self._sockets[path] = await asyncio.to_thread(_is_socket, path)
+            self._sockets[path] = await asyncio.to_thread(is_socket, path)
         return path if self._sockets[path] else None
 
     async def end_run(self, run_id: str) -> None:
         """Nothing to do here: the buffer discards the run's sessions still open when it ends."""
-
-
-def _is_socket(path: str) -> bool:
-    try:
-        return stat.S_ISSOCK(os.stat(path).st_mode)
-    except OSError:
-        return False
 
 
 async def _call(client: httpx.AsyncClient, method: str, path: str, body: dict[str, Any] | None = None

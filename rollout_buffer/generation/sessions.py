@@ -7,7 +7,18 @@ In the buffer process the proxy's `SessionManager` is the host; in a Ray actor i
 
 from __future__ import annotations
 
+import os
+import stat
 from typing import Any, Protocol
+
+
+def is_socket(path: str) -> bool:
+    """Whether `path` is a Unix socket on this machine: an agent socket answered by a server on another node is
+    not (blocking: a stat)."""
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 class AgentSession(Protocol):

@@ -21,6 +21,7 @@ this manager places them there and asks them.
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import logging
 import secrets
@@ -34,7 +35,7 @@ from rollout_buffer.delivery.store import StoreError
 from rollout_buffer.generation.context import RolloutContext, RunResources
 from rollout_buffer.generation.run_manager import RunManager
 from rollout_buffer.generation.runner import Run
-from rollout_buffer.generation.sessions import AgentSession
+from rollout_buffer.generation.sessions import AgentSession, is_socket
 from rollout_buffer.observability import metrics
 from rollout_buffer.proxy.expiry import Reaper
 from rollout_buffer.proxy.journal import Journal, StoredSession, idle_since, load_sessions, load_state, replay
@@ -85,6 +86,7 @@ class SessionManager:
         # A session worker that started again, until the buffer has had its stored sessions restored: a request
         # for a session it does not hold yet is answered "send it again" rather than "unknown".
         self.restoring = False
+        self._sockets_here: dict[str, bool] = {}  # agent sockets of session workers: on this machine or not
 
     @property
     def local_url(self) -> str:
@@ -97,10 +99,19 @@ class SessionManager:
         has them and the trajectory belongs to the training run, else here."""
         if self.workers is not None and self.workers.serves(ctx.run.run_id):
             try:
-                return await self.workers.open_generator(ctx, metadata or {})
+                remote = await self.workers.open_generator(ctx, metadata or {})
             except WorkerUnavailable as e:
                 raise WorkerSessionError(str(e)) from None
+            if remote.agent_socket is not None and not await self._socket_here(remote.agent_socket):
+                remote.agent_socket = None  # a worker on another node: sandboxed agents here use the network
+            return remote
         return self._register(ctx, "generator", self.local_url, metadata or {}, run=None)
+
+    async def _socket_here(self, path: str) -> bool:
+        """Whether `path` is a Unix socket on this machine (asked once per path)."""
+        if path not in self._sockets_here:
+            self._sockets_here[path] = await asyncio.to_thread(is_socket, path)
+        return self._sockets_here[path]
 
     async def place(self, run: Run, instance_id: str, metadata: dict[str, Any], public_url: str,
                     near: str | None = None) -> dict[str, Any]:

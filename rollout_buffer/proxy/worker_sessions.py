@@ -43,7 +43,8 @@ class WorkerSession:
         self.base_url: str = opened["base_url"]
         self.anthropic_base_url: str = opened["anthropic_base_url"]
         self.api_key: str = opened["api_key"]
-        self.agent_socket: str | None = None  # the buffer's agent socket serves only its own sessions
+        # The worker's own agent socket: a path on the worker's node (whoever runs the agent checks it is there).
+        self.agent_socket: str | None = opened.get("agent_socket")
 
     async def transcript(self) -> list[dict[str, Any]]:
         """The messages of the branch that generated last."""

@@ -5,7 +5,8 @@ Each worker holds its sessions' state and journal (its own folder, `<data dir>/s
 run's engine client and tokenizer from the run's start payload, talks to the engines itself and hands finished
 records to the buffer in batches (`proxy.worker_run`); the buffer keeps the store, grouping, delivery and the run's
 accounting (`proxy.worker_pool`). Agents reach their session here directly (the session's base URL names this
-worker's port); the buffer alone calls the rest — placing a session, opening or ending a run, finishing or
+worker's port), or, sandboxed without a network on this node, through its own agent socket; the buffer alone
+calls the rest — placing a session, opening or ending a run, finishing or
 showing a session, restoring sessions after a restart — with the worker's secret (an environment variable, never
 an argument, like the server's token).
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import hmac
 import logging
@@ -43,7 +45,8 @@ from rollout_buffer.schemas import DiscardSessionRequest, FinishSessionRequest, 
 from rollout_buffer.server.app import BufferApp
 from rollout_buffer.server.bodies import error_response, json_response
 from rollout_buffer.server.guards import Guards, is_session_api
-from rollout_buffer.server.middleware import BodyLimitMiddleware
+from rollout_buffer.server.listeners import agent_socket, tcp_listener
+from rollout_buffer.server.middleware import AgentSocketGate, BodyLimitMiddleware
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +143,8 @@ def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret:
                     docs_url=None, redoc_url=None)
     app.state.sessions = sessions
     app.add_middleware(BodyLimitMiddleware, guards=guards)
+    if guards.agent_socket is not None:
+        app.add_middleware(AgentSocketGate, guards=guards)
     app.add_middleware(WorkerSecret, secret=secret)
 
     @app.exception_handler(SessionError)
@@ -201,7 +206,8 @@ def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret:
         session = await sessions.open_for_actor(run, body.uid, body.instance_id, body.epoch, body.repeat,
                                                 body.metadata, body.public_url)
         return json_response({"session_id": session.session_id, "base_url": session.base_url,
-                              "anthropic_base_url": session.anthropic_base_url, "api_key": session.api_key})
+                              "anthropic_base_url": session.anthropic_base_url, "api_key": session.api_key,
+                              "agent_socket": session.agent_socket})
 
     @app.post("/worker/sessions/{session_id}/transcript")
     async def transcript(session_id: str) -> Response:
@@ -294,9 +300,17 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.log_level, args.log_format, args.access_log)
     setproctitle.setproctitle(f"rollout-buffer session-worker {args.index} :{args.port}")
     gc.set_threshold(50_000, 20, 10)  # as `serve`: thousands of sessions' objects in flight
-    config = ServerConfig(host=args.host, port=args.port, data_dir=args.data_dir, max_body_bytes=args.max_body_bytes,
-                          auth_token=os.environ.pop(AUTH_TOKEN_ENV, None) or None)
-    app = create_worker_app(config, args.index, args.buffer_url, secret)
-    gc.freeze()
-    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False, timeout_keep_alive=75,
-                log_level=args.log_level.lower())
+    with contextlib.ExitStack() as stack:
+        listeners = [tcp_listener(args.host, args.port)]
+        # Its own agent socket: sandboxed agents on this node without a network reach their sessions here.
+        sandboxes = agent_socket(stack)
+        if sandboxes is not None:
+            listeners.append(sandboxes[1])
+        token = os.environ.pop(AUTH_TOKEN_ENV, None) or None
+        config = ServerConfig(host=args.host, port=args.port, data_dir=args.data_dir, auth_token=token,
+                              max_body_bytes=args.max_body_bytes,
+                              agent_socket=sandboxes[0] if sandboxes is not None else None)
+        app = create_worker_app(config, args.index, args.buffer_url, secret)
+        gc.freeze()
+        uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, timeout_keep_alive=75,
+                                      log_level=args.log_level.lower())).run(sockets=listeners)

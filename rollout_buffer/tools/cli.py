@@ -7,11 +7,7 @@ import contextlib
 import dataclasses
 import gc
 import importlib
-import logging
-import shutil
-import socket
 import sys
-import tempfile
 from pathlib import Path
 
 import setproctitle
@@ -25,6 +21,7 @@ from rollout_buffer.config import (
     ServerConfig,
 )
 from rollout_buffer.observability.logs import ACCESS_LOG_MODES, setup_logging
+from rollout_buffer.server.listeners import agent_socket, tcp_listener
 from rollout_buffer.tools import demo
 
 
@@ -116,34 +113,16 @@ def serve(args: argparse.Namespace) -> None:
         session_worker_cpus=args.session_worker_cpus,
     )
     with contextlib.ExitStack() as stack:
-        listeners = [socket.create_server((config.host, config.port),
-                                          family=socket.AF_INET6 if ":" in config.host else socket.AF_INET)]
-        agent_socket = _agent_socket(stack)
-        if agent_socket is not None:
-            listeners.append(agent_socket[1])
-            config = dataclasses.replace(config, agent_socket=agent_socket[0])
+        listeners = [tcp_listener(config.host, config.port)]
+        sandboxes = agent_socket(stack)
+        if sandboxes is not None:
+            listeners.append(sandboxes[1])
+            config = dataclasses.replace(config, agent_socket=sandboxes[0])
         app = create_app(config)
         gc.freeze()
         server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False,
                                                timeout_keep_alive=75, log_config=None))
         server.run(sockets=listeners)
-
-
-def _agent_socket(stack: contextlib.ExitStack) -> tuple[Path, socket.socket] | None:
-    """The agent socket: a Unix socket in a fresh folder (removed at exit) that anyone may connect to; the server
-    answers only session endpoints with their keys on it. Sandboxed agents without network come in this way."""
-    try:
-        folder = Path(tempfile.mkdtemp(prefix="rollout-buffer-agents-"))
-        stack.callback(shutil.rmtree, folder, True)
-        folder.chmod(0o711)
-        path = folder / "agents.sock"
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(str(path))
-        path.chmod(0o666)
-    except OSError as e:
-        logging.getLogger(__name__).warning("no agent socket (%s): sandboxed agents will use the network", e)
-        return None
-    return path, sock
 
 
 # Subcommands that own their argument parsing: name → (module, help). Each module has `main(argv)`.
