@@ -294,6 +294,17 @@ def test_calls_to_the_wrong_worker_or_without_its_secret_are_refused(
         answer = httpx.post(worker_url + path, json={}, timeout=10)
         assert answer.status_code == 403 and "the buffer's" in answer.json()["message"], (path, answer.text)
     assert httpx.head(f"{worker_url}/sessions/{session['session_id']}", timeout=10).status_code == 200
+    # The worker's agent socket (for sandboxed agents) serves a session's endpoints with its key, nothing else.
+    pid = workers(buffer)[session["worker"]]["pid"]
+    path = next(c.laddr for c in psutil.Process(pid).net_connections(kind="unix") if c.laddr.endswith("agents.sock"))
+    with httpx.Client(transport=httpx.HTTPTransport(uds=path), base_url="http://worker", timeout=10) as on_socket:
+        assert on_socket.post("/worker/sessions/list", json={}).status_code == 403
+        assert on_socket.get("/healthz").status_code == 403
+        turn = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        chat = f"/sessions/{session['session_id']}/v1/chat/completions"
+        assert on_socket.post(chat, json=turn).status_code == 401
+        answer = on_socket.post(chat, json=turn, headers={"Authorization": f"Bearer {session['api_key']}"})
+        assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"], answer.text
     forged = httpx.post(f"{buffer.url}/workers/records", json={"records": []}, timeout=10)
     assert forged.status_code == 403 and "session workers" in forged.json()["message"]
     assert finish(buffer.url, session, 1.0)["records"] == 1
