@@ -118,7 +118,8 @@ def main() -> None:
         args.samples = min(args.samples, 128)
     actors = args.actors or args.ray_cpus
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-ray-"))
-    ray.init(num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    ray.init(address="local", num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False,
+             _node_ip_address="127.0.0.1")
     address = ray.get_runtime_context().gcs_address
     try:
         with sim_engine(workdir, args.latency_ms) as engine:

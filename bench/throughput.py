@@ -271,7 +271,7 @@ def _start_ray() -> str:
     """A local Ray cluster of one CPU per core (the `ray` extra); its address."""
     import ray  # only for --executors ray
 
-    ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False,
              _node_ip_address="127.0.0.1")
     address: str = ray.get_runtime_context().gcs_address
     return address

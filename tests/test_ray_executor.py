@@ -41,7 +41,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 @pytest.fixture(scope="module")
 def ray_address() -> Iterator[str]:
-    info = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE,
+    # "local": a cluster of its own, never one another test (or a buffer's head) advertised in /tmp/ray.
+    info = ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE,
                     _node_ip_address="127.0.0.1")  # tests reach servers on loopback only
     try:
         yield info.address_info["gcs_address"]

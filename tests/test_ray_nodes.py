@@ -5,7 +5,9 @@ node; a harness naming a node gets a session there."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +38,11 @@ def cluster() -> Iterator[dict[str, str]]:
     finally:
         ray.shutdown()
         nodes.shutdown()
+        # Its head advertised itself to every `ray.init()` on this machine: no longer.
+        advert = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        with contextlib.suppress(OSError):
+            if advert.read_text().strip() == nodes.address:
+                advert.unlink()
 
 
 @pytest.fixture(scope="module")
