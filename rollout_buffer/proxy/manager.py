@@ -21,7 +21,6 @@ this manager places them there and asks them.
 
 from __future__ import annotations
 
-import asyncio
 import builtins
 import logging
 import secrets
@@ -35,7 +34,7 @@ from rollout_buffer.delivery.store import StoreError
 from rollout_buffer.generation.context import RolloutContext, RunResources
 from rollout_buffer.generation.run_manager import RunManager
 from rollout_buffer.generation.runner import Run
-from rollout_buffer.generation.sessions import AgentSession, is_socket
+from rollout_buffer.generation.sessions import AgentSession
 from rollout_buffer.observability import metrics
 from rollout_buffer.proxy.expiry import Reaper
 from rollout_buffer.proxy.journal import Journal, StoredSession, idle_since, load_sessions, load_state, replay
@@ -86,7 +85,6 @@ class SessionManager:
         # A session worker that started again, until the buffer has had its stored sessions restored: a request
         # for a session it does not hold yet is answered "send it again" rather than "unknown".
         self.restoring = False
-        self._sockets_here: dict[str, bool] = {}  # agent sockets of session workers: on this machine or not
 
     @property
     def local_url(self) -> str:
@@ -102,22 +100,14 @@ class SessionManager:
                 remote = await self.workers.open_generator(ctx, metadata or {})
             except WorkerUnavailable as e:
                 raise WorkerSessionError(str(e)) from None
-            if remote.agent_socket is not None and not await self._socket_here(remote.agent_socket):
-                remote.agent_socket = None  # a worker on another node: sandboxed agents here use the network
+            remote.agent_socket = await self.workers.socket_here(remote.agent_socket)
             return remote
         return self._register(ctx, "generator", self.local_url, metadata or {}, run=None)
-
-    async def _socket_here(self, path: str) -> bool:
-        """Whether `path` is a Unix socket on this machine (asked once per path)."""
-        if path not in self._sockets_here:
-            self._sockets_here[path] = await asyncio.to_thread(is_socket, path)
-        return self._sockets_here[path]
 
     async def place(self, run: Run, instance_id: str, metadata: dict[str, Any], public_url: str,
                     near: str | None = None) -> dict[str, Any]:
         """Open a harness session (`POST /sessions`): on a session worker when the server has them (one on node
-        `near`, if any), else here. What identifies it and how to reach it (ids, base URLs, key, uid; the worker's
-        number on a worker)."""
+        `near`, if any), else here. Its ids, base URLs, key and uid (and worker, node on a worker)."""
         if self.workers is not None:
             await self._wait_ready(run)
             try:

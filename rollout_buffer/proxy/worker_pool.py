@@ -33,6 +33,7 @@ from rollout_buffer.config import AUTH_TOKEN_ENV, ServerConfig
 from rollout_buffer.generation.http_pool import HttpPool, TransportError
 from rollout_buffer.generation.run_manager import RunManager
 from rollout_buffer.generation.runner import Run
+from rollout_buffer.generation.sessions import is_socket
 from rollout_buffer.observability import logs, metrics
 from rollout_buffer.proxy.recovery import StoredSummary, record_failure, recovery_plan
 from rollout_buffer.proxy.session import new_session_id
@@ -92,6 +93,7 @@ class SessionWorkers:
         self._client: HttpPool | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._stopping = False
+        self._sockets_here: dict[str, bool] = {}  # workers' agent sockets: on this machine or not
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     async def start(self, runs: RunManager) -> None:
@@ -316,6 +318,13 @@ class SessionWorkers:
         slot.served += 1
         return WorkerSession(functools.partial(self.ask, slot), functools.partial(self.forget_generator,
                              opened["session_id"]), slot.index, run.run_id, opened)
+
+    async def socket_here(self, path: str | None) -> str | None:
+        """A worker's agent socket `path` when it is on this machine (a worker on another node: None, and the
+        sandboxed agents this process runs use the network)."""
+        if path is not None and path not in self._sockets_here:
+            self._sockets_here[path] = await asyncio.to_thread(is_socket, path)
+        return path if path is not None and self._sockets_here[path] else None
 
     def forget_generator(self, session_id: str) -> None:
         """A generator's session closed."""
