@@ -29,7 +29,8 @@ from rich.table import Table
 from bench.harness import Service, free_port
 from bench.long_records import long_records
 from rollout_buffer.config import ServerConfig
-from rollout_buffer.delivery.buffer import RolloutBuffer, encode_record
+from rollout_buffer.delivery.buffer import RolloutBuffer
+from rollout_buffer.delivery.encoded import encode_record
 from rollout_buffer.delivery.store import Store
 from rollout_buffer.generation.tokenizer import bundled_tokenizer_path, load_tokenizer
 from rollout_buffer.schemas import TrajectoryRecord

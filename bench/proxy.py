@@ -9,7 +9,8 @@ run on the same simulated engine:
   and tokenizes);
 - **proxy**: the agents call their session's `/sessions/{id}/v1/chat/completions` in a buffer holding an
   agent run; the buffer renders, keeps exact tokens, calls the engine's `/generate`, parses the tool calls,
-  and stores each episode's record at `POST /sessions/{id}/finish` (a new session per episode).
+  and stores each episode's record when the agent posts its reward to the session's `finish_url` (a new session
+  per episode; with session workers that is the worker's, which hands the records to the buffer in batches).
 
 Rates are taken over a window after a warm-up. The buffer's CPU per turn counts everything it did in the
 window (session opening and finishing, the tokenization check and SQLite writes included) over the turns it
@@ -131,7 +132,7 @@ class Agents:
                 messages += [{"role": "assistant", "content": reply["content"]},
                              {"role": "user", "content": f"Check it once more ({turn})."}]
         if self.target == "proxy":
-            await self._post(http, f"{self.buffer_url}/sessions/{opened['session_id']}/finish", {"reward": 1.0})
+            await self._post(http, opened["finish_url"], {"reward": 1.0})
 
     async def _agent(self, http: aiohttp.ClientSession, k: int) -> None:
         # Agents start spread over one engine latency, and their first episodes are cut short by 0 to turns-1

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from rollout_buffer.config import ServerConfig
-from rollout_buffer.delivery.buffer import RolloutBuffer, encode_record
+from rollout_buffer.delivery.buffer import RolloutBuffer
+from rollout_buffer.delivery.encoded import encode_record
 from rollout_buffer.delivery.groups import GroupPolicy
 from rollout_buffer.delivery.records import NewRecord, Records
 from rollout_buffer.delivery.store import Store

@@ -48,7 +48,8 @@ DELIVERY: dict[str, set[str]] = {
     "evals": {"store"},
     "queries": set(),
     "ledger": {"streams", "versions"},
-    "buffer": {"store", "groups", "versions", "runs", "streams", "records", "reads", "evals", "ledger"},
+    "encoded": {"records", "streams", "versions"},  # a record as the store takes it, made where it is built
+    "buffer": {"store", "groups", "versions", "runs", "streams", "records", "reads", "evals", "ledger", "encoded"},
 }
 # The core never names the packages that sit beside it: generators are found by discovery, the slime adapter
 # speaks HTTP only.

@@ -138,6 +138,7 @@ def test_openai_client_multi_turn_with_parallel_tool_calls(buffer: Server, engin
 
     tree = view(buffer.url, session)
     assert [(b["branch"], b["turns"], b["tool_calls"]) for b in tree["branches"]] == [(0, 2, 2)]
+    assert session["finish_url"] == f"{buffer.url}/sessions/{session['session_id']}/finish"
     stored = finish(buffer.url, session, 1.0)
     rec = record(buffer.url, stored["uids"][0])
     assert rec["status"] == "completed" and rec["extra_info"]["branch"] == 0

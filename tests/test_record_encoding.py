@@ -1,4 +1,5 @@
-"""How records are stored and read back: float32 log-probs in their shortest form, a GC-paused decode."""
+"""How records are stored and read back: float32 log-probs in their shortest form, a GC-paused decode, records a
+session worker encoded crossing to the buffer as stored."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import gc
 import numpy as np
 import orjson
 import pytest
+from pydantic import ValidationError
 
-from rollout_buffer.delivery.buffer import encode_record
+from rollout_buffer.delivery.encoded import EncodedRecord, decode_wire, encode_record
 from rollout_buffer.schemas import TrajectoryRecord
 from slime_adapter.client import decode_json
 
@@ -53,3 +55,17 @@ def test_decoding_pauses_the_gc_and_restores_it() -> None:
         assert not gc.isenabled()  # a caller that had it off keeps it off
     finally:
         gc.enable()
+
+
+def test_a_record_encoded_by_a_worker_reaches_the_store_as_it_was_encoded() -> None:
+    rec = _record([-0.5, -1.25])
+    rec.extra_info = {"epoch": 2, "episode_id": "ep-1", "agent_id": 3, "metrics": {"steps": 4},
+                      "weight_version_min": "5", "weight_version_max": "7"}
+    encoded = EncodedRecord.of(rec)
+    (back,) = decode_wire(orjson.loads(orjson.dumps([encoded.wire()])))
+    assert back == encoded and back.row.blob == encode_record(rec)
+    assert (back.row.epoch, back.row.episode, back.row.agent_id, back.versions, back.metrics) == (
+        2, "ep-1", "3", (5, 7), {"steps": 4})
+    malformed = {**encoded.wire(), "status": "done"}
+    with pytest.raises(ValidationError, match="status"):
+        decode_wire([malformed])

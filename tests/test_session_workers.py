@@ -9,6 +9,7 @@ worker or without the worker's secret are refused in the caller's protocol."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -48,6 +49,7 @@ from rollout_buffer.config import ServerConfig
 from rollout_buffer.proxy.worker_launch import LocalLauncher
 from rollout_buffer.proxy.worker_pool import SessionWorkers
 from rollout_buffer.proxy.worker_sessions import WorkerUnavailable
+from rollout_buffer.server.session_worker import create_worker_app
 
 
 @pytest.fixture(scope="module")
@@ -163,8 +165,13 @@ def test_sessions_spread_over_workers_with_exact_tokens_and_whole_groups(
     assert [b["turns"] for b in view(buffer.url, sessions[0])["branches"]] == [2]
     assert all(w["up"] and w["sessions"] == 2 for w in workers(buffer))
 
-    stored = [finish(buffer.url, s, float(i)) for i, s in enumerate(sessions)]
-    assert [s["records"] for s in stored] == [1, 1, 1, 1]
+    # Finished at the worker (the session's `finish_url`: the records reach the buffer in a batch) or at the buffer.
+    assert [s["finish_url"] for s in sessions] == [s["anthropic_base_url"] + "/finish" for s in sessions]
+    stored = [httpx.post(s["finish_url"], json={"reward": float(i)}, timeout=60).json() if i % 2 == 0
+              else finish(buffer.url, s, float(i)) for i, s in enumerate(sessions)]
+    assert [(s["success"], s["records"], s["status"]) for s in stored] == [(True, 1, "finished")] * 4
+    again = httpx.post(sessions[0]["finish_url"], json={"reward": 1.0}, timeout=60)
+    assert again.status_code == 409 and "already finished" in again.json()["message"]
     records = drain(buffer.url)
     assert sorted(r["uid"] for r in records) == sorted(u for s in stored for u in s["uids"])
     by_group: dict[str, list[dict[str, Any]]] = {}
@@ -175,9 +182,11 @@ def test_sessions_spread_over_workers_with_exact_tokens_and_whole_groups(
         assert r["status"] == "completed" and len(spans(r["loss_mask"])) == 2
         assert_engine_tokens(engine, r)
     assert sorted(r["extra_info"]["protocols"][0] for r in records) == ["anthropic", "openai", "openai", "responses"]
-    status = httpx.get(f"{buffer.url}/status", timeout=10).json()
-    assert status["run"]["progress"]["in_flight"] == 0 and status["run"]["progress"]["done"] == 4
+    status = wait_until(lambda: (lambda s: s if s["run"]["progress"]["in_flight"] == 0 else None)(
+        httpx.get(f"{buffer.url}/status", timeout=10).json()), 10)  # the workers tell of their closes in batches
+    assert status["run"]["progress"]["done"] == 4
     assert all(w["sessions"] == 0 for w in status["session_workers"])
+    assert sorted(stored_uids(buffer, run_id)) == sorted(r["uid"] for r in records), "each record stored once"
 
     def turns_counted() -> bool:  # the workers' metrics reach the buffer's /metrics
         text = httpx.get(f"{buffer.url}/metrics", timeout=10).text
@@ -299,15 +308,41 @@ def test_calls_to_the_wrong_worker_or_without_its_secret_are_refused(
     path = next(c.laddr for c in psutil.Process(pid).net_connections(kind="unix") if c.laddr.endswith("agents.sock"))
     with httpx.Client(transport=httpx.HTTPTransport(uds=path), base_url="http://worker", timeout=10) as on_socket:
         assert on_socket.post("/worker/sessions/list", json={}).status_code == 403
+        assert on_socket.post(f"/sessions/{session['session_id']}/finish", json={"reward": 1.0}).status_code == 403
         assert on_socket.get("/healthz").status_code == 403
         turn = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         chat = f"/sessions/{session['session_id']}/v1/chat/completions"
         assert on_socket.post(chat, json=turn).status_code == 401
         answer = on_socket.post(chat, json=turn, headers={"Authorization": f"Bearer {session['api_key']}"})
         assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"], answer.text
+    elsewhere = httpx.post(session["finish_url"].replace(session["base_url"].split("/")[2], wrong.split("/")[2]),
+                           json={"reward": 1.0}, timeout=10)
+    assert elsewhere.status_code == 404 and not elsewhere.json()["success"], "finished at the wrong worker"
     forged = httpx.post(f"{buffer.url}/workers/records", json={"records": []}, timeout=10)
     assert forged.status_code == 403 and "session workers" in forged.json()["message"]
     assert finish(buffer.url, session, 1.0)["records"] == 1
+
+
+def test_a_harness_finishes_at_a_worker_with_the_servers_token_never_a_sessions_key(tmp_path: Path) -> None:
+    config = ServerConfig(data_dir=tmp_path, auth_token="server-token")
+    app = create_worker_app(config, 0, "http://127.0.0.1:9", "worker-secret")
+
+    async def calls() -> None:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as worker:
+            finish_url, reward = "/sessions/s-1/finish", {"reward": 1.0}
+            token = {"Authorization": "Bearer server-token"}
+            assert (await worker.post(finish_url, json=reward)).status_code == 401
+            as_agent = await worker.post(finish_url, json=reward, headers={"Authorization": "Bearer a-session-key"})
+            assert as_agent.status_code == 401 and not as_agent.json()["success"]
+            as_harness = await worker.post(finish_url, json=reward, headers=token)
+            # Past the checks: this worker has not been told which sessions it restores yet.
+            assert as_harness.status_code == 503 and "send the request again" in as_harness.json()["message"]
+            bad = await worker.post(finish_url, json={"reward": "high"}, headers=token)
+            assert bad.status_code == 422 and "reward" in bad.json()["message"]
+            listed = await worker.post("/worker/sessions/list", json={}, headers=token)
+            assert listed.status_code == 403, "the token finishes sessions; the rest is the buffer's"
+
+    asyncio.run(calls())
 
 
 def test_session_worker_ports_are_checked() -> None:

@@ -10,19 +10,17 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
-import orjson
-
 from rollout_buffer.config import ServerConfig
+from rollout_buffer.delivery.encoded import EncodedRecord
 from rollout_buffer.delivery.evals import EvalStore
 from rollout_buffer.delivery.groups import GroupKey, GroupOutcome, GroupPolicy, Record
 from rollout_buffer.delivery.ledger import RunLedger
 from rollout_buffer.delivery.reads import Reads
-from rollout_buffer.delivery.records import CompleteGroup, Finished, NewRecord, Records, WriteResult
+from rollout_buffer.delivery.records import CompleteGroup, Finished, Records, WriteResult
 from rollout_buffer.delivery.runs import Runs, StoredRun
 from rollout_buffer.delivery.store import Store
-from rollout_buffer.delivery.streams import DEFAULT_STREAM, Batch, Order, StaleGroup, StoredRecord, Streams, role_of
-from rollout_buffer.delivery.versions import StalenessRule, TrainerVersion, version_range
+from rollout_buffer.delivery.streams import DEFAULT_STREAM, Batch, Order, StaleGroup, StoredRecord, Streams
+from rollout_buffer.delivery.versions import StalenessRule, TrainerVersion
 from rollout_buffer.observability import metrics
 from rollout_buffer.schemas import TrajectoryRecord
 
@@ -33,26 +31,6 @@ class HookSource(Protocol):
     """What delivery needs of a generator: its optional slime-named hooks (`generation.plugins.Generator`)."""
 
     def hook(self, name: str) -> Callable[..., Any] | None: ...
-
-
-class RecordError(ValueError):
-    """A record that validates but cannot be stored (e.g. integers beyond 64 bits)."""
-
-
-def encode_record(record: TrajectoryRecord) -> bytes:
-    """The record as stored JSON; raises RecordError naming the uid when JSON cannot hold it.
-
-    Log-probs are kept at float32 precision, in their shortest float32 form: SGLang computes them in
-    float32 and slime trains on float32 tensors, and the float64 digits beyond that are nearly half of the
-    JSON of a long trajectory (which every consumer then has to parse).
-    """
-    data = record.model_dump(mode="json")
-    if data.get("rollout_log_probs"):
-        data["rollout_log_probs"] = np.asarray(data["rollout_log_probs"], dtype=np.float32)
-    try:
-        return orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY)
-    except TypeError as e:
-        raise RecordError(f"record {record.uid!r} cannot be stored as JSON: {e}") from None
 
 
 @dataclass
@@ -197,13 +175,12 @@ class RolloutBuffer:
     # ---- writes and group completion -------------------------------------------------------------
     async def write(self, records: Iterable[TrajectoryRecord], run: StoredRun | None = None) -> WriteResult:
         """Persist records of a run (the writer run by default); completed groups become deliverable."""
+        return await self.write_encoded([EncodedRecord.of(r) for r in records], run)
+
+    async def write_encoded(self, records: list[EncodedRecord], run: StoredRun | None = None) -> WriteResult:
+        """`write` for records encoded already (by a session worker, or by `write`)."""
         run = run or await self._writer_run()
-        records = list(records)
-        items = [
-            NewRecord(r.uid, r.instance_id, r.epoch, r.status, encode_record(r), episode=r.extra_info.get("episode_id"),
-                      agent_id=role_of({"extra_info": r.extra_info}), reward=r.reward)
-            for r in records
-        ]
+        items = [r.row for r in records]
         policy = self.policy_for(run)
         with metrics.STORE_WRITE_SECONDS.time():
             # The built-in policy runs on the store thread between two commits; user hooks in a worker thread.
@@ -215,8 +192,7 @@ class RolloutBuffer:
         ledger = self._ledgers.get(run.run_id)
         if ledger is not None:
             for r in records:
-                seen = version_range({"extra_info": r.extra_info, "weight_versions": r.weight_versions})
-                ledger.engine_seen(seen[1] if seen else None)
+                ledger.engine_seen(r.versions[1] if r.versions else None)
         self._completed(result.finished)
         return result
 

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from rollout_buffer.config import ServerConfig
-from rollout_buffer.delivery.buffer import RolloutBuffer, encode_record
+from rollout_buffer.delivery.buffer import RolloutBuffer
+from rollout_buffer.delivery.encoded import encode_record
 from rollout_buffer.delivery.evals import EvalKey, EvalSample, EvalStore, EvalSummary
 from rollout_buffer.generation.context import RolloutContext, RunResources
 from rollout_buffer.generation.engine import EngineClient

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from rollout_buffer.config import ServerConfig
-from rollout_buffer.delivery.buffer import RecordError, RolloutBuffer
+from rollout_buffer.delivery.buffer import RolloutBuffer
+from rollout_buffer.delivery.encoded import EncodedRecord, RecordError
 from rollout_buffer.delivery.runs import StoredRun, StoredWork
 from rollout_buffer.delivery.streams import StaleGroup
 from rollout_buffer.generation.admission import AdmissionController, AdmissionPolicy
@@ -413,14 +414,21 @@ class Run:
         """Store records produced outside the run's own scheduling (agent sessions a harness finished)."""
         await self._write(records)
 
+    async def accept_encoded(self, records: list[EncodedRecord]) -> None:
+        """`accept` for records a session worker encoded."""
+        await self._write_encoded(records)
+
     async def _write(self, records: list[TrajectoryRecord]) -> None:
+        await self._write_encoded([EncodedRecord.of(r) for r in records])
+
+    async def _write_encoded(self, records: list[EncodedRecord]) -> None:
         if self._run_row is None:
             raise RuntimeError(f"run {self.run_id} vanished from the store")
-        await self.buffer.write(records, self._run_row)
+        await self.buffer.write_encoded(records, self._run_row)
         for r in records:
-            self.progress.statuses[r.status] += 1
-            self.progress.note_metrics(r.extra_info.get("metrics"))
-            if r.status == "failed":
+            self.progress.statuses[r.row.status] += 1
+            self.progress.note_metrics(r.metrics)
+            if r.row.status == "failed":
                 self.progress.failed += 1
             else:
                 self.progress.done += 1

@@ -515,5 +515,5 @@ class SessionManager:
 
 def _finished(session: Session, records: list[TrajectoryRecord], outcome: str) -> dict[str, Any]:
     """What finishing a session answers."""
-    return {"session_id": session.session_id, "records": len(records), "uids": [r.uid for r in records],
-            "branches": len(session.tree.branches), "status": outcome}
+    return {"session_id": session.session_id, "run_id": session.ctx.run.run_id, "records": len(records),
+            "uids": [r.uid for r in records], "branches": len(session.tree.branches), "status": outcome}

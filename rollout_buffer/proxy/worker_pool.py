@@ -4,8 +4,9 @@ so that parsing, rendering, tokenizing and journaling a turn cost the buffer not
 The buffer keeps the store, grouping, delivery and each run's accounting. `POST /sessions` places a session on
 the worker holding the fewest and answers a base URL that names that worker's own port: agents talk to their
 worker directly, with nothing forwarded (a forwarding front would spend on every turn the buffer CPU the workers
-exist to save). Finishing, showing and listing sessions go through the buffer, which asks the worker holding them.
-Workers hand records back in batches (`POST /workers/records`, `take`).
+exist to save). A harness finishes a session at the worker (its `finish_url`), which hands the records back in
+batches (`POST /workers/records`, `take`); finishing at the buffer, showing and listing sessions go through the
+buffer, which asks the worker holding them.
 
 A worker that dies (SIGKILL, an OOM kill) is started again on the same port with the same folder: it restores
 its sessions from their journals (`proxy.recovery` decides which), so a client's retry of the turn in flight, at
@@ -27,9 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 
 from rollout_buffer.config import AUTH_TOKEN_ENV, ServerConfig
+from rollout_buffer.delivery.encoded import EncodedRecord, decode_wire
 from rollout_buffer.generation.http_pool import HttpPool, TransportError
 from rollout_buffer.generation.run_manager import RunManager
 from rollout_buffer.generation.runner import Run
@@ -40,11 +42,9 @@ from rollout_buffer.proxy.session import new_session_id
 from rollout_buffer.proxy.worker_launch import WorkerLauncher
 from rollout_buffer.proxy.worker_run import WORKER_SECRET_ENV, WORKER_SECRET_HEADER
 from rollout_buffer.proxy.worker_sessions import WorkerCallError, WorkerSession, WorkerUnavailable
-from rollout_buffer.schemas import TrajectoryRecord
 
 log = logging.getLogger(__name__)
 
-RECORDS: TypeAdapter[list[TrajectoryRecord]] = TypeAdapter(list[TrajectoryRecord])
 START_TIMEOUT_S = 60.0  # a worker that does not answer /healthz by then is started again
 _RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0)
 _CALL_TIMEOUT_S = 150.0  # finishing waits for turns in flight (up to 30 s there)
@@ -350,12 +350,11 @@ class SessionWorkers:
         status, answer = await self.ask(slot, f"/worker/sessions/{session_id}/finish", body)
         if status != 200:
             return status, answer
-        summary = self.summaries.get(session_id)
         try:
-            records = RECORDS.validate_python(answer["records"])
+            run_id, records = str(answer["summary"]["run_id"]), decode_wire(answer["records"])
         except (KeyError, ValidationError) as e:
             return 502, {"message": f"session worker {slot.index} answered records that are not valid: {e}"}
-        await self._store(summary.run_id if summary is not None else records[0].extra_info["run_id"], records)
+        await self._store(run_id, records)
         self._let_go(session_id)
         self._release(slot, session_id)
         summary_answer: dict[str, Any] = answer["summary"]
@@ -377,18 +376,18 @@ class SessionWorkers:
         except WorkerUnavailable as e:  # its journals stay: recovery finds their records stored and lets them go
             log.warning("session worker %d was not told %d sessions were stored: %s", slot.index, len(released), e)
 
-    async def _store(self, run_id: str, records: builtins.list[TrajectoryRecord]) -> None:
+    async def _store(self, run_id: str, records: builtins.list[EncodedRecord]) -> None:
         """Store records of `run_id`: in the run when it is running, else straight in the store (ValueError when
         the run is gone)."""
         assert self._runs is not None
         run = self._current(run_id)
         if run is not None:
-            await run.accept(records)
+            await run.accept_encoded(records)
             return
         row = await self._runs.buffer.runs.get(run_id)
         if row is None:
             raise ValueError(f"records: no run {run_id!r}")
-        await self._runs.buffer.write(records, row)
+        await self._runs.buffer.write_encoded(records, row)
 
     async def view(self, session_id: str) -> dict[str, Any] | None:
         """A session's view from its worker (None when it has none)."""
@@ -458,7 +457,7 @@ class SessionWorkers:
         ValueError for a malformed batch; StoreError when the store refused (the worker sends it again)."""
         assert self._runs is not None
         try:
-            parts = [(str(p["run_id"]), RECORDS.validate_python(p["records"])) for p in batch.get("records", [])]
+            parts = [(str(p["run_id"]), decode_wire(p["records"])) for p in batch.get("records", [])]
         except (KeyError, TypeError, ValidationError) as e:
             raise ValueError(f"records: {e}") from None
         for run_id, records in parts:

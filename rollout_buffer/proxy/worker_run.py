@@ -2,7 +2,9 @@
 in the worker from the run's start payload, its sessions' records handed to the buffer, which stores them.
 
 Records and what became of the sessions go to the buffer in batches (`BufferLink`: one `POST /workers/records`
-carries what arrived while the previous one was under way, with the metrics the worker gained). A session's
+carries the records that arrived while the previous one was under way or within a few milliseconds, the session
+events of up to a quarter of a second, and every two seconds the metrics the worker gained): each request costs
+the buffer more than the records it carries, so records wait briefly for company. A session's
 records are handed over before its journal goes (`SessionManager._store`): a batch the buffer does not store
 fails the finish that sent it, and the session stays stored, as in the buffer's own process.
 """
@@ -11,10 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import httpx
+import orjson
 
+from rollout_buffer.delivery.encoded import EncodedRecord
 from rollout_buffer.delivery.store import StoreError
 from rollout_buffer.generation.context import RolloutContext, RunResources
 from rollout_buffer.generation.trajectory import failed_record
@@ -25,8 +30,13 @@ log = logging.getLogger(__name__)
 
 WORKER_SECRET_ENV = "ROLLOUT_BUFFER_WORKER_SECRET"
 WORKER_SECRET_HEADER = "x-rollout-buffer-worker"
-# How often the link reports metrics when no record or event made it send earlier.
+# How often the link reports the metrics the worker gained.
 _METRICS_EVERY_S = 2.0
+# How long a session event waits for records to go with: a finished session's `closed` follows its records, and
+# rides with the next session's rather than costing the buffer a request of its own.
+_EVENTS_WAIT_S = 0.25
+# How long records wait for others before they go: each batch costs the buffer a request, whatever it carries.
+_RECORDS_LINGER_S = 0.025
 _RETRY_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 _TIMEOUT = httpx.Timeout(60.0, connect=10.0)
 
@@ -44,7 +54,9 @@ class BufferLink:
         self._records: list[tuple[str, list[dict[str, Any]], asyncio.Future[None]]] = []
         self._events: list[dict[str, Any]] = []
         self._metrics = metrics.Deltas()
+        self._metrics_at = 0.0
         self._wake = asyncio.Event()
+        self._events_due: asyncio.TimerHandle | None = None
         self._sender: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -59,9 +71,11 @@ class BufferLink:
         await future
 
     def event(self, event: dict[str, Any]) -> None:
-        """Tell the buffer what became of a session (`closed`, `failed`), with the next batch."""
+        """Tell the buffer what became of a session (`closed`, `failed`), with the next batch (sent at the latest
+        `_EVENTS_WAIT_S` from now)."""
         self._events.append(event)
-        self._wake.set()
+        if self._events_due is None:
+            self._events_due = asyncio.get_running_loop().call_later(_EVENTS_WAIT_S, self._wake.set)
 
     async def _send_loop(self) -> None:
         while True:
@@ -69,10 +83,18 @@ class BufferLink:
                 await asyncio.wait_for(self._wake.wait(), _METRICS_EVERY_S)
             except TimeoutError:
                 pass
+            if self._records:
+                await asyncio.sleep(_RECORDS_LINGER_S)
             self._wake.clear()
+            if self._events_due is not None:
+                self._events_due.cancel()
+                self._events_due = None
             records, self._records = self._records, []
             events, self._events = self._events, []
-            deltas = self._metrics.take()
+            deltas = []
+            if time.monotonic() - self._metrics_at >= _METRICS_EVERY_S:  # not with every batch: they cost the buffer
+                self._metrics_at = time.monotonic()
+                deltas = self._metrics.take()
             if not (records or events or deltas):
                 continue
             body = {"worker": self.worker, "events": events, "metrics": deltas,
@@ -94,7 +116,8 @@ class BufferLink:
         for delay in (0.0, *_RETRY_S):
             await asyncio.sleep(delay)
             try:
-                resp = await self._client.post("/workers/records", json=body)
+                resp = await self._client.post("/workers/records", content=orjson.dumps(body),
+                                               headers={"content-type": "application/json"})
             except httpx.HTTPError as e:
                 error = f"the buffer is out of reach: {type(e).__name__}: {e}"
                 continue
@@ -145,4 +168,4 @@ class WorkerRun:
 
     async def accept(self, records: list[TrajectoryRecord]) -> None:
         """Hand the records to the buffer; returns once stored there."""
-        await self.link.deliver(self.run_id, [r.model_dump(mode="json") for r in records])
+        await self.link.deliver(self.run_id, [EncodedRecord.of(r).wire() for r in records])

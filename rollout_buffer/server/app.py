@@ -21,7 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from rollout_buffer.config import ServerConfig
-from rollout_buffer.delivery.buffer import RecordError, RolloutBuffer
+from rollout_buffer.delivery.buffer import RolloutBuffer
+from rollout_buffer.delivery.encoded import RecordError
 from rollout_buffer.delivery.queries import Reader
 from rollout_buffer.delivery.store import Store, StoreError
 from rollout_buffer.delivery.streams import DEFAULT_STREAM, StreamMismatch
@@ -127,6 +128,30 @@ class BufferApp(FastAPI):
             await super().__call__(scope, receive, send)
 
 
+def answer_errors_as_slime(app: FastAPI) -> None:
+    """Answer invalid bodies and records (422 naming the fields), HTTP errors and a store that refused (503) in slime's
+    `{"success": false, "message"}` shape: the buffer's routes, and the routes a harness calls on a session
+    worker."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> Response:
+        errors = input_locations(exc.errors(), exc.body)
+        return error_response(422, "invalid request: " + describe_errors(errors), jsonable(errors))
+
+    # Starlette's class: FastAPI raises it too (e.g. for an unparseable body), not only its own subclass.
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+
+    @app.exception_handler(StoreError)
+    async def _store(_: Request, exc: StoreError) -> Response:
+        return error_response(503, f"store unavailable, nothing was written: {exc}")
+
+    @app.exception_handler(RecordError)
+    async def _record(_: Request, exc: RecordError) -> Response:
+        return error_response(422, str(exc))
+
+
 def create_app(config: ServerConfig) -> FastAPI:
     """Build the FastAPI app; the store opens and the active run resumes at start-up."""
     generators = discover(config.generator_paths)
@@ -182,19 +207,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         app.add_middleware(AgentSocketGate, guards=guards)
     app.add_middleware(RefusalLog)  # outermost: logs and counts the refusals of every layer inside it
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> Response:
-        errors = input_locations(exc.errors(), exc.body)
-        return error_response(422, "invalid request: " + describe_errors(errors), jsonable(errors))
-
-    # Starlette's class: FastAPI raises it too (e.g. for an unparseable body), not only its own subclass.
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
-        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
-
-    @app.exception_handler(RecordError)
-    async def _record(_: Request, exc: RecordError) -> Response:
-        return error_response(422, str(exc))
+    answer_errors_as_slime(app)
 
     @app.exception_handler(VersionConflict)
     async def _version(_: Request, exc: VersionConflict) -> Response:
@@ -209,10 +222,6 @@ def create_app(config: ServerConfig) -> FastAPI:
         # A bug still answers in slime's shape, and says where it happened.
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
-
-    @app.exception_handler(StoreError)
-    async def _store(_: Request, exc: StoreError) -> Response:
-        return error_response(503, f"store unavailable, nothing was written: {exc}")
 
     @app.get("/healthz", summary="Liveness probe (no auth)")
     async def healthz() -> Response:

@@ -85,7 +85,11 @@ def mount_proxy(app: FastAPI) -> None:
         run = _agent_run(request, body.run_id)
         opened = await manager(request).place(run, body.instance_id, body.metadata, str(request.base_url),
                                               near=body.node)
-        return json_response({"success": True, **opened, "run_id": run.run_id, "instance_id": body.instance_id})
+        # Where the harness finishes it: the session's own root (`anthropic_base_url`), on the process holding
+        # it; on a session worker that spares the buffer a round trip per session (the records reach it batched).
+        finish_url = f"{opened['anthropic_base_url']}/finish"
+        return json_response({"success": True, **opened, "finish_url": finish_url, "run_id": run.run_id,
+                              "instance_id": body.instance_id})
 
     async def _open_for_actor(request: Request, body: OpenGeneratorSessionRequest) -> Response:
         run = _agent_run(request, body.run_id, any_task=True)

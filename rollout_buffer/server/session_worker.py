@@ -5,10 +5,10 @@ Each worker holds its sessions' state and journal (its own folder, `<data dir>/s
 run's engine client and tokenizer from the run's start payload, talks to the engines itself and hands finished
 records to the buffer in batches (`proxy.worker_run`); the buffer keeps the store, grouping, delivery and the run's
 accounting (`proxy.worker_pool`). Agents reach their session here directly (the session's base URL names this
-worker's port), or, sandboxed without a network on this node, through its own agent socket; the buffer alone
-calls the rest — placing a session, opening or ending a run, finishing or
-showing a session, restoring sessions after a restart — with the worker's secret (an environment variable, never
-an argument, like the server's token).
+worker's port), or, sandboxed without a network on this node, through its own agent socket; a harness finishes
+its session here (`finish_url`, with the server's token when it has one); the buffer alone calls the rest —
+placing a session, opening or ending a run, finishing or showing a session for its own routes, restoring sessions
+after a restart — with the worker's secret (an environment variable, never an argument, like the server's token).
 
 Started by the buffer as `rollout-buffer session-worker ...`; it dies with the buffer (parent-death signal).
 """
@@ -31,10 +31,10 @@ import setproctitle
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rollout_buffer.config import AUTH_TOKEN_ENV, DEFAULT_MAX_BODY_BYTES, ServerConfig
+from rollout_buffer.delivery.encoded import EncodedRecord
 from rollout_buffer.generation.resources import close_resources, run_resources
 from rollout_buffer.observability.logs import ACCESS_LOG_MODES, setup_logging
 from rollout_buffer.proxy.journal import load_sessions
@@ -42,11 +42,12 @@ from rollout_buffer.proxy.manager import SessionError, SessionManager
 from rollout_buffer.proxy.recovery import StoredSummary
 from rollout_buffer.proxy.worker_run import WORKER_SECRET_ENV, WORKER_SECRET_HEADER, BufferLink, WorkerRun
 from rollout_buffer.schemas import DiscardSessionRequest, FinishSessionRequest, StartRolloutRequest
-from rollout_buffer.server.app import BufferApp
-from rollout_buffer.server.bodies import error_response, json_response
+from rollout_buffer.server.app import BufferApp, answer_errors_as_slime
+from rollout_buffer.server.bodies import error_response, json_response, parse_body, validated
 from rollout_buffer.server.guards import Guards, is_session_api
 from rollout_buffer.server.listeners import agent_socket, tcp_listener
 from rollout_buffer.server.middleware import AgentSocketGate, BodyLimitMiddleware
+from rollout_buffer.server.proxy_routes import FINISH_BODY
 
 log = logging.getLogger(__name__)
 
@@ -95,20 +96,32 @@ class RestoreSessions(BaseModel):
 
 
 class WorkerSecret:
-    """Every route but a session's API, `/healthz` and `HEAD /sessions/{id}` (Claude Code probes its base URL) is
-    the buffer's: it must present the worker's secret."""
+    """Every route but a session's API, `/healthz`, `HEAD /sessions/{id}` (Claude Code probes its base URL) and a
+    harness's `POST /sessions/{id}/finish` is the buffer's: it must present the worker's secret. Finishing takes
+    what the buffer's own `/finish` takes: the server's token when it has one (never a session's key, which its
+    agent holds)."""
 
-    def __init__(self, app: ASGIApp, secret: str):
+    def __init__(self, app: ASGIApp, secret: str, guards: Guards):
         self.app = app
         self.secret = secret.encode()
+        self.guards = guards
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not _public(scope):
+        if scope["type"] == "http" and _finish(scope):
+            if not self.guards.server_token_ok(scope):
+                await error_response(401, "missing or wrong bearer token")(scope, receive, send)
+                return
+        elif scope["type"] == "http" and not _public(scope):
             given = next((v for k, v in scope["headers"] if k == WORKER_SECRET_HEADER.encode()), b"")
             if not hmac.compare_digest(given, self.secret):
                 await error_response(403, "this route of a session worker is the buffer's")(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _finish(scope: Scope) -> bool:
+    parts = scope["path"].split("/")
+    return scope["method"] == "POST" and len(parts) == 4 and parts[1] == "sessions" and parts[3] == "finish"
 
 
 def _public(scope: Scope) -> bool:
@@ -145,15 +158,13 @@ def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret:
     app.add_middleware(BodyLimitMiddleware, guards=guards)
     if guards.agent_socket is not None:
         app.add_middleware(AgentSocketGate, guards=guards)
-    app.add_middleware(WorkerSecret, secret=secret)
+    app.add_middleware(WorkerSecret, secret=secret, guards=guards)
 
     @app.exception_handler(SessionError)
     async def _refused(_: Request, exc: SessionError) -> Response:
         return error_response(exc.status, str(exc))
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
-        return error_response(exc.status_code, str(exc.detail))
+    answer_errors_as_slime(app)
 
     async def run_of(run_id: str) -> WorkerRun:
         run = runs.get(run_id)
@@ -252,7 +263,16 @@ def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret:
     async def finish(session_id: str, body: FinishSessionRequest) -> Response:
         summary, records = await sessions.hand_over(session_id, body.reward, body.extra_info)
         return json_response({"success": True, "summary": summary,
-                              "records": [r.model_dump(mode="json") for r in records]})
+                              "records": [EncodedRecord.of(r).wire() for r in records]})
+
+    @app.post("/sessions/{session_id}/finish")  # a harness finishes here, at its session's `finish_url`
+    async def finish_here(session_id: str, request: Request) -> Response:
+        body = validated(FINISH_BODY, parse_body(await request.body()))
+        if sessions.restoring and session_id not in sessions.sessions:
+            raise HTTPException(503, f"session {session_id} may be among the sessions this worker is restoring "
+                                "after a restart; send the request again")
+        stored = await sessions.finish(session_id, body.reward, body.extra_info)  # records stored in the buffer
+        return json_response({"success": True, **stored})
 
     @app.post("/worker/sessions/released")
     async def released(body: ReleaseSessions) -> Response:

@@ -1,0 +1,91 @@
+"""A record in the form the store keeps it: its JSON encoded once, beside the few fields delivery and a run's
+progress read. Session workers encode their sessions' records and hand them over so, and the buffer stores them
+without validating or encoding them again (for a long trajectory that is most of what storing it costs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import numpy as np
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from rollout_buffer.delivery.records import NewRecord
+from rollout_buffer.delivery.streams import role_of
+from rollout_buffer.delivery.versions import version_range
+from rollout_buffer.schemas import TrajectoryRecord, TrajectoryStatus
+
+
+class RecordError(ValueError):
+    """A record that validates but cannot be stored (e.g. integers beyond 64 bits)."""
+
+
+def encode_record(record: TrajectoryRecord) -> bytes:
+    """The record as stored JSON; raises RecordError naming the uid when JSON cannot hold it.
+
+    Log-probs are kept at float32 precision, in their shortest float32 form: SGLang computes them in
+    float32 and slime trains on float32 tensors, and the float64 digits beyond that are nearly half of the
+    JSON of a long trajectory (which every consumer then has to parse).
+    """
+    data = record.model_dump(mode="json")
+    if data.get("rollout_log_probs"):
+        data["rollout_log_probs"] = np.asarray(data["rollout_log_probs"], dtype=np.float32)
+    try:
+        return orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY)
+    except TypeError as e:
+        raise RecordError(f"record {record.uid!r} cannot be stored as JSON: {e}") from None
+
+
+@dataclass(frozen=True)
+class EncodedRecord:
+    """A validated record as the store takes it (`row`), with its weight versions (oldest, newest) and its
+    `extra_info.metrics` (a run's progress averages them)."""
+
+    row: NewRecord
+    versions: tuple[int, int] | None
+    metrics: dict[str, Any] | None
+
+    @classmethod
+    def of(cls, record: TrajectoryRecord) -> EncodedRecord:
+        """Encode a validated record (RecordError when JSON cannot hold it)."""
+        info = record.extra_info
+        row = NewRecord(record.uid, record.instance_id, record.epoch, record.status, encode_record(record),
+                        episode=info.get("episode_id"), agent_id=role_of({"extra_info": info}), reward=record.reward)
+        metrics = info.get("metrics")
+        return cls(row, version_range({"extra_info": info, "weight_versions": record.weight_versions}),
+                   metrics if isinstance(metrics, dict) else None)
+
+    def wire(self) -> dict[str, Any]:
+        """JSON-ready, for `decode_wire` in another process (the record's JSON as a string)."""
+        r = self.row
+        return {"uid": r.uid, "instance_id": r.instance_id, "epoch": r.epoch, "status": r.status,
+                "episode": r.episode, "agent_id": r.agent_id, "reward": r.reward, "versions": self.versions,
+                "metrics": self.metrics, "record": r.blob.decode()}
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    uid: str
+    instance_id: str
+    epoch: int
+    status: TrajectoryStatus
+    episode: str | None
+    agent_id: str | None
+    reward: float | None
+    versions: Annotated[list[int], Field(min_length=2, max_length=2)] | None  # JSON has no tuples
+    metrics: dict[str, Any] | None
+    record: str
+
+
+_WIRE: TypeAdapter[list[_Wire]] = TypeAdapter(list[_Wire])
+
+
+def decode_wire(items: Any) -> list[EncodedRecord]:
+    """Encoded records from their `wire()` form; pydantic's ValidationError names a malformed field. The record's
+    JSON itself is not parsed again: the process that encoded it validated it (a session worker of this buffer)."""
+    return [EncodedRecord(NewRecord(w.uid, w.instance_id, w.epoch, w.status, w.record.encode(), episode=w.episode,
+                                    agent_id=w.agent_id, reward=w.reward),
+                          (w.versions[0], w.versions[1]) if w.versions else None, w.metrics)
+            for w in _WIRE.validate_python(items)]
