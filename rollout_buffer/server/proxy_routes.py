@@ -209,6 +209,12 @@ def _agent_run(request: Request, run_id: str | None, any_task: bool = False) -> 
     return run
 
 
+def restoring(session_id: str) -> str:
+    """Why a session worker that started again answers "send it again" for a session it does not hold yet."""
+    return (f"session {session_id} may be among the sessions this worker is restoring after a restart; "
+            "send the request again")
+
+
 def _session(scope: Scope, sessions: SessionManager, guards: Guards, session_id: str) -> Session:
     """The session, once the request proved it may drive it (`Guards.session_key_ok`: with a server token, or
     through the agent socket, the session's own key or the server token)."""
@@ -216,8 +222,7 @@ def _session(scope: Scope, sessions: SessionManager, guards: Guards, session_id:
         session = sessions.get(session_id)
     except WireError as e:
         if sessions.restoring:  # a session worker started again: its sessions come back from their journals
-            raise WireError("restoring", f"session {session_id} may be among the sessions this worker is "
-                            "restoring after a restart; send the request again") from None
+            raise WireError("restoring", restoring(session_id)) from None
         raise Refusal("session_closed" if session_id in sessions.closed else "unknown_session", e.kind,
                       e.message) from None
     if not guards.session_key_ok(scope, session.api_key):

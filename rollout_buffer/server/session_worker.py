@@ -46,8 +46,8 @@ from rollout_buffer.server.app import BufferApp, answer_errors_as_slime
 from rollout_buffer.server.bodies import error_response, json_response, parse_body, validated
 from rollout_buffer.server.guards import Guards, is_session_api
 from rollout_buffer.server.listeners import agent_socket, tcp_listener
-from rollout_buffer.server.middleware import AgentSocketGate, BodyLimitMiddleware
-from rollout_buffer.server.proxy_routes import FINISH_BODY
+from rollout_buffer.server.middleware import AgentSocketGate, BearerAuthMiddleware, BodyLimitMiddleware
+from rollout_buffer.server.proxy_routes import FINISH_BODY, restoring
 
 log = logging.getLogger(__name__)
 
@@ -104,14 +104,13 @@ class WorkerSecret:
     def __init__(self, app: ASGIApp, secret: str, guards: Guards):
         self.app = app
         self.secret = secret.encode()
-        self.guards = guards
+        self.finishing = BearerAuthMiddleware(app, guards)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and _finish(scope):
-            if not self.guards.server_token_ok(scope):
-                await error_response(401, "missing or wrong bearer token")(scope, receive, send)
-                return
-        elif scope["type"] == "http" and not _public(scope):
+            await self.finishing(scope, receive, send)
+            return
+        if scope["type"] == "http" and not _public(scope):
             given = next((v for k, v in scope["headers"] if k == WORKER_SECRET_HEADER.encode()), b"")
             if not hmac.compare_digest(given, self.secret):
                 await error_response(403, "this route of a session worker is the buffer's")(scope, receive, send)
@@ -269,8 +268,7 @@ def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret:
     async def finish_here(session_id: str, request: Request) -> Response:
         body = validated(FINISH_BODY, parse_body(await request.body()))
         if sessions.restoring and session_id not in sessions.sessions:
-            raise HTTPException(503, f"session {session_id} may be among the sessions this worker is restoring "
-                                "after a restart; send the request again")
+            raise HTTPException(503, restoring(session_id))
         stored = await sessions.finish(session_id, body.reward, body.extra_info)  # records stored in the buffer
         return json_response({"success": True, **stored})
 
