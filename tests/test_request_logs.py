@@ -156,16 +156,26 @@ def test_slimes_routes_refusals_are_logged_and_counted_by_route_template(buffer:
     assert missing.status_code == 404
     nowhere = httpx.get(f"{buffer.url}/no/such/path", timeout=10)
     assert nowhere.status_code == 404
+    # A route served ahead of FastAPI's router (once per session) is logged and counted the same way.
+    wrong_run = httpx.post(f"{buffer.url}/sessions", json={"instance_id": "x", "run_id": "r-none"}, timeout=10)
+    assert wrong_run.status_code == 409 and wrong_run.json()["message"].startswith("run_id: 'r-none'")
+    bad = httpx.post(f"{buffer.url}/sessions", json={"instance_id": "x", "metadata": 5}, timeout=10)
+    assert bad.status_code == 422 and "body.metadata" in bad.json()["message"], bad.text
     warning = log_lines(buffer, " WARNING rollout_buffer.http: ", "route=/start_rollout ")
     assert len(warning) == 1, warning
     assert "status=422 method=POST path=/start_rollout: task_type: unknown 'no-such-task'" in warning[0]
     assert log_lines(buffer, "route=/trajectories/{uid} status=404 method=GET path=/trajectories/u-missing: "
                              "uid: no trajectory 'u-missing'")
     assert log_lines(buffer, "route=unmatched status=404 method=GET path=/no/such/path: Not Found")
+    assert log_lines(buffer, "route=/sessions status=409 method=POST path=/sessions: run_id: 'r-none'")
+    assert log_lines(buffer, "route=/sessions status=422 method=POST path=/sessions: invalid request: "
+                             "body.metadata")
     after = scrape(buffer.url)
     assert delta(after, before, "rollout_buffer_http_errors_total", route="/start_rollout", status="422") == 1
     assert delta(after, before, "rollout_buffer_http_errors_total", route="/trajectories/{uid}", status="404") == 1
     assert delta(after, before, "rollout_buffer_http_errors_total", route="unmatched", status="404") == 1
+    assert delta(after, before, "rollout_buffer_http_errors_total", route="/sessions", status="409") == 1
+    assert delta(after, before, "rollout_buffer_http_errors_total", route="/sessions", status="422") == 1
     # The refused start left the agent run running: its sessions still open.
     open_session(buffer.url, "after-refusal")
 

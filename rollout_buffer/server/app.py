@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import TypeAdapter
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.buffer import RolloutBuffer
@@ -65,6 +65,7 @@ from rollout_buffer.server.bodies import (
     parse_body,
     validated,
 )
+from rollout_buffer.server.fast_routes import FastRoutes
 from rollout_buffer.server.guards import Guards
 from rollout_buffer.server.middleware import AgentSocketGate, BearerAuthMiddleware, BodyLimitMiddleware
 from rollout_buffer.server.proxy_routes import SessionApi, mount_proxy
@@ -114,12 +115,15 @@ def make_session_workers(config: ServerConfig, executor: Executor) -> SessionWor
 
 class BufferApp(FastAPI):
     """The buffer's ASGI app (and a session worker's): the agent sessions' own API served before FastAPI's
-    middleware stack and router (see `SessionApi`), everything else by FastAPI; both apply the same security checks
-    (`guards`)."""
+    middleware stack and router (see `SessionApi`), then the `fast` routes (see `FastRoutes`), everything else by
+    FastAPI; all apply the same security checks (`guards`)."""
 
-    def __init__(self, guards: Guards, **kwargs: Any):
+    def __init__(self, guards: Guards, fast: Iterable[tuple[str, str]] = (), **kwargs: Any):
         super().__init__(**kwargs)
-        self.front = SessionApi(functools.partial(FastAPI.__call__, self), self.state, guards)
+        rest: ASGIApp = functools.partial(FastAPI.__call__, self)
+        if fast:
+            rest = FastRoutes(rest, self, fast)
+        self.front = SessionApi(rest, self.state, guards)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -195,6 +199,8 @@ def create_app(config: ServerConfig) -> FastAPI:
     guards = Guards.of(config)
     app = BufferApp(
         guards,
+        # Called once per agent session, and per batch of a session worker's records.
+        fast=[("POST", "/sessions"), ("POST", "/workers/records")],
         title="rollout-buffer",
         version="0.1.0",
         description="Asynchronous agent rollout buffer for slime (slime's /start_rollout + /get_rollout_data).",
