@@ -163,6 +163,31 @@ def _busy_cpu_s() -> float:
     return sum(t) - t.idle - getattr(t, "iowait", 0.0)
 
 
+class ThreadCpu:
+    """CPU of a process's threads of one OS name (`/proc/PID/task/*/comm`) between a mark and now, e.g. the
+    buffer's `store` thread beside its event loop."""
+
+    def __init__(self, pid: int, name: str):
+        self.pid, self.name = pid, name
+        self._at_mark = self._cpu_s()
+
+    def _cpu_s(self) -> float:
+        total = 0
+        for tid in os.listdir(f"/proc/{self.pid}/task"):
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{self.pid}/task/{tid}/comm").read_text().strip() != self.name:
+                    continue
+                fields = Path(f"/proc/{self.pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+        return total / os.sysconf("SC_CLK_TCK")
+
+    def mark(self) -> None:
+        self._at_mark = self._cpu_s()
+
+    def cpu_s(self) -> float:
+        return self._cpu_s() - self._at_mark
+
+
 class Meter:
     """Samples a process and its children in a thread: CPU time between marks, peak PSS.
 

@@ -47,7 +47,8 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import long_session, profiler
-from bench.harness import REPO, MachineCpu, Meter, Service, free_ports, rollout_buffer, sim_engine
+from bench.harness import REPO, MachineCpu, Meter, Service, ThreadCpu, free_ports, rollout_buffer, sim_engine
+from rollout_buffer.delivery.store import STORE_THREAD
 from rollout_buffer.generation.tokenizer import bundled_tokenizer_path
 
 console = Console(width=200)
@@ -67,6 +68,7 @@ class Result:
     engine_cores: float
     machine_cores: float
     worker_cores: list[float] = field(default_factory=list)
+    store_cores: float | None = None  # the buffer's store thread (SQLite writes), part of buffer_cores
 
     @property
     def workers_ms_per_turn(self) -> float:
@@ -75,6 +77,10 @@ class Result:
     @property
     def buffer_ms_per_turn(self) -> float | None:
         return None if self.buffer_cores is None else 1000 * self.buffer_cores / self.turns_per_s
+
+    @property
+    def store_ms_per_turn(self) -> float | None:
+        return None if self.store_cores is None else 1000 * self.store_cores / self.turns_per_s
 
     @property
     def engine_ms_per_turn(self) -> float:
@@ -191,17 +197,18 @@ def measure(system: str, engine: Service, buffer: Service | None, sessions: int,
     with contextlib.ExitStack() as stack:
         engine_meter = stack.enter_context(Meter(engine.pid))
         buffer_meter = stack.enter_context(Meter(buffer.pid, children=False)) if buffer else None
+        store_meter = ThreadCpu(buffer.pid, STORE_THREAD) if buffer else None
         worker_meters = [stack.enter_context(Meter(pid, children=False)) for pid in worker_pids]
         spy = _Profile(buffer.pid, window_s, profile) if buffer and profile is not None else None
         worker_cpu_s: list[float] = []
 
         def window_closed() -> None:
             cpu_s["engine"], cpu_s["machine"] = engine_meter.usage().cpu_s, machine.busy_cores()
-            if buffer_meter is not None:
-                cpu_s["buffer"] = buffer_meter.usage().cpu_s
+            if buffer_meter is not None and store_meter is not None:
+                cpu_s["buffer"], cpu_s["store"] = buffer_meter.usage().cpu_s, store_meter.cpu_s()
             worker_cpu_s.extend(m.usage().cpu_s for m in worker_meters)
 
-        meters = [engine_meter, machine, *([buffer_meter] if buffer_meter else []), *worker_meters,
+        meters = [engine_meter, machine, *([buffer_meter, store_meter] if buffer_meter else []), *worker_meters,
                   *([spy] if spy else [])]
         turns, window = asyncio.run(agents.run(warmup_s, window_s, meters, window_closed))
     if spy is not None and spy.spy is not None:
@@ -211,7 +218,7 @@ def measure(system: str, engine: Service, buffer: Service | None, sessions: int,
         console.print(f"[yellow]{system}: {agents.errors} failed episodes[/]")
     buffer_cores = cpu_s["buffer"] / window if "buffer" in cpu_s else None
     return Result(system, turns / window, buffer_cores, cpu_s["engine"] / window, cpu_s["machine"],
-                  [c / window for c in worker_cpu_s])
+                  [c / window for c in worker_cpu_s], cpu_s["store"] / window if "store" in cpu_s else None)
 
 
 def start_agent_run(buffer: Service, engine: Service, workers: int = 0, **options: Any) -> None:
@@ -279,12 +286,13 @@ def main(argv: list[str] | None = None) -> None:
                              "give a longer --window-s (or --warmup-s)")
     table = Table(title=f"Agent proxy: {args.sessions} sessions of {args.turns} turns, engine latency "
                   f"{args.latency_ms:g} ms, window {args.window_s:g} s")
-    for column in ("system", "turns/s", "% of direct", "buffer CPU ms/turn", "workers CPU ms/turn",
+    for column in ("system", "turns/s", "% of direct", "buffer CPU ms/turn", "of which storing", "workers CPU ms/turn",
                    "per worker cores", "engine CPU ms/turn", "machine busy cores"):
         table.add_column(column, justify="left" if column == "system" else "right")
     for r in (direct, *proxies):
         table.add_row(r.system, f"{r.turns_per_s:.1f}", f"{100 * r.turns_per_s / direct.turns_per_s:.0f}%",
-                      "-" if r.buffer_ms_per_turn is None else f"{r.buffer_ms_per_turn:.2f}",
+                      "-" if r.buffer_ms_per_turn is None else f"{r.buffer_ms_per_turn:.3f}",
+                      "-" if r.store_ms_per_turn is None else f"{r.store_ms_per_turn:.3f}",
                       f"{r.workers_ms_per_turn:.2f}" if r.worker_cores else "-",
                       " ".join(f"{c:.2f}" for c in r.worker_cores) or "-",
                       f"{r.engine_ms_per_turn:.2f}", f"{r.machine_cores:.2f}")
@@ -293,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
         workers = f", {proxy.workers_ms_per_turn:.2f} ms in workers" if proxy.worker_cores else ""
         console.print(f"SUMMARY {proxy.system} {args.sessions}@{args.latency_ms:g}ms: {proxy.turns_per_s:.1f} "
                       f"turns/s, {100 * proxy.turns_per_s / direct.turns_per_s:.0f}% of direct, "
-                      f"{proxy.buffer_ms_per_turn:.2f} ms buffer CPU per turn{workers}")
+                      f"{proxy.buffer_ms_per_turn:.3f} ms buffer CPU per turn ({proxy.store_ms_per_turn:.3f} storing)"
+                      f"{workers}")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,10 @@ class ServerConfig:
     session_worker_port: int | None = None
     # CPUs each session worker reserves on the Ray cluster (`--executor ray`).
     session_worker_cpus: float = 1.0
+    # How long a session worker's finished records wait for others before they go to the buffer in one batch
+    # (a harness's finish at the worker is answered once they are stored): each batch costs the buffer a request
+    # and a transaction, whatever it carries.
+    session_worker_batch_ms: float = 100.0
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
@@ -71,6 +75,8 @@ class ServerConfig:
             raise ValueError("session_workers must be 0 or more")
         if self.session_worker_cpus < 0:
             raise ValueError("session_worker_cpus must be 0 or more")
+        if not 0 <= self.session_worker_batch_ms <= 10_000:
+            raise ValueError("session_worker_batch_ms must lie between 0 and 10000")
         first = self.first_worker_port
         if self.session_workers and not (0 < first and first + self.session_workers <= 65536):
             raise ValueError("session_worker_port: the session workers' ports must lie between 1 and 65535")

@@ -79,12 +79,13 @@ def test_proxy_measures_agent_turns_against_the_engine_directly(tmp_path: Path) 
     out = run_bench("proxy", "--sessions", "8", "--turns", "3", "--latency-ms", "20", "--warmup-s", "1",
                     "--window-s", "2", "--workdir", str(tmp_path), "--workers", "0,1")
     found = re.search(rf"SUMMARY proxy 8@20ms: {NUMBER} turns/s, {NUMBER}% of direct, {NUMBER} ms buffer CPU per "
-                      "turn\n", out)
+                      rf"turn \({NUMBER} storing\)\n", out)
     assert found and float(found.group(1)) > 0 and float(found.group(3)) > 0, out[-3000:]
+    assert 0 < float(found.group(4)) < float(found.group(3)), "the store thread's share of the buffer's CPU"
     # With a session worker, the turns' CPU is the worker's; the buffer only places, finishes and stores.
     found = re.search(rf"SUMMARY proxy, 1 workers 8@20ms: {NUMBER} turns/s, {NUMBER}% of direct, {NUMBER} ms buffer "
-                      rf"CPU per turn, {NUMBER} ms in workers", out)
-    assert found and float(found.group(1)) > 0 and float(found.group(4)) > 0, out[-3000:]
+                      rf"CPU per turn \({NUMBER} storing\), {NUMBER} ms in workers", out)
+    assert found and float(found.group(1)) > 0 and float(found.group(5)) > 0, out[-3000:]
     assert re.search(r"│ direct +│ +\d", out) and re.search(r"│ proxy +│ +\d", out), out[-3000:]
 
 

@@ -157,6 +157,7 @@ class SessionWorkers:
         await asyncio.to_thread(folder.mkdir, parents=True, exist_ok=True)
         args = ["--index", str(slot.index), "--data-dir", str(folder), "--buffer-url", self.launcher.buffer_url,
                 "--max-body-bytes", str(self.config.max_body_bytes),
+                "--batch-ms", str(self.config.session_worker_batch_ms),
                 "--log-level", logging.getLevelName(logging.getLogger().level), "--access-log", logs.access_mode()]
         hidden = {WORKER_SECRET_ENV: self.secret, **({AUTH_TOKEN_ENV: self.config.auth_token}
                                                      if self.config.auth_token else {})}

@@ -35,21 +35,20 @@ _METRICS_EVERY_S = 2.0
 # How long a session event waits for records to go with: a finished session's `closed` follows its records, and
 # rides with the next session's rather than costing the buffer a request of its own.
 _EVENTS_WAIT_S = 0.25
-# How long records wait for others before they go: each batch costs the buffer a request, whatever it carries.
-_RECORDS_LINGER_S = 0.025
 _RETRY_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 _TIMEOUT = httpx.Timeout(60.0, connect=10.0)
 
 
 class BufferLink:
     """The worker's way to the buffer: records (awaited until stored), session events and metric gains, sent in
-    batches to `POST {buffer_url}/workers/records`."""
+    batches to `POST {buffer_url}/workers/records`; records wait `linger_s` for others before they go."""
 
-    def __init__(self, buffer_url: str, worker: int, secret: str, auth_token: str | None):
+    def __init__(self, buffer_url: str, worker: int, secret: str, auth_token: str | None, linger_s: float):
         headers = {WORKER_SECRET_HEADER: secret}
         if auth_token:
             headers["authorization"] = f"Bearer {auth_token}"
         self.worker = worker
+        self.linger_s = linger_s
         self._client = httpx.AsyncClient(base_url=buffer_url.rstrip("/"), headers=headers, timeout=_TIMEOUT)
         self._records: list[tuple[str, list[dict[str, Any]], asyncio.Future[None]]] = []
         self._events: list[dict[str, Any]] = []
@@ -84,7 +83,7 @@ class BufferLink:
             except TimeoutError:
                 pass
             if self._records:
-                await asyncio.sleep(_RECORDS_LINGER_S)
+                await asyncio.sleep(self.linger_s)
             self._wake.clear()
             if self._events_due is not None:
                 self._events_due.cancel()

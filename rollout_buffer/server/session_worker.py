@@ -131,7 +131,7 @@ def _public(scope: Scope) -> bool:
 
 def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret: str) -> FastAPI:
     """The app of session worker `index`; `config.data_dir` is its own folder (its sessions' journals)."""
-    link = BufferLink(buffer_url, index, secret, config.auth_token)
+    link = BufferLink(buffer_url, index, secret, config.auth_token, config.session_worker_batch_ms / 1000)
     sessions = SessionManager(config)
     sessions.restoring = True  # until the buffer has said which stored sessions come back (`/worker/restore`)
     runs: dict[str, WorkerRun] = {}
@@ -308,6 +308,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data-dir", type=Path, required=True, help="this worker's folder (its sessions' journals)")
     p.add_argument("--buffer-url", required=True, help="where the buffer takes this worker's records")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--batch-ms", type=float, default=ServerConfig.session_worker_batch_ms,
+                   help="how long finished records wait for others before they go to the buffer")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", choices=["text", "json"], default="text")
     p.add_argument("--access-log", choices=ACCESS_LOG_MODES, default="info")
@@ -326,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
             listeners.append(sandboxes[1])
         token = os.environ.pop(AUTH_TOKEN_ENV, None) or None
         config = ServerConfig(host=args.host, port=args.port, data_dir=args.data_dir, auth_token=token,
-                              max_body_bytes=args.max_body_bytes,
+                              max_body_bytes=args.max_body_bytes, session_worker_batch_ms=args.batch_ms,
                               agent_socket=sandboxes[0] if sandboxes is not None else None)
         app = create_worker_app(config, args.index, args.buffer_url, secret)
         gc.freeze()

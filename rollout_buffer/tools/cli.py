@@ -71,6 +71,10 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--session-worker-cpus", type=float, default=1.0, metavar="CPUS",
                    help="with --executor ray the session workers run on the cluster's nodes, each reserving this "
                    "many CPUs (default: %(default)s)")
+    p.add_argument("--session-worker-batch-ms", type=float, default=100.0, metavar="MS",
+                   help="how long a session worker's finished records wait for others before they go to the buffer "
+                   "in one batch; a harness's finish at the worker waits that long too (fewer, larger batches cost "
+                   "the buffer less; default: %(default)s)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one JSON object per line")
     p.add_argument("--access-log", choices=ACCESS_LOG_MODES, default="info",
@@ -111,6 +115,7 @@ def serve(args: argparse.Namespace) -> None:
         session_workers=args.session_workers,
         session_worker_port=args.session_worker_port,
         session_worker_cpus=args.session_worker_cpus,
+        session_worker_batch_ms=args.session_worker_batch_ms,
     )
     with contextlib.ExitStack() as stack:
         listeners = [tcp_listener(config.host, config.port)]
