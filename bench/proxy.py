@@ -21,6 +21,7 @@ shows how many cores the machine kept busy and the engine's CPU per request.
     python -m bench.proxy --sessions 64 --latency-ms 200 --window-s 10
     python -m bench.proxy --long-session     # CPU per turn against context length (bench/long_session.py)
     python -m bench.proxy --workers 0,1,2,4  # the proxy served by N session workers (0: the buffer itself)
+    python -m bench.proxy --workers 1 --batch-ms 25   # workers' records waiting 25 ms for company
 
 With `--workers`, the proxy is measured once per worker count (`serve --session-workers N`), and the table
 splits the CPU per turn between the buffer process (placing, finishing and storing) and its workers (each
@@ -261,6 +262,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", action="store_true", help="py-spy the buffer during its window")
     parser.add_argument("--no-journal", action="store_true",
                         help="sessions not written to their files turn by turn (run option session_journal: false)")
+    parser.add_argument("--batch-ms", type=float, default=None,
+                        help="how long a worker's finished records wait for company (serve's "
+                        "--session-worker-batch-ms; default: serve's)")
     parser.add_argument("--workers", default="0",
                         help="comma-separated session worker counts to measure the proxy with (0: the buffer "
                         "serves the sessions itself; default %(default)s)")
@@ -275,6 +279,8 @@ def main(argv: list[str] | None = None) -> None:
         proxies: list[Result] = []
         for n in counts:
             extra = ["--session-workers", str(n), "--session-worker-port", str(free_ports(n))] if n else []
+            if n and args.batch_ms is not None:
+                extra += ["--session-worker-batch-ms", str(args.batch_ms)]
             with rollout_buffer(workdir, REPO, *extra) as buffer:
                 start_agent_run(buffer, engine, n, session_journal=not args.no_journal)
                 name = f"proxy, {n} workers" if n else "proxy"
