@@ -25,7 +25,8 @@ shows how many cores the machine kept busy and the engine's CPU per request.
 
 With `--workers`, the proxy is measured once per worker count (`serve --session-workers N`), and the table
 splits the CPU per turn between the buffer process (placing, finishing and storing) and its workers (each
-turn's parsing, rendering, tokenizing, engine call and journal).
+turn's parsing, rendering, tokenizing, engine call and journal). "Of which storing" is the buffer's store thread
+(its SQLite writes), metered apart from its event loop.
 """
 
 from __future__ import annotations
