@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sqlite3
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -214,6 +215,8 @@ def test_a_worker_killed_mid_turn_comes_back_with_its_sessions(
     turn.start()
     time.sleep(0.5)  # the turn waits for the engine
     pid = workers(buffer)[victim["worker"]]["pid"]
+    sockets = Path(tempfile.gettempdir())
+    assert list(sockets.glob(f"rollout-buffer-agents-{pid}-*")), "the worker's agent socket folder"
     os.kill(pid, signal.SIGKILL)
     # The other worker's session goes on meanwhile.
     other_client = openai.OpenAI(base_url=other["base_url"], api_key=other["api_key"], max_retries=0)
@@ -223,6 +226,8 @@ def test_a_worker_killed_mid_turn_comes_back_with_its_sessions(
     assert answers and answers[0].choices[0].finish_reason == "stop", "the client's retry at the same URL succeeded"
     after = workers(buffer)[victim["worker"]]
     assert after["restarts"] == 1 and after["pid"] != pid and after["up"]
+    assert not list(sockets.glob(f"rollout-buffer-agents-{pid}-*")), "the dead worker's folder went with it"
+    assert list(sockets.glob(f"rollout-buffer-agents-{after['pid']}-*"))
     assert [b["turns"] for b in view(buffer.url, victim)["branches"]] == [2], "restored, with the retried turn"
 
     uids = [u for s in (victim, other) for u in finish(buffer.url, s, 1.0)["uids"]]
