@@ -189,6 +189,12 @@ def test_sessions_spread_over_workers_with_exact_tokens_and_whole_groups(
         httpx.get(f"{buffer.url}/status", timeout=10).json()), 10)  # the workers tell of their closes in batches
     assert status["run"]["progress"]["done"] == 4
     assert all(w["sessions"] == 0 for w in status["session_workers"])
+    # Closed on their workers, the sessions are still answered for as the buffer's own are: a finish again is a
+    # 409, whether it was finished at the worker or at the buffer, and the view stays.
+    for s in sessions[:2]:
+        again = httpx.post(f"{buffer.url}/sessions/{s['session_id']}/finish", json={"reward": 0.0}, timeout=60)
+        assert again.status_code == 409 and "already finished" in again.json()["message"], again.text
+    assert view(buffer.url, sessions[1])["state"] == "finished"
     assert sorted(stored_uids(buffer, run_id)) == sorted(r["uid"] for r in records), "each record stored once"
 
     def turns_counted() -> bool:  # the workers' metrics reach the buffer's /metrics

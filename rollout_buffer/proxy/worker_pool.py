@@ -24,6 +24,7 @@ import functools
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 60.0  # a worker that does not answer /healthz by then is started again
 _RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0)
 _CALL_TIMEOUT_S = 150.0  # finishing waits for turns in flight (up to 30 s there)
+_RECENT_KEPT = 4096  # closed sessions whose worker is still asked about them (their view; a finish again: 409)
 
 
 
@@ -85,6 +87,7 @@ class SessionWorkers:
         self.secret = secrets.token_urlsafe(32)
         self.slots = [WorkerSlot(k) for k in range(config.session_workers)]
         self.placed: dict[str, WorkerSlot] = {}  # session id -> the worker holding it
+        self.recent: OrderedDict[str, WorkerSlot] = OrderedDict()  # closed session id -> the worker that held it
         self.summaries: dict[str, StoredSummary] = {}  # what a session's failure record says, if it is lost
         self._repeats: dict[tuple[str, str], int] = {}
         self._runs: RunManager | None = None
@@ -277,6 +280,9 @@ class SessionWorkers:
         if slot is None:
             return False
         slot.sessions.discard(session_id)
+        self.recent[session_id] = slot
+        while len(self.recent) > _RECENT_KEPT:
+            self.recent.popitem(last=False)
         run = self._current(summary.run_id) if summary is not None else None
         if run is not None:
             run.session_closed(session_id)
@@ -334,14 +340,15 @@ class SessionWorkers:
             slot.sessions.discard(session_id)
 
     def _up(self, session_id: str) -> WorkerSlot:
-        slot = self.placed[session_id]
+        slot = self.placed.get(session_id) or self.recent[session_id]
         if not slot.up.is_set():
             raise WorkerUnavailable(f"session worker {slot.index} is starting again; ask again in a few seconds")
         return slot
 
     def holds(self, session_id: str) -> bool:
-        """Whether a worker holds the session."""
-        return session_id in self.placed
+        """Whether a worker holds the session, or held it until it closed recently (the worker answers for it as
+        the buffer does for its own: its view, and 409 for a finish again)."""
+        return session_id in self.placed or session_id in self.recent
 
     async def finish(self, session_id: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """Finish a session on its worker and store the records it hands over (then the worker lets its journal
