@@ -2,9 +2,9 @@
 in the worker from the run's start payload, its sessions' records handed to the buffer, which stores them.
 
 Records and what became of the sessions go to the buffer in batches (`BufferLink`: one `POST /workers/records`
-carries the records that arrived while the previous one was under way or within a few milliseconds, the session
-events of up to a quarter of a second, and every two seconds the metrics the worker gained): each request costs
-the buffer more than the records it carries, so records wait briefly for company. A session's
+carries the records that arrived while the previous one was under way or within the link's wait for company
+(`serve --session-worker-batch-ms`), the session events of up to a quarter of a second, and every two seconds the
+metrics the worker gained): each request costs the buffer more than the records it carries. A session's
 records are handed over before its journal goes (`SessionManager._store`): a batch the buffer does not store
 fails the finish that sent it, and the session stays stored, as in the buffer's own process.
 """
@@ -91,8 +91,9 @@ class BufferLink:
             records, self._records = self._records, []
             events, self._events = self._events, []
             deltas = []
-            if time.monotonic() - self._metrics_at >= _METRICS_EVERY_S:  # not with every batch: they cost the buffer
-                self._metrics_at = time.monotonic()
+            now = time.monotonic()
+            if now - self._metrics_at >= _METRICS_EVERY_S:  # not with every batch: they cost the buffer
+                self._metrics_at = now
                 deltas = self._metrics.take()
             if not (records or events or deltas):
                 continue

@@ -41,7 +41,7 @@ from rollout_buffer.generation.plugins import discover
 from rollout_buffer.generation.run_manager import RunManager, reads_input
 from rollout_buffer.observability import metrics
 from rollout_buffer.observability.logs import RefusalLog
-from rollout_buffer.proxy.manager import SessionManager
+from rollout_buffer.proxy.manager import SessionError, SessionManager
 from rollout_buffer.proxy.worker_launch import LocalLauncher
 from rollout_buffer.proxy.worker_pool import SessionWorkers
 from rollout_buffer.schemas import (
@@ -133,9 +133,13 @@ class BufferApp(FastAPI):
 
 
 def answer_errors_as_slime(app: FastAPI) -> None:
-    """Answer invalid bodies and records (422 naming the fields), HTTP errors and a store that refused (503) in slime's
-    `{"success": false, "message"}` shape: the buffer's routes, and the routes a harness calls on a session
-    worker."""
+    """Answer invalid bodies and records (422 naming the fields), HTTP errors, sessions refused and a store that
+    refused (503) in slime's `{"success": false, "message"}` shape: the buffer's routes, and the routes a harness
+    calls on a session worker."""
+
+    @app.exception_handler(SessionError)
+    async def _session(_: Request, exc: SessionError) -> Response:
+        return error_response(exc.status, str(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> Response:

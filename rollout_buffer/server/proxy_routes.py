@@ -31,7 +31,7 @@ from rollout_buffer.generation.run_manager import RunManager
 from rollout_buffer.observability import logs, metrics
 from rollout_buffer.proxy.adapter import StreamState, WireAdapter
 from rollout_buffer.proxy.anthropic_messages import AnthropicMessagesAdapter
-from rollout_buffer.proxy.manager import SessionError, SessionManager
+from rollout_buffer.proxy.manager import SessionManager
 from rollout_buffer.proxy.messages import WireError
 from rollout_buffer.proxy.openai_chat import OpenAIChatAdapter
 from rollout_buffer.proxy.openai_responses import OpenAIResponsesAdapter
@@ -68,10 +68,6 @@ def mount_proxy(app: FastAPI) -> None:
     def manager(request: Request) -> SessionManager:
         sessions: SessionManager = request.app.state.sessions  # Starlette's State holds Any
         return sessions
-
-    @app.exception_handler(SessionError)
-    async def _refused(_: Request, exc: SessionError) -> Response:
-        return error_response(exc.status, str(exc))
 
     @app.post("/sessions", summary="Open an agent session in the running agent run (a harness's, or a Ray actor's)",
               openapi_extra=documented_body({"oneOf": [OpenSessionRequest.model_json_schema(),

@@ -38,7 +38,7 @@ from rollout_buffer.delivery.encoded import EncodedRecord
 from rollout_buffer.generation.resources import close_resources, run_resources
 from rollout_buffer.observability.logs import ACCESS_LOG_MODES, setup_logging
 from rollout_buffer.proxy.journal import load_sessions
-from rollout_buffer.proxy.manager import SessionError, SessionManager
+from rollout_buffer.proxy.manager import SessionManager
 from rollout_buffer.proxy.recovery import StoredSummary
 from rollout_buffer.proxy.worker_run import WORKER_SECRET_ENV, WORKER_SECRET_HEADER, BufferLink, WorkerRun
 from rollout_buffer.schemas import DiscardSessionRequest, FinishSessionRequest, StartRolloutRequest
@@ -158,10 +158,6 @@ def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret:
     if guards.agent_socket is not None:
         app.add_middleware(AgentSocketGate, guards=guards)
     app.add_middleware(WorkerSecret, secret=secret, guards=guards)
-
-    @app.exception_handler(SessionError)
-    async def _refused(_: Request, exc: SessionError) -> Response:
-        return error_response(exc.status, str(exc))
 
     answer_errors_as_slime(app)
 
