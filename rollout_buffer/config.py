@@ -51,10 +51,10 @@ class ServerConfig:
     session_worker_port: int | None = None
     # CPUs each session worker reserves on the Ray cluster (`--executor ray`).
     session_worker_cpus: float = 1.0
-    # How long a session worker's finished records wait for others before they go to the buffer in one batch
-    # (a harness's finish at the worker is answered once they are stored): each batch costs the buffer a request
-    # and a transaction, whatever it carries.
-    session_worker_batch_ms: float = 100.0
+    # How long a session worker's finished records wait in its outbox for others before they go to the buffer in
+    # one batch (a harness's finish at the worker is answered once they are in the outbox): each batch costs the
+    # buffer a request and a transaction, whatever it carries.
+    session_worker_batch_ms: float = 500.0
 
     def __post_init__(self) -> None:
         if self.group_size < 1:

@@ -18,7 +18,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +49,6 @@ from generators.agent.sandbox import namespaces_work
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.proxy.worker_launch import LocalLauncher
 from rollout_buffer.proxy.worker_pool import SessionWorkers
-from rollout_buffer.proxy.worker_run import WORKER_SECRET_HEADER, BufferLink
 from rollout_buffer.proxy.worker_sessions import WorkerUnavailable
 from rollout_buffer.server.session_worker import create_worker_app
 
@@ -356,48 +354,6 @@ def test_a_harness_finishes_at_a_worker_with_the_servers_token_never_a_sessions_
             assert listed.status_code == 403, "the token finishes sessions; the rest is the buffer's"
 
     asyncio.run(calls())
-
-
-def test_records_finished_within_the_batch_wait_reach_the_buffer_in_one_batch() -> None:
-    """`--session-worker-batch-ms`: a worker's records wait that long for others, then go in one request; each
-    `deliver` (what a harness's finish awaits) returns once the buffer took the batch."""
-    posts: list[dict[str, Any]] = []
-
-    class Buffer(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            posts.append({"path": self.path, "secret": self.headers[WORKER_SECRET_HEADER],
-                          "body": json.loads(self.rfile.read(int(self.headers["content-length"])))})
-            answer = b'{"success": true}'
-            self.send_response(200)
-            self.send_header("content-length", str(len(answer)))
-            self.end_headers()
-            self.wfile.write(answer)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Buffer)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-
-    async def deliver_two() -> float:
-        link = BufferLink(f"http://127.0.0.1:{server.server_address[1]}", 3, "worker-secret", None, linger_s=0.3)
-        link.start()
-        started = time.monotonic()
-        await asyncio.gather(link.deliver("run-a", [{"uid": "u1"}]), link.deliver("run-a", [{"uid": "u2"}]))
-        waited = time.monotonic() - started
-        await link.aclose()
-        return waited
-
-    try:
-        assert asyncio.run(deliver_two()) >= 0.3
-    finally:
-        server.shutdown()
-    assert len(posts) == 1 and posts[0]["path"] == "/workers/records" and posts[0]["secret"] == "worker-secret"
-    assert posts[0]["body"]["worker"] == 3
-    assert posts[0]["body"]["records"] == [{"run_id": "run-a", "records": [{"uid": "u1"}]},
-                                           {"run_id": "run-a", "records": [{"uid": "u2"}]}]
-    with pytest.raises(ValueError, match="session_worker_batch_ms"):
-        ServerConfig(session_worker_batch_ms=-1)
 
 
 def test_session_worker_ports_are_checked() -> None:

@@ -27,15 +27,17 @@ _SUFFIX = ".session"
 
 
 class SessionFiles:
-    """The folder of open sessions' files. Every call raises OSError when the disk refuses it."""
+    """The folder of open sessions' files (or of other append-only files of frames: a session worker's outbox,
+    `proxy.outbox`, names its files with its own `suffix`). Every call raises OSError when the disk refuses it."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, suffix: str = _SUFFIX):
         self.folder = folder
+        self.suffix = suffix
 
     def _path(self, session_id: str) -> Path:
         if not session_id or "/" in session_id or session_id.startswith("."):
             raise ValueError(f"not a session id: {session_id!r}")
-        return self.folder / f"{session_id}{_SUFFIX}"
+        return self.folder / f"{session_id}{self.suffix}"
 
     def create(self, session_id: str, body: bytes) -> None:
         """Start the session's file with its first frame (an existing file of that id is replaced)."""
@@ -77,7 +79,8 @@ class SessionFiles:
         """Every session's id and frames, by id."""
         if not self.folder.is_dir():
             return []
-        return [(p.name.removesuffix(_SUFFIX), self._frames(p)) for p in sorted(self.folder.glob(f"*{_SUFFIX}"))]
+        paths = sorted(self.folder.glob(f"*{self.suffix}"))
+        return [(p.name.removesuffix(self.suffix), self._frames(p)) for p in paths]
 
     @staticmethod
     def _frames(path: Path) -> list[bytes]:

@@ -71,6 +71,7 @@ class WorkerSlot:
     served: int = 0  # sessions placed on it since the buffer started
     opening: int = 0  # sessions being opened on it
     moved: bool = False  # started again at another address (its Ray actor was lost): its sessions' URLs are dead
+    taking: asyncio.Lock = field(default_factory=asyncio.Lock)  # storing a batch it sent
 
     @property
     def load(self) -> int:
@@ -116,8 +117,10 @@ class SessionWorkers:
         log.info("session workers: %d of %d up at %s", len(up), len(self.slots), ", ".join(s.public_url for s in up))
 
     async def stop(self) -> None:
-        """Stop the workers (SIGTERM; their sessions stay stored for the next start)."""
+        """Stop the workers (SIGTERM; their sessions stay stored for the next start) once the records in their
+        outboxes are stored."""
         self._stopping = True
+        await asyncio.gather(*(self._drain(s) for s in self.slots if s.up.is_set()))
         for task in self._background:  # journals not yet let go stay: the next start finds their records stored
             task.cancel()
         for slot in self.slots:
@@ -128,6 +131,15 @@ class SessionWorkers:
         await self.launcher.aclose()
         if self._client is not None:
             await self._client.aclose()
+
+    async def _drain(self, slot: WorkerSlot) -> None:
+        """Store the records waiting in a worker's outbox (its next process finds them stored, and lets them go)."""
+        try:
+            for part in (await self._call(slot, "/worker/outbox/drain"))["parcels"]:
+                await self._store(str(part["run_id"]), decode_wire(part["records"]))
+        except Exception as e:  # they stay in its outbox: its next process sends them
+            log.warning("session worker %d: the records in its outbox were not stored before stopping: %s",
+                        slot.index, e)
 
     async def _supervise(self, slot: WorkerSlot) -> None:
         for attempt in range(10**9):
@@ -189,7 +201,13 @@ class SessionWorkers:
         """A worker (re)started: its stored sessions of the running run come back, the rest are closed; sessions
         the buffer had placed on it that did not come back are closed as failed."""
         assert self._runs is not None
-        stored = [StoredSummary(**s) for s in (await self._call(slot, "/worker/journal"))["sessions"]]
+        async with slot.taking:  # a batch its last process sent is stored (or not) before the store is asked
+            answer = await self._call(slot, "/worker/journal")
+            outbox = [(str(r), str(i), str(u)) for r, i, u in answer["outbox"]]
+            delivered = await self._runs.buffer.episodes_stored(outbox)
+        await self._call(slot, "/worker/outbox", {"stored": sorted(delivered)})  # it sends the others again
+        finished = {uid for _, _, uid in outbox}  # sessions whose records it holds
+        stored = [StoredSummary(**s) for s in answer["sessions"]]
         plan = await recovery_plan(self._runs, stored) if stored else None
         restored: set[str] = set()
         fail: dict[str, str] = {}
@@ -225,13 +243,14 @@ class SessionWorkers:
         # told), or not journaled (`session_journal: false`) and gone with the process.
         lost = [self.summaries[sid] for sid in slot.sessions if sid not in restored and sid in self.summaries]
         stored_uids = await self._runs.buffer.episodes_stored([(s.run_id, s.instance_id, s.uid) for s in lost])
-        for summary in lost:
-            if self._let_go(summary.session_id) and summary.uid not in stored_uids:
-                await record_failure(self._runs, summary, f"session worker {slot.index} was lost and the session "
-                                     "was not journaled (session_journal: false)")
-        if restored or fail or lost:
-            log.info("session worker %d: %d sessions restored, %d closed as failed", slot.index, len(restored),
-                     len(fail) + len(lost))
+        unjournaled = [s for s in lost if self._let_go(s.session_id) and s.uid not in stored_uids | finished]
+        for summary in unjournaled:
+            await record_failure(self._runs, summary, f"session worker {slot.index} was lost and the session was "
+                                 "not journaled (session_journal: false)")
+        if restored or fail or outbox or unjournaled:
+            log.info("session worker %d: %d sessions restored, %d closed as failed, %d finished with their records "
+                     "in its outbox (%d stored already)", slot.index, len(restored), len(fail) + len(unjournaled),
+                     len(finished), len({u for u in finished if u in delivered}))
 
     # ---- placing and asking ----------------------------------------------------------------------------
     def pick(self, near: str | None = None) -> WorkerSlot:
@@ -460,16 +479,21 @@ class SessionWorkers:
         return answer
 
     # ---- what workers hand back --------------------------------------------------------------------
-    async def take(self, batch: dict[str, Any]) -> None:
-        """Store a worker's batch of records (each in its run), then apply its session events and metric gains.
-        ValueError for a malformed batch; StoreError when the store refused (the worker sends it again)."""
+    async def take(self, batch: dict[str, Any]) -> dict[str, str]:
+        """Store a worker's batch of records (each part in its run), then apply its session events and metric gains.
+        The parts refused for good (malformed, or their run is gone), by index, with why. ValueError for a malformed
+        batch; StoreError when the store refused (the worker sends it again)."""
         assert self._runs is not None
-        try:
-            parts = [(str(p["run_id"]), decode_wire(p["records"])) for p in batch.get("records", [])]
-        except (KeyError, TypeError, ValidationError) as e:
-            raise ValueError(f"records: {e}") from None
-        for run_id, records in parts:
-            await self._store(run_id, records)
+        worker, parts = batch.get("worker"), batch.get("records", [])
+        if not isinstance(worker, int) or not 0 <= worker < len(self.slots) or not isinstance(parts, builtins.list):
+            raise ValueError("worker, records: a worker's index and a list of parts")
+        refused: dict[str, str] = {}
+        async with self.slots[worker].taking:  # what its recovery asks the store waits for what it sent before
+            for i, part in enumerate(parts):
+                try:
+                    await self._store(str(part["run_id"]), decode_wire(part["records"]))
+                except (KeyError, TypeError, ValueError) as e:  # pydantic's ValidationError is a ValueError
+                    refused[str(i)] = f"records[{i}]: {e}"
         for event in batch.get("events", []):
             if event.get("kind") == "closed":
                 self._let_go(str(event.get("session_id")))
@@ -480,3 +504,4 @@ class SessionWorkers:
                 if run is not None:
                     run.session_failed(kind)
         metrics.apply_deltas([(str(n), tuple(labels), tuple(gain)) for n, labels, gain in batch.get("metrics", [])])
+        return refused

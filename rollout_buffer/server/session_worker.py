@@ -39,6 +39,7 @@ from rollout_buffer.generation.resources import close_resources, run_resources
 from rollout_buffer.observability.logs import ACCESS_LOG_MODES, setup_logging
 from rollout_buffer.proxy.journal import load_sessions
 from rollout_buffer.proxy.manager import SessionManager
+from rollout_buffer.proxy.outbox import Outbox
 from rollout_buffer.proxy.recovery import StoredSummary
 from rollout_buffer.proxy.worker_run import WORKER_SECRET_ENV, WORKER_SECRET_HEADER, BufferLink, WorkerRun
 from rollout_buffer.schemas import DiscardSessionRequest, FinishSessionRequest, StartRolloutRequest
@@ -73,6 +74,12 @@ class OpenGeneratorSession(BaseModel):
     repeat: int
     public_url: str
     metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class CheckedOutbox(BaseModel):
+    """`POST /worker/outbox`: of the parcels the worker's last process left, the episode uids the buffer stored."""
+
+    stored: list[str]
 
 
 class ReleaseSessions(BaseModel):
@@ -131,7 +138,10 @@ def _public(scope: Scope) -> bool:
 
 def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret: str) -> FastAPI:
     """The app of session worker `index`; `config.data_dir` is its own folder (its sessions' journals)."""
-    link = BufferLink(buffer_url, index, secret, config.auth_token, config.session_worker_batch_ms / 1000)
+    outbox = Outbox(config.data_dir / "outbox")
+    outbox.load()
+    link = BufferLink(buffer_url, index, secret, config.auth_token, config.session_worker_batch_ms / 1000, outbox,
+                      config.max_body_bytes)
     sessions = SessionManager(config)
     sessions.restoring = True  # until the buffer has said which stored sessions come back (`/worker/restore`)
     runs: dict[str, WorkerRun] = {}
@@ -193,6 +203,7 @@ def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret:
         building.pop(run_id, None)
         run = runs.pop(run_id, None)
         await sessions.end_run(run_id)  # its open sessions closed as failed, their records handed over
+        await link.flush()  # the buffer ends the run once it stored them
         if run is not None:
             await close_resources(run.resources)
         return json_response({"success": True, "run_id": run_id})
@@ -234,8 +245,27 @@ def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret:
 
     @app.post("/worker/journal")
     async def journal() -> Response:
+        """The sessions stored here, and the episodes of the records the last process left in the outbox."""
         stored = await asyncio.to_thread(load_sessions, sessions.files)
-        return json_response({"sessions": [StoredSummary.of(s).__dict__ for s in stored]})
+        held = [key for p in outbox.unstored.values() if p.held for key in p.episodes()]
+        finished = {uid for _, _, uid in held}
+        for s in stored:
+            if s.uid in finished:  # killed between writing its records and letting its journal go: finished
+                sessions.files.remove(s.session_id)
+        return json_response({"sessions": [StoredSummary.of(s).__dict__ for s in stored if s.uid not in finished],
+                              "outbox": held})
+
+    @app.post("/worker/outbox")
+    async def checked(body: CheckedOutbox) -> Response:
+        link.resend(set(body.stored))
+        return json_response({"success": True})
+
+    @app.post("/worker/outbox/drain")
+    async def drain() -> Response:
+        """The buffer stops: the records waiting in the outbox, for it to store (they stay on disk, and the next
+        process finds them stored)."""
+        await link.pause()
+        return json_response({"parcels": [p.wire() for p in outbox.take()]})
 
     @app.post("/worker/restore")
     async def restore(body: RestoreSessions) -> Response:
@@ -265,7 +295,7 @@ def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret:
         body = validated(FINISH_BODY, parse_body(await request.body()))
         if sessions.restoring and session_id not in sessions.sessions:
             raise HTTPException(503, restoring(session_id))
-        stored = await sessions.finish(session_id, body.reward, body.extra_info)  # records stored in the buffer
+        stored = await sessions.finish(session_id, body.reward, body.extra_info)  # records in the outbox
         return json_response({"success": True, **stored})
 
     @app.post("/worker/sessions/released")

@@ -30,7 +30,7 @@ def mount_workers(app: FastAPI) -> None:
         if not isinstance(body, dict):
             raise HTTPException(422, "body: a JSON object")
         try:
-            await workers.take(body)
+            refused = await workers.take(body)
         except ValueError as e:
             raise HTTPException(422, str(e)) from None
-        return json_response({"success": True})
+        return json_response({"success": True, "refused": refused})

@@ -71,9 +71,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--session-worker-cpus", type=float, default=1.0, metavar="CPUS",
                    help="with --executor ray the session workers run on the cluster's nodes, each reserving this "
                    "many CPUs (default: %(default)s)")
-    p.add_argument("--session-worker-batch-ms", type=float, default=100.0, metavar="MS",
-                   help="how long a session worker's finished records wait for others before they go to the buffer "
-                   "in one batch; a harness's finish at the worker waits that long too (fewer, larger batches cost "
+    p.add_argument("--session-worker-batch-ms", type=float, default=500.0, metavar="MS",
+                   help="how long a session worker's finished records wait (in its outbox) for others before they go "
+                   "to the buffer in one batch: the trainer sees them that much later (fewer, larger batches cost "
                    "the buffer less; default: %(default)s)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one JSON object per line")
