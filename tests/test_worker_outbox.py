@@ -26,7 +26,7 @@ from test_proxy import open_session
 
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.proxy.outbox import Outbox
-from rollout_buffer.proxy.worker_run import WORKER_SECRET_HEADER, BufferLink
+from rollout_buffer.proxy.worker_run import WORKER_SECRET_ENV, WORKER_SECRET_HEADER, BufferLink
 
 
 class StubBuffer:
@@ -204,6 +204,17 @@ def test_records_in_the_outbox_survive_a_killed_worker_and_a_stopped_buffer(
             answer = httpx.post(session["finish_url"], json={"reward": 1.0}, timeout=30)
             assert answer.status_code == 200 and answer.json()["status"] == "finished", answer.text
             return session
+
+        # Parts of a batch the buffer cannot store (malformed, of a run it does not have) are refused alone.
+        worker = httpx.get(f"{srv.url}/status", timeout=10).json()["session_workers"][0]
+        environ = Path(f"/proc/{worker['pid']}/environ").read_bytes().split(b"\0")
+        secret = next(v for k, _, v in (e.partition(b"=") for e in environ) if k == WORKER_SECRET_ENV.encode())
+        answer = httpx.post(f"{srv.url}/workers/records", headers={WORKER_SECRET_HEADER: secret.decode()}, json={
+            "worker": 0, "events": [], "metrics": [], "records": [
+                {"run_id": run_id, "records": []}, {"run_id": run_id, "records": [{"uid": 1}]},
+                {"run_id": "no-such-run", "records": []}]}, timeout=10)
+        assert answer.status_code == 200, answer.text
+        assert sorted(answer.json()["refused"]) == ["1", "2"] and "no run" in answer.json()["refused"]["2"]
 
         killed = [play("killed") for _ in range(2)]
         assert stored(db, run_id) == [], "waiting in the outbox"

@@ -116,8 +116,8 @@ class Outbox:
         return taken
 
     def back(self, parcels: list[Parcel]) -> None:
-        """Parcels that were not sent after all: first in line again."""
-        self.waiting[:0] = parcels
+        """Parcels that were not sent after all (those stored meanwhile aside): first in line again."""
+        self.waiting[:0] = [p for p in parcels if p.seq in self.unstored]
 
     def stored(self, parcels: list[Parcel]) -> None:
         """The buffer stored these parcels: forgotten, and their segments gone once empty."""
