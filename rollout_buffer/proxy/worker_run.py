@@ -136,23 +136,25 @@ class BufferLink:
             if not (parcels or events or deltas):
                 self._sent.set()
                 continue
-            left = parcels
+            left: list[Parcel] | None = parcels
             try:
                 left = await self._send(parcels, events, deltas)
             finally:  # cancelled (`pause`) or not sent: the records wait in the outbox, the events for the next
-                if left:
+                if left is not None:
                     self.outbox.back(left)
                     self._events[:0] = events
                     metrics.apply_deltas(deltas)  # counted again next time (the gains were taken)
             self._sent.set()
-            failures = failures + 1 if left else 0
-            if left:  # the buffer is out of reach or refuses for now: ask again later, with what came meanwhile
+            failures = 0 if left is None else failures + 1
+            if left is not None:  # the buffer is out of reach or refuses for now: ask again later, with the rest
                 await asyncio.sleep(_RETRY_S[min(failures, len(_RETRY_S)) - 1])
                 self._wake.set()
 
-    async def _send(self, parcels: list[Parcel], events: list[dict[str, Any]], deltas: list[Any]) -> list[Parcel]:
+    async def _send(self, parcels: list[Parcel], events: list[dict[str, Any]], deltas: list[Any]
+                    ) -> list[Parcel] | None:
         """POST the parcels (split into requests of at most `batch_bytes`), then the events and metrics (with the
-        last: a session's `closed` follows its records). What was not sent."""
+        last: a session's `closed` follows its records). None when all went; else the parcels not sent (the events
+        and metrics did not go either)."""
         batches: list[list[Parcel]] = [[]]
         size = 0
         for parcel in parcels:
@@ -176,7 +178,7 @@ class BufferLink:
             for i, reason in refused.items():
                 self.outbox.refuse([batch[int(i)]], reason)
             self.outbox.stored(batch)
-        return []
+        return None
 
     async def _post(self, body: dict[str, Any]) -> dict[str, Any] | None:
         """POST a batch: the buffer's answer (`error` set when it refused the request for good), or None when it is
