@@ -239,5 +239,5 @@ class WorkerRun:
         return failed_record(item, ctx, kind, text)
 
     async def accept(self, records: list[TrajectoryRecord]) -> None:
-        """Hand the records to the buffer; returns once stored there."""
+        """Hand the records to the buffer: returns once they are in the worker's outbox."""
         await self.link.deliver(self.run_id, [EncodedRecord.of(r).wire() for r in records])
