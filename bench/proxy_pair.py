@@ -5,12 +5,15 @@ This VM's speed drifts by ±20% between runs minutes apart, more than most chang
 measured over the same windows see the same drift. One simulated engine serves both; each buffer gets its own
 `--sessions` agents (the episodes of `bench.proxy`, started spread over one engine latency). The candidate differs
 by its source tree (`--candidate-src`, e.g. a `git worktree` of a branch) and/or its run options
-(`--candidate-option session_journal=false`). Each round prints both buffers' CPU per turn and the ratio; the
-last line is the mean ratio (candidate / baseline: below 1 is cheaper). Two copies of the same build gave ratios
-of 0.95–1.01 over four 30 s rounds.
+(`--candidate-option session_journal=false`); with `--workers N` each buffer serves its sessions from N session
+workers of its own, and the ratio is of the buffer processes alone (placing and storing, as `bench.proxy
+--workers` meters them). Each round prints both buffers' CPU per turn and the ratio; the last line is the mean
+ratio (candidate / baseline: below 1 is cheaper). Two copies of the same build gave ratios of 0.95–1.01 over four
+30 s rounds, with and without workers.
 
     python -m bench.proxy_pair --candidate-option session_journal=false
     python -m bench.proxy_pair --baseline-src ../base-worktree --rounds 4
+    python -m bench.proxy_pair --baseline-src ../base-worktree --workers 1
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 import orjson
 from rich.console import Console
 
-from bench.harness import REPO, Meter, Service, rollout_buffer, sim_engine
+from bench.harness import REPO, Meter, Service, free_ports, rollout_buffer, sim_engine
 from bench.proxy import Agents, start_agent_run, warmup_s
 
 console = Console(width=200)
@@ -47,7 +50,7 @@ async def _round(engine: Service, buffers: list[Service], sessions: int, latency
     results: dict[int, tuple[int, float]] = {}
     cpu: dict[int, float] = {}
     with contextlib.ExitStack() as stack:
-        meters = [stack.enter_context(Meter(b.pid)) for b in buffers]
+        meters = [stack.enter_context(Meter(b.pid, children=False)) for b in buffers]
 
         async def drive(i: int) -> None:
             agents = Agents(sessions, 8, latency_s, "proxy", engine.url, buffers[i].url)
@@ -70,17 +73,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window-s", type=float, default=30.0)
     parser.add_argument("--warmup-s", type=float, default=None, help="default: 3 engine latencies + 3 s")
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--workers", type=int, default=0,
+                        help="session workers of each buffer (0: the buffers serve the sessions themselves)")
     args = parser.parse_args(argv)
     candidate_options = _options(args.candidate_option)
     warmup = warmup_s(args.warmup_s, args.latency_ms)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-proxy-pair-"))
     workdir.mkdir(parents=True, exist_ok=True)
     ratios = []
+    ports = free_ports(2 * args.workers) if args.workers else 0
+    extra = [[], []] if not args.workers else [
+        ["--session-workers", str(args.workers), "--session-worker-port", str(ports + k * args.workers)]
+        for k in range(2)]
     with sim_engine(workdir, args.latency_ms) as engine, \
-            rollout_buffer(workdir, args.baseline_src.resolve()) as baseline, \
-            rollout_buffer(workdir, args.candidate_src.resolve()) as candidate:
-        for buffer, extra in ((baseline, {}), (candidate, candidate_options)):
-            start_agent_run(buffer, engine, **extra)
+            rollout_buffer(workdir, args.baseline_src.resolve(), *extra[0]) as baseline, \
+            rollout_buffer(workdir, args.candidate_src.resolve(), *extra[1]) as candidate:
+        for buffer, options in ((baseline, {}), (candidate, candidate_options)):
+            start_agent_run(buffer, engine, args.workers, **options)
         for r in range(args.rounds):
             (base_rate, base_ms), (cand_rate, cand_ms) = asyncio.run(
                 _round(engine, [baseline, candidate], args.sessions, args.latency_ms / 1000, warmup, args.window_s))

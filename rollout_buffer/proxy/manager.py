@@ -25,6 +25,7 @@ import builtins
 import logging
 import secrets
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -104,10 +105,10 @@ class SessionManager:
             return remote
         return self._register(ctx, "generator", self.local_url, metadata or {}, run=None)
 
-    async def place(self, run: Run, instance_id: str, metadata: dict[str, Any], public_url: str,
+    async def place(self, run: Run, instance_id: str, metadata: dict[str, Any], public_url: Callable[[], str],
                     near: str | None = None) -> dict[str, Any]:
         """Open a harness session (`POST /sessions`): on a session worker when the server has them (one on node
-        `near`, if any), else here. Its ids, base URLs, key and uid (and worker, node on a worker)."""
+        `near`, if any), else here (at `public_url()`). Its ids, base URLs, key and uid (and worker, node)."""
         if self.workers is not None:
             await self._wait_ready(run)
             try:
@@ -116,7 +117,7 @@ class SessionManager:
                 raise SessionError(e.status, str(e)) from None
             except WorkerUnavailable as e:
                 raise SessionError(503, str(e)) from None
-        session = await self.open_harness(run, instance_id, metadata, public_url)
+        session = await self.open_harness(run, instance_id, metadata, public_url())
         return {"session_id": session.session_id, "base_url": session.base_url,
                 "anthropic_base_url": session.anthropic_base_url, "api_key": session.api_key, "uid": session.ctx.uid}
 

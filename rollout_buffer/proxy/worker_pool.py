@@ -461,8 +461,11 @@ class SessionWorkers:
         if self._client is None:
             raise WorkerUnavailable("the session workers are not started")
         try:
-            async with asyncio.timeout(timeout_s):
+            if timeout_s is None:  # the client's own deadline (`_CALL_TIMEOUT_S`) bounds it
                 status, data = await self._client.post(slot.url, path, orjson.dumps(body))
+            else:
+                async with asyncio.timeout(timeout_s):
+                    status, data = await self._client.post(slot.url, path, orjson.dumps(body))
         except (TransportError, TimeoutError) as e:
             raise WorkerUnavailable(f"session worker {slot.index} did not answer: {type(e).__name__}: {e}") from None
         try:

@@ -79,7 +79,7 @@ def mount_proxy(app: FastAPI) -> None:
             return await _open_for_actor(request, validated(OPEN_GENERATOR_BODY, raw))
         body = validated(OPEN_BODY, raw)
         run = _agent_run(request, body.run_id)
-        opened = await manager(request).place(run, body.instance_id, body.metadata, str(request.base_url),
+        opened = await manager(request).place(run, body.instance_id, body.metadata, lambda: str(request.base_url),
                                               near=body.node)
         # Where the harness finishes it: the session's own root (`anthropic_base_url`), on the process holding
         # it; on a session worker that spares the buffer a round trip per session (the records reach it batched).

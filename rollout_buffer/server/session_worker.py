@@ -327,6 +327,8 @@ def main(argv: list[str] | None = None) -> None:
     """`rollout-buffer session-worker`: started by `serve --session-workers`, not by hand."""
     import uvicorn
 
+    from rollout_buffer.server.http_protocol import OneWriteHttpProtocol
+
     p = argparse.ArgumentParser(prog="rollout-buffer session-worker", description=main.__doc__)
     p.add_argument("--index", type=int, required=True)
     p.add_argument("--host", required=True)
@@ -359,4 +361,5 @@ def main(argv: list[str] | None = None) -> None:
         app = create_worker_app(config, args.index, args.buffer_url, secret)
         gc.freeze()
         uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, timeout_keep_alive=75,
-                                      log_level=args.log_level.lower())).run(sockets=listeners)
+                                      log_level=args.log_level.lower(), http=OneWriteHttpProtocol)
+                       ).run(sockets=listeners)

@@ -87,6 +87,7 @@ def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from rollout_buffer.server.app import create_app
+    from rollout_buffer.server.http_protocol import OneWriteHttpProtocol
 
     # One process holds thousands of trajectories in flight (messages, token lists). With the default
     # thresholds a collection runs every 700 container allocations and a full one every 70 000, each walking
@@ -126,7 +127,7 @@ def serve(args: argparse.Namespace) -> None:
         app = create_app(config)
         gc.freeze()
         server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False,
-                                               timeout_keep_alive=75, log_config=None))
+                                               timeout_keep_alive=75, log_config=None, http=OneWriteHttpProtocol))
         server.run(sockets=listeners)
 
 
