@@ -41,7 +41,7 @@ from rollout_buffer.proxy.expiry import Reaper
 from rollout_buffer.proxy.journal import Journal, StoredSession, idle_since, load_sessions, load_state, replay
 from rollout_buffer.proxy.messages import WireError
 from rollout_buffer.proxy.recovery import StoredSummary, record_failure, recovery_plan
-from rollout_buffer.proxy.session import HarnessRun, ProxyOptions, Session, new_session_id
+from rollout_buffer.proxy.session import HarnessRun, ProxyOptions, Session, harness_uid, new_session_id, session_root
 from rollout_buffer.proxy.session_files import SessionFiles
 from rollout_buffer.proxy.tree import ResponseRef, SessionTree
 from rollout_buffer.proxy.worker_pool import SessionWorkers
@@ -121,23 +121,19 @@ class SessionManager:
         return {"session_id": session.session_id, "base_url": session.base_url,
                 "anthropic_base_url": session.anthropic_base_url, "api_key": session.api_key, "uid": session.ctx.uid}
 
-    def next_repeat(self, run_id: str, instance_id: str) -> int:
-        """The repeat number of the next harness session of `instance_id` in the run."""
-        key = (run_id, instance_id)
-        repeat = self._repeats.get(key, 0)
-        self._repeats[key] = repeat + 1
-        return repeat
-
     async def open_harness(self, run: HarnessRun, instance_id: str, metadata: dict[str, Any], public_url: str,
-                           repeat: int | None = None, session_id: str | None = None) -> Session:
+                           repeat: int | None = None, session_id: str | None = None, api_key: str | None = None
+                           ) -> Session:
         """A session a harness opened with `POST /sessions` in `run` (the generation `Run`, or a session worker's
-        `WorkerRun`, which the buffer gives the repeat number and id)."""
+        `WorkerRun`, which the buffer gives the repeat number, id and key: `proxy.placements`)."""
         resources = await self._wait_ready(run)
-        if repeat is None:
-            repeat = self.next_repeat(run.run_id, instance_id)
+        if repeat is None:  # the next repeat number of `instance_id` in the run
+            repeat = self._repeats.get((run.run_id, instance_id), 0)
+            self._repeats[(run.run_id, instance_id)] = repeat + 1
         session_id = session_id or new_session_id()
-        ctx = RolloutContext(resources, instance_id, 0, repeat, f"{run.run_id}:{instance_id}:{session_id}")
-        session = self._register(ctx, "harness", public_url, metadata, run=run, session_id=session_id)
+        ctx = RolloutContext(resources, instance_id, 0, repeat, harness_uid(run.run_id, instance_id, session_id))
+        session = self._register(ctx, "harness", public_url, metadata, run=run, session_id=session_id,
+                                 api_key=api_key)
         run.session_opened(session_id)
         if not session.options.session_journal:
             return session
@@ -259,7 +255,7 @@ class SessionManager:
         if ctx.tokenizer is None:
             raise SessionError(409, "agent sessions need token mode: the run has no tokenizer")
         session_id = session_id or new_session_id()
-        root = f"{public_url.rstrip('/')}/sessions/{session_id}"
+        root = session_root(public_url, session_id)
         session = Session(
             session_id=session_id, api_key=api_key or secrets.token_urlsafe(24), ctx=ctx, kind=kind,
             options=self.options(ctx.run.run_id, ctx.config), base_url=f"{root}/v1", anthropic_base_url=root,
@@ -311,7 +307,7 @@ class SessionManager:
 
     def open_count(self) -> int:
         """Sessions open here and on the session workers."""
-        return len(self.sessions) + (len(self.workers.placed) if self.workers is not None else 0)
+        return len(self.sessions) + (len(self.workers.held.placed) if self.workers is not None else 0)
 
     # ---- closing -------------------------------------------------------------------------------------
     async def finish(self, session_id: str, reward: float, extra_info: dict[str, Any]) -> dict[str, Any]:

@@ -2,10 +2,11 @@
 so that parsing, rendering, tokenizing and journaling a turn cost the buffer nothing (`server.session_worker`).
 
 The buffer keeps the store, grouping, delivery and each run's accounting. `POST /sessions` places a session on
-the worker holding the fewest and answers a base URL that names that worker's own port: agents talk to their
-worker directly, with nothing forwarded (a forwarding front would spend on every turn the buffer CPU the workers
-exist to save). A harness finishes a session at the worker (its `finish_url`), which hands the records back in
-batches (`POST /workers/records`, `take`); finishing at the buffer, showing and listing sessions go through the
+the worker holding the fewest, one way (`proxy.placements`: no call per session), and answers a base URL that
+names that worker's own port: agents talk to their worker directly, with nothing forwarded (a forwarding front
+would spend on every turn the buffer CPU the workers exist to save). A harness finishes a session at the worker
+(its `finish_url`), which hands the records back in batches (`POST /workers/records`, `take`); finishing at the
+buffer, showing and listing sessions go through the
 buffer, which asks the worker holding them.
 
 A worker that dies (SIGKILL, an OOM kill) is started again on the same port with the same folder: it restores
@@ -24,8 +25,6 @@ import functools
 import logging
 import secrets
 import time
-from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -38,9 +37,11 @@ from rollout_buffer.generation.run_manager import RunManager
 from rollout_buffer.generation.runner import Run
 from rollout_buffer.generation.sessions import is_socket
 from rollout_buffer.observability import logs, metrics
+from rollout_buffer.proxy.placements import Placement, PlacementStream
 from rollout_buffer.proxy.recovery import StoredSummary, record_failure, recovery_plan
-from rollout_buffer.proxy.session import new_session_id
+from rollout_buffer.proxy.session import ProxyOptions, harness_uid, new_session_id, session_root
 from rollout_buffer.proxy.worker_launch import WorkerLauncher
+from rollout_buffer.proxy.worker_ledger import PlacedSessions, WorkerSlot
 from rollout_buffer.proxy.worker_run import WORKER_SECRET_ENV, WORKER_SECRET_HEADER
 from rollout_buffer.proxy.worker_sessions import WorkerCallError, WorkerSession, WorkerUnavailable
 
@@ -49,34 +50,8 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 60.0  # a worker that does not answer /healthz by then is started again
 _RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0)
 _CALL_TIMEOUT_S = 150.0  # finishing waits for turns in flight (up to 30 s there)
-_RECENT_KEPT = 4096  # closed sessions whose worker is still asked about them (their view; a finish again: 409)
+_STREAM_GRACE_S = 10.0  # a placement stream that closed: how long its worker has to be seen exiting
 
-
-
-@dataclass(eq=False)
-class WorkerSlot:
-    """One session worker: its port and folder stay the same across its restarts."""
-
-    index: int
-    url: str = ""  # as the buffer reaches it (known once started)
-    public_url: str = ""  # as agents reach it
-    where: dict[str, Any] = field(default_factory=dict)  # which process it is (pid, node)
-    up: asyncio.Event = field(default_factory=asyncio.Event)
-    tried: asyncio.Event = field(default_factory=asyncio.Event)  # its first start succeeded or failed
-    sessions: set[str] = field(default_factory=set)
-    runs: dict[str, asyncio.Task[Any]] = field(default_factory=dict)  # run id -> its opening on this process
-    restarts: int = 0
-    supervisor: asyncio.Task[None] | None = None
-    released: list[str] = field(default_factory=list)  # sessions whose records were stored, to tell it
-    served: int = 0  # sessions placed on it since the buffer started
-    opening: int = 0  # sessions being opened on it
-    moved: bool = False  # started again at another address (its Ray actor was lost): its sessions' URLs are dead
-    taking: asyncio.Lock = field(default_factory=asyncio.Lock)  # storing a batch it sent
-
-    @property
-    def load(self) -> int:
-        """Its sessions, those being opened included (what placing a session compares)."""
-        return len(self.sessions) + self.opening
 
 
 class SessionWorkers:
@@ -87,9 +62,7 @@ class SessionWorkers:
         self.launcher = launcher
         self.secret = secrets.token_urlsafe(32)
         self.slots = [WorkerSlot(k) for k in range(config.session_workers)]
-        self.placed: dict[str, WorkerSlot] = {}  # session id -> the worker holding it
-        self.recent: OrderedDict[str, WorkerSlot] = OrderedDict()  # closed session id -> the worker that held it
-        self.summaries: dict[str, StoredSummary] = {}  # what a session's failure record says, if it is lost
+        self.held = PlacedSessions(self._current)
         self._repeats: dict[tuple[str, str], int] = {}
         self._runs: RunManager | None = None
         # The engines' keep-alive client: placing and finishing sessions cost the buffer little more than its own
@@ -127,6 +100,7 @@ class SessionWorkers:
             if slot.supervisor is not None:
                 slot.supervisor.cancel()
         await asyncio.gather(*(s.supervisor for s in self.slots if s.supervisor), return_exceptions=True)
+        await asyncio.gather(*(s.stream.close() for s in self.slots if s.stream is not None))
         await asyncio.gather(*(self.launcher.stop(s.index) for s in self.slots))
         await self.launcher.aclose()
         if self._client is not None:
@@ -146,9 +120,18 @@ class SessionWorkers:
             await asyncio.sleep(_RESTART_BACKOFF_S[min(attempt, len(_RESTART_BACKOFF_S) - 1)] if attempt else 0)
             try:
                 exited = await self._start_process(slot)
-                await self._recover(slot)
+                await self._connect(slot, await self._recover(slot))
                 slot.up.set()
                 slot.tried.set()
+                while not exited.done():
+                    assert slot.stream is not None
+                    await asyncio.wait((exited, slot.stream.closed), return_when=asyncio.FIRST_COMPLETED)
+                    if not exited.done():  # the process is dying, or the stream alone broke
+                        await asyncio.wait((exited,), timeout=_STREAM_GRACE_S)
+                    if not exited.done():  # the worker ignores placements of sessions it holds or held
+                        log.warning("session worker %d: its placement stream closed; connecting again", slot.index)
+                        await self._connect(slot, [p for sid, p in self.held.placements.items()
+                                                   if sid in slot.sessions])
                 code = await exited
             except asyncio.CancelledError:
                 raise
@@ -165,6 +148,12 @@ class SessionWorkers:
             metrics.SESSION_WORKER_RESTARTS.inc()
             log.warning("session worker %d exited (code %s) holding %d sessions; starting it again on %s",
                         slot.index, code, len(slot.sessions), slot.url)
+
+    async def _connect(self, slot: WorkerSlot, placements: list[Placement]) -> None:
+        """Open the worker's placement stream and send `placements` on it."""
+        slot.stream = await PlacementStream.open(slot.url, {WORKER_SECRET_HEADER: self.secret})
+        for placement in placements:
+            await slot.stream.send(placement)
 
     async def _start_process(self, slot: WorkerSlot) -> asyncio.Task[int | None]:
         """Start the worker and wait until it answers; the task that ends when it exits."""
@@ -197,9 +186,10 @@ class SessionWorkers:
             await asyncio.sleep(0.05)
 
     # ---- recovery ------------------------------------------------------------------------------------
-    async def _recover(self, slot: WorkerSlot) -> None:
+    async def _recover(self, slot: WorkerSlot) -> list[Placement]:
         """A worker (re)started: its stored sessions of the running run come back, the rest are closed; sessions
-        the buffer had placed on it that did not come back are closed as failed."""
+        the buffer had placed on it that did not come back are closed as failed, but those it never opened (a
+        journaling run's session not in its journal): their placements, to send again."""
         assert self._runs is not None
         async with slot.taking:  # a batch its last process sent is stored (or not) before the store is asked
             answer = await self._call(slot, "/worker/journal")
@@ -234,23 +224,42 @@ class SessionWorkers:
                 self._repeats[(s.run_id, s.instance_id)] = max(self._repeats.get((s.run_id, s.instance_id), 0),
                                                                s.repeat + 1)
             for session_id in restored:
-                self._hold(slot, by_id[session_id])
+                self.held.hold(slot, by_id[session_id])
             for session_id in set(plan.done) | set(fail):
-                self._let_go(session_id)
-        for session_id in [sid for sid in slot.sessions if sid not in self.summaries]:
+                self.held.let_go(session_id)
+        for session_id in [sid for sid in slot.sessions if sid not in self.held.summaries]:
             self.forget_generator(session_id)  # a generator's: gone with the process (its trajectory fails)
         # Placed here, not in the journal: finished just before the worker died (records stored, its closing not
         # told), or not journaled (`session_journal: false`) and gone with the process.
-        lost = [self.summaries[sid] for sid in slot.sessions if sid not in restored and sid in self.summaries]
-        stored_uids = await self._runs.buffer.episodes_stored([(s.run_id, s.instance_id, s.uid) for s in lost])
-        unjournaled = [s for s in lost if self._let_go(s.session_id) and s.uid not in stored_uids | finished]
+        lost = [self.held.summaries[sid] for sid in slot.sessions if sid not in restored and sid in self.held.summaries]
+        ended = finished | await self._runs.buffer.episodes_stored([(s.run_id, s.instance_id, s.uid) for s in lost])
+        journaled = {s.session_id for s in stored}
+        placements = self.held.placements
+        again = [placements[s.session_id] for s in lost if s.session_id in placements and not slot.moved
+                 and s.session_id not in journaled and s.uid not in ended and self._journals(s.run_id)]
+        run = self._current(again[0].run_id) if again else None
+        if run is not None:  # `again` holds sessions of the running run alone (`_journals`)
+            await self._open_run(slot, run)
+        placed = {p.session_id for p in again}
+        unjournaled = [s for s in lost if s.session_id not in placed and self.held.let_go(s.session_id)
+                       and s.uid not in ended]
+        why = (f"started again at another address ({slot.public_url})" if slot.moved
+               else "the session was not journaled (session_journal: false)")
         for summary in unjournaled:
-            await record_failure(self._runs, summary, f"session worker {slot.index} was lost and the session was "
-                                 "not journaled (session_journal: false)")
-        if restored or fail or outbox or unjournaled:
-            log.info("session worker %d: %d sessions restored, %d closed as failed, %d finished with their records "
-                     "in its outbox (%d stored already)", slot.index, len(restored), len(fail) + len(unjournaled),
-                     len(finished), len({u for u in finished if u in delivered}))
+            await record_failure(self._runs, summary, f"session worker {slot.index} was lost and {why}")
+        if restored or fail or outbox or unjournaled or again:
+            log.info("session worker %d: %d sessions restored, %d placed again (never opened), %d closed as failed, "
+                     "%d finished with their records in its outbox (%d stored already)", slot.index, len(restored),
+                     len(again), len(fail) + len(unjournaled), len(finished),
+                     len({u for u in finished if u in delivered}))
+        return again
+
+    def _journals(self, run_id: str) -> bool:
+        """Whether the running run `run_id` journals its sessions (a session's opening is then written before its
+        first turn is answered)."""
+        run = self._current(run_id)
+        return run is not None and run.resources is not None and \
+            ProxyOptions.from_run(run.resources.config).session_journal
 
     # ---- placing and asking ----------------------------------------------------------------------------
     def pick(self, near: str | None = None) -> WorkerSlot:
@@ -264,48 +273,31 @@ class SessionWorkers:
 
     async def place(self, run: Run, instance_id: str, metadata: dict[str, Any], near: str | None = None
                     ) -> dict[str, Any]:
-        """Open a harness session of `run` on a worker (`pick`); what `POST /sessions` answers."""
+        """Place a harness session of `run` on a worker (`pick`), one way (`proxy.placements`); what `POST
+        /sessions` answers."""
         slot = self.pick(near)
+        opening = slot.runs.get(run.run_id)
+        if opening is None or not opening.done() or opening.exception() is not None:
+            slot.opening += 1
+            try:
+                await self._open_run(slot, run)
+            finally:
+                slot.opening -= 1
+            if not slot.up.is_set() or slot.stream is None:
+                raise WorkerUnavailable(f"session worker {slot.index} was lost while the run opened on it")
         key = (run.run_id, instance_id)
         repeat = self._repeats.get(key, 0)
         self._repeats[key] = repeat + 1
         session_id = new_session_id()
-        slot.opening += 1
-        try:
-            await self._open_run(slot, run)
-            answer = await self._call(slot, "/worker/sessions", {
-                "run_id": run.run_id, "session_id": session_id, "instance_id": instance_id, "repeat": repeat,
-                "public_url": slot.public_url, "metadata": metadata})
-        finally:
-            slot.opening -= 1
-        self._hold(slot, StoredSummary(session_id, run.run_id, instance_id, answer["uid"], repeat, 0, metadata))
-        return {**answer, "worker": slot.index, "node": slot.where.get("node")}
-
-    def _hold(self, slot: WorkerSlot, summary: StoredSummary) -> None:
-        if summary.session_id in self.placed:
-            return
-        self.placed[summary.session_id] = slot
-        self.summaries[summary.session_id] = summary
-        slot.sessions.add(summary.session_id)
-        slot.served += 1
-        run = self._current(summary.run_id)
-        if run is not None:
-            run.session_opened(summary.session_id)
-
-    def _let_go(self, session_id: str) -> bool:
-        """Forget a closed session (counted out of its run); False when it was not held."""
-        slot = self.placed.pop(session_id, None)
-        summary = self.summaries.pop(session_id, None)
-        if slot is None:
-            return False
-        slot.sessions.discard(session_id)
-        self.recent[session_id] = slot
-        while len(self.recent) > _RECENT_KEPT:
-            self.recent.popitem(last=False)
-        run = self._current(summary.run_id) if summary is not None else None
-        if run is not None:
-            run.session_closed(session_id)
-        return True
+        placement = Placement(run_id=run.run_id, session_id=session_id, instance_id=instance_id, repeat=repeat,
+                              api_key=secrets.token_urlsafe(24), public_url=slot.public_url, metadata=metadata)
+        uid = harness_uid(run.run_id, instance_id, session_id)
+        self.held.hold(slot, StoredSummary(session_id, run.run_id, instance_id, uid, repeat, 0, metadata), placement)
+        assert slot.stream is not None
+        await slot.stream.send(placement)  # not sent: the worker is lost, and its recovery places it again
+        root = session_root(slot.public_url, session_id)
+        return {"session_id": session_id, "base_url": f"{root}/v1", "anthropic_base_url": root,
+                "api_key": placement.api_key, "uid": uid, "worker": slot.index, "node": slot.where.get("node")}
 
     def _current(self, run_id: str) -> Run | None:
         run = self._runs.current if self._runs is not None else None
@@ -339,7 +331,7 @@ class SessionWorkers:
                 "repeat": ctx.repeat, "metadata": metadata, "public_url": slot.public_url})
         finally:
             slot.opening -= 1
-        self.placed[opened["session_id"]] = slot
+        self.held.placed[opened["session_id"]] = slot
         slot.sessions.add(opened["session_id"])
         slot.served += 1
         return WorkerSession(functools.partial(self.ask, slot), functools.partial(self.forget_generator,
@@ -354,12 +346,10 @@ class SessionWorkers:
 
     def forget_generator(self, session_id: str) -> None:
         """A generator's session closed."""
-        slot = self.placed.pop(session_id, None)
-        if slot is not None:
-            slot.sessions.discard(session_id)
+        self.held.forget(session_id)
 
     def _up(self, session_id: str) -> WorkerSlot:
-        slot = self.placed.get(session_id) or self.recent[session_id]
+        slot = self.held.placed.get(session_id) or self.held.recent[session_id]
         if not slot.up.is_set():
             raise WorkerUnavailable(f"session worker {slot.index} is starting again; ask again in a few seconds")
         return slot
@@ -367,7 +357,7 @@ class SessionWorkers:
     def holds(self, session_id: str) -> bool:
         """Whether a worker holds the session, or held it until it closed recently (the worker answers for it as
         the buffer does for its own: its view, and 409 for a finish again)."""
-        return session_id in self.placed or session_id in self.recent
+        return self.held.holds(session_id)
 
     async def finish(self, session_id: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """Finish a session on its worker and store the records it hands over (then the worker lets its journal
@@ -382,7 +372,7 @@ class SessionWorkers:
         except (KeyError, ValidationError) as e:
             return 502, {"message": f"session worker {slot.index} answered records that are not valid: {e}"}
         await self._store(run_id, records)
-        self._let_go(session_id)
+        self.held.let_go(session_id)
         self._release(slot, session_id)
         summary_answer: dict[str, Any] = answer["summary"]
         return status, summary_answer
@@ -446,8 +436,8 @@ class SessionWorkers:
                     log.warning("session worker %d did not end run %s: %s", slot.index, run_id, e)
 
         await asyncio.gather(*(end(s) for s in self.slots))
-        for session_id in [sid for sid, s in self.summaries.items() if s.run_id == run_id]:
-            self._let_go(session_id)
+        for session_id in [sid for sid, s in self.held.summaries.items() if s.run_id == run_id]:
+            self.held.let_go(session_id)
         self._repeats = {k: v for k, v in self._repeats.items() if k[0] != run_id}
 
     def snapshot(self) -> builtins.list[dict[str, Any]]:
@@ -499,7 +489,13 @@ class SessionWorkers:
                     refused[str(i)] = f"records[{i}]: {e}"
         for event in batch.get("events", []):
             if event.get("kind") == "closed":
-                self._let_go(str(event.get("session_id")))
+                self.held.let_go(str(event.get("session_id")))
+            elif event.get("kind") == "unplaced":  # the worker could not open a session placed on it
+                session_id = str(event.get("session_id"))
+                summary = self.held.summaries.get(session_id)
+                if summary is not None and self.held.let_go(session_id):
+                    await record_failure(self._runs, summary, f"session worker {worker} could not open the session: "
+                                         f"{event.get('reason')}")
             elif event.get("kind") == "failed":
                 kind = str(event.get("error_kind"))
                 metrics.TRAJECTORIES_FAILED.labels(kind).inc()

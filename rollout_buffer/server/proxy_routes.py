@@ -35,6 +35,7 @@ from rollout_buffer.proxy.manager import SessionManager
 from rollout_buffer.proxy.messages import WireError
 from rollout_buffer.proxy.openai_chat import OpenAIChatAdapter
 from rollout_buffer.proxy.openai_responses import OpenAIResponsesAdapter
+from rollout_buffer.proxy.placements import Arrivals
 from rollout_buffer.proxy.replies import ReplyPart
 from rollout_buffer.proxy.session import Session, TurnRequest, TurnResult
 from rollout_buffer.schemas import (
@@ -209,6 +210,18 @@ def restoring(session_id: str) -> str:
     """Why a session worker that started again answers "send it again" for a session it does not hold yet."""
     return (f"session {session_id} may be among the sessions this worker is restoring after a restart; "
             "send the request again")
+
+
+async def arrival(state: Any, session_id: str) -> None:
+    """On a session worker, wait for the placement of a session it does not hold (`proxy.placements`); Refusal
+    naming why when the worker could not open it."""
+    arrivals: Arrivals | None = getattr(state, "arrivals", None)
+    if arrivals is None:
+        return
+    await arrivals.wait(session_id)
+    why = arrivals.refused.get(session_id)
+    if why is not None:
+        raise Refusal("unknown_session", "not_found", f"session {session_id} could not be opened: {why}")
 
 
 def _session(scope: Scope, sessions: SessionManager, guards: Guards, session_id: str) -> Session:
@@ -432,6 +445,8 @@ class SessionApi:
                 response.headers["allow"] = route[0]
             else:
                 self.guards.check_declared_length(scope)
+                if session_id not in self.state.sessions.sessions:
+                    await arrival(self.state, session_id)
                 session = _session(scope, self.state.sessions, self.guards, session_id)
                 response = await route[1](Request(scope, receive), session)
         except BodyTooLarge as e:

@@ -28,18 +28,20 @@ from pathlib import Path
 from typing import Any
 
 import setproctitle
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rollout_buffer.config import AUTH_TOKEN_ENV, DEFAULT_MAX_BODY_BYTES, ServerConfig
 from rollout_buffer.delivery.encoded import EncodedRecord
+from rollout_buffer.delivery.store import StoreError
 from rollout_buffer.generation.resources import close_resources, run_resources
 from rollout_buffer.observability.logs import ACCESS_LOG_MODES, setup_logging
 from rollout_buffer.proxy.journal import load_sessions
-from rollout_buffer.proxy.manager import SessionManager
+from rollout_buffer.proxy.manager import SessionError, SessionManager
 from rollout_buffer.proxy.outbox import Outbox
+from rollout_buffer.proxy.placements import Arrivals, Placement
 from rollout_buffer.proxy.recovery import StoredSummary
 from rollout_buffer.proxy.worker_run import WORKER_SECRET_ENV, WORKER_SECRET_HEADER, BufferLink, WorkerRun
 from rollout_buffer.schemas import DiscardSessionRequest, FinishSessionRequest, StartRolloutRequest
@@ -51,17 +53,6 @@ from rollout_buffer.server.middleware import AgentSocketGate, BearerAuthMiddlewa
 from rollout_buffer.server.proxy_routes import FINISH_BODY, restoring
 
 log = logging.getLogger(__name__)
-
-
-class PlaceSession(BaseModel):
-    """`POST /worker/sessions`: a harness session the buffer placed here."""
-
-    run_id: str
-    session_id: str
-    instance_id: str
-    repeat: int = Field(ge=0)
-    public_url: str
-    metadata: dict[str, Any] = Field(default_factory=dict)
 
 
 class OpenGeneratorSession(BaseModel):
@@ -117,9 +108,12 @@ class WorkerSecret:
         if scope["type"] == "http" and _finish(scope):
             await self.finishing(scope, receive, send)
             return
-        if scope["type"] == "http" and not _public(scope):
+        if scope["type"] == "websocket" or (scope["type"] == "http" and not _public(scope)):
             given = next((v for k, v in scope["headers"] if k == WORKER_SECRET_HEADER.encode()), b"")
             if not hmac.compare_digest(given, self.secret):
+                if scope["type"] == "websocket":  # refused before the handshake: 403
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
                 await error_response(403, "this route of a session worker is the buffer's")(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -147,6 +141,22 @@ def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret:
     runs: dict[str, WorkerRun] = {}
     building: dict[str, asyncio.Task[WorkerRun]] = {}
 
+    async def open_placed(placement: Placement) -> str | None:
+        run = runs.get(placement.run_id)
+        if run is None:
+            why = f"run {placement.run_id} is not open on session worker {index}"
+        else:
+            try:
+                await sessions.open_harness(run, placement.instance_id, placement.metadata, placement.public_url,
+                                            placement.repeat, placement.session_id, placement.api_key)
+                return None
+            except (SessionError, StoreError) as e:
+                why = str(e)
+        link.event({"kind": "unplaced", "session_id": placement.session_id, "reason": why})
+        return why
+
+    arrivals = Arrivals(open_placed, lambda sid: sid in sessions.sessions or sid in sessions.closed)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         link.start()
@@ -164,6 +174,7 @@ def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret:
     app = BufferApp(guards, title=f"rollout-buffer session worker {index}", lifespan=lifespan, openapi_url=None,
                     docs_url=None, redoc_url=None)
     app.state.sessions = sessions
+    app.state.arrivals = arrivals
     app.add_middleware(BodyLimitMiddleware, guards=guards)
     if guards.agent_socket is not None:
         app.add_middleware(AgentSocketGate, guards=guards)
@@ -208,14 +219,13 @@ def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret:
             await close_resources(run.resources)
         return json_response({"success": True, "run_id": run_id})
 
-    @app.post("/worker/sessions")
-    async def place(body: PlaceSession) -> Response:
-        run = await run_of(body.run_id)
-        session = await sessions.open_harness(run, body.instance_id, body.metadata, body.public_url, body.repeat,
-                                              body.session_id)
-        return json_response({"session_id": session.session_id, "base_url": session.base_url,
-                              "anthropic_base_url": session.anthropic_base_url, "api_key": session.api_key,
-                              "uid": session.ctx.uid})
+    @app.websocket("/worker/placements")
+    async def placements(ws: WebSocket) -> None:
+        """The buffer's placements of harness sessions, one per message, until it closes the stream."""
+        await ws.accept()
+        with contextlib.suppress(WebSocketDisconnect):
+            while True:
+                await arrivals.arrive(await ws.receive_text())
 
     @app.post("/worker/generator-sessions")
     async def open_generator(body: OpenGeneratorSession) -> Response:
@@ -286,6 +296,7 @@ def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret:
 
     @app.post("/worker/sessions/{session_id}/finish")
     async def finish(session_id: str, body: FinishSessionRequest) -> Response:
+        await arrivals.wait(session_id)
         summary, records = await sessions.hand_over(session_id, body.reward, body.extra_info)
         return json_response({"success": True, "summary": summary,
                               "records": [EncodedRecord.of(r).wire() for r in records]})
@@ -295,6 +306,9 @@ def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret:
         body = validated(FINISH_BODY, parse_body(await request.body()))
         if sessions.restoring and session_id not in sessions.sessions:
             raise HTTPException(503, restoring(session_id))
+        await arrivals.wait(session_id)
+        if session_id in arrivals.refused:
+            raise HTTPException(409, f"session {session_id} could not be opened: {arrivals.refused[session_id]}")
         stored = await sessions.finish(session_id, body.reward, body.extra_info)  # records in the outbox
         return json_response({"success": True, **stored})
 
@@ -309,6 +323,7 @@ def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret:
 
     @app.post("/worker/sessions/{session_id}/view")
     async def view(session_id: str) -> Response:
+        await arrivals.wait(session_id)
         found = await sessions.view(session_id)
         if found is None:
             raise HTTPException(404, f"session_id: unknown session {session_id!r}")
@@ -316,6 +331,7 @@ def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret:
 
     @app.head("/sessions/{session_id}")  # Claude Code probes its base URL (a session's `anthropic_base_url`)
     async def probe(session_id: str) -> Response:
+        await arrivals.wait(session_id)
         if session_id not in sessions.sessions:
             raise HTTPException(404, f"session_id: unknown session {session_id!r}")
         return Response(status_code=200)
