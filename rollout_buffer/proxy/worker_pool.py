@@ -6,8 +6,7 @@ the worker holding the fewest, one way (`proxy.placements`: no call per session)
 names that worker's own port: agents talk to their worker directly, with nothing forwarded (a forwarding front
 would spend on every turn the buffer CPU the workers exist to save). A harness finishes a session at the worker
 (its `finish_url`), which hands the records back in batches (`POST /workers/records`, `take`); finishing at the
-buffer, showing and listing sessions go through the
-buffer, which asks the worker holding them.
+buffer, showing and listing sessions go through the buffer, which asks the worker holding them.
 
 A worker that dies (SIGKILL, an OOM kill) is started again on the same port with the same folder: it restores
 its sessions from their journals (`proxy.recovery` decides which), so a client's retry of the turn in flight, at
