@@ -25,6 +25,7 @@ from servers import Server, free_port, sim_engine
 from test_proxy import open_session
 
 from rollout_buffer.config import ServerConfig
+from rollout_buffer.proxy import worker_run
 from rollout_buffer.proxy.outbox import Outbox
 from rollout_buffer.proxy.worker_run import WORKER_SECRET_ENV, WORKER_SECRET_HEADER, BufferLink
 
@@ -33,8 +34,9 @@ class StubBuffer:
     """A buffer's `POST /workers/records` on a stdlib HTTP server: records what it is sent, answers `answers` in
     turn (then a plain success)."""
 
-    def __init__(self, answers: list[tuple[int, dict[str, Any]]] | None = None):
+    def __init__(self, answers: list[tuple[int, dict[str, Any]]] | None = None, port: int = 0):
         self.posts: list[dict[str, Any]] = []
+        self.posted = threading.Event()
         self.answers = list(answers or [])
         stub = self
 
@@ -42,6 +44,7 @@ class StubBuffer:
             def do_POST(self) -> None:
                 stub.posts.append({"path": self.path, "secret": self.headers[WORKER_SECRET_HEADER], "at": time.time(),
                                    "body": json.loads(self.rfile.read(int(self.headers["content-length"])))})
+                stub.posted.set()
                 status, body = stub.answers.pop(0) if stub.answers else (200, {"success": True, "refused": {}})
                 data = json.dumps(body).encode()
                 self.send_response(status)
@@ -52,7 +55,7 @@ class StubBuffer:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -127,6 +130,31 @@ def test_records_the_buffer_cannot_take_yet_are_sent_again_and_those_it_refuses_
     assert parcel_files(tmp_path) == [], "stored or set aside: nothing left to send"
     kept = Outbox(tmp_path / "refused").files.load()
     assert len(kept) == 1 and json.loads(kept[0][1][0]) == ["gone", [wire("u2", "e2")], "records[1]: no run 'gone'"]
+
+
+def test_session_events_alone_wait_for_a_buffer_out_of_reach(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """A batch of session events without records (a session failed) that cannot reach the buffer keeps its events:
+    they go once the buffer is back (its accounting needs each one)."""
+    monkeypatch.setattr(worker_run, "_RETRY_S", (0.05, 0.05))
+    port = free_port()
+    closed = {"kind": "closed", "session_id": "s-1"}
+
+    async def tell() -> StubBuffer:
+        link = BufferLink(f"http://127.0.0.1:{port}", 0, "s", None, 0.0, Outbox(tmp_path), 1 << 20)
+        link.start()
+        link.event(closed)
+        await asyncio.sleep(1.0)  # several rounds of the ladder against nothing
+        stub = StubBuffer(port=port)
+        try:
+            assert await asyncio.to_thread(stub.posted.wait, 30)
+        finally:
+            await link.aclose()
+        return stub
+
+    stub = asyncio.run(tell())
+    stub.close()
+    assert [p["body"]["events"] for p in stub.posts] == [[closed]]
 
 
 def test_a_batch_larger_than_a_request_goes_in_several(stub: StubBuffer, tmp_path: Path) -> None:

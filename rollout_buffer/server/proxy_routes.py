@@ -445,7 +445,7 @@ class SessionApi:
                 response.headers["allow"] = route[0]
             else:
                 self.guards.check_declared_length(scope)
-                if session_id not in self.state.sessions.sessions:
+                if session_id not in self.state.sessions.sessions and not self.state.sessions.restoring:
                     await arrival(self.state, session_id)
                 session = _session(scope, self.state.sessions, self.guards, session_id)
                 response = await route[1](Request(scope, receive), session)

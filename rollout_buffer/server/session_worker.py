@@ -152,6 +152,9 @@ def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret:
                 return None
             except (SessionError, StoreError) as e:
                 why = str(e)
+            except Exception as e:  # a bug must not end the stream (every placement after it would wait for it)
+                log.exception("session %s: opening it failed", placement.session_id)
+                why = f"internal error: {type(e).__name__}: {e}"
         link.event({"kind": "unplaced", "session_id": placement.session_id, "reason": why})
         return why
 
