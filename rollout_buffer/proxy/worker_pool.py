@@ -229,7 +229,8 @@ class SessionWorkers:
         for session_id in [sid for sid in slot.sessions if sid not in self.held.summaries]:
             self.forget_generator(session_id)  # a generator's: gone with the process (its trajectory fails)
         # Placed here, not in the journal: finished just before the worker died (records stored, its closing not
-        # told), or not journaled (`session_journal: false`) and gone with the process.
+        # told), never opened (its placement unread: placed again), or not journaled (`session_journal: false`)
+        # and gone with the process.
         lost = [self.held.summaries[sid] for sid in slot.sessions if sid not in restored and sid in self.held.summaries]
         ended = finished | await self._runs.buffer.episodes_stored([(s.run_id, s.instance_id, s.uid) for s in lost])
         journaled = {s.session_id for s in stored}
