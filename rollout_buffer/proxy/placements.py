@@ -25,7 +25,6 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import orjson
 from pydantic import BaseModel, Field, ValidationError
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
@@ -61,7 +60,7 @@ class PlacementStream:
         refuses."""
         url = "ws" + worker_url.removeprefix("http") + "/worker/placements"
         connection = await connect(url, additional_headers=headers, compression=None, open_timeout=30,
-                                              max_size=2**20)
+                                   max_size=2**20)
         return cls(connection)
 
     async def send(self, placement: Placement) -> bool:
@@ -97,8 +96,8 @@ class Arrivals:
         """Open the session one placement names (a malformed one is logged and dropped: only the buffer sends
         them)."""
         try:
-            placement = Placement.model_validate(orjson.loads(raw))
-        except (orjson.JSONDecodeError, ValidationError) as e:
+            placement = Placement.model_validate_json(raw)
+        except ValidationError as e:  # not JSON, too
             log.error("a placement that is not valid was dropped: %s", e)
             return
         if self._holds(placement.session_id) or placement.session_id in self.refused:

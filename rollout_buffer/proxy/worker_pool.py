@@ -276,8 +276,7 @@ class SessionWorkers:
         """Place a harness session of `run` on a worker (`pick`), one way (`proxy.placements`); what `POST
         /sessions` answers."""
         slot = self.pick(near)
-        opening = slot.runs.get(run.run_id)
-        if opening is None or not opening.done() or opening.exception() is not None:
+        if not self._run_open(slot, run):
             slot.opening += 1
             try:
                 await self._open_run(slot, run)
@@ -303,9 +302,14 @@ class SessionWorkers:
         run = self._runs.current if self._runs is not None else None
         return run if run is not None and run.run_id == run_id else None
 
+    def _run_open(self, slot: WorkerSlot, run: Run) -> bool:
+        """Whether `run` is open on the worker's current process."""
+        opening = slot.runs.get(run.run_id)
+        return opening is not None and opening.done() and not opening.cancelled() and opening.exception() is None
+
     async def _open_run(self, slot: WorkerSlot, run: Run) -> None:
         opening = slot.runs.get(run.run_id)
-        if opening is None or (opening.done() and opening.exception() is not None):
+        if opening is None or (opening.done() and (opening.cancelled() or opening.exception() is not None)):
             payload = run.req.model_dump(mode="json")
             opening = slot.runs[run.run_id] = asyncio.create_task(
                 self._call(slot, f"/worker/runs/{run.run_id}/open", payload))
