@@ -10,6 +10,7 @@ import pytest
 
 from rollout_buffer.generation.conversation import Conversation
 from rollout_buffer.generation.prompt_ids import encode
+from rollout_buffer.generation.sglang_wire import request_body
 from rollout_buffer.generation.tokenizer import end_of_turn_ids, load_tokenizer
 from rollout_buffer.schemas import TrajectoryRecord
 
@@ -481,7 +482,8 @@ def test_the_engine_payload_of_the_ids_is_their_json_as_the_conversation_grows_a
     def sent(c: Conversation, tail: list[int] | None = None) -> list[int]:
         prompt = c.engine_prompt()
         assert len(prompt) == c.generation_length() == len(c.generation_ids())
-        payload = orjson.loads(orjson.dumps({"input_ids": prompt.payload(tail or [])}))["input_ids"]
+        body = request_body({"input_ids": prompt.payload(tail or []), "return_logprob": True})
+        payload = orjson.loads(body if isinstance(body, bytes) else b"".join(body))["input_ids"]
         assert payload == [*c.generation_ids(), *(tail or [])]
         return payload
 
@@ -502,3 +504,8 @@ def test_the_engine_payload_of_the_ids_is_their_json_as_the_conversation_grows_a
     fork.add_messages([TOOL_RESULT])
     sent(fork)
     sent(conv)
+    for step in range(40):  # more turns than the pieces its ids are kept in before they are joined
+        ids, lps = engine_output(tok, TURN_3, im_end)
+        conv.add_assistant(ids, lps, TURN_3)
+        conv.add_messages([{"role": "user", "content": f"Step {step}."}])
+        sent(conv, ids[:2] if step % 7 == 0 else None)

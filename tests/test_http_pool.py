@@ -16,6 +16,7 @@ import subprocess
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import orjson
 import pytest
 
 from rollout_buffer.generation.http_pool import HttpPool, TransportError
@@ -88,6 +89,10 @@ def test_sequential_requests_share_one_keep_alive_connection_and_are_well_formed
             pool = HttpPool(timeout_s=10)
             for i in range(5):
                 assert await pool.post(server.url, "/generate", b'{"i": %d}' % i) == (200, b'{"echo": {"i": %d}}' % i)
+            # A body in pieces (a long prompt's ids, not copied into one buffer) arrives whole, its length counted.
+            pieces = [b'{"input_ids":[', b",".join(b"%d" % i for i in range(300_000)), b'],"x":1}']
+            status, echoed = await pool.post(server.url, "/generate", pieces)
+            assert status == 200 and orjson.loads(echoed)["echo"] == {"input_ids": list(range(300_000)), "x": 1}
             await pool.aclose()
         assert server.connections == 1
         head = server.requests[0].split(b"\r\n\r\n")[0].split(b"\r\n")

@@ -122,7 +122,7 @@ class Conversation(TokenSequence):
         self.sanity_check = sanity_check
         self.token_mode = tokenizer is not None
         self.token_ids, self.loss_mask, self.log_probs, self.weight_versions = [], [], [], []
-        self._json, self._json_count = bytearray(), 0
+        self._json, self._json_count = [], 0
         self.version_spans = []
         self.prompt_length = 0
         self.truncated = False
@@ -349,7 +349,7 @@ class Conversation(TokenSequence):
         other = copy.copy(self)
         other.messages = self.messages[:mark.messages]
         other.token_ids = self.token_ids[:mark.tokens]
-        other._json, other._json_count = bytearray(), 0
+        other._json, other._json_count = [], 0
         other.loss_mask = [0] * mark.tokens
         other.log_probs = [0.0] * mark.tokens
         other.weight_versions = []

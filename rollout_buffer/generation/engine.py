@@ -50,6 +50,7 @@ from rollout_buffer.generation.sglang_wire import (
     error_text,
     event_body,
     parse_generate,
+    request_body,
     to_sglang_sampling_params,
     tool_calls,
 )
@@ -200,7 +201,7 @@ class EngineClient:
 
     async def _attempt(self, url: str, path: str, payload: dict[str, Any]) -> Any:
         with self._counted(url, path):
-            status, content = await self._http().post(url, path, orjson.dumps(payload))
+            status, content = await self._http().post(url, path, request_body(payload))
         if status >= 400:
             kind = "http_5xx" if status >= 500 else "http_4xx"
             raise AttemptError(kind, f"HTTP {status}: {error_text(content)}", status)
@@ -263,7 +264,7 @@ class EngineClient:
         the request.
         """
         with self._counted(url, "/generate"):
-            async with self._http().stream(url, "/generate", orjson.dumps(payload)) as response:
+            async with self._http().stream(url, "/generate", request_body(payload)) as response:
                 if response.status >= 400:
                     kind = "http_5xx" if response.status >= 500 else "http_4xx"
                     reason = f"HTTP {response.status}: {error_text(await response.read())}"

@@ -24,7 +24,10 @@ from urllib.parse import urlsplit
 
 import httptools
 
-_REQUEST = b"POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s"
+_HEAD = b"POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n"
+# A request body: its bytes, or pieces of it written one after the other (a long prompt's ids are not copied
+# into one buffer: `sglang_wire.request_body`).
+Body = bytes | list[bytes]
 # Bytes a streamed answer holds before the connection stops reading (its consumer is behind).
 _STREAM_PAUSE_BYTES = 1 << 20
 
@@ -182,11 +185,11 @@ class _Connection(asyncio.Protocol):
             self.close()
 
     # ---- used by the pool ------------------------------------------------------------------------
-    def send(self, request: bytes, response: Response) -> None:
+    def send(self, request: list[bytes], response: Response) -> None:
         self.response = response
         self._framed = False
         assert self.transport is not None
-        self.transport.write(request)
+        self.transport.writelines(request)  # one system call, the pieces not joined
 
     def finish(self) -> bool:
         """The exchange is over: True when the connection can serve another one."""
@@ -264,13 +267,15 @@ class HttpPool:
             raise TransportError(f"cannot connect to {origin.host}:{origin.port}: {e}") from None
         return conn
 
-    async def _start(self, url: str, path: str, body: bytes) -> tuple[_Connection, Response, _Origin]:
+    async def _start(self, url: str, path: str, body: Body) -> tuple[_Connection, Response, _Origin]:
         """Send the request (on an idle connection when there is one) and wait for the answer's headers."""
         if self.closed:
             raise TransportError("the engine client is closed")
         origin = self._origin(url)
-        request = _REQUEST % (origin.base_path.encode(), path.encode(), origin.host_header, len(body), self._headers,
-                              body)
+        pieces = [body] if isinstance(body, bytes) else body
+        head = _HEAD % (origin.base_path.encode(), path.encode(), origin.host_header, sum(map(len, pieces)),
+                        self._headers)
+        request = [head, *pieces]
         conn = None
         while origin.idle and conn is None:
             conn = origin.idle.pop()
@@ -293,8 +298,8 @@ class HttpPool:
         if conn.finish() and not self.closed:
             origin.idle.append(conn)
 
-    async def post(self, url: str, path: str, body: bytes) -> tuple[int, bytes]:
-        """POST `body` (JSON) to `url + path`: the status and the whole answer."""
+    async def post(self, url: str, path: str, body: Body) -> tuple[int, bytes]:
+        """POST `body` (JSON, whole or in pieces) to `url + path`: the status and the whole answer."""
         async with self._slots:
             conn, response, origin = await self._start(url, path, body)
             try:
@@ -304,7 +309,7 @@ class HttpPool:
             return response.status, data
 
     @contextlib.asynccontextmanager
-    async def stream(self, url: str, path: str, body: bytes) -> AsyncIterator[Response]:
+    async def stream(self, url: str, path: str, body: Body) -> AsyncIterator[Response]:
         """POST `body` to `url + path`; the answer as it arrives (`status`, then `async for` its bytes, or
         `read()`). Leaving before its end closes the connection, which tells the server to stop."""
         async with self._slots:

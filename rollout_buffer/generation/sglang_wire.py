@@ -20,23 +20,39 @@ logger = logging.getLogger(__name__)
 
 
 class EnginePrompt:
-    """A conversation's prompt as the engine gets it: how many ids, and their JSON array, written as the
-    conversation grew (`TokenSequence.ids_json`). A long conversation resends its whole context every turn;
+    """A conversation's prompt as the engine gets it: how many ids, and their JSON array in pieces, written as
+    the conversation grew (`TokenSequence.ids_json`). A long conversation resends its whole context every turn;
     serializing or copying its ids anew would cost as much as the context, not as the turn."""
 
-    def __init__(self, length: int, ids_json: bytes):
+    def __init__(self, length: int, ids_json: list[bytes]):
         self.length = length
         self.ids_json = ids_json
 
     def __len__(self) -> int:
         return self.length
 
-    def payload(self, tail: list[int]) -> orjson.Fragment:
-        """These ids followed by `tail` (output of an interrupted generation), as a JSON array."""
+    def payload(self, tail: list[int]) -> IdsJson:
+        """These ids followed by `tail` (output of an interrupted generation), as a JSON array in pieces."""
         if not tail:
-            return orjson.Fragment(self.ids_json)
-        more = orjson.dumps(tail)[1:]
-        return orjson.Fragment(self.ids_json[:-1] + (b"," + more if self.length else more))
+            return IdsJson(self.ids_json)
+        more = orjson.dumps(tail)[1:-1]
+        return IdsJson([*self.ids_json[:-1], b"," + more if self.length else more, b"]"])
+
+
+@dataclass(frozen=True)
+class IdsJson:
+    """A JSON array of ids in pieces, as `request_body` puts them in a request without copying them."""
+
+    pieces: list[bytes]
+
+
+def request_body(payload: dict[str, Any]) -> bytes | list[bytes]:
+    """An engine request's body; in pieces when its `input_ids` are (`IdsJson`), the ids not copied."""
+    ids = payload.get("input_ids")
+    if not isinstance(ids, IdsJson):
+        return orjson.dumps(payload)
+    rest = orjson.dumps({k: v for k, v in payload.items() if k != "input_ids"})
+    return [b'{"input_ids":', *ids.pieces, b"}" if rest == b"{}" else b"," + rest[1:]]
 
 
 # SamplingParams fields SGLang's /generate accepts (python/sglang/srt/sampling/sampling_params.py).

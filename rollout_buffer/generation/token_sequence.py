@@ -14,6 +14,8 @@ import orjson
 
 from rollout_buffer.delivery.versions import mask_older_versions
 
+_JSON_PIECES = 32  # the ids' JSON is joined into one piece when it has more (a request writes each piece)
+
 
 class TokenSequence:
     """Token ids, loss mask and log-probs (one each per token), weight versions and their spans; set up by the
@@ -28,22 +30,23 @@ class TokenSequence:
     version_spans: list[list[Any]]
     prompt_length: int
     _log_probs_complete: bool  # every generated token came with its log-prob
-    # token_ids[:_json_count] as JSON numbers joined by commas, extended as tokens are appended (`ids_json`).
-    _json: bytearray
+    # token_ids[:_json_count] as JSON numbers joined by commas, in pieces (each after the first starts with a
+    # comma), extended as tokens are appended (`ids_json`).
+    _json: list[bytes]
     _json_count: int
 
-    def ids_json(self, tail: list[int] | tuple[int, ...] = ()) -> bytes:
-        """`token_ids + tail` as a JSON array, serializing only the tokens appended since the last call."""
+    def ids_json(self, tail: list[int] | tuple[int, ...] = ()) -> list[bytes]:
+        """`token_ids + tail` as a JSON array, in pieces to be written one after the other: only the tokens
+        appended since the last call are serialized, and nothing serialized before is copied (but when the
+        pieces are joined, once every `_JSON_PIECES` appends)."""
         if self._json_count < len(self.token_ids):
             new = orjson.dumps(self.token_ids[self._json_count:])[1:-1]
-            if self._json:
-                self._json += b","
-            self._json += new
+            self._json.append(b"," + new if self._json else new)
             self._json_count = len(self.token_ids)
-        if tail:
-            more = orjson.dumps(list(tail))[1:-1]
-            return b"".join((b"[", self._json, b"," if self._json else b"", more, b"]"))
-        return b"".join((b"[", self._json, b"]"))
+            if len(self._json) > _JSON_PIECES:
+                self._json = [b"".join(self._json)]
+        more = [(b"," if self._json else b"") + orjson.dumps(list(tail))[1:-1]] if tail else []
+        return [b"[", *self._json, *more, b"]"]
 
     def record_fields(self, mask_offpolicy: bool = False) -> dict[str, Any]:
         """The exact-token fields of the trajectory record; `{}` in chat mode.
@@ -76,7 +79,7 @@ class TokenSequence:
     def _truncate_to(self, n: int) -> None:
         del self.token_ids[n:], self.loss_mask[n:], self.log_probs[n:]
         if n < self._json_count:  # rare (a turn taken back): written again from the start when next asked
-            self._json, self._json_count = bytearray(), 0
+            self._json, self._json_count = [], 0
 
     def _add_version_spans(self, start: int, count: int, version: str | None,
                            segments: list[tuple[int, str | None]] | None) -> None:
