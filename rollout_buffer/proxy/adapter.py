@@ -45,6 +45,7 @@ class WireAdapter:
     """Base of the protocol adapters; subclasses fill the hooks below."""
 
     protocol: ClassVar[str] = ""
+    history_key: ClassVar[str] = "messages"  # the body's field holding the conversation (`request_bodies`)
 
     def parse(self, body: Any, history: HistoryCache | None = None) -> TurnRequest:
         """The request, translated; WireError naming the bad field. With the session's `history`, what its

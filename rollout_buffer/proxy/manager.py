@@ -41,8 +41,9 @@ from rollout_buffer.proxy.expiry import Reaper
 from rollout_buffer.proxy.journal import Journal, StoredSession, idle_since, load_sessions, load_state, replay
 from rollout_buffer.proxy.messages import WireError
 from rollout_buffer.proxy.recovery import StoredSummary, record_failure, recovery_plan
-from rollout_buffer.proxy.session import HarnessRun, ProxyOptions, Session, harness_uid, new_session_id, session_root
+from rollout_buffer.proxy.session import HarnessRun, ProxyOptions, Session
 from rollout_buffer.proxy.session_files import SessionFiles
+from rollout_buffer.proxy.session_names import harness_uid, new_session_id, session_root
 from rollout_buffer.proxy.tree import ResponseRef, SessionTree
 from rollout_buffer.proxy.worker_pool import SessionWorkers
 from rollout_buffer.proxy.worker_sessions import WorkerCallError, WorkerSession, WorkerSessionError, WorkerUnavailable

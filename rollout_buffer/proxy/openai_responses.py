@@ -99,6 +99,7 @@ class OpenAIResponsesAdapter(WireAdapter):
     """OpenAI's Responses wire format."""
 
     protocol = "responses"
+    history_key = "input"
 
     def parse(self, body: Any, history: HistoryCache | None = None) -> ResponsesRequest:
         b = self.validated(ResponsesBody, body)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from rollout_buffer.proxy.history import HistoryCache
 from rollout_buffer.proxy.journal import Journal
 from rollout_buffer.proxy.messages import MessageKey, WireError, message_key, tools_key
 from rollout_buffer.proxy.replies import Reply, ReplyParser, ReplyPart
+from rollout_buffer.proxy.request_bodies import BodyCache
 from rollout_buffer.proxy.tree import Branch, ResponseRef, Route, SessionTree
 from rollout_buffer.schemas import TrajectoryRecord
 
@@ -154,6 +154,7 @@ class Session:
     tree: SessionTree = field(default_factory=SessionTree)
     responses: dict[str, ResponseRef] = field(default_factory=dict)
     history: HistoryCache = field(default_factory=HistoryCache)
+    bodies: BodyCache = field(default_factory=BodyCache)
     state: str = "open"
     created_at: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.monotonic)
@@ -504,17 +505,3 @@ async def _rendered(render: Any, req: TurnRequest) -> Any:
         where = "tools" if req.tools else "messages"
         raise WireError("invalid_request", f"the chat template cannot render this request: {e}", where) from None
 
-
-def new_session_id() -> str:
-    """A fresh session id."""
-    return f"s-{secrets.token_hex(12)}"
-
-
-def harness_uid(run_id: str, instance_id: str, session_id: str) -> str:
-    """The uid of a harness session's records (one episode)."""
-    return f"{run_id}:{instance_id}:{session_id}"
-
-
-def session_root(public_url: str, session_id: str) -> str:
-    """A session's root URL (its `anthropic_base_url`; `base_url` is `<root>/v1`) on the server at `public_url`."""
-    return f"{public_url.rstrip('/')}/sessions/{session_id}"

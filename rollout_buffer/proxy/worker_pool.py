@@ -38,7 +38,8 @@ from rollout_buffer.generation.sessions import is_socket
 from rollout_buffer.observability import logs, metrics
 from rollout_buffer.proxy.placements import Placement, PlacementStream
 from rollout_buffer.proxy.recovery import StoredSummary, record_failure, recovery_plan
-from rollout_buffer.proxy.session import ProxyOptions, harness_uid, new_session_id, session_root
+from rollout_buffer.proxy.session import ProxyOptions
+from rollout_buffer.proxy.session_names import harness_uid, new_session_id, session_root
 from rollout_buffer.proxy.worker_launch import WorkerLauncher
 from rollout_buffer.proxy.worker_ledger import PlacedSessions, WorkerSlot
 from rollout_buffer.proxy.worker_run import WORKER_SECRET_ENV, WORKER_SECRET_HEADER

@@ -37,6 +37,7 @@ from rollout_buffer.proxy.openai_chat import OpenAIChatAdapter
 from rollout_buffer.proxy.openai_responses import OpenAIResponsesAdapter
 from rollout_buffer.proxy.placements import Arrivals
 from rollout_buffer.proxy.replies import ReplyPart
+from rollout_buffer.proxy.request_bodies import BodyCache
 from rollout_buffer.proxy.session import Session, TurnRequest, TurnResult
 from rollout_buffer.schemas import (
     DiscardSessionRequest,
@@ -240,7 +241,7 @@ def _session(scope: Scope, sessions: SessionManager, guards: Guards, session_id:
 
 
 async def _turn(request: Request, session: Session, adapter: WireAdapter) -> Response:
-    req = adapter.parse(_json(await request.body()), session.history)
+    req = adapter.parse(_json(await request.body(), session.bodies, adapter.history_key), session.history)
     adapter.bind(req, session)
     req.lane = _lane(request.scope)
     if req.stream:
@@ -292,9 +293,10 @@ async def _client_gone(receive: Receive) -> None:
         pass
 
 
-def _json(raw: bytes) -> Any:
+def _json(raw: bytes, bodies: BodyCache | None = None, history_key: str = "") -> Any:
+    """The body parsed (with a session's `bodies`, reusing its previous body's parse); WireError if not JSON."""
     try:
-        return parse_body(raw)
+        return parse_body(raw) if bodies is None else bodies.parse(raw, history_key)
     except Exception:
         raise WireError("invalid_request", "the body is not valid JSON") from None
 

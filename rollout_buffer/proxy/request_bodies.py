@@ -1,0 +1,91 @@
+"""A session's request bodies parsed without parsing again the history they share with the previous one.
+
+A coding agent resends its whole conversation every turn, and its client serializes the same messages to the
+same bytes each time: the new body is the previous one up to the end of its last message, then the new messages
+and the request's other fields. Parsing it whole costs as much as the context, every turn. `BodyCache` keeps the
+previous body and its parse; a new body that shares a prefix with it ending between two messages of the history
+array (`messages`, or the Responses API's `input`) is parsed from there on only, and its history is the previous
+one's items (the same objects, which the history cache then compares by identity) followed by the new ones.
+
+Where the shared prefix ends is checked, not assumed: the previous body's remainder from that point, after an
+opening `{"<key>": [`, must parse to an empty history followed by exactly the fields that came after the history
+in the previous body. That holds only when the prefix leaves the parser between two items of the top-level
+history array (inside a string, a message or another field, the remainder does not parse, or parses to other
+fields), so the result is what parsing the whole body gives. Anything else is parsed whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+_BLOCK = 1 << 16  # prefix compared a block at a time: small copies, then a binary search in the block that differs
+
+
+def common_prefix(a: bytes, b: bytes) -> int:
+    """The length of the longest common prefix of `a` and `b`."""
+    n = min(len(a), len(b))
+    lo = 0
+    while lo < n:
+        hi = min(n, lo + _BLOCK)
+        if a[lo:hi] != b[lo:hi]:
+            break
+        lo = hi
+    else:
+        return n
+    while hi - lo > 1:  # a[lo:hi] differs from b[lo:hi] and everything before lo is equal
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo if a[lo] != b[lo] else hi
+
+
+class BodyCache:
+    """One session's last request body and its parse (see the module docstring)."""
+
+    __slots__ = ("_key", "_parsed", "_raw")
+
+    def __init__(self) -> None:
+        self._raw = b""
+        self._key = ""
+        self._parsed: dict[str, Any] | None = None
+
+    def parse(self, raw: bytes, key: str) -> Any:
+        """`raw` parsed as JSON (orjson's errors raised as they are), its `key` array continued from the previous
+        body's where the two share it."""
+        parsed = self._continued(raw, key)
+        if parsed is None:
+            parsed = orjson.loads(raw)
+        if isinstance(parsed, dict) and isinstance(parsed.get(key), list):
+            self._raw, self._key, self._parsed = raw, key, parsed
+        else:
+            self._raw, self._key, self._parsed = b"", "", None
+        return parsed
+
+    def _continued(self, raw: bytes, key: str) -> dict[str, Any] | None:
+        before = self._parsed
+        if before is None or key != self._key:
+            return None
+        if raw == self._raw:
+            return before
+        at = common_prefix(self._raw, raw)
+        if at >= len(raw) or raw[at] != ord(","):
+            return None
+        opening = b"{" + orjson.dumps(key) + b":["
+        fields = list(before)
+        after = {k: before[k] for k in fields[fields.index(key) + 1:]}
+        try:
+            if orjson.loads(opening + self._raw[at:]) != {key: [], **after}:
+                return None
+            tail = orjson.loads(opening + raw[at + 1:])
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(tail, dict):
+            return None
+        parsed = {k: before[k] for k in fields[:fields.index(key)]}  # the fields before the history: shared bytes
+        parsed[key] = before[key] + tail.pop(key)
+        parsed.update(tail)
+        return parsed
