@@ -118,6 +118,7 @@ def test_requests_wait_for_their_placement_and_a_session_never_placed_or_refused
     time.sleep(0.5)
     assert early.is_alive(), "the request waits for its placement"
     with connect(url, additional_headers={WORKER_SECRET_HEADER: secret}) as stream:
+        stream.send('{"run_id": "no placement"}')  # malformed: dropped, the stream goes on
         for session_id, run in (("s-early", run_id), ("s-refused", "no-such-run")):
             stream.send(orjson.dumps({"run_id": run, "session_id": session_id, "instance_id": "placed-here",
                                       "repeat": 0, "api_key": "early-key", "public_url": worker["url"]}).decode())
