@@ -8,7 +8,7 @@ array (`messages`, or the Responses API's `input`) is parsed from there on only,
 one's items (the same objects, which the history cache then compares by identity) followed by the new ones.
 
 Where the shared prefix ends is checked, not assumed: the previous body's remainder from that point, after an
-opening `{"<key>": [`, must parse to an empty history followed by exactly the fields that came after the history
+opening `{"<items>": [`, must parse to an empty array followed by exactly the fields that came after the history
 in the previous body. That holds only when the prefix leaves the parser between two items of the top-level
 history array (inside a string, a message or another field, the remainder does not parse, or parses to other
 fields), so the result is what parsing the whole body gives. Anything else is parsed whole.
@@ -20,7 +20,13 @@ from typing import Any
 
 import orjson
 
-_BLOCK = 1 << 16  # prefix compared a block at a time: small copies, then a binary search in the block that differs
+# The prefix is compared a block at a time (each a small copy of `a`'s, compared in place in `b`), then by halves
+# in the block that differs.
+_BLOCK = 1 << 16
+# A remainder is parsed after an opening that names the history array by a key no client sends, so that a body
+# naming its history twice (the later one replaces the first) is seen and parsed whole.
+_ITEMS = "\x00"
+_OPENING = b'{"\\u0000":['
 
 
 def common_prefix(a: bytes, b: bytes) -> int:
@@ -29,14 +35,14 @@ def common_prefix(a: bytes, b: bytes) -> int:
     lo = 0
     while lo < n:
         hi = min(n, lo + _BLOCK)
-        if a[lo:hi] != b[lo:hi]:
+        if not b.startswith(a[lo:hi], lo):
             break
         lo = hi
     else:
         return n
-    while hi - lo > 1:  # a[lo:hi] differs from b[lo:hi] and everything before lo is equal
+    while hi - lo > 1:  # b[lo:hi] differs from a[lo:hi] and everything before lo is equal
         mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
+        if b.startswith(a[lo:mid], lo):
             lo = mid
         else:
             hi = mid
@@ -74,18 +80,17 @@ class BodyCache:
         at = common_prefix(self._raw, raw)
         if at >= len(raw) or raw[at] != ord(","):
             return None
-        opening = b"{" + orjson.dumps(key) + b":["
         fields = list(before)
         after = {k: before[k] for k in fields[fields.index(key) + 1:]}
         try:
-            if orjson.loads(opening + self._raw[at:]) != {key: [], **after}:
+            if orjson.loads(_OPENING + self._raw[at:]) != {_ITEMS: [], **after}:
                 return None
-            tail = orjson.loads(opening + raw[at + 1:])
+            tail = orjson.loads(_OPENING + raw[at + 1:])
         except orjson.JSONDecodeError:
             return None
-        if not isinstance(tail, dict):
+        if not isinstance(tail, dict) or key in tail:  # the history named again: it replaces the first one
             return None
         parsed = {k: before[k] for k in fields[:fields.index(key)]}  # the fields before the history: shared bytes
-        parsed[key] = before[key] + tail.pop(key)
+        parsed[key] = before[key] + tail.pop(_ITEMS)
         parsed.update(tail)
         return parsed
