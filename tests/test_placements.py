@@ -23,7 +23,7 @@ from test_proxy import open_session
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from rollout_buffer.proxy.placements import ARRIVAL_WAIT_S
+from rollout_buffer.proxy.placements import ARRIVAL_WAIT_S, placed_session_id
 from rollout_buffer.proxy.worker_run import WORKER_SECRET_ENV, WORKER_SECRET_HEADER
 
 QUESTION = [{"role": "user", "content": "What is 2 + 3?"}]
@@ -112,27 +112,36 @@ def test_requests_wait_for_their_placement_and_a_session_never_placed_or_refused
         return httpx.post(f"{worker['url']}/sessions/{session_id}/v1/chat/completions", timeout=60,
                           headers={"authorization": f"Bearer {key}"}, json={"model": "m", "messages": QUESTION})
 
+    index = worker["worker"]
+    early, refused_id, never = (placed_session_id(secret, index) for _ in range(3))
     answers: list[httpx.Response] = []
-    early = threading.Thread(target=lambda: answers.append(chat("s-early", "early-key")))
-    early.start()
+    waiting = threading.Thread(target=lambda: answers.append(chat(early, "early-key")))
+    waiting.start()
     time.sleep(0.5)
-    assert early.is_alive(), "the request waits for its placement"
+    assert waiting.is_alive(), "the request waits for its placement"
     with connect(url, additional_headers={WORKER_SECRET_HEADER: secret}) as stream:
         stream.send('{"run_id": "no placement"}')  # malformed: dropped, the stream goes on
-        for session_id, run in (("s-early", run_id), ("s-refused", "no-such-run")):
+        for session_id, run in ((early, run_id), (refused_id, "no-such-run")):
             stream.send(orjson.dumps({"run_id": run, "session_id": session_id, "instance_id": "placed-here",
                                       "repeat": 0, "api_key": "early-key", "public_url": worker["url"]}).decode())
-        early.join(60)
+        waiting.join(60)
         assert answers and answers[0].status_code == 200, answers
         assert answers[0].json()["choices"][0]["finish_reason"] == "stop"
 
-        refused_turn = chat("s-refused", "early-key")
+        refused_turn = chat(refused_id, "early-key")
         assert refused_turn.status_code == 404
         assert "could not be opened: run no-such-run is not open" in refused_turn.json()["error"]["message"]
         started = time.monotonic()
-        never = chat("s-never", "any")
-        assert never.status_code == 404 and "s-never" in never.json()["error"]["message"], never.text
+        unknown = chat(never, "any")
+        assert unknown.status_code == 404 and never in unknown.json()["error"]["message"], unknown.text
         assert time.monotonic() - started >= ARRIVAL_WAIT_S - 0.5
+        # An id not placed on this worker (another worker's, or one the buffer never made) is answered at once.
+        for elsewhere in (placed_session_id(secret, index + 1), "s-made-up", placed_session_id("other", index)):
+            started = time.monotonic()
+            misdirected = chat(elsewhere, "any")
+            assert misdirected.status_code == 404, misdirected.text
+            assert "was not placed on this session worker" in misdirected.json()["error"]["message"]
+            assert time.monotonic() - started < ARRIVAL_WAIT_S / 2
 
     # A session the worker tells it could not be opened is recorded failed, with the reason, and counted.
     answer = httpx.post(f"{buffer.url}/workers/records", headers={WORKER_SECRET_HEADER: secret}, timeout=10, json={
