@@ -95,6 +95,8 @@ def _m(i: int) -> str:
      f'{{"messages": [{_m(0)}], "model": "m", "messages": [{_m(1)}, {_m(2)}]}}'],
     [f'{{"messages": [{_m(0)}, {_m(1)}], "messages": []}}',
      f'{{"messages": [{_m(0)}, {_m(1)}, {_m(2)}], "messages": []}}'],
+    # A field named as the history's stand-in is named while the remainder is parsed.
+    [f'{{"messages": [{_m(0)}]}}', f'{{"messages": [{_m(0)}, {_m(1)}], "\\u0000": [9]}}'],
     # Another array grows where the history would: not the history's end.
     [f'{{"messages": [{_m(0)}], "tools": [1]}}', f'{{"messages": [{_m(0)}], "tools": [1, 2]}}'],
     [f'{{"tools": [1], "messages": [{_m(0)}]}}', f'{{"tools": [1, 2], "messages": [{_m(0)}]}}'],

@@ -189,7 +189,7 @@ class _Connection(asyncio.Protocol):
         self.response = response
         self._framed = False
         assert self.transport is not None
-        self.transport.writelines(request)  # one system call, the pieces not joined
+        self.transport.writelines(request)  # uvloop writes the pieces with one system call, without joining them
 
     def finish(self) -> bool:
         """The exchange is over: True when the connection can serve another one."""

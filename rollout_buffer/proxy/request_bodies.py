@@ -12,6 +12,8 @@ opening `{"<items>": [`, must parse to an empty array followed by exactly the fi
 in the previous body. That holds only when the prefix leaves the parser between two items of the top-level
 history array (inside a string, a message or another field, the remainder does not parse, or parses to other
 fields), so the result is what parsing the whole body gives. Anything else is parsed whole.
+
+A session holds its last body's bytes for this, beside the parsed history it holds anyway.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ import orjson
 # The prefix is compared a block at a time (each a small copy of `a`'s, compared in place in `b`), then by halves
 # in the block that differs.
 _BLOCK = 1 << 16
-# A remainder is parsed after an opening that names the history array by a key no client sends, so that a body
-# naming its history twice (the later one replaces the first) is seen and parsed whole.
+# A remainder is parsed after an opening that names the history array by a key no client sends (JSON can write it
+# only this one way), so that a body naming its history twice (the later one replaces the first) is seen and
+# parsed whole, as is one that sends that key itself.
 _ITEMS = "\x00"
-_OPENING = b'{"\\u0000":['
+_ITEMS_JSON = b'"\\u0000"'
+_OPENING = b"{" + _ITEMS_JSON + b":["
 
 
 def common_prefix(a: bytes, b: bytes) -> int:
@@ -46,7 +50,7 @@ def common_prefix(a: bytes, b: bytes) -> int:
             lo = mid
         else:
             hi = mid
-    return lo if a[lo] != b[lo] else hi
+    return lo  # the block narrowed to the one byte that differs
 
 
 class BodyCache:
@@ -78,7 +82,7 @@ class BodyCache:
         if raw == self._raw:
             return before
         at = common_prefix(self._raw, raw)
-        if at >= len(raw) or raw[at] != ord(","):
+        if at >= len(raw) or raw[at] != ord(",") or raw.find(_ITEMS_JSON, at) >= 0:
             return None
         fields = list(before)
         after = {k: before[k] for k in fields[fields.index(key) + 1:]}
