@@ -23,8 +23,10 @@ from test_proxy import open_session
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
+from rollout_buffer.delivery.encoded import EncodedRecord
 from rollout_buffer.proxy.placements import ARRIVAL_WAIT_S, placed_session_id
 from rollout_buffer.proxy.worker_run import WORKER_SECRET_ENV, WORKER_SECRET_HEADER
+from rollout_buffer.schemas import TrajectoryRecord
 
 QUESTION = [{"role": "user", "content": "What is 2 + 3?"}]
 
@@ -151,3 +153,22 @@ def test_requests_wait_for_their_placement_and_a_session_never_placed_or_refused
     assert wait_stored(tmp_path / "data" / "buffer.sqlite", run_id, 1) == [(held["uid"], "failed")]
     progress = httpx.get(f"{buffer.url}/status", timeout=10).json()["run"]["progress"]
     assert (progress["failed"], progress["in_flight"]) == (1, 0), progress
+
+
+def test_a_record_a_worker_sends_again_is_stored_and_counted_once(
+        buffer: Server, engine: Server, qwen_tokenizer_path: str, tmp_path: Path) -> None:
+    """A batch sent again (its answer was lost, or part of it was refused) counts its records in the run's
+    progress once, as the store keeps them once."""
+    run_id = start_run(buffer, engine, qwen_tokenizer_path)
+    secret = secret_of(worker_of(buffer))
+    record = EncodedRecord.of(TrajectoryRecord(
+        uid=f"{run_id}:again:0", instance_id="again", reward=1.0,
+        messages=[{"role": "user", "content": "2 + 3?"}, {"role": "assistant", "content": "5"}])).wire()
+    for batch in ([record], [record], [record, record]):
+        answer = httpx.post(f"{buffer.url}/workers/records", headers={WORKER_SECRET_HEADER: secret}, timeout=10,
+                            json={"worker": 0, "events": [], "metrics": [],
+                                  "records": [{"run_id": run_id, "records": batch}]})
+        assert answer.status_code == 200 and answer.json()["refused"] == {}, answer.text
+    assert wait_stored(tmp_path / "data" / "buffer.sqlite", run_id, 1) == [(f"{run_id}:again:0", "completed")]
+    progress = httpx.get(f"{buffer.url}/status", timeout=10).json()["run"]["progress"]
+    assert (progress["done"], progress["failed"]) == (1, 0), progress

@@ -62,17 +62,22 @@ class WriteResult:
     """What one write changed: records stored, duplicates ignored, and the groups it completed."""
 
     inserted: int = 0
-    duplicates: int = 0
+    duplicate_at: list[int] = field(default_factory=list)  # the records (by index) whose uids were stored already
     inserted_by_status: dict[str, int] = field(default_factory=dict)
     complete: list[CompleteGroup] = field(default_factory=list)
     finished: list[Finished] = field(default_factory=list)  # filled once their outcomes are committed
+
+    @property
+    def duplicates(self) -> int:
+        """How many of the records were stored already (their uids)."""
+        return len(self.duplicate_at)
 
 
 def _write(conn: sqlite3.Connection, run_id: str, group_size: int, items: list[NewRecord]) -> WriteResult:
     result = WriteResult()
     now = time.time()
     touched: dict[GroupKey, None] = {}
-    for item in items:
+    for i, item in enumerate(items):
         # The open part of this (instance, epoch): later parts take records arriving after completion.
         row = conn.execute(
             "SELECT part FROM groups WHERE run_id=? AND instance_id=? AND epoch=? AND state='open' "
@@ -103,7 +108,7 @@ def _write(conn: sqlite3.Connection, run_id: str, group_size: int, items: list[N
             (item.uid, *key, item.status, episode, now, blob, item.agent_id, item.reward),
         )
         if cur.rowcount == 0:
-            result.duplicates += 1
+            result.duplicate_at.append(i)
             continue
         result.inserted += 1
         result.inserted_by_status[item.status] = result.inserted_by_status.get(item.status, 0) + 1

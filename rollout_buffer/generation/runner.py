@@ -424,8 +424,11 @@ class Run:
     async def _write_encoded(self, records: list[EncodedRecord]) -> None:
         if self._run_row is None:
             raise RuntimeError(f"run {self.run_id} vanished from the store")
-        await self.buffer.write_encoded(records, self._run_row)
-        for r in records:
+        result = await self.buffer.write_encoded(records, self._run_row)
+        stored_before = set(result.duplicate_at)  # counted when they were stored (a batch sent again)
+        for i, r in enumerate(records):
+            if i in stored_before:
+                continue
             self.progress.statuses[r.row.status] += 1
             self.progress.note_metrics(r.metrics)
             if r.row.status == "failed":
