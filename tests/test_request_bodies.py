@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout_buffer.proxy.request_bodies import BodyCache, common_prefix
+from rollout_buffer.proxy.request_bodies import WORTH_BYTES, BodyCache, common_prefix
 
 SERIALIZERS: dict[str, Callable[[Any], bytes]] = {
     "openai-python": lambda body: json.dumps(body).encode(),  # httpx: ", " and ": ", ASCII escapes
@@ -60,7 +60,7 @@ def test_every_body_parses_as_orjson_parses_it_whole(serializer: str, key: str, 
                                                      head: dict[str, Any], steps: list[Any],
                                                      history_first: bool) -> None:
     dump = SERIALIZERS[serializer]
-    cache = BodyCache()
+    cache = BodyCache(min_bytes=0)
     messages, fields = first, {k: v for k, v in head.items() if k != key}
 
     def body() -> bytes:
@@ -73,15 +73,18 @@ def test_every_body_parses_as_orjson_parses_it_whole(serializer: str, key: str, 
         assert cache.parse(raw, key) == orjson.loads(raw), (change, raw)
 
 
-def test_a_resent_history_keeps_the_previous_requests_items() -> None:
+@pytest.mark.parametrize("output", ["x" * 40, "x" * 40_000])
+def test_a_long_resent_history_keeps_the_previous_requests_items(output: str) -> None:
+    """Past `WORTH_BYTES` a resent history is the previous request's items; a short body is parsed whole."""
     cache = BodyCache()
-    messages = [{"role": "system", "content": "You fix bugs."}, {"role": "user", "content": "Fix the test."}]
+    messages = [{"role": "system", "content": "You fix bugs."}, {"role": "user", "content": output}]
     fields = {"tools": [{"type": "function", "function": {"name": "shell"}}], "stream": False}
     first = cache.parse(json.dumps({"model": "m", "messages": messages, **fields}).encode(), "messages")
     messages += [{"role": "assistant", "content": "Running it."}, {"role": "user", "content": "1 failed"}]
     second = cache.parse(json.dumps({"model": "m", "messages": messages, **fields}).encode(), "messages")
     assert second == {"model": "m", "messages": messages, **fields}
-    assert all(a is b for a, b in zip(first["messages"], second["messages"][:2], strict=False))
+    reused = [a is b for a, b in zip(first["messages"], second["messages"][:2], strict=False)]
+    assert reused == [len(output) > WORTH_BYTES] * 2
 
 
 def _m(i: int) -> str:
@@ -105,14 +108,14 @@ def _m(i: int) -> str:
     ['{"messages": [{"role": "user", "content": "a]"}]}', '{"messages": [{"role": "user", "content": "a,b"}]}'],
 ])
 def test_bodies_that_only_look_like_a_continued_history_parse_as_orjson_parses_them(bodies: list[str]) -> None:
-    cache = BodyCache()
+    cache = BodyCache(min_bytes=0)
     for raw in bodies:
         assert cache.parse(raw.encode(), "messages") == orjson.loads(raw)
 
 
 @pytest.mark.parametrize("raw", [b"not json", b"[1, 2]", b'{"messages": 3}', b'{"messages": [1]} x'])
 def test_what_is_not_a_body_with_a_history_is_parsed_or_refused_as_a_whole(raw: bytes) -> None:
-    cache = BodyCache()
+    cache = BodyCache(min_bytes=0)
     cache.parse(b'{"messages": [1]}', "messages")
     try:
         expected = orjson.loads(raw)

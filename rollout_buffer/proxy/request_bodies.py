@@ -53,12 +53,18 @@ def common_prefix(a: bytes, b: bytes) -> int:
     return lo  # the block narrowed to the one byte that differs
 
 
+# Below this a body is parsed whole: the comparison and the two small parses would cost more than they save.
+WORTH_BYTES = 1 << 14
+
+
 class BodyCache:
-    """One session's last request body and its parse (see the module docstring)."""
+    """One session's last request body and its parse (see the module docstring); bodies of `min_bytes` or more
+    are continued from the previous one."""
 
-    __slots__ = ("_key", "_parsed", "_raw")
+    __slots__ = ("_key", "_min_bytes", "_parsed", "_raw")
 
-    def __init__(self) -> None:
+    def __init__(self, min_bytes: int = WORTH_BYTES) -> None:
+        self._min_bytes = min_bytes
         self._raw = b""
         self._key = ""
         self._parsed: dict[str, Any] | None = None
@@ -77,7 +83,7 @@ class BodyCache:
 
     def _continued(self, raw: bytes, key: str) -> dict[str, Any] | None:
         before = self._parsed
-        if before is None or key != self._key:
+        if before is None or key != self._key or len(raw) < self._min_bytes:
             return None
         if raw == self._raw:
             return before
