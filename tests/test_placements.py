@@ -1,7 +1,8 @@
 """Harness sessions placed on a session worker one way (`proxy.placements`): `POST /sessions` is answered without
 the worker; a placement the worker never read is placed again on its next process; a request that comes before
-its placement waits for it; one the worker never gets, or could not open, is refused naming why; the worker's
-stream takes the buffer's secret alone."""
+its placement waits for it; one the worker never gets, or could not open, is refused naming why, and one for a
+session not placed on it at once; the worker's stream takes the buffer's secret alone; records a worker sends
+again are stored and counted once."""
 
 from __future__ import annotations
 
