@@ -1,8 +1,7 @@
 """Harness sessions placed on a session worker one way (`proxy.placements`): `POST /sessions` is answered without
 the worker; a placement the worker never read is placed again on its next process; a request that comes before
-its placement waits for it; one the worker never gets, or could not open, is refused naming why, and one for a
-session not placed on it at once; the worker's stream takes the buffer's secret alone; records a worker sends
-again are stored and counted once."""
+its placement waits for it; one the worker never gets, or could not open, is refused naming why; the worker's
+stream takes the buffer's secret alone; records a worker sends again are stored and counted once."""
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from rollout_buffer.delivery.encoded import EncodedRecord
-from rollout_buffer.proxy.placements import ARRIVAL_WAIT_S, placed_session_id
+from rollout_buffer.proxy.placements import ARRIVAL_WAIT_S
 from rollout_buffer.proxy.worker_run import WORKER_SECRET_ENV, WORKER_SECRET_HEADER
 from rollout_buffer.schemas import TrajectoryRecord
 
@@ -115,8 +114,7 @@ def test_requests_wait_for_their_placement_and_a_session_never_placed_or_refused
         return httpx.post(f"{worker['url']}/sessions/{session_id}/v1/chat/completions", timeout=60,
                           headers={"authorization": f"Bearer {key}"}, json={"model": "m", "messages": QUESTION})
 
-    index = worker["worker"]
-    early, refused_id, never = (placed_session_id(secret, index) for _ in range(3))
+    early, refused_id, never = "s-early", "s-refused", "s-never"
     answers: list[httpx.Response] = []
     waiting = threading.Thread(target=lambda: answers.append(chat(early, "early-key")))
     waiting.start()
@@ -138,13 +136,6 @@ def test_requests_wait_for_their_placement_and_a_session_never_placed_or_refused
         unknown = chat(never, "any")
         assert unknown.status_code == 404 and never in unknown.json()["error"]["message"], unknown.text
         assert time.monotonic() - started >= ARRIVAL_WAIT_S - 0.5
-        # An id not placed on this worker (another worker's, or one the buffer never made) is answered at once.
-        for elsewhere in (placed_session_id(secret, index + 1), "s-made-up", placed_session_id("other", index)):
-            started = time.monotonic()
-            misdirected = chat(elsewhere, "any")
-            assert misdirected.status_code == 404, misdirected.text
-            assert "was not placed on this session worker" in misdirected.json()["error"]["message"]
-            assert time.monotonic() - started < ARRIVAL_WAIT_S / 2
 
     # A session the worker tells it could not be opened is recorded failed, with the reason, and counted.
     answer = httpx.post(f"{buffer.url}/workers/records", headers={WORKER_SECRET_HEADER: secret}, timeout=10, json={

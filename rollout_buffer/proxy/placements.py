@@ -9,10 +9,6 @@ is what a session costs the buffer besides accepting `POST /sessions` and storin
 agent's first request; a request that comes first anyway (another route through the network) waits up to
 `ARRIVAL_WAIT_S` for it.
 
-A placed session's id names its worker with a tag made with the workers' secret (`placed_session_id`): a worker
-waits only for sessions placed on it, and answers at once for any other id (another worker's session, a mistyped
-or made-up id), so nobody can make it hold a waiting request for an id the buffer did not make.
-
 Faults: a placement the worker never read is lost with its process; the buffer's recovery places again every
 session it placed there that the worker's journal does not hold and whose records are not in (a session's opening
 is journaled before its first turn is answered). A stream that breaks while its worker lives is opened again and
@@ -24,10 +20,7 @@ agent's requests are refused with that reason.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
-import secrets
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -40,23 +33,6 @@ log = logging.getLogger(__name__)
 
 ARRIVAL_WAIT_S = 5.0  # how long a request for a session the worker does not hold waits for its placement
 _REFUSED_KEPT = 4096
-
-
-def placed_session_id(secret: str, worker: int) -> str:
-    """A fresh id for a session placed on worker `worker`: random, and tagged for that worker (`placed_on`)."""
-    nonce = secrets.token_hex(8)
-    return f"s-{nonce}{_tag(secret, worker, nonce)}"
-
-
-def placed_on(secret: str, worker: int, session_id: str) -> bool:
-    """Whether `session_id` is one `placed_session_id` made for worker `worker`."""
-    if len(session_id) != 26 or not session_id.startswith("s-"):
-        return False
-    return hmac.compare_digest(session_id[18:], _tag(secret, worker, session_id[2:18]))
-
-
-def _tag(secret: str, worker: int, nonce: str) -> str:
-    return hmac.new(secret.encode(), f"{worker}:{nonce}".encode(), hashlib.sha256).hexdigest()[:8]
 
 
 class Placement(BaseModel):
@@ -110,10 +86,9 @@ class Arrivals:
     """A worker's end: opens the sessions placed on it, in order, and lets requests for a session not here yet
     wait for its placement."""
 
-    def __init__(self, open_session: Open, holds: Callable[[str], bool], expected: Callable[[str], bool]):
+    def __init__(self, open_session: Open, holds: Callable[[str], bool]):
         self._open = open_session
         self._holds = holds  # whether the worker holds (or held) the session
-        self.expected = expected  # whether a session id was placed on this worker (`placed_on`)
         self._waiting: dict[str, asyncio.Future[None]] = {}
         self.refused: OrderedDict[str, str] = OrderedDict()  # session id -> why it could not be opened
 
@@ -139,8 +114,8 @@ class Arrivals:
 
     async def wait(self, session_id: str) -> None:
         """Return once the session is here or was refused, or after `ARRIVAL_WAIT_S` (the caller then answers for
-        an unknown session); at once for a session not placed on this worker."""
-        if self._holds(session_id) or session_id in self.refused or not self.expected(session_id):
+        an unknown session)."""
+        if self._holds(session_id) or session_id in self.refused:
             return
         waiting = self._waiting.get(session_id)
         if waiting is None:

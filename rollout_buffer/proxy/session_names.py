@@ -1,5 +1,4 @@
-"""How sessions are named: their ids (a session placed on a worker gets one tagged for it:
-`placements.placed_session_id`), the uid of a harness session's records, the URL a session is reached at."""
+"""How sessions are named: their ids, the uid of a harness session's records, the URL a session is reached at."""
 
 from __future__ import annotations
 

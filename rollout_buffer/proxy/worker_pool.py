@@ -36,10 +36,10 @@ from rollout_buffer.generation.run_manager import RunManager
 from rollout_buffer.generation.runner import Run
 from rollout_buffer.generation.sessions import is_socket
 from rollout_buffer.observability import logs, metrics
-from rollout_buffer.proxy.placements import Placement, PlacementStream, placed_session_id
+from rollout_buffer.proxy.placements import Placement, PlacementStream
 from rollout_buffer.proxy.recovery import StoredSummary, record_failure, recovery_plan
 from rollout_buffer.proxy.session import ProxyOptions
-from rollout_buffer.proxy.session_names import harness_uid, session_root
+from rollout_buffer.proxy.session_names import harness_uid, new_session_id, session_root
 from rollout_buffer.proxy.worker_launch import WorkerLauncher
 from rollout_buffer.proxy.worker_ledger import PlacedSessions, WorkerSlot
 from rollout_buffer.proxy.worker_run import WORKER_SECRET_ENV, WORKER_SECRET_HEADER
@@ -288,7 +288,7 @@ class SessionWorkers:
         key = (run.run_id, instance_id)
         repeat = self._repeats.get(key, 0)
         self._repeats[key] = repeat + 1
-        session_id = placed_session_id(self.secret, slot.index)
+        session_id = new_session_id()
         placement = Placement(run_id=run.run_id, session_id=session_id, instance_id=instance_id, repeat=repeat,
                               api_key=secrets.token_urlsafe(24), public_url=slot.public_url, metadata=metadata)
         uid = harness_uid(run.run_id, instance_id, session_id)

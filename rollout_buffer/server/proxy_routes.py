@@ -219,9 +219,6 @@ async def arrival(state: Any, session_id: str) -> None:
     arrivals: Arrivals | None = getattr(state, "arrivals", None)
     if arrivals is None:
         return
-    if not arrivals.expected(session_id):
-        raise Refusal("unknown_session", "not_found", f"session {session_id} was not placed on this session worker "
-                      "(a session is served at the base URL `POST /sessions` answered for it)")
     await arrivals.wait(session_id)
     why = arrivals.refused.get(session_id)
     if why is not None:

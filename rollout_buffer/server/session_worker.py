@@ -41,7 +41,7 @@ from rollout_buffer.observability.logs import ACCESS_LOG_MODES, setup_logging
 from rollout_buffer.proxy.journal import load_sessions
 from rollout_buffer.proxy.manager import SessionError, SessionManager
 from rollout_buffer.proxy.outbox import Outbox
-from rollout_buffer.proxy.placements import Arrivals, Placement, placed_on
+from rollout_buffer.proxy.placements import Arrivals, Placement
 from rollout_buffer.proxy.recovery import StoredSummary
 from rollout_buffer.proxy.worker_run import WORKER_SECRET_ENV, WORKER_SECRET_HEADER, BufferLink, WorkerRun
 from rollout_buffer.schemas import DiscardSessionRequest, FinishSessionRequest, StartRolloutRequest
@@ -158,8 +158,7 @@ def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret:
         link.event({"kind": "unplaced", "session_id": placement.session_id, "reason": why})
         return why
 
-    arrivals = Arrivals(open_placed, lambda sid: sid in sessions.sessions or sid in sessions.closed,
-                        lambda sid: placed_on(secret, index, sid))
+    arrivals = Arrivals(open_placed, lambda sid: sid in sessions.sessions or sid in sessions.closed)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
