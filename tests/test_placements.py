@@ -43,6 +43,11 @@ def buffer(tmp_path: Path) -> Iterator[Server]:
     srv = Server(["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--session-workers", "1"],
                  "/healthz", port, tmp_path / "buffer.log").start()
     try:
+        # The buffer answers before its worker is up (a session opened meanwhile is a 503 "starting").
+        deadline = time.monotonic() + 60
+        while not all(w["up"] for w in httpx.get(f"{srv.url}/status", timeout=10).json()["session_workers"]):
+            assert time.monotonic() < deadline, "the session worker did not come up"
+            time.sleep(0.1)
         yield srv
     finally:
         srv.stop()
