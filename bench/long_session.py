@@ -4,9 +4,9 @@ Coding agents resend their whole history every turn. `--sessions` sessions advan
 time, each turn resending everything plus a tool output of about `--new-tokens` tokens, until the context holds
 `--context-tokens`. For every turn the buffer's CPU is read from the scheduler's per-thread counters
 (`/proc/PID/task/*/schedstat`, nanoseconds) before and after the request, so it is that turn's alone; beside it,
-the CPU this process spends tokenizing the turn's new text with the same tokenizer: the floor any exact-token
-proxy pays. A turn's CPU should follow its new tokens, not its context: the late turns' ratio to that floor
-should equal the early turns'.
+the CPU this process spends tokenizing the turn's new text with the same tokenizer, its fastest way (the Rust
+tokenizer without offsets, as the buffer does): the floor any exact-token proxy pays. A turn's CPU should follow
+its new tokens, not its context: the late turns' ratio to that floor should equal the early turns'.
 
     python -m bench.proxy --long-session                                  # chat completions, to 128k tokens
     python -m bench.proxy --long-session --protocol responses --context-tokens 65536
@@ -128,7 +128,7 @@ def run(buffer: Service, engine: Service, protocol: str, sessions: int, new_toke
     while context < context_tokens:
         text = tool_output(turn, new_tokens, tokenizer)
         started = time.thread_time_ns()
-        new = len(tokenizer.encode(text))
+        new = len(tokenizer.backend_tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids)
         tokenize_ms = (time.thread_time_ns() - started) / 1e6
         for conv in convs:
             conv.add_user(text)

@@ -391,6 +391,10 @@ def test_fast_encode_gives_the_tokenizers_ids(qwen_tokenizer):
         render(qwen_tokenizer, PROMPT, generation_prompt=True),
         "<think>\nI carry the one.\n</think>\n\n  The answer is \\boxed{\\frac{3}{4}}.<|im_end|>\n",
         "naïve café — 数学 🙂\n\n\n\t x",
+        "cafe\u0301 \u212b A\u030a",  # the normalizer composes these
+        "<tool_call>\n{\"name\": \"ls\", \"arguments\": {}}\n</tool_call><|im_end|>\n<|im_start|>user\n"
+        + "".join(f"def handler_{i}(request, retries={i % 7}):\n    return dispatch(request, {i})\n"
+                  for i in range(400)),
         "",
     ]
     for text in texts:

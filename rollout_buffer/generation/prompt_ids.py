@@ -130,11 +130,12 @@ def _head(tokenizer: Any, frame: Frame, text: str, ids: tuple[int, ...]) -> tupl
 
 def encode(tokenizer: Any, text: str) -> list[int]:
     """`tokenizer.encode(text, add_special_tokens=False)`, through the Rust tokenizer directly when there is one:
-    same ids without the ~30% Python wrapping of transformers, and `encode_batch` lets go of the GIL while
-    it works (this runs for every trajectory, in worker threads for long ones)."""
+    same ids without the Python wrapping of transformers nor the character offsets it computes and drops
+    (`encode_batch_fast`), and letting go of the GIL while it works (this runs for every turn, in worker
+    threads for long ones)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
-        ids: list[int] = backend.encode_batch([text], add_special_tokens=False)[0].ids
+        ids: list[int] = backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
         return ids
     ids = tokenizer.encode(text, add_special_tokens=False)
     return ids
