@@ -190,7 +190,8 @@ def test_workers_the_cluster_cannot_place_are_a_clear_error_not_a_hang(
             "task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": qwen_tokenizer_path})
         assert started.status_code == 200, started.text
         refused = httpx.post(f"{srv.url}/sessions", json={"instance_id": "x"}, headers=AUTH, timeout=60)
-        assert refused.status_code == 503 and "no session worker is up" in refused.json()["message"]
+        assert refused.status_code == 503 and "no session worker is up (worker 0 did not start: " \
+            "--session-worker-cpus 64: no node of the Ray cluster has that many CPUs" in refused.json()["message"]
 
 
 def assert_ran_in_an_actor(buffer: Server, program: str, served: list[int]) -> None:

@@ -383,6 +383,41 @@ def test_a_session_goes_to_a_worker_on_the_node_named_else_to_the_least_loaded()
     assert pool.pick("n-a") is b2  # a hint, not a requirement: the run goes on with the workers it has
 
 
+def test_a_session_opened_while_the_workers_start_waits_for_one_unless_they_failed_to_start(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A harness opening sessions right after start-up (or while its workers start again) is answered once a
+    worker is up, not refused; a worker whose start failed is not waited for, and the refusal says why."""
+    config = ServerConfig(session_workers=2)
+    pool = SessionWorkers(config, LocalLauncher(config))
+    a, b = pool.slots
+
+    async def scenario() -> None:
+        monkeypatch.setattr("rollout_buffer.proxy.worker_pool.UP_WAIT_S", 3600.0)
+        picked = asyncio.create_task(pool.pick_when_up())
+        await asyncio.sleep(0.05)
+        assert not picked.done()  # both are starting: it waits
+        pool.start_ended(a, "the port is taken")
+        await asyncio.sleep(0.05)
+        assert not picked.done()  # one failed, the other is starting still
+        pool.start_ended(b)
+        assert await asyncio.wait_for(picked, 5) is b
+        b.up.clear()
+        picked = asyncio.create_task(pool.pick_when_up())
+        await asyncio.sleep(0.05)
+        pool.start_ended(b, "no node has 64 CPUs")
+        with pytest.raises(WorkerUnavailable, match="worker 0 did not start: the port is taken; worker 1 did not "
+                                                    "start: no node has 64 CPUs"):
+            await asyncio.wait_for(picked, 5)  # refused once every start failed, not after the wait
+        with pytest.raises(WorkerUnavailable, match="worker 1 did not start"):
+            await asyncio.wait_for(pool.pick_when_up(), 5)  # at once: nothing is starting
+        a.failed = ""
+        monkeypatch.setattr("rollout_buffer.proxy.worker_pool.UP_WAIT_S", 0.05)
+        with pytest.raises(WorkerUnavailable, match="worker 1 did not start"):
+            await pool.pick_when_up()  # worker 0 is starting, but not up in time
+
+    asyncio.run(scenario())
+
+
 def test_agent_runs_open_their_sessions_on_the_workers(
         buffer: Server, engine: Server, qwen_tokenizer_path: str, stdlib_agent: Path, tmp_path: Path  # noqa: F811
 ) -> None:

@@ -27,6 +27,7 @@ class WorkerSlot:
     where: dict[str, Any] = field(default_factory=dict)  # which process it is (pid, node)
     up: asyncio.Event = field(default_factory=asyncio.Event)
     tried: asyncio.Event = field(default_factory=asyncio.Event)  # its first start succeeded or failed
+    failed: str = ""  # why its latest start failed, until it is up again (it is tried again meanwhile)
     sessions: set[str] = field(default_factory=set)
     runs: dict[str, asyncio.Task[Any]] = field(default_factory=dict)  # run id -> its opening on this process
     restarts: int = 0

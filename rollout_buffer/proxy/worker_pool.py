@@ -48,6 +48,7 @@ from rollout_buffer.proxy.worker_sessions import WorkerCallError, WorkerSession,
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 60.0  # a worker that does not answer /healthz by then is started again
+UP_WAIT_S = 30.0  # how long opening a session waits for a worker to come up when none is (start-up, restarts)
 _RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0)
 _CALL_TIMEOUT_S = 150.0  # finishing waits for turns in flight (up to 30 s there)
 _STREAM_GRACE_S = 10.0  # a placement stream that closed: how long its worker has to be seen exiting
@@ -71,6 +72,7 @@ class SessionWorkers:
         self._background: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._sockets_here: dict[str, bool] = {}  # workers' agent sockets: on this machine or not
+        self._start_ended = asyncio.Event()  # set, and replaced, each time a worker's start ends (up or failed)
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     async def start(self, runs: RunManager) -> None:
@@ -121,8 +123,7 @@ class SessionWorkers:
             try:
                 exited = await self._start_process(slot)
                 await self._connect(slot, await self._recover(slot))
-                slot.up.set()
-                slot.tried.set()
+                self.start_ended(slot)
                 while not exited.done():
                     assert slot.stream is not None
                     await asyncio.wait((exited, slot.stream.closed), return_when=asyncio.FIRST_COMPLETED)
@@ -137,7 +138,7 @@ class SessionWorkers:
                 raise
             except Exception as e:
                 log.error("session worker %d did not start: %s", slot.index, e)
-                slot.tried.set()
+                self.start_ended(slot, str(e) or type(e).__name__)
                 await self.launcher.stop(slot.index)
                 code = None
             slot.up.clear()
@@ -148,6 +149,15 @@ class SessionWorkers:
             metrics.SESSION_WORKER_RESTARTS.inc()
             log.warning("session worker %d exited (code %s) holding %d sessions; starting it again on %s",
                         slot.index, code, len(slot.sessions), slot.url)
+
+    def start_ended(self, slot: WorkerSlot, failure: str = "") -> None:
+        """`slot`'s start ended: it is up, or it failed with `failure` (it is tried again)."""
+        slot.failed = failure
+        if not failure:
+            slot.up.set()
+        slot.tried.set()
+        self._start_ended.set()
+        self._start_ended = asyncio.Event()
 
     async def _connect(self, slot: WorkerSlot, placements: list[Placement]) -> None:
         """Open the worker's placement stream and send `placements` on it."""
@@ -268,15 +278,32 @@ class SessionWorkers:
         (an address or a Ray node id) when any is (a hint: elsewhere is fine). WorkerUnavailable when none is up."""
         up = [s for s in self.slots if s.up.is_set()]
         if not up:
-            raise WorkerUnavailable("no session worker is up (they are starting again; see the buffer's log)")
+            failed = "; ".join(f"worker {s.index} did not start: {s.failed}" for s in self.slots if s.failed)
+            raise WorkerUnavailable(f"no session worker is up ({failed or 'they are starting'}; they are tried "
+                                    "again, see the buffer's log)")
         there = [s for s in up if near is not None and near in (s.where.get("node"), s.where.get("node_id"))]
         return min(there or up, key=lambda s: s.load)
 
+    async def pick_when_up(self, near: str | None = None) -> WorkerSlot:
+        """`pick`, once a worker is up: when none is but some are starting (the buffer just started, or they are
+        starting again after an exit), waits up to `UP_WAIT_S` for the first, so a harness that opens sessions
+        right after start-up is answered rather than refused. Workers whose latest start failed are not waited
+        for: the refusal says why they did not start."""
+        deadline = asyncio.get_running_loop().time() + UP_WAIT_S
+        while not self._stopping and not any(s.up.is_set() for s in self.slots) and not all(
+                s.failed for s in self.slots):
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._start_ended.wait(), left)
+        return self.pick(near)
+
     async def place(self, run: Run, instance_id: str, metadata: dict[str, Any], near: str | None = None
                     ) -> dict[str, Any]:
-        """Place a harness session of `run` on a worker (`pick`), one way (`proxy.placements`); what `POST
+        """Place a harness session of `run` on a worker (`pick_when_up`), one way (`proxy.placements`); what `POST
         /sessions` answers."""
-        slot = self.pick(near)
+        slot = await self.pick_when_up(near)
         if not self._run_open(slot, run):
             slot.opening += 1
             try:
@@ -322,12 +349,12 @@ class SessionWorkers:
         return self._current(run_id) is not None
 
     async def open_generator(self, ctx: Any, metadata: dict[str, Any], near: str | None = None) -> WorkerSession:
-        """A session for trajectory `ctx` (a `RolloutContext` of the current run) on a worker (`pick`); the runner
-        (or the Ray actor running the trajectory, on node `near`) stores its records."""
+        """A session for trajectory `ctx` (a `RolloutContext` of the current run) on a worker (`pick_when_up`); the
+        runner (or the Ray actor running the trajectory, on node `near`) stores its records."""
         run = self._current(ctx.run.run_id)
         if run is None:
             raise WorkerUnavailable(f"run {ctx.run.run_id} is not the training run the session workers serve")
-        slot = self.pick(near)
+        slot = await self.pick_when_up(near)
         slot.opening += 1
         try:
             await self._open_run(slot, run)
