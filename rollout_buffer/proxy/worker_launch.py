@@ -6,17 +6,17 @@ and reports when it exits; the pool (`proxy.worker_pool`) does the rest — heal
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import shutil
-import signal
 import sys
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 from rollout_buffer.config import ServerConfig
+from rollout_buffer.environments.processes import end_process
 
 WORKER_COMMAND = (sys.executable, "-m", "rollout_buffer", "session-worker")
+_STOP_GRACE_S = 15.0  # how long a worker has to end after SIGTERM (its turns in flight) before it is killed
 
 
 # Where a started worker answers: its URL as the buffer reaches it, as agents do, and which process it is (for
@@ -51,20 +51,6 @@ def fate_shared_command(args: list[str]) -> list[str]:
     return [setpriv, "--pdeathsig", "KILL", "--", *argv] if setpriv is not None else argv
 
 
-async def end_process(proc: asyncio.subprocess.Process, grace_s: float = 15.0) -> None:
-    """SIGTERM a worker process (its sessions stay stored), SIGKILL its group past `grace_s`."""
-    if proc.returncode is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        proc.terminate()
-    try:
-        await asyncio.wait_for(proc.wait(), grace_s)
-    except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        await proc.wait()
-
-
 class LocalLauncher:
     """Workers as the buffer's child processes, on consecutive ports from `session_worker_port`, bound where the
     buffer is; they die with it. A worker started again gets the same port: its sessions' URLs stay valid."""
@@ -87,10 +73,10 @@ class LocalLauncher:
         return await self._procs[index].wait()
 
     async def stop(self, index: int) -> None:
-        """SIGTERM, then SIGKILL."""
+        """SIGTERM (its sessions stay stored), then SIGKILL its group past `_STOP_GRACE_S`."""
         proc = self._procs.get(index)
         if proc is not None:
-            await end_process(proc)
+            await end_process(proc, proc.terminate, _STOP_GRACE_S)
 
     async def aclose(self) -> None:
         """Nothing left to free."""
