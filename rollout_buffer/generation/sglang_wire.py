@@ -16,6 +16,8 @@ from typing import Any
 
 import orjson
 
+from rollout_buffer.generation.http_pool import Body
+
 logger = logging.getLogger(__name__)
 
 
@@ -46,7 +48,7 @@ class IdsJson:
     pieces: list[bytes]
 
 
-def request_body(payload: dict[str, Any]) -> bytes | list[bytes]:
+def request_body(payload: dict[str, Any]) -> Body:
     """An engine request's body; in pieces when its `input_ids` are (`IdsJson`), the ids not copied."""
     ids = payload.get("input_ids")
     if not isinstance(ids, IdsJson):
