@@ -9,7 +9,6 @@ See the generators guide (docs/generators.md) for what each does.
 from rollout_buffer.environments.openenv_client import OpenEnvSession, StepResult, is_mcp
 from rollout_buffer.environments.openenv_servers import PORT_PLACEHOLDER, OpenEnvServer, ServerSpec
 from rollout_buffer.environments.pool import EnvError, ProcessPool
-from rollout_buffer.environments.processes import fate_shared, give_to, user_ids
 from rollout_buffer.environments.venvs import venv_python
 from rollout_buffer.environments.workers import EnvWorker, EnvWorkerDied, WorkerSpec, python_env_paths, worker_script
 from rollout_buffer.generation.context import RolloutContext, RunResources
@@ -21,6 +20,7 @@ from rollout_buffer.generation.inputs import confined_path, iter_json_objects
 from rollout_buffer.generation.options import RunOptions
 from rollout_buffer.generation.prompt_ids import INLINE_CHARS
 from rollout_buffer.generation.sessions import AgentSession
+from rollout_buffer.processes import fate_shared, give_to, user_ids
 from rollout_buffer.schemas import check_http_urls
 
 __all__ = [

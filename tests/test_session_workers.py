@@ -371,16 +371,16 @@ def test_a_session_goes_to_a_worker_on_the_node_named_else_to_the_least_loaded()
     a.where, b1.where, b2.where = ({"node": "10.0.0.1", "node_id": "n-a"}, {"node": "10.0.0.2", "node_id": "n-b"},
                                    {"node": "10.0.0.2", "node_id": "n-b"})
     with pytest.raises(WorkerUnavailable, match="no session worker is up"):
-        pool.pick()
+        pool.slots.pick()
     for slot in pool.slots:
         slot.up.set()
     b1.sessions.add("s-1")
     a.sessions.update({"s-2", "s-3"})
     # By the node's address or its Ray id, the least loaded there; elsewhere (or no hint): the least loaded.
-    assert pool.pick("10.0.0.2") is b2 and pool.pick("n-b") is b2 and pool.pick("n-a") is a
-    assert pool.pick("10.9.9.9") is b2 and pool.pick() is b2
+    assert pool.slots.pick("10.0.0.2") is b2 and pool.slots.pick("n-b") is b2 and pool.slots.pick("n-a") is a
+    assert pool.slots.pick("10.9.9.9") is b2 and pool.slots.pick() is b2
     a.up.clear()
-    assert pool.pick("n-a") is b2  # a hint, not a requirement: the run goes on with the workers it has
+    assert pool.slots.pick("n-a") is b2  # a hint, not a requirement: the run goes on with the workers it has
 
 
 def test_a_session_opened_while_the_workers_start_waits_for_one_unless_they_failed_to_start(
@@ -392,28 +392,28 @@ def test_a_session_opened_while_the_workers_start_waits_for_one_unless_they_fail
     a, b = pool.slots
 
     async def scenario() -> None:
-        monkeypatch.setattr("rollout_buffer.proxy.worker_pool.UP_WAIT_S", 3600.0)
-        picked = asyncio.create_task(pool.pick_when_up())
+        monkeypatch.setattr("rollout_buffer.proxy.worker_ledger.UP_WAIT_S", 3600.0)
+        picked = asyncio.create_task(pool.slots.pick_when_up())
         await asyncio.sleep(0.05)
         assert not picked.done()  # both are starting: it waits
-        pool.start_ended(a, "the port is taken")
+        pool.slots.start_ended(a, "the port is taken")
         await asyncio.sleep(0.05)
         assert not picked.done()  # one failed, the other is starting still
-        pool.start_ended(b)
+        pool.slots.start_ended(b)
         assert await asyncio.wait_for(picked, 5) is b
         b.up.clear()
-        picked = asyncio.create_task(pool.pick_when_up())
+        picked = asyncio.create_task(pool.slots.pick_when_up())
         await asyncio.sleep(0.05)
-        pool.start_ended(b, "no node has 64 CPUs")
+        pool.slots.start_ended(b, "no node has 64 CPUs")
         with pytest.raises(WorkerUnavailable, match="worker 0 did not start: the port is taken; worker 1 did not "
                                                     "start: no node has 64 CPUs"):
             await asyncio.wait_for(picked, 5)  # refused once every start failed, not after the wait
         with pytest.raises(WorkerUnavailable, match="worker 1 did not start"):
-            await asyncio.wait_for(pool.pick_when_up(), 5)  # at once: nothing is starting
+            await asyncio.wait_for(pool.slots.pick_when_up(), 5)  # at once: nothing is starting
         a.failed = ""
-        monkeypatch.setattr("rollout_buffer.proxy.worker_pool.UP_WAIT_S", 0.05)
+        monkeypatch.setattr("rollout_buffer.proxy.worker_ledger.UP_WAIT_S", 0.05)
         with pytest.raises(WorkerUnavailable, match="worker 1 did not start"):
-            await pool.pick_when_up()  # worker 0 is starting, but not up in time
+            await pool.slots.pick_when_up()  # worker 0 is starting, but not up in time
 
     asyncio.run(scenario())
 

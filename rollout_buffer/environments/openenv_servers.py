@@ -18,7 +18,7 @@ import httpx
 
 from rollout_buffer.environments.openenv_client import fetch_schema
 from rollout_buffer.environments.pool import EnvError
-from rollout_buffer.environments.processes import end_process, fate_shared
+from rollout_buffer.processes import end_process, fate_shared
 
 log = logging.getLogger(__name__)
 

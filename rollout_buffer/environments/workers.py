@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 
 from rollout_buffer.environments.pool import EnvError
-from rollout_buffer.environments.processes import end_process, fate_shared
+from rollout_buffer.processes import end_process, fate_shared
 
 log = logging.getLogger(__name__)
 

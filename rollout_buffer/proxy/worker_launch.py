@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 from rollout_buffer.config import ServerConfig
-from rollout_buffer.environments.processes import end_process
+from rollout_buffer.processes import end_process
 
 WORKER_COMMAND = (sys.executable, "-m", "rollout_buffer", "session-worker")
 _STOP_GRACE_S = 15.0  # how long a worker has to end after SIGTERM (its turns in flight) before it is killed

@@ -1,20 +1,24 @@
-"""Which session worker holds each session the buffer placed, and what the buffer keeps of it: its summary (what
-its failure record says if it is lost), how it was placed (to place it again), and, once closed, which worker held
-it (that worker still answers for it for a while)."""
+"""The session workers as the buffer keeps them: each worker's slot (`WorkerSlot`), which one a new session goes
+to (`WorkerSlots`), which worker holds each session the buffer placed and what the buffer keeps of it
+(`PlacedSessions`): its summary (what its failure record says if it is lost), how it was placed (to place it
+again), and, once closed, which worker held it (that worker still answers for it for a while)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_buffer.generation.runner import Run
 from rollout_buffer.proxy.placements import Placement, PlacementStream
 from rollout_buffer.proxy.recovery import StoredSummary
+from rollout_buffer.proxy.worker_sessions import WorkerUnavailable
 
 _RECENT_KEPT = 4096  # closed sessions whose worker is still asked about them (their view; a finish again: 409)
+UP_WAIT_S = 30.0  # how long opening a session waits for a worker to come up when none is (start-up, restarts)
 
 
 @dataclass(eq=False)
@@ -43,6 +47,64 @@ class WorkerSlot:
     def load(self) -> int:
         """Its sessions, those being opened included (what placing a session compares)."""
         return len(self.sessions) + self.opening
+
+
+class WorkerSlots:
+    """Every worker's slot, by index, and which one a new session goes to."""
+
+    def __init__(self, count: int):
+        self._slots = [WorkerSlot(k) for k in range(count)]
+        self._start_ended = asyncio.Event()  # set, and replaced, each time a worker's start ends (up or failed)
+        self._stopping = False
+
+    def __iter__(self) -> Iterator[WorkerSlot]:
+        return iter(self._slots)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __getitem__(self, index: int) -> WorkerSlot:
+        return self._slots[index]
+
+    def start_ended(self, slot: WorkerSlot, failure: str = "") -> None:
+        """`slot`'s start ended: it is up, or it failed with `failure` (it is tried again)."""
+        slot.failed = failure
+        if not failure:
+            slot.up.set()
+        slot.tried.set()
+        self._start_ended.set()
+        self._start_ended = asyncio.Event()
+
+    def stop(self) -> None:
+        """The pool stops: nothing waits for a worker any more."""
+        self._stopping = True
+        self._start_ended.set()
+
+    def pick(self, near: str | None = None) -> WorkerSlot:
+        """The worker a new session goes to: of those up, the one holding the fewest, among those on node `near`
+        (an address or a Ray node id) when any is (a hint: elsewhere is fine). WorkerUnavailable when none is up."""
+        up = [s for s in self._slots if s.up.is_set()]
+        if not up:
+            failed = "; ".join(f"worker {s.index} did not start: {s.failed}" for s in self._slots if s.failed)
+            raise WorkerUnavailable(f"no session worker is up ({failed or 'they are starting'}; they are tried "
+                                    "again, see the buffer's log)")
+        there = [s for s in up if near is not None and near in (s.where.get("node"), s.where.get("node_id"))]
+        return min(there or up, key=lambda s: s.load)
+
+    async def pick_when_up(self, near: str | None = None) -> WorkerSlot:
+        """`pick`, once a worker is up: when none is but some are starting (the buffer just started, or they are
+        starting again after an exit), waits up to `UP_WAIT_S` for the first, so a harness that opens sessions
+        right after start-up is answered rather than refused. Workers whose latest start failed are not waited
+        for: the refusal says why they did not start."""
+        deadline = asyncio.get_running_loop().time() + UP_WAIT_S
+        while not self._stopping and not any(s.up.is_set() for s in self._slots) and not all(
+                s.failed for s in self._slots):
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._start_ended.wait(), left)
+        return self.pick(near)
 
 
 class PlacedSessions:

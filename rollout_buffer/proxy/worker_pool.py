@@ -41,14 +41,13 @@ from rollout_buffer.proxy.recovery import StoredSummary, record_failure, recover
 from rollout_buffer.proxy.session import ProxyOptions
 from rollout_buffer.proxy.session_names import harness_uid, new_session_id, session_root
 from rollout_buffer.proxy.worker_launch import WorkerLauncher
-from rollout_buffer.proxy.worker_ledger import PlacedSessions, WorkerSlot
+from rollout_buffer.proxy.worker_ledger import PlacedSessions, WorkerSlot, WorkerSlots
 from rollout_buffer.proxy.worker_run import WORKER_SECRET_ENV, WORKER_SECRET_HEADER
 from rollout_buffer.proxy.worker_sessions import WorkerCallError, WorkerSession, WorkerUnavailable
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 60.0  # a worker that does not answer /healthz by then is started again
-UP_WAIT_S = 30.0  # how long opening a session waits for a worker to come up when none is (start-up, restarts)
 _RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0)
 _CALL_TIMEOUT_S = 150.0  # finishing waits for turns in flight (up to 30 s there)
 _STREAM_GRACE_S = 10.0  # a placement stream that closed: how long its worker has to be seen exiting
@@ -62,7 +61,7 @@ class SessionWorkers:
         self.config = config
         self.launcher = launcher
         self.secret = secrets.token_urlsafe(32)
-        self.slots = [WorkerSlot(k) for k in range(config.session_workers)]
+        self.slots = WorkerSlots(config.session_workers)
         self.held = PlacedSessions(self._current)
         self._repeats: dict[tuple[str, str], int] = {}
         self._runs: RunManager | None = None
@@ -72,7 +71,6 @@ class SessionWorkers:
         self._background: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._sockets_here: dict[str, bool] = {}  # workers' agent sockets: on this machine or not
-        self._start_ended = asyncio.Event()  # set, and replaced, each time a worker's start ends (up or failed)
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     async def start(self, runs: RunManager) -> None:
@@ -95,6 +93,7 @@ class SessionWorkers:
         """Stop the workers (SIGTERM; their sessions stay stored for the next start) once the records in their
         outboxes are stored."""
         self._stopping = True
+        self.slots.stop()
         await asyncio.gather(*(self._drain(s) for s in self.slots if s.up.is_set()))
         for task in self._background:  # journals not yet let go stay: the next start finds their records stored
             task.cancel()
@@ -123,7 +122,7 @@ class SessionWorkers:
             try:
                 exited = await self._start_process(slot)
                 await self._connect(slot, await self._recover(slot))
-                self.start_ended(slot)
+                self.slots.start_ended(slot)
                 while not exited.done():
                     assert slot.stream is not None
                     await asyncio.wait((exited, slot.stream.closed), return_when=asyncio.FIRST_COMPLETED)
@@ -138,7 +137,7 @@ class SessionWorkers:
                 raise
             except Exception as e:
                 log.error("session worker %d did not start: %s", slot.index, e)
-                self.start_ended(slot, str(e) or type(e).__name__)
+                self.slots.start_ended(slot, str(e) or type(e).__name__)
                 await self.launcher.stop(slot.index)
                 code = None
             slot.up.clear()
@@ -149,15 +148,6 @@ class SessionWorkers:
             metrics.SESSION_WORKER_RESTARTS.inc()
             log.warning("session worker %d exited (code %s) holding %d sessions; starting it again on %s",
                         slot.index, code, len(slot.sessions), slot.url)
-
-    def start_ended(self, slot: WorkerSlot, failure: str = "") -> None:
-        """`slot`'s start ended: it is up, or it failed with `failure` (it is tried again)."""
-        slot.failed = failure
-        if not failure:
-            slot.up.set()
-        slot.tried.set()
-        self._start_ended.set()
-        self._start_ended = asyncio.Event()
 
     async def _connect(self, slot: WorkerSlot, placements: list[Placement]) -> None:
         """Open the worker's placement stream and send `placements` on it."""
@@ -273,37 +263,11 @@ class SessionWorkers:
             ProxyOptions.from_run(run.resources.config).session_journal
 
     # ---- placing and asking ----------------------------------------------------------------------------
-    def pick(self, near: str | None = None) -> WorkerSlot:
-        """The worker a new session goes to: of those up, the one holding the fewest, among those on node `near`
-        (an address or a Ray node id) when any is (a hint: elsewhere is fine). WorkerUnavailable when none is up."""
-        up = [s for s in self.slots if s.up.is_set()]
-        if not up:
-            failed = "; ".join(f"worker {s.index} did not start: {s.failed}" for s in self.slots if s.failed)
-            raise WorkerUnavailable(f"no session worker is up ({failed or 'they are starting'}; they are tried "
-                                    "again, see the buffer's log)")
-        there = [s for s in up if near is not None and near in (s.where.get("node"), s.where.get("node_id"))]
-        return min(there or up, key=lambda s: s.load)
-
-    async def pick_when_up(self, near: str | None = None) -> WorkerSlot:
-        """`pick`, once a worker is up: when none is but some are starting (the buffer just started, or they are
-        starting again after an exit), waits up to `UP_WAIT_S` for the first, so a harness that opens sessions
-        right after start-up is answered rather than refused. Workers whose latest start failed are not waited
-        for: the refusal says why they did not start."""
-        deadline = asyncio.get_running_loop().time() + UP_WAIT_S
-        while not self._stopping and not any(s.up.is_set() for s in self.slots) and not all(
-                s.failed for s in self.slots):
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0:
-                break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._start_ended.wait(), left)
-        return self.pick(near)
-
     async def place(self, run: Run, instance_id: str, metadata: dict[str, Any], near: str | None = None
                     ) -> dict[str, Any]:
-        """Place a harness session of `run` on a worker (`pick_when_up`), one way (`proxy.placements`); what `POST
-        /sessions` answers."""
-        slot = await self.pick_when_up(near)
+        """Place a harness session of `run` on a worker (`WorkerSlots.pick_when_up`), one way
+        (`proxy.placements`); what `POST /sessions` answers."""
+        slot = await self.slots.pick_when_up(near)
         if not self._run_open(slot, run):
             slot.opening += 1
             try:
@@ -349,12 +313,13 @@ class SessionWorkers:
         return self._current(run_id) is not None
 
     async def open_generator(self, ctx: Any, metadata: dict[str, Any], near: str | None = None) -> WorkerSession:
-        """A session for trajectory `ctx` (a `RolloutContext` of the current run) on a worker (`pick_when_up`); the
-        runner (or the Ray actor running the trajectory, on node `near`) stores its records."""
+        """A session for trajectory `ctx` (a `RolloutContext` of the current run) on a worker
+        (`WorkerSlots.pick_when_up`); the runner (or the Ray actor running the trajectory, on node `near`) stores
+        its records."""
         run = self._current(ctx.run.run_id)
         if run is None:
             raise WorkerUnavailable(f"run {ctx.run.run_id} is not the training run the session workers serve")
-        slot = await self.pick_when_up(near)
+        slot = await self.slots.pick_when_up(near)
         slot.opening += 1
         try:
             await self._open_run(slot, run)

@@ -1,5 +1,6 @@
-"""How an environment's processes (and agents' commands) are started: tied to the process that starts them, and as
-another user when a run asks."""
+"""How the buffer's child processes — an environment's, agents' commands, session workers — are started and ended:
+tied to the process that starts them, as another user when a run asks, their process group killed when they do
+not end when asked."""
 
 from __future__ import annotations
 
