@@ -25,6 +25,7 @@ from websockets.sync.client import connect
 
 from rollout_buffer.delivery.encoded import EncodedRecord
 from rollout_buffer.proxy.placements import ARRIVAL_WAIT_S
+from rollout_buffer.proxy.session_names import new_session_id, placed_on
 from rollout_buffer.proxy.worker_run import WORKER_SECRET_ENV, WORKER_SECRET_HEADER
 from rollout_buffer.schemas import TrajectoryRecord
 
@@ -115,7 +116,7 @@ def test_requests_wait_for_their_placement_and_a_session_never_placed_or_refused
         return httpx.post(f"{worker['url']}/sessions/{session_id}/v1/chat/completions", timeout=60,
                           headers={"authorization": f"Bearer {key}"}, json={"model": "m", "messages": QUESTION})
 
-    early, refused_id, never = "s-early", "s-refused", "s-never"
+    early, refused_id, never = "s-w0-early", "s-w0-refused", "s-w0-never"  # ids of sessions placed on worker 0
     answers: list[httpx.Response] = []
     waiting = threading.Thread(target=lambda: answers.append(chat(early, "early-key")))
     waiting.start()
@@ -137,6 +138,15 @@ def test_requests_wait_for_their_placement_and_a_session_never_placed_or_refused
         unknown = chat(never, "any")
         assert unknown.status_code == 404 and never in unknown.json()["error"]["message"], unknown.text
         assert time.monotonic() - started >= ARRIVAL_WAIT_S - 0.5
+
+        # Another worker's session, and an id no worker was given, are refused without waiting.
+        started = time.monotonic()
+        elsewhere, made_up = chat("s-w1-elsewhere", "any"), chat("s-0123456789abcdef01234567", "any")
+        assert time.monotonic() - started < ARRIVAL_WAIT_S
+        assert elsewhere.status_code == 404 and "was placed on session worker 1, not on this one (0)" in \
+            elsewhere.json()["error"]["message"], elsewhere.text
+        assert made_up.status_code == 404 and made_up.json()["error"]["message"] == \
+            "unknown session 's-0123456789abcdef01234567'", made_up.text
 
     # A session the worker tells it could not be opened is recorded failed, with the reason, and counted.
     answer = httpx.post(f"{buffer.url}/workers/records", headers={WORKER_SECRET_HEADER: secret}, timeout=10, json={
@@ -165,3 +175,10 @@ def test_a_record_a_worker_sends_again_is_stored_and_counted_once(
     assert wait_stored(tmp_path / "data" / "buffer.sqlite", run_id, 1) == [(f"{run_id}:again:0", "completed")]
     progress = httpx.get(f"{buffer.url}/status", timeout=10).json()["run"]["progress"]
     assert (progress["done"], progress["failed"]) == (1, 0), progress
+
+
+def test_a_placed_sessions_id_names_its_worker() -> None:
+    assert placed_on(new_session_id(3)) == 3 and placed_on(new_session_id(0)) == 0
+    assert placed_on(new_session_id()) is None
+    for other in ("s-w", "s-w-x", "s-w12-", "s-wx-1", "s-w\u0661-x", "w1-x", "s-1-w2-x"):
+        assert placed_on(other) is None, other

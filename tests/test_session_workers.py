@@ -307,7 +307,9 @@ def test_calls_to_the_wrong_worker_or_without_its_secret_are_refused(
     client = openai.OpenAI(base_url=wrong, api_key=session["api_key"], max_retries=0)
     with pytest.raises(openai.NotFoundError) as refused:
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
-    assert refused.value.body["message"] == f"unknown session {session['session_id']!r}"  # type: ignore[index]
+    assert refused.value.body["message"] == (  # type: ignore[index]
+        f"session {session['session_id']} was placed on session worker {session['worker']}, not on this one "
+        f"({1 - session['worker']}): send its requests to the base_url that POST /sessions answered")
     worker_url = session["base_url"].rsplit("/sessions/", 1)[0]
     for path in ["/worker/sessions/list", "/worker/sessions", "/worker/journal", "/worker/restore",
                  f"/worker/sessions/{session['session_id']}/finish", f"/worker/sessions/{session['session_id']}/view"]:

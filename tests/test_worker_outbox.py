@@ -234,7 +234,10 @@ def test_records_in_the_outbox_survive_a_killed_worker_and_a_stopped_buffer(
             return session
 
         # Parts of a batch the buffer cannot store (malformed, of a run it does not have) are refused alone.
-        worker = httpx.get(f"{srv.url}/status", timeout=10).json()["session_workers"][0]
+        deadline = time.monotonic() + 60  # the secret is read from the worker's process once it is up
+        while not (worker := httpx.get(f"{srv.url}/status", timeout=10).json()["session_workers"][0])["up"]:
+            assert time.monotonic() < deadline, "the session worker did not come up"
+            time.sleep(0.1)
         environ = Path(f"/proc/{worker['pid']}/environ").read_bytes().split(b"\0")
         secret = next(v for k, _, v in (e.partition(b"=") for e in environ) if k == WORKER_SECRET_ENV.encode())
         answer = httpx.post(f"{srv.url}/workers/records", headers={WORKER_SECRET_HEADER: secret.decode()}, json={

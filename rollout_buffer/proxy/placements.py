@@ -7,7 +7,8 @@ Why not a call per session: its answer is a wake-up, a read and a parse in the b
 is what a session costs the buffer besides accepting `POST /sessions` and storing the records
 (docs/benchmarks). The placement leaves before the harness has its answer, so it reaches the worker before the
 agent's first request; a request that comes first anyway (another route through the network) waits up to
-`ARRIVAL_WAIT_S` for it.
+`ARRIVAL_WAIT_S` for it. A placed session's id names its worker, so a request for one placed elsewhere, or for an
+id no worker was given, is refused at once.
 
 Faults: a placement the worker never read is lost with its process; the buffer's recovery places again every
 session it placed there that the worker's journal does not hold and whose records are not in (a session's opening
@@ -28,6 +29,8 @@ from typing import Any
 from pydantic import BaseModel, Field, ValidationError
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
+
+from rollout_buffer.proxy.session_names import placed_on
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +89,10 @@ class Arrivals:
     """A worker's end: opens the sessions placed on it, in order, and lets requests for a session not here yet
     wait for its placement."""
 
-    def __init__(self, open_session: Open, holds: Callable[[str], bool]):
+    def __init__(self, open_session: Open, holds: Callable[[str], bool], index: int):
         self._open = open_session
         self._holds = holds  # whether the worker holds (or held) the session
+        self._index = index  # this worker's: the sessions placed here name it (`session_names.placed_on`)
         self._waiting: dict[str, asyncio.Future[None]] = {}
         self.refused: OrderedDict[str, str] = OrderedDict()  # session id -> why it could not be opened
 
@@ -112,11 +116,18 @@ class Arrivals:
         if waiting is not None and not waiting.done():
             waiting.set_result(None)
 
-    async def wait(self, session_id: str) -> None:
-        """Return once the session is here or was refused, or after `ARRIVAL_WAIT_S` (the caller then answers for
-        an unknown session)."""
-        if self._holds(session_id) or session_id in self.refused:
-            return
+    async def wait(self, session_id: str) -> str | None:
+        """Once the session is here, None; why it will not be, once it was refused or at once when it names
+        another worker; None after `ARRIVAL_WAIT_S`, and at once for an id not placed on a worker (the caller then
+        answers for an unknown session)."""
+        if self._holds(session_id):
+            return None
+        placed = placed_on(session_id)
+        if placed is not None and placed != self._index:
+            return (f"was placed on session worker {placed}, not on this one ({self._index}): send its requests "
+                    "to the base_url that POST /sessions answered")
+        if placed is None or session_id in self.refused:
+            return self._refusal(session_id)
         waiting = self._waiting.get(session_id)
         if waiting is None:
             waiting = self._waiting[session_id] = asyncio.get_running_loop().create_future()
@@ -125,3 +136,8 @@ class Arrivals:
         except TimeoutError:
             if self._waiting.get(session_id) is waiting:
                 del self._waiting[session_id]
+        return self._refusal(session_id)
+
+    def _refusal(self, session_id: str) -> str | None:
+        why = self.refused.get(session_id)
+        return None if why is None else f"could not be opened: {why}"

@@ -279,7 +279,7 @@ class SessionWorkers:
         key = (run.run_id, instance_id)
         repeat = self._repeats.get(key, 0)
         self._repeats[key] = repeat + 1
-        session_id = new_session_id()
+        session_id = new_session_id(slot.index)
         placement = Placement(run_id=run.run_id, session_id=session_id, instance_id=instance_id, repeat=repeat,
                               api_key=secrets.token_urlsafe(24), public_url=slot.public_url, metadata=metadata)
         uid = harness_uid(run.run_id, instance_id, session_id)

@@ -215,14 +215,13 @@ def restoring(session_id: str) -> str:
 
 async def arrival(state: Any, session_id: str) -> None:
     """On a session worker, wait for the placement of a session it does not hold (`proxy.placements`); Refusal
-    naming why when the worker could not open it."""
+    naming why when the worker could not open it, or it was placed on another worker."""
     arrivals: Arrivals | None = getattr(state, "arrivals", None)
     if arrivals is None:
         return
-    await arrivals.wait(session_id)
-    why = arrivals.refused.get(session_id)
+    why = await arrivals.wait(session_id)
     if why is not None:
-        raise Refusal("unknown_session", "not_found", f"session {session_id} could not be opened: {why}")
+        raise Refusal("unknown_session", "not_found", f"session {session_id} {why}")
 
 
 def _session(scope: Scope, sessions: SessionManager, guards: Guards, session_id: str) -> Session:

@@ -158,7 +158,7 @@ def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret:
         link.event({"kind": "unplaced", "session_id": placement.session_id, "reason": why})
         return why
 
-    arrivals = Arrivals(open_placed, lambda sid: sid in sessions.sessions or sid in sessions.closed)
+    arrivals = Arrivals(open_placed, lambda sid: sid in sessions.sessions or sid in sessions.closed, index)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
