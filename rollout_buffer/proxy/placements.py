@@ -117,9 +117,9 @@ class Arrivals:
             waiting.set_result(None)
 
     async def wait(self, session_id: str) -> str | None:
-        """Once the session is here, None; why it will not be, once it was refused or at once when it names
-        another worker; None after `ARRIVAL_WAIT_S`, and at once for an id not placed on a worker (the caller then
-        answers for an unknown session)."""
+        """None once the session is here, or when it is not to come: an id no worker was given (at once), or a
+        placement that did not arrive within `ARRIVAL_WAIT_S` (the caller then answers for an unknown session).
+        Else why it will not be here: the worker could not open it, or it names another worker (at once)."""
         if self._holds(session_id):
             return None
         placed = placed_on(session_id)
