@@ -388,7 +388,8 @@ def test_a_session_goes_to_a_worker_on_the_node_named_else_to_the_least_loaded()
 def test_a_session_opened_while_the_workers_start_waits_for_one_unless_they_failed_to_start(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A harness opening sessions right after start-up (or while its workers start again) is answered once a
-    worker is up, not refused; a worker whose start failed is not waited for, and the refusal says why."""
+    worker is up, not refused, even past a failed try; a worker that failed to start three times in a row is
+    not waited for, and the refusal says why."""
     config = ServerConfig(session_workers=2)
     pool = SessionWorkers(config, LocalLauncher(config))
     a, b = pool.slots
@@ -400,22 +401,27 @@ def test_a_session_opened_while_the_workers_start_waits_for_one_unless_they_fail
         assert not picked.done()  # both are starting: it waits
         pool.slots.start_ended(a, "the port is taken")
         await asyncio.sleep(0.05)
-        assert not picked.done()  # one failed, the other is starting still
+        assert not picked.done()  # one failed once (it is tried again), the other is starting still
         pool.slots.start_ended(b)
         assert await asyncio.wait_for(picked, 5) is b
         b.up.clear()
         picked = asyncio.create_task(pool.slots.pick_when_up())
-        await asyncio.sleep(0.05)
-        pool.slots.start_ended(b, "no node has 64 CPUs")
+        for _ in range(3):
+            await asyncio.sleep(0.05)
+            assert not picked.done()  # waits through worker 1's first failed tries
+            pool.slots.start_ended(b, "no node has 64 CPUs")
+        pool.slots.start_ended(a, "the port is taken")
+        pool.slots.start_ended(a, "the port is taken")
         with pytest.raises(WorkerUnavailable, match="worker 0 did not start: the port is taken; worker 1 did not "
                                                     "start: no node has 64 CPUs"):
-            await asyncio.wait_for(picked, 5)  # refused once every start failed, not after the wait
+            await asyncio.wait_for(picked, 5)  # refused once both failed three times, not after the wait
         with pytest.raises(WorkerUnavailable, match="worker 1 did not start"):
-            await asyncio.wait_for(pool.slots.pick_when_up(), 5)  # at once: nothing is starting
-        a.failed = ""
+            await asyncio.wait_for(pool.slots.pick_when_up(), 5)  # at once: neither is waited for
+        pool.slots.start_ended(a)
+        a.up.clear()  # worker 0 exited after it was up: starting again, waited for
         monkeypatch.setattr("rollout_buffer.proxy.worker_ledger.UP_WAIT_S", 0.05)
         with pytest.raises(WorkerUnavailable, match="worker 1 did not start"):
-            await pool.slots.pick_when_up()  # worker 0 is starting, but not up in time
+            await pool.slots.pick_when_up()  # but not up in time
 
     asyncio.run(scenario())
 

@@ -19,6 +19,9 @@ from rollout_buffer.proxy.worker_sessions import WorkerUnavailable
 
 _RECENT_KEPT = 4096  # closed sessions whose worker is still asked about them (their view; a finish again: 409)
 UP_WAIT_S = 30.0  # how long opening a session waits for a worker to come up when none is (start-up, restarts)
+# A worker whose start failed this many times in a row is not waited for: a passing cause (its port still taken,
+# a slow first start) is gone by its second or third try, and the tries after are seconds apart.
+_FAILED_STARTS_WAITED = 3
 
 
 @dataclass(eq=False)
@@ -32,6 +35,7 @@ class WorkerSlot:
     up: asyncio.Event = field(default_factory=asyncio.Event)
     tried: asyncio.Event = field(default_factory=asyncio.Event)  # its first start succeeded or failed
     failed: str = ""  # why its latest start failed, until it is up again (it is tried again meanwhile)
+    failed_starts: int = 0  # in a row, until it is up again
     sessions: set[str] = field(default_factory=set)
     runs: dict[str, asyncio.Task[Any]] = field(default_factory=dict)  # run id -> its opening on this process
     restarts: int = 0
@@ -69,6 +73,7 @@ class WorkerSlots:
     def start_ended(self, slot: WorkerSlot, failure: str = "") -> None:
         """`slot`'s start ended: it is up, or it failed with `failure` (it is tried again)."""
         slot.failed = failure
+        slot.failed_starts = slot.failed_starts + 1 if failure else 0
         if not failure:
             slot.up.set()
         slot.tried.set()
@@ -94,11 +99,11 @@ class WorkerSlots:
     async def pick_when_up(self, near: str | None = None) -> WorkerSlot:
         """`pick`, once a worker is up: when none is but some are starting (the buffer just started, or they are
         starting again after an exit), waits up to `UP_WAIT_S` for the first, so a harness that opens sessions
-        right after start-up is answered rather than refused. Workers whose latest start failed are not waited
-        for: the refusal says why they did not start."""
+        right after start-up is answered rather than refused. Workers that failed to start several times in a row
+        are not waited for: the refusal says why they did not start."""
         deadline = asyncio.get_running_loop().time() + UP_WAIT_S
-        while not self._stopping and not any(s.up.is_set() for s in self._slots) and not all(
-                s.failed for s in self._slots):
+        while not self._stopping and not any(s.up.is_set() for s in self._slots) and any(
+                s.failed_starts < _FAILED_STARTS_WAITED for s in self._slots):
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
                 break
