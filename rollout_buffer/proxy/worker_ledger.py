@@ -59,7 +59,7 @@ class WorkerSlots:
     def __init__(self, count: int):
         self._slots = [WorkerSlot(k) for k in range(count)]
         self._start_ended = asyncio.Event()  # set, and replaced, each time a worker's start ends (up or failed)
-        self._stopping = False
+        self.stopping = False  # the pool stops: nothing is started or waited for any more
 
     def __iter__(self) -> Iterator[WorkerSlot]:
         return iter(self._slots)
@@ -82,7 +82,7 @@ class WorkerSlots:
 
     def stop(self) -> None:
         """The pool stops: nothing waits for a worker any more."""
-        self._stopping = True
+        self.stopping = True
         self._start_ended.set()
 
     def pick(self, near: str | None = None) -> WorkerSlot:
@@ -102,7 +102,7 @@ class WorkerSlots:
         right after start-up is answered rather than refused. Workers that failed to start several times in a row
         are not waited for: the refusal says why they did not start."""
         deadline = asyncio.get_running_loop().time() + UP_WAIT_S
-        while not self._stopping and not any(s.up.is_set() for s in self._slots) and any(
+        while not self.stopping and not any(s.up.is_set() for s in self._slots) and any(
                 s.failed_starts < _FAILED_STARTS_WAITED for s in self._slots):
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:

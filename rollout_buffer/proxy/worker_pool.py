@@ -69,7 +69,6 @@ class SessionWorkers:
         # routes. Every call to a worker is a POST of JSON.
         self._client: HttpPool | None = None
         self._background: set[asyncio.Task[None]] = set()
-        self._stopping = False
         self._sockets_here: dict[str, bool] = {}  # workers' agent sockets: on this machine or not
 
     # ---- lifecycle -----------------------------------------------------------------------------------
@@ -92,7 +91,6 @@ class SessionWorkers:
     async def stop(self) -> None:
         """Stop the workers (SIGTERM; their sessions stay stored for the next start) once the records in their
         outboxes are stored."""
-        self._stopping = True
         self.slots.stop()
         await asyncio.gather(*(self._drain(s) for s in self.slots if s.up.is_set()))
         for task in self._background:  # journals not yet let go stay: the next start finds their records stored
@@ -142,7 +140,7 @@ class SessionWorkers:
                 code = None
             slot.up.clear()
             slot.runs.clear()
-            if self._stopping:
+            if self.slots.stopping:
                 return
             slot.restarts += 1
             metrics.SESSION_WORKER_RESTARTS.inc()
