@@ -18,7 +18,7 @@ import httpx
 import openai
 import orjson
 import pytest
-from servers import Server, free_port, sim_engine
+from servers import Server, free_port, free_ports, sim_engine
 from test_proxy import open_session
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
@@ -41,7 +41,8 @@ def engine(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_path: str) -
 @pytest.fixture()
 def buffer(tmp_path: Path) -> Iterator[Server]:
     port = free_port()
-    srv = Server(["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--session-workers", "1"],
+    srv = Server(["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--session-workers", "1",
+                  "--session-worker-port", str(free_ports(1))],
                  "/healthz", port, tmp_path / "buffer.log").start()
     try:
         yield srv

@@ -25,7 +25,7 @@ import psutil
 import pytest
 import ray
 from runs import drain, wait_finished
-from servers import Server, free_port
+from servers import Server, free_port, free_ports
 from test_agent_runs import AGENTS
 from test_openenv_env import ENVS as OPENENV_ENVS
 from test_openenv_env import openenv_python  # noqa: F401 (a fixture)
@@ -42,7 +42,8 @@ def buffer_on_ray(folder: Path, address: str) -> Server:
     """`serve --executor ray --session-workers 2` joined to the Ray cluster at `address` (workers reserve no CPU)."""
     port = free_port()
     return Server(["serve", "--port", str(port), "--data-dir", str(folder / "data"), "--executor", "ray",
-                   "--ray-address", address, "--session-workers", "2", "--session-worker-cpus", "0"],
+                   "--ray-address", address, "--session-workers", "2", "--session-worker-cpus", "0",
+                   "--session-worker-port", str(free_ports(2))],
                   "/healthz", port, folder / "buffer.log", env={"ROLLOUT_BUFFER_AUTH_TOKEN": TOKEN})
 
 
@@ -181,7 +182,8 @@ def test_workers_the_cluster_cannot_place_are_a_clear_error_not_a_hang(
         tmp_path: Path, ray_address: str, engine: Server, qwen_tokenizer_path: str) -> None:  # noqa: F811
     port = free_port()
     srv = Server(["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--executor", "ray",
-                  "--ray-address", ray_address, "--session-workers", "1", "--session-worker-cpus", "64"],
+                  "--ray-address", ray_address, "--session-workers", "1", "--session-worker-cpus", "64",
+                  "--session-worker-port", str(free_ports(1))],
                  "/healthz", port, tmp_path / "buffer.log", env={"ROLLOUT_BUFFER_AUTH_TOKEN": TOKEN})
     with srv.start(timeout_s=120):
         assert [w["up"] for w in workers(srv)] == [False]

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from servers import Server, free_port, sim_engine
+from servers import Server, free_port, free_ports, sim_engine
 from test_proxy import open_session
 
 from rollout_buffer.config import ServerConfig
@@ -218,6 +218,7 @@ def test_records_in_the_outbox_survive_a_killed_worker_and_a_stopped_buffer(
     stores what the outbox holds before its worker goes."""
     port = free_port()
     srv = Server(["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--session-workers", "1",
+                  "--session-worker-port", str(free_ports(1)),
                   "--session-worker-batch-ms", "10000"], "/healthz", port, tmp_path / "buffer.log").start()
     db = tmp_path / "data" / "buffer.sqlite"
     try:
