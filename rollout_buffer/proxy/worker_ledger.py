@@ -80,6 +80,11 @@ class WorkerSlots:
         self._start_ended.set()
         self._start_ended = asyncio.Event()
 
+    def exited(self, slot: WorkerSlot) -> None:
+        """`slot`'s process exited (or its start was given up): it is down, and no run is open on it."""
+        slot.up.clear()
+        slot.runs.clear()
+
     def stop(self) -> None:
         """The pool stops: nothing waits for a worker any more."""
         self.stopping = True

@@ -138,8 +138,7 @@ class SessionWorkers:
                 self.slots.start_ended(slot, str(e) or type(e).__name__)
                 await self.launcher.stop(slot.index)
                 code = None
-            slot.up.clear()
-            slot.runs.clear()
+            self.slots.exited(slot)
             if self.slots.stopping:
                 return
             slot.restarts += 1
