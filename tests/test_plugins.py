@@ -86,7 +86,8 @@ def test_entry_point_generator_is_served(tmp_path: Path) -> None:
     inp.write_text('{"prompt": "p"}\n')
     args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "d")]
     with running(args, "/healthz", port, tmp_path / "log", env={"PYTHONPATH": str(site)}) as srv:
-        resp = httpx.post(f"{srv.url}/start_rollout", json={"task_type": "from_entry_point", "input_file": str(inp)})
+        start = {"task_type": "from_entry_point", "input_file": str(inp), "remote_engine_url": "http://127.0.0.1:9"}
+        resp = httpx.post(f"{srv.url}/start_rollout", json=start)
         assert resp.status_code == 200, resp.text
         resp = httpx.post(f"{srv.url}/start_rollout", json={"task_type": "nope", "input_file": str(inp)})
         assert "from_entry_point" in resp.json()["message"], "the error lists the known task types"

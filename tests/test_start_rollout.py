@@ -63,6 +63,7 @@ def test_accepts_slime_payload_with_strings(buffer_server: Server, math_file: Pa
         ({"num_epoch": "many"}, "num_epoch"),
         ({"num_repeat_per_sample": 0}, "num_repeat_per_sample"),
         ({"remote_engine_url": "ftp://x"}, "remote_engine_url"),
+        ({"remote_engine_url": None}, "remote_engine_url: required"),  # else the run would fail once started
         ({"sampling_params": "hot"}, "sampling_params"),
     ],
 )
