@@ -252,9 +252,6 @@ def create_app(config: ServerConfig) -> FastAPI:
         gen = generators.get(req.task_type)
         if gen is None:
             raise HTTPException(422, f"task_type: unknown {req.task_type!r}; known: {sorted(generators)}")
-        if not req.engine_urls():  # every run has an engine client: without one, it would fail once started
-            raise HTTPException(422, "remote_engine_url: required: the policy engine the run generates with (an "
-                                     "SGLang server's URL, a list of them, or an sglang-router's)")
         if not gen.native:
             for name in ("max_staleness", "max_ready_groups", "regenerate_stale"):
                 if getattr(req, name):
@@ -288,6 +285,9 @@ def create_app(config: ServerConfig) -> FastAPI:
                         await asyncio.to_thread(confined_path, fields[name], config.data_roots, name)
         except ValueError as e:  # InputFileError included
             raise HTTPException(422, str(e)) from None
+        if not req.engine_urls():  # every run has an engine client: without one, it would fail once started
+            raise HTTPException(422, "remote_engine_url: required: the policy engine the run generates with (an "
+                                     "SGLang server's URL, a list of them, or an sglang-router's)")
         runs: RunManager = request.app.state.runs
         # A run that only hosts sessions groups them like /buffer/write records unless told otherwise.
         group_size = config.group_size if path is None and "num_repeat_per_sample" not in req.model_fields_set else None
