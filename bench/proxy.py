@@ -20,6 +20,7 @@ shows how many cores the machine kept busy and the engine's CPU per request.
     python -m bench.proxy                                  # 256 sessions, 1000 ms engine latency
     python -m bench.proxy --sessions 64 --latency-ms 200 --window-s 10
     python -m bench.proxy --long-session     # CPU per turn against context length (bench/long_session.py)
+    python -m bench.proxy --opens            # the buffer's CPU per POST /sessions (bench/session_opens.py)
     python -m bench.proxy --workers 0,1,2,4  # the proxy served by N session workers (0: the buffer itself)
     python -m bench.proxy --workers 1 --batch-ms 25   # workers' records waiting 25 ms for company
 
@@ -48,7 +49,7 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from bench import long_session, profiler
+from bench import long_session, profiler, session_opens
 from bench.harness import REPO, MachineCpu, Meter, Service, ThreadCpu, free_ports, rollout_buffer, sim_engine
 from rollout_buffer.delivery.store import STORE_THREAD
 from rollout_buffer.generation.tokenizer import bundled_tokenizer_path
@@ -251,9 +252,14 @@ def main(argv: list[str] | None = None) -> None:
     if "--long-session" in (sys.argv[1:] if argv is None else argv):
         long_session.main(argv)
         return
+    if "--opens" in (sys.argv[1:] if argv is None else argv):
+        session_opens.main(argv)
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--long-session", action="store_true",
                         help="CPU per turn against context length instead (bench/long_session.py, its own options)")
+    parser.add_argument("--opens", action="store_true",
+                        help="the buffer's CPU per POST /sessions instead (bench/session_opens.py, its own options)")
     parser.add_argument("--sessions", type=int, default=256)
     parser.add_argument("--latency-ms", type=float, default=1000.0)
     parser.add_argument("--turns", type=int, default=8, help="model turns per session (episode)")

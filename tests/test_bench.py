@@ -98,6 +98,14 @@ def test_proxy_long_session_measures_cpu_per_turn_against_context(tmp_path: Path
     assert found and float(found.group(1)) > 0 and float(found.group(2)) >= 4000, line
 
 
+def test_proxy_opens_measures_the_buffers_cpu_per_session_opened(tmp_path: Path) -> None:
+    out = run_bench("proxy", "--opens", "--rates", "200", "--count", "64", "--clients", "4", "--idle-s", "1",
+                    "--workdir", str(tmp_path))
+    line = summary_line(out)
+    found = re.search(rf"opens, 1 workers: idle {NUMBER} ms/s, {NUMBER}/s {NUMBER} ms/open", line)
+    assert found and float(found.group(2)) > 0 and float(found.group(3)) > 0, line
+
+
 def test_proxy_pair_measures_two_buffers_over_the_same_windows(tmp_path: Path) -> None:
     out = run_bench("proxy_pair", "--sessions", "4", "--latency-ms", "20", "--warmup-s", "4", "--window-s", "1",
                     "--rounds", "2", "--candidate-option", "session_journal=false", "--workdir", str(tmp_path))
