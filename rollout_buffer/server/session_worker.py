@@ -347,6 +347,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from rollout_buffer.server.http_protocol import OneWriteHttpProtocol
+    from rollout_buffer.server.quiet_server import QuietServer
 
     p = argparse.ArgumentParser(prog="rollout-buffer session-worker", description=main.__doc__)
     p.add_argument("--index", type=int, required=True)
@@ -379,6 +380,6 @@ def main(argv: list[str] | None = None) -> None:
                               agent_socket=sandboxes[0] if sandboxes is not None else None)
         app = create_worker_app(config, args.index, args.buffer_url, secret)
         gc.freeze()
-        uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, timeout_keep_alive=75,
-                                      log_level=args.log_level.lower(), http=OneWriteHttpProtocol)
-                       ).run(sockets=listeners)
+        QuietServer(uvicorn.Config(app, log_config=None, access_log=False, timeout_keep_alive=75,
+                                   log_level=args.log_level.lower(), http=OneWriteHttpProtocol)
+                    ).run(sockets=listeners)

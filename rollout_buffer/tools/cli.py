@@ -88,6 +88,7 @@ def serve(args: argparse.Namespace) -> None:
 
     from rollout_buffer.server.app import create_app
     from rollout_buffer.server.http_protocol import OneWriteHttpProtocol
+    from rollout_buffer.server.quiet_server import QuietServer
 
     # One process holds thousands of trajectories in flight (messages, token lists). With the default
     # thresholds a collection runs every 700 container allocations and a full one every 70 000, each walking
@@ -126,8 +127,8 @@ def serve(args: argparse.Namespace) -> None:
             config = dataclasses.replace(config, agent_socket=sandboxes[0])
         app = create_app(config)
         gc.freeze()
-        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False,
-                                               timeout_keep_alive=75, log_config=None, http=OneWriteHttpProtocol))
+        server = QuietServer(uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False,
+                                            timeout_keep_alive=75, log_config=None, http=OneWriteHttpProtocol))
         server.run(sockets=listeners)
 
 
