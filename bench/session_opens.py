@@ -1,7 +1,7 @@
 """What opening a session costs the buffer: its CPU per `POST /sessions`, at given rates, sessions opened only.
 
 A buffer with session workers and an agent run open; `--clients` clients open sessions (no turns, never
-finished) at a total of about each `--rates` opens a second, for `--opens` sessions a rate. The buffer's event
+finished) at a total of about each of `--rates` opens a second, `--count` sessions at each rate. The buffer's event
 loop (its main thread) and the whole process are metered apart; the idle timers (measured first, nothing sent)
 are counted in each rate's figure, as they are in `bench.proxy`'s.
 
