@@ -163,6 +163,13 @@ def _busy_cpu_s() -> float:
     return sum(t) - t.idle - getattr(t, "iowait", 0.0)
 
 
+def proc_cpu_s(pid: int, tid: int | str | None = None) -> float:
+    """User + system CPU seconds of thread `tid` of process `pid` (the whole process when None), from /proc."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (clock ticks)
+
+
 class ThreadCpu:
     """CPU of a process's threads of one OS name (`/proc/PID/task/*/comm`) between a mark and now, e.g. the
     buffer's `store` thread beside its event loop."""
@@ -172,14 +179,12 @@ class ThreadCpu:
         self._at_mark = self._cpu_s()
 
     def _cpu_s(self) -> float:
-        total = 0
+        total = 0.0
         for tid in os.listdir(f"/proc/{self.pid}/task"):
             with contextlib.suppress(OSError):
-                if Path(f"/proc/{self.pid}/task/{tid}/comm").read_text().strip() != self.name:
-                    continue
-                fields = Path(f"/proc/{self.pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-                total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
-        return total / os.sysconf("SC_CLK_TCK")
+                if Path(f"/proc/{self.pid}/task/{tid}/comm").read_text().strip() == self.name:
+                    total += proc_cpu_s(self.pid, tid)
+        return total
 
     def mark(self) -> None:
         self._at_mark = self._cpu_s()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -23,16 +22,9 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from bench.harness import REPO, free_ports, rollout_buffer, sim_engine
+from bench.harness import REPO, free_ports, proc_cpu_s, rollout_buffer, sim_engine
 
 console = Console(width=160)
-
-
-def thread_cpu_s(pid: int, tid: int | None = None) -> float:
-    """User + system CPU of thread `tid` of `pid` (the whole process when None)."""
-    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
-    fields = Path(path).read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def open_sessions(url: str, count: int, clients: int, rate: float) -> float:
@@ -75,19 +67,19 @@ def main(argv: list[str] | None = None) -> None:
         table.add_column(column, justify="right")
     with sim_engine(workdir, 1000.0) as engine, rollout_buffer(workdir, REPO, *extra) as buffer:
         start_agent_run(buffer, engine, args.workers)
-        loop0, all0 = thread_cpu_s(buffer.pid, buffer.pid), thread_cpu_s(buffer.pid)
+        loop0, all0 = proc_cpu_s(buffer.pid, buffer.pid), proc_cpu_s(buffer.pid)
         time.sleep(args.idle_s)
-        idle = (thread_cpu_s(buffer.pid, buffer.pid) - loop0) / args.idle_s
+        idle = (proc_cpu_s(buffer.pid, buffer.pid) - loop0) / args.idle_s
         table.add_row("idle", "-", f"{1000 * idle:.2f} ms/s",
-                      f"{1000 * (thread_cpu_s(buffer.pid) - all0) / args.idle_s:.2f} ms/s")
+                      f"{1000 * (proc_cpu_s(buffer.pid) - all0) / args.idle_s:.2f} ms/s")
         summary = [f"idle {1000 * idle:.2f} ms/s"]
         for rate in (float(r) for r in args.rates.split(",")):
-            loop0, all0 = thread_cpu_s(buffer.pid, buffer.pid), thread_cpu_s(buffer.pid)
+            loop0, all0 = proc_cpu_s(buffer.pid, buffer.pid), proc_cpu_s(buffer.pid)
             took = asyncio.run(open_sessions(buffer.url, args.count, args.clients, rate))
             opened = args.count // args.clients * args.clients
-            loop_ms = 1000 * (thread_cpu_s(buffer.pid, buffer.pid) - loop0) / opened
+            loop_ms = 1000 * (proc_cpu_s(buffer.pid, buffer.pid) - loop0) / opened
             table.add_row(f"{rate:g}", f"{opened / took:.0f}", f"{loop_ms:.3f}",
-                          f"{1000 * (thread_cpu_s(buffer.pid) - all0) / opened:.3f}")
+                          f"{1000 * (proc_cpu_s(buffer.pid) - all0) / opened:.3f}")
             summary.append(f"{opened / took:.0f}/s {loop_ms:.3f} ms/open")
     console.print(table)
     print(f"SUMMARY opens, {args.workers} workers: " + ", ".join(summary))

@@ -1,4 +1,5 @@
-"""The uvicorn server the buffer and its session workers run: uvicorn's own, its housekeeping once a second.
+"""The uvicorn server the buffer and its session workers run (`serve`): uvicorn's own, its housekeeping once a
+second.
 
 uvicorn's `Server.main_loop` wakes ten times a second to check for an exit and, every tenth time, to renew the
 `Date` header. Each wake-up of an otherwise idle event loop costs a system call, a timer and a context switch:
@@ -14,9 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from types import FrameType
+from typing import Any
 
 import uvicorn
+
+from rollout_buffer.server.http_protocol import OneWriteHttpProtocol
 
 TICK_S = 1.0
 _TICKS_PER_S = 10  # uvicorn's `on_tick` renews the Date header when its counter is a multiple of this
@@ -46,3 +51,10 @@ class QuietServer(uvicorn.Server):
         if self._loop is not None and self._wake is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 self._loop.call_soon_threadsafe(self._wake.set)
+
+
+def serve(app: Any, listeners: list[socket.socket], log_level: str) -> None:
+    """Serve `app` on `listeners` until a stop signal: the buffer's and its session workers' server (uvicorn's
+    logging left to the process, no access log, idle connections kept 75 s, each response in one write)."""
+    QuietServer(uvicorn.Config(app, log_level=log_level, access_log=False, timeout_keep_alive=75, log_config=None,
+                               http=OneWriteHttpProtocol)).run(sockets=listeners)

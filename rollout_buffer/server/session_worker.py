@@ -344,10 +344,7 @@ def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret:
 
 def main(argv: list[str] | None = None) -> None:
     """`rollout-buffer session-worker`: started by `serve --session-workers`, not by hand."""
-    import uvicorn
-
-    from rollout_buffer.server.http_protocol import OneWriteHttpProtocol
-    from rollout_buffer.server.quiet_server import QuietServer
+    from rollout_buffer.server.quiet_server import serve
 
     p = argparse.ArgumentParser(prog="rollout-buffer session-worker", description=main.__doc__)
     p.add_argument("--index", type=int, required=True)
@@ -380,6 +377,4 @@ def main(argv: list[str] | None = None) -> None:
                               agent_socket=sandboxes[0] if sandboxes is not None else None)
         app = create_worker_app(config, args.index, args.buffer_url, secret)
         gc.freeze()
-        QuietServer(uvicorn.Config(app, log_config=None, access_log=False, timeout_keep_alive=75,
-                                   log_level=args.log_level.lower(), http=OneWriteHttpProtocol)
-                    ).run(sockets=listeners)
+        serve(app, listeners, args.log_level.lower())

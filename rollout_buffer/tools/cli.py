@@ -84,11 +84,8 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 def serve(args: argparse.Namespace) -> None:
     """Start uvicorn with the app built from the command-line options."""
-    import uvicorn
-
     from rollout_buffer.server.app import create_app
-    from rollout_buffer.server.http_protocol import OneWriteHttpProtocol
-    from rollout_buffer.server.quiet_server import QuietServer
+    from rollout_buffer.server.quiet_server import serve as serve_app
 
     # One process holds thousands of trajectories in flight (messages, token lists). With the default
     # thresholds a collection runs every 700 container allocations and a full one every 70 000, each walking
@@ -127,9 +124,7 @@ def serve(args: argparse.Namespace) -> None:
             config = dataclasses.replace(config, agent_socket=sandboxes[0])
         app = create_app(config)
         gc.freeze()
-        server = QuietServer(uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False,
-                                            timeout_keep_alive=75, log_config=None, http=OneWriteHttpProtocol))
-        server.run(sockets=listeners)
+        serve_app(app, listeners, args.log_level.lower())
 
 
 # Subcommands that own their argument parsing: name → (module, help). Each module has `main(argv)`.
