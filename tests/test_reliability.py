@@ -6,10 +6,12 @@ more fuzzing examples).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import socket
+import sqlite3
 import time
 from collections import Counter
 from pathlib import Path
@@ -17,6 +19,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
+from runs import wait_finished
 from servers import Server, free_port, running
 
 LONG = os.environ.get("RB_LONG") == "1"
@@ -291,3 +294,39 @@ def test_full_store_answers_503_and_keeps_what_it_had(tmp_path: Path) -> None:
         # Reads (and acks, which free nothing but need no new pages) still work.
         out = httpx.post(f"{srv.url}/get_rollout_data", json={"max_groups": 2}).json()
         assert out["success"] is True
+
+
+def test_a_run_whose_store_fills_stops_saying_so_and_resumes_after_a_restart_with_room(
+        tmp_path: Path, qwen_tokenizer_path: str) -> None:
+    n_items, repeats = 64, 4
+    inp = write_jsonl(tmp_path / "math.jsonl", math_rows(n_items))
+    eport, bport = free_port(), free_port()
+    engine_args = ["sim-engine", "--port", str(eport), "--tokenizer", qwen_tokenizer_path]
+    with running(engine_args, "/health", eport, tmp_path / "sim.log") as eng:
+        payload = {"task_type": "math", "input_file": str(inp), "num_repeat_per_sample": repeats,
+                   "remote_engine_url": eng.url, "tokenizer_path": qwen_tokenizer_path, "max_tokens": 256}
+        with buffer(tmp_path, bport, "--max-db-mb", "0.3").start() as srv:
+            run_id = httpx.post(f"{srv.url}/start_rollout", json=payload, timeout=30).json()["run_id"]
+            deadline = time.monotonic() + 60
+            while (run := httpx.get(f"{srv.url}/status").json()["run"])["state"] == "running":
+                assert time.monotonic() < deadline, run["progress"]
+                time.sleep(0.1)
+            # The trainer's client, the dashboard and the metrics see the run stopped and why, though the
+            # full store could not record it.
+            assert run["state"] == "failed", run
+            assert "full" in run["error"] and "the run resumes where it stopped" in run["error"], run["error"]
+            assert f'rollout_buffer_run_info{{run_id="{run_id}",state="failed",task_type="math"}} 1.0' in \
+                httpx.get(f"{srv.url}/metrics").text
+        with contextlib.closing(sqlite3.connect(tmp_path / "data" / "buffer.sqlite")) as db:
+            stored_before = db.execute("SELECT count(*) FROM trajectories").fetchone()[0]
+        assert 0 < stored_before < n_items * repeats
+        # With room, the next start resumes the run: every trajectory stored once, every group whole.
+        with buffer(tmp_path, bport).start() as srv:
+            status = wait_finished(srv.url, timeout_s=120)
+        assert status["run"]["run_id"] == run_id and status["run"]["state"] == "finished", status["run"]
+        with contextlib.closing(sqlite3.connect(tmp_path / "data" / "buffer.sqlite")) as db:
+            assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+            assert db.execute("SELECT count(*), count(DISTINCT instance_id) FROM trajectories").fetchone() == \
+                (n_items * repeats, n_items)
+            assert dict(db.execute("SELECT state, count(*) FROM groups GROUP BY state").fetchall()) == \
+                {"ready": n_items}

@@ -141,8 +141,9 @@ class Store:
         return False
 
     def _run_batch(self, conn: sqlite3.Connection, batch: list[_Op]) -> list[_Op]:
-        """Run `batch` in one transaction and answer its waiters; returns the sequels of its `WithSequel`
-        operations, whose waiters are answered once those commit (in the next batch)."""
+        """Run `batch` in one transaction (each operation in one of its own when that fails) and answer its
+        waiters; returns the sequels of its `WithSequel` operations, whose waiters are answered once those commit
+        (in the next batch)."""
         results: list[tuple[asyncio.Future[Any] | None, Any, BaseException | None]] = []
         if len(batch) == 1 and isinstance(batch[0][0], Statement):
             # Alone, one statement is its own transaction: one call into SQLite instead of five (each lets go
@@ -182,10 +183,16 @@ class Store:
                 results.append((fut, value, None))
             conn.execute("COMMIT")
         except sqlite3.Error as e:
-            log.error("store transaction failed, %d operations refused: %s", len(batch), e)
             if conn.in_transaction:
                 with contextlib.suppress(sqlite3.Error):
                     conn.execute("ROLLBACK")
+            if len(batch) > 1:
+                # One operation's failure (a write on a full disk) must not refuse the others (a read, a write
+                # that needs no new page): each runs again in a transaction of its own.
+                log.warning("store transaction failed (%s); its %d operations run again one at a time", e,
+                            len(batch))
+                return [sequel for op in batch for sequel in self._run_batch(conn, [op])]
+            log.error("store operation refused: %s", e)
             err = StoreError(f"store write failed: {e}")
             # Nothing of the transaction was kept; a sequel's first part, committed before, stands.
             results = [(fut, fn.first_value, None) if isinstance(fn, _Sequel) else (fut, None, err)

@@ -26,6 +26,7 @@ from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.buffer import RolloutBuffer
 from rollout_buffer.delivery.encoded import EncodedRecord, RecordError
 from rollout_buffer.delivery.runs import StoredRun, StoredWork
+from rollout_buffer.delivery.store import StoreError
 from rollout_buffer.delivery.streams import StaleGroup
 from rollout_buffer.generation.admission import AdmissionController, AdmissionPolicy
 from rollout_buffer.generation.context import RolloutContext, RunResources
@@ -57,6 +58,7 @@ class Progress:
     statuses: Counter[str] = field(default_factory=Counter)
     failures: Counter[str] = field(default_factory=Counter)
     state: str = "running"
+    error: str | None = None  # why the run failed
     ended_at: float | None = None  # freezes the rate once the run ends
     # Sum and count of each numeric `extra_info.metrics` value the run's records carry (an environment's reward
     # functions and metrics): their means are shown.
@@ -79,6 +81,7 @@ class Progress:
         return {
             "run_id": self.run_id,
             "state": self.state,
+            "error": self.error,
             "total": self.total,
             "done": self.done,
             "failed": self.failed,
@@ -165,12 +168,27 @@ class Run:
             raise
         except Exception as e:
             self.progress.state = "failed"
+            self.progress.error = f"{type(e).__name__}: {e}"
             log.exception("run %s failed", self.run_id)
-            await self.buffer.runs.set_state(self.run_id, "failed", f"{type(e).__name__}: {e}")
+            await self._record_failure(e)
         finally:
             self.accepting = False
             self.progress.ended_at = time.time()
             await self._save_progress()
+
+    async def _record_failure(self, error: Exception) -> None:
+        """Store that the run failed, unless its store is what failed (a full disk, `--max-db-mb`): the run then
+        stays `running` in the store, so that the next start resumes it where it stopped, and `/status` shows the
+        failure from the live view."""
+        if isinstance(error, StoreError):
+            self.progress.error = (f"{self.progress.error}: free space (or raise --max-db-mb) and restart the "
+                                   "buffer: the run resumes where it stopped")
+            log.error("run %s stopped: its store refused a write; %s", self.run_id, self.progress.error)
+            return
+        try:
+            await self.buffer.runs.set_state(self.run_id, "failed", self.progress.error)
+        except StoreError as e:
+            log.error("run %s: its failure could not be stored (%s); the next start resumes it", self.run_id, e)
 
     async def _save_progress(self) -> None:
         try:

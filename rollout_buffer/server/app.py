@@ -71,7 +71,7 @@ from rollout_buffer.server.middleware import AgentSocketGate, BearerAuthMiddlewa
 from rollout_buffer.server.proxy_routes import SessionApi, mount_proxy
 from rollout_buffer.server.ui_history import RunHistory
 from rollout_buffer.server.ui_routes import mount_ui
-from rollout_buffer.server.views import evals_view, run_control, status_view
+from rollout_buffer.server.views import evals_view, run_control, run_view, status_view
 from rollout_buffer.server.worker_routes import mount_workers
 
 log = logging.getLogger(__name__)
@@ -462,7 +462,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         control = await run_control(request.app, run.run_id if run is not None else None)
         roles = await buffer.role_counts(run.run_id) if run is not None else {}
         sessions: SessionManager = request.app.state.sessions
-        public = run.public() if run is not None else None
+        public = run_view(run.public() if run is not None else None, runs.progress())
         body, content_type = metrics.render(groups, public, runs.progress(), request.headers.get("accept", ""), control,
                                             sessions.open_count(), await evals_view(request.app), roles)
         return Response(body, media_type=content_type)

@@ -33,9 +33,7 @@ async def status_view(app: Starlette) -> dict[str, Any]:
     buffer: RolloutBuffer = app.state.buffer
     runs: RunManager = app.state.runs
     body = await buffer.status()
-    live = runs.progress()
-    if body["run"] is not None and live is not None and live.get("run_id") == body["run"]["run_id"]:
-        body["run"]["progress"] = live
+    body["run"] = run_view(body["run"], runs.progress())
     body["control"] = await run_control(app, body["run"]["run_id"] if body["run"] is not None else None)
     body["evals"] = await evals_view(app)
     body["executor"] = runs.executor.snapshot()
@@ -43,6 +41,18 @@ async def status_view(app: Starlette) -> dict[str, Any]:
     if workers is not None:
         body["session_workers"] = workers.snapshot()
     return body
+
+
+def run_view(run: dict[str, Any] | None, live: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The latest run as `/status` and `/metrics` show it: as stored, with the runner's live progress while this
+    process runs it, and its end as the runner saw it when the store does not say it (yet): a run whose store
+    refused a write stays `running` there, to resume at the next start."""
+    if run is None or live is None or live.get("run_id") != run["run_id"]:
+        return run
+    run = {**run, "progress": live}
+    if run["state"] == "running" and live["state"] != "running":
+        run["state"], run["error"] = live["state"], live.get("error")
+    return run
 
 
 async def evals_view(app: Starlette) -> dict[str, Any]:
