@@ -46,6 +46,10 @@ def test_a_write_the_full_store_refuses_refuses_nothing_batched_with_it(tmp_path
             assert await read == stored
             assert await small == 1
             assert await store.call(lambda c: c.execute("SELECT v FROM t WHERE k=0").fetchone()[0]) == b"z" * 8000
+            # `/status` shows the last refusal for a while.
+            refused = store.refusal()
+            assert refused is not None and "full" in refused["error"]
+            assert store.refusal(within_s=-1) is None
         finally:
             await store.close()
 

@@ -65,6 +65,7 @@ class RolloutBuffer:
     def __init__(self, config: ServerConfig, store: Store, generators: Mapping[str, HookSource]):
         self.config = config
         self.generators = generators
+        self.store = store
         self.runs = Runs(store)
         self.reads = Reads(store)
         self.evals = EvalStore(store)
@@ -402,7 +403,8 @@ class RolloutBuffer:
         run = await self.runs.latest()
         if run is None:
             return {"run": None, "groups": {}, "records": {}, "filtered": {},
-                    "all_groups": await self.reads.group_counts(), "earlier_runs": {}, "roles": {}}
+                    "all_groups": await self.reads.group_counts(), "earlier_runs": {}, "roles": {},
+                    "store": {"last_refusal": self.store.refusal()}}
         return {
             "run": run.public(),
             "groups": await self.reads.group_counts(run.run_id),
@@ -412,6 +414,7 @@ class RolloutBuffer:
             # Ready or leased groups earlier runs left: a fetch gets them only by naming the run.
             "earlier_runs": await self.reads.undelivered_by_run(run.run_id),
             "roles": await self.role_counts(run.run_id),
+            "store": {"last_refusal": self.store.refusal()},
         }
 
     async def role_counts(self, run_id: str) -> dict[str, dict[str, Any]]:

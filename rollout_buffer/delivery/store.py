@@ -17,6 +17,7 @@ import logging
 import queue
 import sqlite3
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from rollout_buffer.delivery import schema
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 STORE_THREAD = "store"  # the store thread's name, in Python and for the OS
+REFUSALS_SHOWN_S = 60.0  # how long `/status` shows the store's last refused operation
 # A queued operation: the function the store thread runs, and the future of its waiter (None: submitted).
 _Op = tuple[Callable[[sqlite3.Connection], Any], "asyncio.Future[Any] | None"]
 
@@ -85,6 +87,13 @@ class Store:
         self._queue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._conn: sqlite3.Connection | None = None
+        self._last_refusal: tuple[float, str] | None = None  # when and why the store last refused an operation
+
+    def refusal(self, within_s: float = REFUSALS_SHOWN_S) -> dict[str, Any] | None:
+        """The last operation the store refused (`at`, epoch seconds, and `error`: a full disk, `--max-db-mb`), if
+        it was within the last `within_s` seconds."""
+        last = self._last_refusal
+        return None if last is None or time.time() - last[0] > within_s else {"at": last[0], "error": last[1]}
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def open(self) -> None:
@@ -153,6 +162,7 @@ class Store:
                 results.append((fut, fn(conn), None))
             except sqlite3.Error as e:
                 log.error("store statement failed: %s", e)
+                self._last_refusal = (time.time(), str(e))
                 results.append((fut, None, StoreError(f"store write failed: {e}")))
             except Exception as e:  # parameters SQLite cannot bind: nothing was written
                 results.append((fut, None, e))
@@ -193,6 +203,7 @@ class Store:
                             len(batch))
                 return [sequel for op in batch for sequel in self._run_batch(conn, [op])]
             log.error("store operation refused: %s", e)
+            self._last_refusal = (time.time(), str(e))
             err = StoreError(f"store write failed: {e}")
             # Nothing of the transaction was kept; a sequel's first part, committed before, stands.
             results = [(fut, fn.first_value, None) if isinstance(fn, _Sequel) else (fut, None, err)

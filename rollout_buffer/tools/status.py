@@ -102,6 +102,9 @@ def render(status: dict[str, Any], url: str) -> RenderableType:
         grid.add_row(name, Text(line))
     if run.get("error"):
         grid.add_row("error", Text(str(run["error"]), style="red"))
+    if refused := (status.get("store") or {}).get("last_refusal"):
+        grid.add_row("store", Text(f"refused a write {_duration(time.time() - refused['at'])} ago: "
+                                   f"{refused['error']}", style="red"))
     return Group(head, bar, grid)
 
 
