@@ -533,3 +533,25 @@ def test_a_chart_scales_to_the_current_run_not_an_earlier_runs_spike(open_dashbo
         assert shown["unit_x"] == "reward (raw)" and shown["unit_y"] == "trajectories", shown
         assert [float(x) for x in shown["x"]] == sorted(float(x) for x in shown["x"]) and len(shown["x"]) >= 2
         assert len(shown["y"]) >= 2 and shown["over_plot"] == [], shown
+
+
+def test_a_run_its_full_store_stopped_is_shown_with_why_and_the_refused_write(open_dashboard, sim_engine: Server,
+                                                                               qwen_tokenizer_path: str,
+                                                                               tmp_path: Path) -> None:
+    port = free_port()
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--auth-token", TOKEN,
+            "--max-db-mb", "0.3"]
+    with running(args, "/healthz", port, tmp_path / "buffer.log") as srv:
+        page, problems = open_dashboard(srv)
+        page.wait_for_function("() => document.querySelector('#conn').textContent === 'live'")
+        assert page.locator("#run-alert").is_hidden()
+        start_run(srv.url, sim_engine.url, write_jsonl(tmp_path / "math.jsonl", math_rows(64)), qwen_tokenizer_path,
+                  headers=AUTH)
+        page.wait_for_function("() => document.querySelector('#run-state')?.textContent === 'failed'",
+                               timeout=60_000)
+        alert = page.locator("#run-alert")
+        alert.wait_for()
+        lines = alert.inner_text().splitlines()
+        assert lines[0].startswith("run failed: StoreError") and "the run resumes where it stopped" in lines[0]
+        assert re.fullmatch(r"the store refused a write \d+ s ago: database or disk is full", lines[1]), lines
+        assert problems == []

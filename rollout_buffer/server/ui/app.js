@@ -173,6 +173,14 @@ function renderRun(s) {
   const run = s.run;
   const counts = $("run-counts");
   counts.replaceChildren();
+  // Why the run failed, and a write the store refused lately (a full disk): what an operator must act on.
+  const refused = (s.store || {}).last_refusal;
+  const alerts = [
+    run && run.state === "failed" && run.error ? `run failed: ${run.error}` : "",
+    refused ? `the store refused a write ${Math.max(0, Math.round(s.t - refused.at))} s ago: ${refused.error}` : "",
+  ].filter(Boolean);
+  $("run-alert").textContent = alerts.join("\n");
+  $("run-alert").hidden = !alerts.length;
   if (!run) {
     $("run-head").textContent = "no run yet";
     return;
