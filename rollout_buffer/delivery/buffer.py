@@ -401,10 +401,10 @@ class RolloutBuffer:
     async def status(self) -> dict[str, Any]:
         """The latest run, and counts of groups and trajectories."""
         run = await self.runs.latest()
+        store = {"last_refusal": self.store.refusal()}
         if run is None:
             return {"run": None, "groups": {}, "records": {}, "filtered": {},
-                    "all_groups": await self.reads.group_counts(), "earlier_runs": {}, "roles": {},
-                    "store": {"last_refusal": self.store.refusal()}}
+                    "all_groups": await self.reads.group_counts(), "earlier_runs": {}, "roles": {}, "store": store}
         return {
             "run": run.public(),
             "groups": await self.reads.group_counts(run.run_id),
@@ -414,7 +414,7 @@ class RolloutBuffer:
             # Ready or leased groups earlier runs left: a fetch gets them only by naming the run.
             "earlier_runs": await self.reads.undelivered_by_run(run.run_id),
             "roles": await self.role_counts(run.run_id),
-            "store": {"last_refusal": self.store.refusal()},
+            "store": store,
         }
 
     async def role_counts(self, run_id: str) -> dict[str, dict[str, Any]]:

@@ -161,9 +161,7 @@ class Store:
             try:
                 results.append((fut, fn(conn), None))
             except sqlite3.Error as e:
-                log.error("store statement failed: %s", e)
-                self._last_refusal = (time.time(), str(e))
-                results.append((fut, None, StoreError(f"store write failed: {e}")))
+                results.append((fut, None, self._refused(e)))
             except Exception as e:  # parameters SQLite cannot bind: nothing was written
                 results.append((fut, None, e))
             self._resolve_all(results)
@@ -202,9 +200,7 @@ class Store:
                 log.warning("store transaction failed (%s); its %d operations run again one at a time", e,
                             len(batch))
                 return [sequel for op in batch for sequel in self._run_batch(conn, [op])]
-            log.error("store operation refused: %s", e)
-            self._last_refusal = (time.time(), str(e))
-            err = StoreError(f"store write failed: {e}")
+            err = self._refused(e)
             # Nothing of the transaction was kept; a sequel's first part, committed before, stands.
             results = [(fut, fn.first_value, None) if isinstance(fn, _Sequel) else (fut, None, err)
                        for fn, fut in batch]
@@ -213,6 +209,13 @@ class Store:
         carried = self._sequels(batch, results)
         self._resolve_all(results)
         return carried
+
+    def _refused(self, error: sqlite3.Error) -> StoreError:
+        """An operation SQLite refused alone (a full disk, an I/O error): logged, kept for `refusal`, and the
+        error its waiter gets."""
+        log.error("store operation refused: %s", error)
+        self._last_refusal = (time.time(), str(error))
+        return StoreError(f"store write failed: {error}")
 
     @staticmethod
     def _sequels(batch: list[_Op], results: list[tuple[asyncio.Future[Any] | None, Any, BaseException | None]]
