@@ -242,6 +242,10 @@ def test_the_inspector_shows_a_mismatch_and_session_branches(page, buffer: Serve
     page.wait_for_function("id => document.querySelector('#run-id')?.textContent === id", arg=run_id)
     page.fill("#search input[name=uid]", session_uids[1])
     page.click("#search button")
+    # The search's own results, not the list shown before it (re-drawn when they arrive, under the click).
+    page.wait_for_function("uid => { const rows = [...document.querySelectorAll('#results tr[data-uid]')];"
+                           " return rows.length > 0 && rows.every((r) => r.dataset.uid.startsWith(uid)); }",
+                           arg=session_uids[1])
     page.locator(f"#results tr[data-uid='{session_uids[1]}']").click()
     page.wait_for_selector("#tokens .tok.mismatch")
     assert "tokenization check" in page.inner_text("#token-note")
