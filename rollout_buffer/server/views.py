@@ -50,7 +50,7 @@ def run_view(run: dict[str, Any] | None, live: dict[str, Any] | None) -> dict[st
     if run is None or live is None or live.get("run_id") != run["run_id"]:
         return run
     run = {**run, "progress": live}
-    if run["state"] == "running" and live["state"] != "running":
+    if run["state"] == "running" and live["state"] == "failed":  # a finish is stored at once, after its groups
         run["state"], run["error"] = live["state"], live.get("error")
     return run
 
