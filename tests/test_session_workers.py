@@ -203,6 +203,17 @@ def test_sessions_spread_over_workers_with_exact_tokens_and_whole_groups(
     wait_until(turns_counted, 10)
 
 
+def test_an_agent_run_opens_on_every_worker_before_its_first_session(
+        buffer: Server, engine: Server, qwen_tokenizer_path: str) -> None:
+    """Each worker loads the run's tokenizer and engine client when the run gets ready, not when the first
+    session lands on it: a harness's first sessions do not wait seconds for that."""
+    served = [w["served"] for w in workers(buffer)]
+    run_id = start_run(buffer, engine, qwen_tokenizer_path)
+    opened = wait_until(lambda: (ws := workers(buffer)) and all(run_id in w["runs"] for w in ws) and ws)
+    assert [w["served"] for w in opened] == served  # no session placed meanwhile
+    assert all(w["runs"] == [run_id] for w in opened)  # the runs before it ended on the workers too
+
+
 def test_a_worker_killed_mid_turn_comes_back_with_its_sessions(
         buffer: Server, slow_engine: Server, qwen_tokenizer_path: str) -> None:
     run_id = start_run(buffer, slow_engine, qwen_tokenizer_path)

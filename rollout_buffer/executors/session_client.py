@@ -96,6 +96,9 @@ class BufferSessionHost:
             self._sockets[path] = await asyncio.to_thread(is_socket, path)
         return path if self._sockets[path] else None
 
+    async def start_run(self, run_id: str) -> None:
+        """Nothing to do here: the buffer opens the run on its session workers."""
+
     async def end_run(self, run_id: str) -> None:
         """Nothing to do here: the buffer discards the run's sessions still open when it ends."""
 

@@ -241,6 +241,8 @@ class Run:
     async def _run_native(self) -> None:
         resources = self.resources = await run_resources(self.run_id, self.req, self.sessions)
         self.ready.set()
+        if self.sessions is not None:
+            await self.sessions.start_run(self.run_id)
         try:
             if self.input_path is None:
                 log.info("run %s: no input file; holding the engine and tokenizer for agent sessions", self.run_id)

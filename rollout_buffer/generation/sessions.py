@@ -55,6 +55,11 @@ class SessionHost(Protocol):
         as `ctx.uid`."""
         ...
 
+    async def start_run(self, run_id: str) -> None:
+        """The run loaded its engine and tokenizer: a host that serves sessions in processes of their own opens the
+        run there now (in the background), so that its first sessions do not wait for it."""
+        ...
+
     async def end_run(self, run_id: str) -> None:
         """The run is ending: close its sessions that a harness still holds (as failed); when the server itself
         shuts down, the proxy keeps them stored instead (they are restored at the next start)."""

@@ -405,6 +405,11 @@ class SessionManager:
             self._forget(session, outcome)
         log.warning("session %s closed as failed: %s", session.session_id, reason)
 
+    async def start_run(self, run_id: str) -> None:
+        """The run is ready (`SessionHost.start_run`): with session workers, an agent run opens on each of them."""
+        if self.workers is not None:
+            self.workers.prepare(run_id)
+
     async def end_run(self, run_id: str) -> None:
         """Close the harness sessions of a run that ends (`SessionHost.end_run`; when the server shuts down, only
         let go of them: they stay stored and are restored at the next start), and discard those Ray actors still

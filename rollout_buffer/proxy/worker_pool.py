@@ -294,7 +294,32 @@ class SessionWorkers:
     def _run_open(self, slot: WorkerSlot, run: Run) -> bool:
         """Whether `run` is open on the worker's current process."""
         opening = slot.runs.get(run.run_id)
-        return opening is not None and opening.done() and not opening.cancelled() and opening.exception() is None
+        return opening is not None and self._opened(opening)
+
+    @staticmethod
+    def _opened(opening: asyncio.Task[Any]) -> bool:
+        return opening.done() and not opening.cancelled() and opening.exception() is None
+
+    def prepare(self, run_id: str) -> None:
+        """Open the agent run `run_id`, which just got ready, on every worker that is up, in the background: each
+        loads the run's tokenizer and engine client now rather than at its first session (seconds a harness would
+        wait for). A worker that fails to open it is tried again at its first session; runs of other task types
+        open on a worker when a session of theirs is first placed there."""
+        run = self._current(run_id)
+        if run is None or run.req.task_type != "agent":
+            return
+        for slot in self.slots:
+            if slot.up.is_set() and not self._run_open(slot, run):
+                task = asyncio.create_task(self._prepare(slot, run), name=f"session-worker-{slot.index}-open-run")
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+    async def _prepare(self, slot: WorkerSlot, run: Run) -> None:
+        try:
+            await self._open_run(slot, run)
+        except Exception as e:  # `place` opens it again
+            log.warning("session worker %d did not open run %s ahead of its sessions (tried again at its first "
+                        "session): %s", slot.index, run.run_id, e)
 
     async def _open_run(self, slot: WorkerSlot, run: Run) -> None:
         opening = slot.runs.get(run.run_id)
@@ -437,7 +462,9 @@ class SessionWorkers:
     def snapshot(self) -> builtins.list[dict[str, Any]]:
         """The workers in /status."""
         return [{"worker": s.index, "url": s.public_url, "up": s.up.is_set(), "sessions": len(s.sessions),
-                 "served": s.served, "restarts": s.restarts, **s.where} for s in self.slots]
+                 "served": s.served, "restarts": s.restarts,
+                 "runs": sorted(run_id for run_id, opening in s.runs.items() if self._opened(opening)), **s.where}
+                for s in self.slots]
 
     async def ask(self, slot: WorkerSlot, path: str, body: Any, timeout_s: float | None = None
                    ) -> tuple[int, dict[str, Any]]:
