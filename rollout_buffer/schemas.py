@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 from typing import Annotated, Any, Literal
 
@@ -173,6 +174,16 @@ class StartRolloutRequest(BaseModel):
     mask_offpolicy_in_partial_rollout: bool = False
     max_abort_requeues: NonNegativeInt = 8
     current_version: NonNegativeInt | None = None
+
+    def near_misses(self) -> list[str]:
+        """Warnings for the payload's extra keys spelled like one of its options (`num_repeats_per_sample`): a
+        generator may read any key, so they are kept, but such a key most likely leaves the option it was meant
+        for at its default."""
+        known = list(type(self).model_fields)
+        return [f"{key}: not an option of /start_rollout; did you mean {close[0]}? (kept for the generator; "
+                f"{close[0]} stays {getattr(self, close[0])!r})"
+                for key in self.model_extra or {}
+                if (close := difflib.get_close_matches(key, known, n=1, cutoff=0.85))]
 
     @model_validator(mode="after")
     def _staleness_needs_batch(self) -> StartRolloutRequest:

@@ -53,6 +53,22 @@ def test_accepts_slime_payload_with_strings(buffer_server: Server, math_file: Pa
     run = httpx.get(f"{buffer_server.url}/status").json()["run"]
     assert run["run_id"] == body["run_id"]
     assert run["num_repeat_per_sample"] == 4 and run["num_epoch"] == 2 and run["task_type"] == "math"
+    assert "warnings" not in body  # slime's own extra keys (`max_retries`) are not mistaken for typos
+
+
+def test_a_misspelled_option_is_kept_but_named_in_a_warning(buffer_server: Server, math_file: Path) -> None:
+    """A generator may read any key, so an unknown one is accepted; one spelled like an option most likely left
+    that option at its default, and the answer (and the log) says so."""
+    payload = slime_payload(math_file, num_repeats_per_sample=16, sampling_param={"temperature": 0.1})
+    resp = start(buffer_server.url, payload)
+    assert resp.status_code == 200, resp.text
+    warnings = resp.json()["warnings"]
+    assert len(warnings) == 2
+    assert warnings[0].startswith("num_repeats_per_sample: not an option of /start_rollout; did you mean "
+                                  "num_repeat_per_sample?") and "num_repeat_per_sample stays 4" in warnings[0]
+    assert "did you mean sampling_params?" in warnings[1]
+    assert httpx.get(f"{buffer_server.url}/status").json()["run"]["num_repeat_per_sample"] == 4
+    assert "did you mean num_repeat_per_sample" in buffer_server.log_path.read_text()
 
 
 @pytest.mark.parametrize(

@@ -294,7 +294,12 @@ def create_app(config: ServerConfig) -> FastAPI:
         run_id = await runs.start(req, path, num_items, group_size)
         message = (f"rollout started for {num_items} tasks" if path is not None
                    else "agent run started: open sessions with POST /sessions")
-        return json_response({"success": True, "message": message, "run_id": run_id, "num_items": num_items})
+        answer = {"success": True, "message": message, "run_id": run_id, "num_items": num_items}
+        if warnings := req.near_misses():
+            for warning in warnings:
+                log.warning("run %s: %s", run_id, warning)
+            answer["warnings"] = warnings
+        return json_response(answer)
 
     @app.post("/start_eval", summary="Evaluate named datasets at a trainer version, beside the training run")
     async def start_eval(req: StartEvalRequest, request: Request) -> Response:
