@@ -6,8 +6,13 @@
 2. Over HTTP, `--writers` clients each posting records to `/buffer/write` as fast as answers come back:
    `rollout-buffer serve` (durable) against the process-per-trajectory baseline's in-memory `/buffer/write`.
 
+3. With `--long-tokens T`, instead: storing long records (T tokens each, built with the real Qwen3 tokenizer)
+   as session workers hand them over (encoded, a few per batch): the process's CPU per record when every
+   group of 8 completes, against the same records in groups that never complete (what completing costs).
+
     python -m bench.store_write            # 20 000 records in process, 15 s of HTTP load each
     python -m bench.store_write --quick    # 5 000 records, 5 s each
+    python -m bench.store_write --long-tokens 128000 --records 64   # coding-agent-sized records
 """
 
 from __future__ import annotations
@@ -27,9 +32,12 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.harness import Meter, Service, free_port
+from bench.long_records import long_records
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.buffer import RolloutBuffer
+from rollout_buffer.delivery.encoded import EncodedRecord
 from rollout_buffer.delivery.store import Store
+from rollout_buffer.generation.tokenizer import bundled_tokenizer_path
 from rollout_buffer.schemas import TrajectoryRecord
 
 console = Console(width=160)
@@ -73,6 +81,43 @@ async def _in_process(data_dir: Path, total: int, writers: int) -> float:
         return per_writer * writers / (time.perf_counter() - start)
     finally:
         await store.close()
+
+
+async def _long(data_dir: Path, records: list[EncodedRecord], group_size: int, per_batch: int = 4) -> float:
+    """Process CPU ms per record through `RolloutBuffer.write_encoded` in batches of `per_batch`."""
+    config = ServerConfig(data_dir=data_dir, group_size=group_size)
+    store = Store(config.db_path)
+    await store.open()
+    try:
+        buffer = RolloutBuffer(config, store, {})
+        run = await buffer.runs.get(await buffer.create_run({"task_type": None, "source": "bench"}, group_size))
+        assert run is not None
+        start = time.process_time()
+        for b in range(0, len(records), per_batch):
+            await buffer.write_encoded(records[b:b + per_batch], run)
+        return (time.process_time() - start) / len(records) * 1000
+    finally:
+        await store.close()
+
+
+def long_records_table(tokens: int, count: int, workdir: Path) -> None:
+    """Storing long records, groups completing or not (part 3); prints its table and summary line."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(bundled_tokenizer_path())
+    records = [EncodedRecord.of(TrajectoryRecord.model_validate(r))
+               for r in long_records(tokenizer, count, tokens, GROUP, distinct=2)]
+    size_mb = sum(len(r.row.blob) for r in records) / len(records) / 1e6
+    complete = asyncio.run(_long(workdir / "complete", records, GROUP))
+    never = asyncio.run(_long(workdir / "open", records, count + 1))
+    table = Table(title=f"Storing {count} records of {tokens} tokens ({size_mb:.2f} MB of JSON each), 4 per batch")
+    for col in ("groups", "CPU ms per record"):
+        table.add_column(col, justify="right")
+    table.add_row(f"of {GROUP}, completing", f"{complete:.2f}")
+    table.add_row("never complete", f"{never:.2f}")
+    console.print(table)
+    console.print(f"SUMMARY store long records: {complete:.2f} ms CPU per {tokens}-token record, of which completing "
+                  f"its group {complete - never:.2f} ms ({(complete - never) / complete:.0%})")
 
 
 async def _http_load(url: str, writers: int, warmup_s: float, window_s: float) -> dict[str, float]:
@@ -124,8 +169,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--writers", type=int, default=1000, help="concurrent writers")
     p.add_argument("--records", type=int, default=None, help="records of the group-commit part (20 000; quick 5 000)")
     p.add_argument("--window-s", type=float, default=None, help="measured window of the HTTP part (15 s; quick 5 s)")
+    p.add_argument("--long-tokens", type=int, default=None,
+                   help="instead: storing records of this many tokens (--records of them, default 64)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.long_tokens:
+        long_records_table(args.long_tokens, args.records or 64, Path(tempfile.mkdtemp(prefix="bench-store-")))
+        return
     total = args.records or (5000 if args.quick else 20000)
     window = args.window_s or (5.0 if args.quick else 15.0)
     workdir = Path(tempfile.mkdtemp(prefix="bench-store-"))

@@ -48,6 +48,12 @@ def test_conversion_compares_exact_tokens_with_retokenizing() -> None:
     assert re.search(rf"exact tokens {NUMBER}× faster than re-tokenizing", line), line
 
 
+def test_store_write_measures_what_completing_a_group_of_long_records_costs() -> None:
+    line = summary_line(run_bench("store_write", "--long-tokens", "2000", "--records", "16"))
+    found = re.search(rf"{NUMBER} ms CPU per 2000-token record, of which completing its group -?{NUMBER} ms", line)
+    assert found and float(found.group(1)) > 0, line
+
+
 def test_store_write_measures_group_commit_and_http_writers() -> None:
     line = summary_line(run_bench("store_write", "--writers", "20", "--records", "400", "--window-s", "2"))
     rate = re.search(rf"/buffer/write with 20 writers: {NUMBER} records/s", line)
