@@ -11,6 +11,7 @@ import numpy as np
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from rollout_buffer.delivery.record_layout import record_facts, rewards_first
 from rollout_buffer.delivery.records import NewRecord
 from rollout_buffer.delivery.streams import role_of
 from rollout_buffer.delivery.versions import version_range
@@ -21,8 +22,8 @@ class RecordError(ValueError):
     """A record that validates but cannot be stored (e.g. integers beyond 64 bits)."""
 
 
-def encode_record(record: TrajectoryRecord) -> bytes:
-    """The record as stored JSON; raises RecordError naming the uid when JSON cannot hold it.
+def _stored_form(record: TrajectoryRecord) -> dict[str, Any]:
+    """The record's fields as stored (`record_layout.rewards_first`).
 
     Log-probs are kept at float32 precision, in their shortest float32 form: SGLang computes them in
     float32 and slime trains on float32 tensors, and the float64 digits beyond that are nearly half of the
@@ -31,10 +32,19 @@ def encode_record(record: TrajectoryRecord) -> bytes:
     data = record.model_dump(mode="json")
     if data.get("rollout_log_probs"):
         data["rollout_log_probs"] = np.asarray(data["rollout_log_probs"], dtype=np.float32)
+    return rewards_first(data)
+
+
+def _dumps(record: TrajectoryRecord, data: dict[str, Any]) -> bytes:
     try:
         return orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY)
     except TypeError as e:
         raise RecordError(f"record {record.uid!r} cannot be stored as JSON: {e}") from None
+
+
+def encode_record(record: TrajectoryRecord) -> bytes:
+    """The record as stored JSON; raises RecordError naming the uid when JSON cannot hold it."""
+    return _dumps(record, _stored_form(record))
 
 
 @dataclass(frozen=True)
@@ -48,10 +58,12 @@ class EncodedRecord:
 
     @classmethod
     def of(cls, record: TrajectoryRecord) -> EncodedRecord:
-        """Encode a validated record (RecordError when JSON cannot hold it)."""
+        """Encode a validated record, and its facts (RecordError when JSON cannot hold it)."""
         info = record.extra_info
-        row = NewRecord(record.uid, record.instance_id, record.epoch, record.status, encode_record(record),
-                        episode=info.get("episode_id"), agent_id=role_of({"extra_info": info}), reward=record.reward)
+        data = _stored_form(record)
+        row = NewRecord(record.uid, record.instance_id, record.epoch, record.status, _dumps(record, data),
+                        episode=info.get("episode_id"), agent_id=role_of({"extra_info": info}), reward=record.reward,
+                        facts=orjson.dumps(record_facts(data)))
         metrics = info.get("metrics")
         return cls(row, version_range({"extra_info": info, "weight_versions": record.weight_versions}),
                    metrics if isinstance(metrics, dict) else None)
@@ -61,7 +73,7 @@ class EncodedRecord:
         r = self.row
         return {"uid": r.uid, "instance_id": r.instance_id, "epoch": r.epoch, "status": r.status,
                 "episode": r.episode, "agent_id": r.agent_id, "reward": r.reward, "versions": self.versions,
-                "metrics": self.metrics, "record": r.blob.decode()}
+                "metrics": self.metrics, "record": r.blob.decode(), "facts": (r.facts or b"").decode()}
 
 
 class _Wire(BaseModel):
@@ -77,6 +89,7 @@ class _Wire(BaseModel):
     versions: Annotated[list[int], Field(min_length=2, max_length=2)] | None  # JSON has no tuples
     metrics: dict[str, Any] | None
     record: str
+    facts: str
 
 
 _WIRE: TypeAdapter[list[_Wire]] = TypeAdapter(list[_Wire])
@@ -86,6 +99,6 @@ def decode_wire(items: Any) -> list[EncodedRecord]:
     """Encoded records from their `wire()` form; pydantic's ValidationError names a malformed field. The record's
     JSON itself is not parsed again: the process that encoded it validated it (a session worker of this buffer)."""
     return [EncodedRecord(NewRecord(w.uid, w.instance_id, w.epoch, w.status, w.record.encode(), episode=w.episode,
-                                    agent_id=w.agent_id, reward=w.reward),
+                                    agent_id=w.agent_id, reward=w.reward, facts=w.facts.encode() or None),
                           (w.versions[0], w.versions[1]) if w.versions else None, w.metrics)
             for w in _WIRE.validate_python(items)]

@@ -7,6 +7,11 @@ user hooks in a worker thread, so a slow hook holds up its own group, never a co
 next (`finish`, or the write's sequel): the group is dropped with its reason, or its (possibly transformed)
 records are kept and it becomes ready on its streams. A group left `complete` by a crash in between is found
 again by `unfinished` at start-up.
+
+The built-in policy changes a record's `reward` and `raw_reward` alone, so it runs on the records' facts and
+its outcome rewrites the start of each record's JSON, where those two are (`record_layout`): completing a group
+of long trajectories neither parses nor serializes them. User hooks get, and may change, whole records, which
+are written back whole; so are records stored without facts (before they were kept).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import orjson
 
 from rollout_buffer.delivery.groups import GROUP_KEY_SQL as _KEY
 from rollout_buffer.delivery.groups import GroupKey, GroupOutcome, Record
+from rollout_buffer.delivery.record_layout import rewards_first, rewards_prefix
 from rollout_buffer.delivery.store import Store, WithSequel
 from rollout_buffer.delivery.streams import admit, role_of, summarize
 from rollout_buffer.delivery.versions import group_version_range
@@ -38,14 +44,17 @@ class NewRecord:
     episode: str | None = None
     agent_id: str | None = None  # the record's role (`extra_info.agent_id`): its delivery stream
     reward: float | None = None  # as the generator scored it (before group normalization)
+    facts: bytes | None = None  # what the built-in group policy reads of it, as JSON (`record_layout.record_facts`)
 
 
 @dataclass
 class CompleteGroup:
-    """A group whose last episode arrived: its records in write order, for its group policy."""
+    """A group whose last episode arrived: its records in write order, for its group policy; or, with
+    `prefixes`, their facts (for the built-in policy), with how each record's stored JSON begins (by uid)."""
 
     key: GroupKey
     records: list[Record]
+    prefixes: dict[str, bytes] | None = None
 
 
 @dataclass
@@ -73,7 +82,8 @@ class WriteResult:
         return len(self.duplicate_at)
 
 
-def _write(conn: sqlite3.Connection, run_id: str, group_size: int, items: list[NewRecord]) -> WriteResult:
+def _write(conn: sqlite3.Connection, run_id: str, group_size: int, items: list[NewRecord], facts: bool
+           ) -> WriteResult:
     result = WriteResult()
     now = time.time()
     touched: dict[GroupKey, None] = {}
@@ -94,18 +104,17 @@ def _write(conn: sqlite3.Connection, run_id: str, group_size: int, items: list[N
             part = row[0]
         key = (run_id, item.instance_id, item.epoch, part)
         episode = item.episode or item.uid
-        blob = item.blob
+        blob, item_facts = item.blob, item.facts
         if part:  # a record past a complete group says which part it belongs to
-            record = orjson.loads(blob)
-            record.setdefault("extra_info", {})["group_part"] = part
-            blob = orjson.dumps(record)
+            blob = _in_part(blob, part)
+            item_facts = item_facts and _in_part(item_facts, part)
         new_episode = conn.execute(
             f"SELECT 1 FROM trajectories WHERE {_KEY} AND episode=? LIMIT 1", (*key, episode)
         ).fetchone() is None
         cur = conn.execute(
             "INSERT OR IGNORE INTO trajectories(uid, run_id, instance_id, epoch, part, status, episode, created_at, "
-            "record, agent_id, reward) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-            (item.uid, *key, item.status, episode, now, blob, item.agent_id, item.reward),
+            "record, agent_id, reward, facts) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            (item.uid, *key, item.status, episode, now, blob, item.agent_id, item.reward, item_facts),
         )
         if cur.rowcount == 0:
             result.duplicate_at.append(i)
@@ -123,13 +132,28 @@ def _write(conn: sqlite3.Connection, run_id: str, group_size: int, items: list[N
         n, size, state = conn.execute(f"SELECT n, size, state FROM groups WHERE {_KEY}", key).fetchone()
         if state == "open" and n >= size:
             conn.execute(f"UPDATE groups SET state='complete', completed_at=? WHERE {_KEY}", (now, *key))
-            result.complete.append(CompleteGroup(key, _group_records(conn, key)))
+            result.complete.append((facts and _group_facts(conn, key)) or CompleteGroup(key, _group_records(conn, key)))
     return result
+
+
+def _in_part(blob: bytes, part: int) -> bytes:
+    record = orjson.loads(blob)
+    record.setdefault("extra_info", {})["group_part"] = part
+    return orjson.dumps(record)
 
 
 def _group_records(conn: sqlite3.Connection, key: GroupKey) -> list[Record]:
     return [orjson.loads(blob) for (blob,) in conn.execute(
         f"SELECT record FROM trajectories WHERE {_KEY} ORDER BY rowid", key)]
+
+
+def _group_facts(conn: sqlite3.Connection, key: GroupKey) -> CompleteGroup | None:
+    """The group with its records' facts; None when one has none (stored before facts were)."""
+    stored = conn.execute(f"SELECT facts FROM trajectories WHERE {_KEY} ORDER BY rowid", key).fetchall()
+    if any(blob is None for (blob,) in stored):
+        return None
+    records = [orjson.loads(blob) for (blob,) in stored]
+    return CompleteGroup(key, records, {r["uid"]: rewards_prefix(r) for r in records})
 
 
 def _next_seq(conn: sqlite3.Connection) -> int:
@@ -139,8 +163,10 @@ def _next_seq(conn: sqlite3.Connection) -> int:
     return seq
 
 
-def _finish(conn: sqlite3.Connection, key: GroupKey, outcome: GroupOutcome) -> Finished | None:
-    """Commit one complete group's outcome; None when it is not complete (finished already)."""
+def _finish(conn: sqlite3.Connection, key: GroupKey, outcome: GroupOutcome,
+            prefixes: dict[str, bytes] | None = None) -> Finished | None:
+    """Commit one complete group's outcome (with `prefixes`, of the built-in policy run on its records' facts);
+    None when it is not complete (finished already)."""
     if outcome.reason is not None:
         dropped = conn.execute(f"UPDATE groups SET state='filtered', reason=? WHERE {_KEY} AND state='complete'",
                                (outcome.reason, *key)).rowcount
@@ -151,11 +177,30 @@ def _finish(conn: sqlite3.Connection, key: GroupKey, outcome: GroupOutcome) -> F
                         (seq, *group_version_range(outcome.records), *key)).rowcount:
         return None
     for rec in outcome.records:
+        if prefixes is not None:
+            _put_rewards(conn, key, rec, prefixes[rec["uid"]])
+            continue
         # The role too: a `transform_group` hook may have changed it, and role streams select by it. A record
         # a hook invented (a uid not of this group) changes nothing.
         conn.execute(f"UPDATE trajectories SET record=?, summary=?, agent_id=? WHERE uid=? AND {_KEY}",
                      (orjson.dumps(rec), summarize(rec), role_of(rec), rec["uid"], *key))
     return Finished(key, None, admit(conn, key, outcome.records, seq))
+
+
+def _put_rewards(conn: sqlite3.Connection, key: GroupKey, facts: Record, stored: bytes) -> None:
+    """Put a record's new `reward` and `raw_reward` (its `facts` after the built-in policy) in its stored JSON:
+    in place of `stored`, how that JSON begins, or, when it does not begin so, into the whole record."""
+    row = conn.execute(f"SELECT record FROM trajectories WHERE uid=? AND {_KEY}", (facts["uid"], *key)).fetchone()
+    if row is None:
+        return
+    blob: bytes = row[0]
+    if blob.startswith(stored):
+        blob = rewards_prefix(facts) + memoryview(blob)[len(stored):]
+    else:
+        blob = orjson.dumps(rewards_first(orjson.loads(blob) | {"reward": facts["reward"],
+                                                                "raw_reward": facts["raw_reward"]}))
+    conn.execute(f"UPDATE trajectories SET record=?, summary=? WHERE uid=? AND {_KEY}",
+                 (blob, summarize(facts), facts["uid"], *key))
 
 
 class Records:
@@ -173,15 +218,16 @@ class Records:
         items = list(records)
 
         def first(conn: sqlite3.Connection) -> WriteResult:
-            return _write(conn, run_id, group_size, items)
+            return _write(conn, run_id, group_size, items, facts=finalize is not None)
 
         def sequel(result: WriteResult) -> Callable[[sqlite3.Connection], WriteResult] | None:
             if finalize is None or not result.complete:
                 return None
-            outcomes = [(group.key, finalize(group.records)) for group in result.complete]
+            outcomes = [(group, finalize(group.records)) for group in result.complete]
 
             def commit(conn: sqlite3.Connection) -> WriteResult:
-                result.finished = [f for key, outcome in outcomes if (f := _finish(conn, key, outcome)) is not None]
+                result.finished = [f for group, outcome in outcomes
+                                   if (f := _finish(conn, group.key, outcome, group.prefixes)) is not None]
                 return result
 
             return commit

@@ -172,6 +172,12 @@ DROP TABLE IF EXISTS agent_session_turns;
 DROP TABLE IF EXISTS agent_sessions;
 """
 
+# What the built-in group policy reads of a record (`record_layout`): a group completes without its
+# records' JSON being parsed. Rows stored before it have none, and complete from their JSON.
+_FACTS = """
+ALTER TABLE trajectories ADD COLUMN facts BLOB;
+"""
+
 Migration = Callable[[sqlite3.Connection], None]
 
 
@@ -195,7 +201,7 @@ def _statements(sql: str) -> list[str]:
 
 
 # Migration k (1-based) brings a store at version k-1 to version k. Append only: a released store may be at any.
-MIGRATIONS: tuple[Migration, ...] = (_script(_RELEASE_0_1), _script(_STREAMS))
+MIGRATIONS: tuple[Migration, ...] = (_script(_RELEASE_0_1), _script(_STREAMS), _script(_FACTS))
 VERSION = len(MIGRATIONS)
 
 
