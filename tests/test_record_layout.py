@@ -14,7 +14,7 @@ import pytest
 
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.buffer import RolloutBuffer
-from rollout_buffer.delivery.encoded import EncodedRecord
+from rollout_buffer.delivery.encoded import FACTS_FROM_BYTES, EncodedRecord
 from rollout_buffer.delivery.groups import GroupPolicy
 from rollout_buffer.delivery.record_layout import rewards_prefix
 from rollout_buffer.delivery.store import Store
@@ -24,12 +24,12 @@ GROUP = 4
 
 
 def long_record(i: int, reward: float) -> dict[str, Any]:
-    """A token-mode record of a few thousand tokens, its last message the answer."""
-    n = 3000
+    """A token-mode record of 8 000 tokens (long enough to carry facts), its last message the answer."""
+    n = 8000
     return {"uid": f"u{i}", "instance_id": "task", "reward": reward, "extra_info": {"epoch": 0, "repeat": i},
             "messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"a{i}"}],
-            "tokens": [(7 * k + i) % 151000 for k in range(n)], "loss_mask": [0] * 1000 + [1] * 2000,
-            "rollout_log_probs": [-0.25 * (k % 5) for k in range(2000)], "response_length": 2000}
+            "tokens": [(7 * k + i) % 151000 for k in range(n)], "loss_mask": [0] * 1000 + [1] * 7000,
+            "rollout_log_probs": [-0.25 * (k % 5) for k in range(7000)], "response_length": 7000}
 
 
 def expected(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -73,6 +73,19 @@ def run_group(tmp_path: Path, before_last: str | None = None) -> tuple[dict[str,
     for want in expected(records):  # every record whole, with its group's rewards
         assert orjson.loads(after[want["uid"]]) == want
     return before, after
+
+
+def test_long_records_carry_facts_and_short_ones_do_not() -> None:
+    """A short record is parsed when its group completes: that costs less than carrying its facts."""
+    long = EncodedRecord.of(TrajectoryRecord.model_validate(long_record(0, 1.0))).row
+    assert len(long.blob) >= FACTS_FROM_BYTES and long.facts is not None
+    assert orjson.loads(long.facts) == {k: v for k, v in orjson.loads(long.blob).items()
+                                        if k not in ("tokens", "loss_mask", "rollout_log_probs")} | {
+        "messages": [{"role": "assistant", "content": "a0"}]}
+    short = EncodedRecord.of(TrajectoryRecord.model_validate({**long_record(0, 1.0), "tokens": None,
+                                                              "loss_mask": None, "rollout_log_probs": None,
+                                                              "response_length": None})).row
+    assert short.facts is None
 
 
 def test_completing_a_group_changes_only_the_beginning_of_its_records_json(tmp_path: Path) -> None:

@@ -47,6 +47,12 @@ def encode_record(record: TrajectoryRecord) -> bytes:
     return _dumps(record, _stored_form(record))
 
 
+# A record's facts are kept when its JSON is at least this long: below, parsing it when its group completes
+# costs less than carrying and storing its facts beside it (`python -m bench.proxy_pair`, 8-turn agent records
+# of a few kB; `python -m bench.store_write --long-tokens`).
+FACTS_FROM_BYTES = 64 * 1024
+
+
 @dataclass(frozen=True)
 class EncodedRecord:
     """A validated record as the store takes it (`row`), with its weight versions (oldest, newest) and its
@@ -58,12 +64,13 @@ class EncodedRecord:
 
     @classmethod
     def of(cls, record: TrajectoryRecord) -> EncodedRecord:
-        """Encode a validated record, and its facts (RecordError when JSON cannot hold it)."""
+        """Encode a validated record, and the facts of a long one (RecordError when JSON cannot hold it)."""
         info = record.extra_info
         data = _stored_form(record)
-        row = NewRecord(record.uid, record.instance_id, record.epoch, record.status, _dumps(record, data),
+        blob = _dumps(record, data)
+        row = NewRecord(record.uid, record.instance_id, record.epoch, record.status, blob,
                         episode=info.get("episode_id"), agent_id=role_of({"extra_info": info}), reward=record.reward,
-                        facts=orjson.dumps(record_facts(data)))
+                        facts=orjson.dumps(record_facts(data)) if len(blob) >= FACTS_FROM_BYTES else None)
         metrics = info.get("metrics")
         return cls(row, version_range({"extra_info": info, "weight_versions": record.weight_versions}),
                    metrics if isinstance(metrics, dict) else None)
