@@ -1,10 +1,12 @@
-"""Completing a group does not write its records anew: the built-in policy runs on their facts, and only the
-beginning of each record's stored JSON (its `reward` and `raw_reward`) changes. Records stored without facts, or
-whose JSON begins otherwise (an earlier release's), get their rewards all the same."""
+"""A long record's JSON is written once: its group completes from the records' facts, and what it decided (the
+JSON's new beginning: `reward`, `raw_reward`) is kept beside it and put in place wherever the record is read.
+Records stored without facts, or whose JSON begins otherwise (an earlier release's), get their rewards all the
+same, written into them."""
 
 from __future__ import annotations
 
 import asyncio
+import io
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -16,9 +18,11 @@ from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.buffer import RolloutBuffer
 from rollout_buffer.delivery.encoded import FACTS_FROM_BYTES, EncodedRecord
 from rollout_buffer.delivery.groups import GroupPolicy
-from rollout_buffer.delivery.record_layout import rewards_prefix
+from rollout_buffer.delivery.queries import Reader
+from rollout_buffer.delivery.record_layout import REWARDED_SQL, REWARDS_JOIN_SQL, with_rewards
 from rollout_buffer.delivery.store import Store
 from rollout_buffer.schemas import TrajectoryRecord
+from rollout_buffer.tools.export import export
 
 GROUP = 4
 
@@ -38,14 +42,17 @@ def expected(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return GroupPolicy().finalize([orjson.loads(e.row.blob) for e in full]).records
 
 
-def stored(db: Path) -> dict[str, bytes]:
+def stored(db: Path) -> tuple[dict[str, bytes], dict[str, bytes]]:
+    """Each record's JSON as stored, and as read (with what its group decided)."""
     with sqlite3.connect(db) as conn:
-        return dict(conn.execute("SELECT uid, record FROM trajectories"))
+        rows = conn.execute(f"SELECT t.uid, {REWARDED_SQL} FROM trajectories t {REWARDS_JOIN_SQL}").fetchall()
+    return {uid: blob for uid, blob, _, _ in rows}, {uid: with_rewards(*rest) for uid, *rest in rows}
 
 
 def run_group(tmp_path: Path, before_last: str | None = None) -> tuple[dict[str, bytes], dict[str, bytes]]:
-    """Write a group of four (the SQL `before_last` run on the store before its last record arrives): the
-    records' JSON before the group completed, and after."""
+    """Write a group of four (the SQL `before_last` run on the store before its last record arrives), check
+    every record reads whole with its group's rewards (delivered and looked up): the records' JSON as stored
+    before the group completed, and after."""
     records = [long_record(i, float(i % 2)) for i in range(GROUP)]
 
     async def main() -> tuple[dict[str, bytes], dict[str, bytes]]:
@@ -65,13 +72,29 @@ def run_group(tmp_path: Path, before_last: str | None = None) -> tuple[dict[str,
             assert [f.reason for f in result.finished] == [None]
             delivered = await buffer.deliver(None, 0, None)
             assert [r.reward for r in delivered.records] == pytest.approx([r["reward"] for r in expected(records)])
+            want = expected(records)
+            assert [orjson.loads(r.blob) for r in delivered.records] == want
+            assert [await buffer.get_record(r.row.uid) for r in encoded] == want
+            reader = Reader(config.db_path)  # the dashboard's
+            try:
+                assert [(await reader.trajectory(r["uid"]) or {}).get("record") for r in want] == want
+                members = await reader.group(run.run_id, "task", 0, 0)
+                assert [(m["reward"], m["raw_reward"], m["normalized"]) for m in members] == [
+                    (r["reward"], r["raw_reward"], True) for r in want]
+                (batch,) = await reader.batches(run.run_id)
+                assert batch["normalized"] == [r["reward"] for r in want]
+            finally:
+                await reader.close()
             return before | {encoded[-1].row.uid: encoded[-1].row.blob}, stored(config.db_path)
         finally:
             await store.close()
 
-    before, after = asyncio.run(main())
-    for want in expected(records):  # every record whole, with its group's rewards
-        assert orjson.loads(after[want["uid"]]) == want
+    before, (after, read) = asyncio.run(main())
+    want = expected(records)
+    assert [orjson.loads(read[r["uid"]]) for r in want] == want
+    out = io.BytesIO()
+    export(tmp_path, out)  # `rollout-buffer export`
+    assert [orjson.loads(line) for line in out.getvalue().splitlines()] == want
     return before, after
 
 
@@ -88,23 +111,22 @@ def test_long_records_carry_facts_and_short_ones_do_not() -> None:
     assert short.facts is None
 
 
-def test_completing_a_group_changes_only_the_beginning_of_its_records_json(tmp_path: Path) -> None:
+def test_a_long_records_json_is_written_once(tmp_path: Path) -> None:
     before, after = run_group(tmp_path)
-    for uid, blob in before.items():
-        facts = orjson.loads(blob)
-        begins = rewards_prefix(facts)
-        assert blob.startswith(begins) and after[uid].startswith(rewards_prefix(orjson.loads(after[uid])))
-        assert after[uid][len(rewards_prefix(orjson.loads(after[uid]))):] == blob[len(begins):]
-    assert any(after[uid] != blob for uid, blob in before.items())  # the rewards were normalized
+    assert after == before  # byte for byte: what the group decided is kept beside it
 
 
-def test_records_stored_without_facts_complete_from_their_json(tmp_path: Path) -> None:
-    run_group(tmp_path, "UPDATE trajectories SET facts=NULL WHERE uid='u1'")
+def test_a_record_without_facts_is_rewritten_beside_long_ones_that_are_not(tmp_path: Path) -> None:
+    """A short record (or one stored before facts were kept) in a group of long ones."""
+    before, after = run_group(tmp_path, "UPDATE trajectories SET facts=NULL WHERE uid='u1'")
+    assert after["u1"] != before["u1"] and all(after[uid] == before[uid] for uid in ("u0", "u2", "u3"))
 
 
 def test_a_record_whose_json_begins_otherwise_gets_its_rewards(tmp_path: Path) -> None:
-    """An earlier release stored the fields in the model's order (`uid` first)."""
+    """Stored with its fields in another order (`uid` first): it is written anew with its rewards."""
     with_uid_first = orjson.dumps(
         {"uid": "u0", **{k: v for k, v in orjson.loads(EncodedRecord.of(TrajectoryRecord.model_validate(
             long_record(0, 0.0))).row.blob).items() if k != "uid"}}).decode()
-    run_group(tmp_path, f"UPDATE trajectories SET record=CAST('{with_uid_first}' AS BLOB) WHERE uid='u0'")
+    before, after = run_group(tmp_path, f"UPDATE trajectories SET record=CAST('{with_uid_first}' AS BLOB) "
+                                        "WHERE uid='u0'")
+    assert after["u0"] != before["u0"] and all(after[uid] == before[uid] for uid in ("u1", "u2", "u3"))

@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 
 import orjson
 
+from rollout_buffer.delivery.record_layout import REWARDED_SQL, REWARDS_JOIN_SQL, with_rewards
+
 T = TypeVar("T")
 
 MAX_PAGE = 200
@@ -139,16 +141,17 @@ class Reader:
 
         def op(conn: sqlite3.Connection) -> dict[str, Any] | None:
             row = conn.execute(
-                "SELECT t.record, t.run_id, t.instance_id, t.epoch, t.part, coalesce(s.state, g.state), "
-                "CASE WHEN s.state IS NULL THEN g.reason ELSE s.reason END, r.config FROM trajectories t "
+                f"SELECT {REWARDED_SQL}, t.run_id, t.instance_id, t.epoch, t.part, coalesce(s.state, g.state), "
+                f"CASE WHEN s.state IS NULL THEN g.reason ELSE s.reason END, r.config FROM trajectories t "
+                f"{REWARDS_JOIN_SQL} "
                 "LEFT JOIN groups g ON g.run_id=t.run_id AND g.instance_id=t.instance_id AND g.epoch=t.epoch "
                 "AND g.part=t.part LEFT JOIN stream_groups s ON s.stream='' AND s.run_id=t.run_id AND "
                 "s.instance_id=t.instance_id AND s.epoch=t.epoch AND s.part=t.part "
                 "LEFT JOIN runs r ON r.run_id=t.run_id WHERE t.uid=?", (uid,)).fetchone()
             if row is None:
                 return None
-            blob, run_id, instance_id, epoch, part, state, reason, config = row
-            return {"record": orjson.loads(blob),
+            blob, cut, head, run_id, instance_id, epoch, part, state, reason, config = row
+            return {"record": orjson.loads(with_rewards(blob, cut, head)),
                     "group": {"run_id": run_id, "instance_id": instance_id, "epoch": epoch, "part": part,
                               "state": state, "reason": reason},
                     "tokenizer_path": orjson.loads(config).get("tokenizer_path") if config else None}
@@ -161,11 +164,12 @@ class Reader:
 
         def op(conn: sqlite3.Connection) -> list[dict[str, Any]]:
             rows = conn.execute(
-                "SELECT uid, status, record FROM trajectories WHERE run_id=? AND instance_id=? AND epoch=? AND part=? "
-                "ORDER BY rowid", (run_id, instance_id, epoch, part)).fetchall()
+                f"SELECT t.uid, t.status, {REWARDED_SQL} FROM trajectories t {REWARDS_JOIN_SQL} WHERE t.run_id=? "
+                "AND t.instance_id=? AND t.epoch=? AND t.part=? ORDER BY t.rowid",
+                (run_id, instance_id, epoch, part)).fetchall()
             out = []
-            for uid, status, blob in rows:
-                rec = orjson.loads(blob)
+            for uid, status, blob, cut, head in rows:
+                rec = orjson.loads(with_rewards(blob, cut, head))
                 info = rec.get("extra_info") or {}
                 raw = rec.get("raw_reward")
                 out.append({
@@ -189,9 +193,9 @@ class Reader:
                 (limit * 4 if run_id else limit,),
             ).fetchall():
                 rows = conn.execute(
-                    "SELECT t.run_id, t.reward, t.summary FROM stream_groups s JOIN trajectories t ON "
-                    "t.run_id=s.run_id AND t.instance_id=s.instance_id AND t.epoch=s.epoch AND t.part=s.part "
-                    "WHERE s.batch_id=? AND (s.stream='' OR t.agent_id=s.stream)",
+                    "SELECT t.run_id, t.reward, coalesce(w.summary, t.summary) FROM stream_groups s JOIN "
+                    "trajectories t ON t.run_id=s.run_id AND t.instance_id=s.instance_id AND t.epoch=s.epoch AND "
+                    f"t.part=s.part {REWARDS_JOIN_SQL} WHERE s.batch_id=? AND (s.stream='' OR t.agent_id=s.stream)",
                     (batch_id,)).fetchall()
                 if run_id and not any(r[0] == run_id for r in rows):
                     continue

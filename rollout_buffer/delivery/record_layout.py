@@ -1,9 +1,11 @@
 """How a record is laid out in the store: its JSON begins with its `reward` and `raw_reward`, the two fields its
-group's outcome changes, and beside the JSON are its facts, what the built-in group policy reads of it.
+group's outcome changes, and beside a long record's JSON are its facts, what the built-in group policy reads of
+it.
 
-So a group completes without its records' JSON being parsed or written anew (`records._finish`): the policy
-runs on the facts, and each record's JSON gets a new beginning. For a 128k-token trajectory (megabytes of JSON)
-that is most of what storing it would otherwise cost (`python -m bench.store_write --long-tokens 128000`).
+So a long record's JSON is written once: its group completes from the facts (`records._finish`), and what it
+decided, the JSON's new beginning, is kept apart (`record_rewards`) and put in place as the record is read
+(`with_rewards`). For a 128k-token trajectory (megabytes of JSON) that is most of what storing it would
+otherwise cost (`python -m bench.store_write --long-tokens 128000`).
 """
 
 from __future__ import annotations
@@ -35,3 +37,15 @@ def record_facts(data: dict[str, Any]) -> dict[str, Any]:
     facts = {k: v for k, v in data.items() if k not in _HEAVY}
     facts["messages"] = data.get("messages", [])[-1:]
     return facts
+
+
+# Reading a record: its JSON and what its group decided (NULLs when its JSON holds that already), from
+# `trajectories t` joined with `record_rewards w`; `with_rewards` puts them together.
+REWARDED_SQL = "t.record, w.cut, w.head"
+REWARDS_JOIN_SQL = "LEFT JOIN record_rewards w ON w.uid = t.uid"
+
+
+def with_rewards(blob: bytes, cut: int | None, head: bytes | None) -> bytes:
+    """A stored record's JSON as its group left it: its first `cut` bytes replaced by `head` when its group
+    completed from its facts (`REWARDED_SQL`), else as stored."""
+    return blob if head is None or cut is None else head + memoryview(blob)[cut:]

@@ -8,10 +8,10 @@ next (`finish`, or the write's sequel): the group is dropped with its reason, or
 records are kept and it becomes ready on its streams. A group left `complete` by a crash in between is found
 again by `unfinished` at start-up.
 
-The built-in policy changes a record's `reward` and `raw_reward` alone, so it runs on the records' facts and
-its outcome rewrites the start of each record's JSON, where those two are (`record_layout`): completing a group
-of long trajectories neither parses nor serializes them. User hooks get, and may change, whole records, which
-are written back whole; so are records stored without facts (before they were kept).
+The built-in policy changes a record's `reward` and `raw_reward` alone, so it sees a long record by its facts,
+and what it decided is kept beside the record's JSON, which is written once (`record_layout`). User hooks get,
+and may change, whole records, which are written back whole; so are short records (parsing one costs less than
+its facts) and those stored before facts were kept.
 """
 
 from __future__ import annotations
@@ -25,7 +25,13 @@ import orjson
 
 from rollout_buffer.delivery.groups import GROUP_KEY_SQL as _KEY
 from rollout_buffer.delivery.groups import GroupKey, GroupOutcome, Record
-from rollout_buffer.delivery.record_layout import rewards_first, rewards_prefix
+from rollout_buffer.delivery.record_layout import (
+    REWARDED_SQL,
+    REWARDS_JOIN_SQL,
+    rewards_first,
+    rewards_prefix,
+    with_rewards,
+)
 from rollout_buffer.delivery.store import Store, WithSequel
 from rollout_buffer.delivery.streams import admit, role_of, summarize
 from rollout_buffer.delivery.versions import group_version_range
@@ -49,12 +55,12 @@ class NewRecord:
 
 @dataclass
 class CompleteGroup:
-    """A group whose last episode arrived: its records in write order, for its group policy; or, with
-    `prefixes`, their facts (for the built-in policy), with how each record's stored JSON begins (by uid)."""
+    """A group whose last episode arrived: its records in write order, for its group policy. For the built-in
+    policy, a long record is there as its facts, and `prefixes` says how its stored JSON begins (by uid)."""
 
     key: GroupKey
     records: list[Record]
-    prefixes: dict[str, bytes] | None = None
+    prefixes: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass
@@ -132,7 +138,7 @@ def _write(conn: sqlite3.Connection, run_id: str, group_size: int, items: list[N
         n, size, state = conn.execute(f"SELECT n, size, state FROM groups WHERE {_KEY}", key).fetchone()
         if state == "open" and n >= size:
             conn.execute(f"UPDATE groups SET state='complete', completed_at=? WHERE {_KEY}", (now, *key))
-            result.complete.append((facts and _group_facts(conn, key)) or CompleteGroup(key, _group_records(conn, key)))
+            result.complete.append(_group_facts(conn, key) if facts else CompleteGroup(key, _group_records(conn, key)))
     return result
 
 
@@ -147,13 +153,17 @@ def _group_records(conn: sqlite3.Connection, key: GroupKey) -> list[Record]:
         f"SELECT record FROM trajectories WHERE {_KEY} ORDER BY rowid", key)]
 
 
-def _group_facts(conn: sqlite3.Connection, key: GroupKey) -> CompleteGroup | None:
-    """The group with its records' facts; None when one has none (stored before facts were)."""
-    stored = conn.execute(f"SELECT facts FROM trajectories WHERE {_KEY} ORDER BY rowid", key).fetchall()
-    if any(blob is None for (blob,) in stored):
-        return None
-    records = [orjson.loads(blob) for (blob,) in stored]
-    return CompleteGroup(key, records, {r["uid"]: rewards_prefix(r) for r in records})
+def _group_facts(conn: sqlite3.Connection, key: GroupKey) -> CompleteGroup:
+    """The group for the built-in policy: its long records by their facts, the others (short ones, and those
+    stored before facts were kept) whole."""
+    group = CompleteGroup(key, [])
+    for facts, short in conn.execute(f"SELECT facts, CASE WHEN facts IS NULL THEN record END FROM trajectories "
+                                     f"WHERE {_KEY} ORDER BY rowid", key):
+        record = orjson.loads(short if facts is None else facts)
+        if facts is not None:
+            group.prefixes[record["uid"]] = rewards_prefix(record)
+        group.records.append(record)
+    return group
 
 
 def _next_seq(conn: sqlite3.Connection) -> int:
@@ -165,8 +175,8 @@ def _next_seq(conn: sqlite3.Connection) -> int:
 
 def _finish(conn: sqlite3.Connection, key: GroupKey, outcome: GroupOutcome,
             prefixes: dict[str, bytes] | None = None) -> Finished | None:
-    """Commit one complete group's outcome (with `prefixes`, of the built-in policy run on its records' facts);
-    None when it is not complete (finished already)."""
+    """Commit one complete group's outcome (of the built-in policy, with the `prefixes` of the records it saw by
+    their facts); None when it is not complete (finished already)."""
     if outcome.reason is not None:
         dropped = conn.execute(f"UPDATE groups SET state='filtered', reason=? WHERE {_KEY} AND state='complete'",
                                (outcome.reason, *key)).rowcount
@@ -177,7 +187,7 @@ def _finish(conn: sqlite3.Connection, key: GroupKey, outcome: GroupOutcome,
                         (seq, *group_version_range(outcome.records), *key)).rowcount:
         return None
     for rec in outcome.records:
-        if prefixes is not None:
+        if prefixes and rec["uid"] in prefixes:
             _put_rewards(conn, key, rec, prefixes[rec["uid"]])
             continue
         # The role too: a `transform_group` hook may have changed it, and role streams select by it. A record
@@ -188,19 +198,22 @@ def _finish(conn: sqlite3.Connection, key: GroupKey, outcome: GroupOutcome,
 
 
 def _put_rewards(conn: sqlite3.Connection, key: GroupKey, facts: Record, stored: bytes) -> None:
-    """Put a record's new `reward` and `raw_reward` (its `facts` after the built-in policy) in its stored JSON:
-    in place of `stored`, how that JSON begins, or, when it does not begin so, into the whole record."""
-    row = conn.execute(f"SELECT record FROM trajectories WHERE uid=? AND {_KEY}", (facts["uid"], *key)).fetchone()
+    """Keep what the built-in policy decided of a record (its `facts` after it): its JSON's new beginning, in
+    place of `stored`, its beginning as stored (checked: the first bytes alone are read); a JSON that begins
+    otherwise is written anew, whole."""
+    row = conn.execute(f"SELECT rowid FROM trajectories WHERE uid=? AND {_KEY}", (facts["uid"], *key)).fetchone()
     if row is None:
         return
-    blob: bytes = row[0]
-    if blob.startswith(stored):
-        blob = rewards_prefix(facts) + memoryview(blob)[len(stored):]
-    else:
-        blob = orjson.dumps(rewards_first(orjson.loads(blob) | {"reward": facts["reward"],
-                                                                "raw_reward": facts["raw_reward"]}))
-    conn.execute(f"UPDATE trajectories SET record=?, summary=? WHERE uid=? AND {_KEY}",
-                 (blob, summarize(facts), facts["uid"], *key))
+    with conn.blobopen("trajectories", "record", row[0], readonly=True) as blob:
+        begins = blob.read(len(stored))
+    if begins == stored:
+        conn.execute("INSERT OR REPLACE INTO record_rewards(uid, cut, head, summary) VALUES (?,?,?,?)",
+                     (facts["uid"], len(stored), rewards_prefix(facts), summarize(facts)))
+        return
+    (whole,) = conn.execute("SELECT record FROM trajectories WHERE rowid=?", row).fetchone()
+    record = orjson.loads(whole) | {"reward": facts["reward"], "raw_reward": facts["raw_reward"]}
+    conn.execute("UPDATE trajectories SET record=?, summary=? WHERE rowid=?",
+                 (orjson.dumps(rewards_first(record)), summarize(facts), row[0]))
 
 
 class Records:
@@ -257,8 +270,9 @@ class Records:
         """One stored trajectory by uid."""
 
         def op(conn: sqlite3.Connection) -> Record | None:
-            row = conn.execute("SELECT record FROM trajectories WHERE uid=?", (uid,)).fetchone()
-            return orjson.loads(row[0]) if row else None
+            row = conn.execute(f"SELECT {REWARDED_SQL} FROM trajectories t {REWARDS_JOIN_SQL} WHERE t.uid=?",
+                               (uid,)).fetchone()
+            return orjson.loads(with_rewards(*row)) if row else None
 
         return await self.store.call(op)
 

@@ -172,10 +172,18 @@ DROP TABLE IF EXISTS agent_session_turns;
 DROP TABLE IF EXISTS agent_sessions;
 """
 
-# What the built-in group policy reads of a record (`record_layout`): a group completes without its
-# records' JSON being parsed. Rows stored before it have none, and complete from their JSON.
+# A long record's JSON is written once (`record_layout`): beside it, its facts (what the built-in group policy
+# reads of it), and, once its group completed from them, what the group decided (`record_rewards`: the JSON's
+# new beginning, replacing its first `cut` bytes, and its summary). Rows stored before have no facts, and their
+# groups rewrite them whole, as user hooks do.
 _FACTS = """
 ALTER TABLE trajectories ADD COLUMN facts BLOB;
+CREATE TABLE record_rewards (
+    uid TEXT PRIMARY KEY,
+    cut INTEGER NOT NULL,
+    head BLOB NOT NULL,
+    summary BLOB NOT NULL
+);
 """
 
 Migration = Callable[[sqlite3.Connection], None]

@@ -21,6 +21,7 @@ import orjson
 
 from rollout_buffer.delivery.groups import GROUP_KEY_SQL as _KEY
 from rollout_buffer.delivery.groups import GroupKey, Record
+from rollout_buffer.delivery.record_layout import REWARDED_SQL, REWARDS_JOIN_SQL, with_rewards
 from rollout_buffer.delivery.store import Store
 from rollout_buffer.delivery.versions import StalenessRule, TrainerVersion, group_version_range
 
@@ -237,15 +238,17 @@ def _take(conn: sqlite3.Connection, stream: str, max_groups: int | None, lease_s
         conn.execute("INSERT INTO batches(batch_id, created_at, lease_expires, acked_at, num_groups, stream) "
                      "VALUES (?,?,?,?,?,?)",
                      (batch.batch_id, now, expires, None if lease_s is not None else now, len(rows), stream))
-        of_role, role_args = ("", ()) if stream == DEFAULT_STREAM else ("AND agent_id=? ", (stream,))
+        of_role, role_args = ("", ()) if stream == DEFAULT_STREAM else ("AND t.agent_id=? ", (stream,))
         for group_run, instance_id, epoch, part, old_batch, version_min in rows:
             batch.redelivered += old_batch is not None
             key = (group_run, instance_id, epoch, part)
             conn.execute(f"UPDATE stream_groups SET state=?, batch_id=?, lease_expires=? WHERE stream=? AND {_KEY}",
                          (state, batch.batch_id, expires, stream, *key))
-            stored = conn.execute(f"SELECT record, summary FROM trajectories WHERE {_KEY} {of_role}ORDER BY rowid",
-                                  (*key, *role_args)).fetchall()
-            batch.groups.append([StoredRecord.of(blob, summary) for blob, summary in stored])
+            stored = conn.execute(
+                f"SELECT {REWARDED_SQL}, coalesce(w.summary, t.summary) FROM trajectories t {REWARDS_JOIN_SQL} "
+                f"WHERE {_KEY} {of_role}ORDER BY t.rowid", (*key, *role_args)).fetchall()
+            batch.groups.append([StoredRecord.of(with_rewards(blob, cut, head), summary)
+                                 for blob, cut, head, summary in stored])
             batch.run_ids.append(group_run)
             batch.versions.append(version_min)
     batch.next_lease_expiry = conn.execute(

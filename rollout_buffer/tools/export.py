@@ -22,6 +22,7 @@ from rich.console import Console
 
 from rollout_buffer.delivery import schema
 from rollout_buffer.delivery.evals import read_records, read_summaries
+from rollout_buffer.delivery.record_layout import REWARDED_SQL, REWARDS_JOIN_SQL, with_rewards
 from rollout_buffer.schemas import TrajectoryStatus
 
 DB_NAME = "buffer.sqlite"
@@ -113,15 +114,16 @@ def iter_records(conn: sqlite3.Connection, run_id: str | None, delivered_only: b
     if delivered_only:
         # Delivered on the stream asked for: a role's (its records of each group) or the default one (all).
         sql = (
-            f"SELECT t.record, t.agent_id FROM stream_groups s JOIN trajectories t ON t.run_id=s.run_id AND "
-            "t.instance_id=s.instance_id AND t.epoch=s.epoch AND t.part=s.part "
+            f"SELECT {REWARDED_SQL}, t.agent_id FROM stream_groups s JOIN trajectories t ON t.run_id=s.run_id AND "
+            f"t.instance_id=s.instance_id AND t.epoch=s.epoch AND t.part=s.part {REWARDS_JOIN_SQL} "
             f"WHERE {' AND '.join(['s.state=?', 's.stream=?', *where])} ORDER BY s.ready_seq, t.rowid"
         )
         args[:0] = ["delivered", agent_id or ""]
     else:
-        sql = f"SELECT t.record, t.agent_id FROM trajectories t WHERE {' AND '.join(['1', *where])} ORDER BY t.rowid"
-    for blob, agent in conn.execute(sql, args):
-        yield bytes(blob), agent
+        sql = (f"SELECT {REWARDED_SQL}, t.agent_id FROM trajectories t {REWARDS_JOIN_SQL} "
+               f"WHERE {' AND '.join(['1', *where])} ORDER BY t.rowid")
+    for blob, cut, head, agent in conn.execute(sql, args):
+        yield bytes(with_rewards(blob, cut, head)), agent
 
 
 def export(data_dir: Path, out: BinaryIO, run: str | None = None, delivered_only: bool = True,
