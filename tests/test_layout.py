@@ -44,13 +44,15 @@ DELIVERY: dict[str, set[str]] = {
     "groups": set(),
     "versions": set(),
     "runs": {"store"},
-    "streams": {"store", "groups", "versions"},
-    "records": {"store", "groups", "streams", "versions"},
+    "record_layout": set(),
+    "streams": {"store", "groups", "versions", "record_layout"},
+    "records": {"store", "groups", "streams", "versions", "record_layout"},
     "reads": {"store", "streams"},
     "evals": {"store"},
-    "queries": set(),
+    "queries": {"record_layout"},
     "ledger": {"streams", "versions"},
-    "encoded": {"records", "streams", "versions"},  # a record as the store takes it, made where it is built
+    # A record as the store takes it, made where it is built.
+    "encoded": {"records", "streams", "versions", "record_layout"},
     "buffer": {"store", "groups", "versions", "runs", "streams", "records", "reads", "evals", "ledger", "encoded"},
 }
 # The core never names the packages that sit beside it: generators are found by discovery, the slime adapter

@@ -10,11 +10,11 @@ A harness session belongs to the run it was opened in; finishing it stores its r
 instance id like any trajectory), and a session idle for longer than the run's `session_ttl_s` is closed as
 failed (its branches stored with `status: failed`, so its group is dropped rather than waiting forever).
 
-Harness sessions are durable: each committed turn is appended to the session's file (`proxy.journal`), and a restarted
-server restores the open sessions of the run it resumes before it serves (`recover`): same ids, keys and URLs,
-the same branches and exact tokens, idle time counted from the last turn before the restart. Sessions of a run
-that did not resume (replaced, ended) are closed as failed. Generator sessions are not stored: the runner
-generates their unfinished trajectories again. A server shutting down keeps its harness sessions stored
+Harness sessions are durable: each committed turn is appended to the session's file (`proxy.journal`), and a
+restarted server restores the open sessions of the run it resumes before it serves (`recover`): same ids, keys
+and URLs, the same branches and exact tokens, idle time counted from the last turn before the restart. Sessions
+of a run that did not resume (replaced, ended) are closed as failed. Generator sessions are not stored: the
+runner generates their unfinished trajectories again. A server shutting down keeps its harness sessions stored
 instead of closing them. With session workers (`proxy.worker_pool`) the training run's sessions live on them;
 this manager places them there and asks them.
 """
@@ -133,8 +133,7 @@ class SessionManager:
             self._repeats[(run.run_id, instance_id)] = repeat + 1
         session_id = session_id or new_session_id()
         ctx = RolloutContext(resources, instance_id, 0, repeat, harness_uid(run.run_id, instance_id, session_id))
-        session = self._register(ctx, "harness", public_url, metadata, run=run, session_id=session_id,
-                                 api_key=api_key)
+        session = self._register(ctx, "harness", public_url, metadata, run=run, session_id=session_id, api_key=api_key)
         run.session_opened(session_id)
         if not session.options.session_journal:
             return session
@@ -261,8 +260,7 @@ class SessionManager:
             session_id=session_id, api_key=api_key or secrets.token_urlsafe(24), ctx=ctx, kind=kind,
             options=self.options(ctx.run.run_id, ctx.config), base_url=f"{root}/v1", anthropic_base_url=root,
             agent_socket=str(self.config.agent_socket) if self.config.agent_socket else None,
-            metadata=metadata, run=run, on_closed=self._forget,
-        )
+            metadata=metadata, run=run, on_closed=self._forget)
         self.sessions[session_id] = session
         if kind == "harness":
             self.reaper.opened(session)

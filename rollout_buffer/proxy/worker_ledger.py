@@ -52,6 +52,11 @@ class WorkerSlot:
         """Its sessions, those being opened included (what placing a session compares)."""
         return len(self.sessions) + self.opening
 
+    def has_run(self, run_id: str) -> bool:
+        """Whether run `run_id` is open on its current process."""
+        opening = self.runs.get(run_id)
+        return opening is not None and opening.done() and not opening.cancelled() and opening.exception() is None
+
 
 class WorkerSlots:
     """Every worker's slot, by index, and which one a new session goes to."""

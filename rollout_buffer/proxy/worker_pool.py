@@ -265,7 +265,7 @@ class SessionWorkers:
         """Place a harness session of `run` on a worker (`WorkerSlots.pick_when_up`), one way
         (`proxy.placements`); what `POST /sessions` answers."""
         slot = await self.slots.pick_when_up(near)
-        if not self._run_open(slot, run):
+        if not slot.has_run(run.run_id):
             slot.opening += 1
             try:
                 await self._open_run(slot, run)
@@ -291,25 +291,15 @@ class SessionWorkers:
         run = self._runs.current if self._runs is not None else None
         return run if run is not None and run.run_id == run_id else None
 
-    def _run_open(self, slot: WorkerSlot, run: Run) -> bool:
-        """Whether `run` is open on the worker's current process."""
-        opening = slot.runs.get(run.run_id)
-        return opening is not None and self._opened(opening)
-
-    @staticmethod
-    def _opened(opening: asyncio.Task[Any]) -> bool:
-        return opening.done() and not opening.cancelled() and opening.exception() is None
-
     def prepare(self, run_id: str) -> None:
-        """Open the agent run `run_id`, which just got ready, on every worker that is up, in the background: each
-        loads the run's tokenizer and engine client now rather than at its first session (seconds a harness would
-        wait for). A worker that fails to open it is tried again at its first session; runs of other task types
-        open on a worker when a session of theirs is first placed there."""
+        """Open the agent run `run_id`, just ready, on every worker up, in the background: each loads its tokenizer
+        and engine client now, not at its first session (seconds a harness would wait). One that fails is tried
+        again at its first session; runs of other task types open on a worker at their first session there."""
         run = self._current(run_id)
         if run is None or run.req.task_type != "agent":
             return
         for slot in self.slots:
-            if slot.up.is_set() and not self._run_open(slot, run):
+            if slot.up.is_set() and not slot.has_run(run.run_id):
                 task = asyncio.create_task(self._prepare(slot, run), name=f"session-worker-{slot.index}-open-run")
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
@@ -463,7 +453,7 @@ class SessionWorkers:
         """The workers in /status."""
         return [{"worker": s.index, "url": s.public_url, "up": s.up.is_set(), "sessions": len(s.sessions),
                  "served": s.served, "restarts": s.restarts,
-                 "runs": sorted(run_id for run_id, opening in s.runs.items() if self._opened(opening)), **s.where}
+                 "runs": sorted(run_id for run_id in s.runs if s.has_run(run_id)), **s.where}
                 for s in self.slots]
 
     async def ask(self, slot: WorkerSlot, path: str, body: Any, timeout_s: float | None = None
