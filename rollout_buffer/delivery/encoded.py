@@ -47,9 +47,9 @@ def encode_record(record: TrajectoryRecord) -> bytes:
     return _dumps(record, _stored_form(record))
 
 
-# A record's facts are kept when its JSON is at least this long: below, parsing it when its group completes
-# costs less than carrying and storing its facts beside it (`python -m bench.proxy_pair`, 8-turn agent records
-# of a few kB; `python -m bench.store_write --long-tokens`).
+# A record's facts are kept when its JSON is at least this long. Below, they would be a sizeable share of the
+# store (a short record's last message and `extra_info` are most of it) for no gain: completing a group of short
+# records costs the buffer the same either way (docs/benchmarks/2026-11-26-storing-long-records.md).
 FACTS_FROM_BYTES = 64 * 1024
 
 
