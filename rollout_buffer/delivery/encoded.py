@@ -96,7 +96,7 @@ class _Wire(BaseModel):
     versions: Annotated[list[int], Field(min_length=2, max_length=2)] | None  # JSON has no tuples
     metrics: dict[str, Any] | None
     record: str
-    facts: str
+    facts: str = ""  # a short record has none (and a parcel an outbox kept from before facts)
 
 
 _WIRE: TypeAdapter[list[_Wire]] = TypeAdapter(list[_Wire])
