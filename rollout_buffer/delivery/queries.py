@@ -163,9 +163,10 @@ class Reader:
         tree (branch, parent, the turn it forked at)."""
 
         def op(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+            # A long record's facts hold what is shown here, and begin as its JSON does (`record_layout`).
             rows = conn.execute(
-                f"SELECT t.uid, t.status, {REWARDED_SQL} FROM trajectories t {REWARDS_JOIN_SQL} WHERE t.run_id=? "
-                "AND t.instance_id=? AND t.epoch=? AND t.part=? ORDER BY t.rowid",
+                "SELECT t.uid, t.status, coalesce(t.facts, t.record), w.cut, w.head FROM trajectories t "
+                f"{REWARDS_JOIN_SQL} WHERE t.run_id=? AND t.instance_id=? AND t.epoch=? AND t.part=? ORDER BY t.rowid",
                 (run_id, instance_id, epoch, part)).fetchall()
             out = []
             for uid, status, blob, cut, head in rows:

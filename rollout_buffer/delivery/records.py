@@ -200,7 +200,7 @@ def _finish(conn: sqlite3.Connection, key: GroupKey, outcome: GroupOutcome,
 def _put_rewards(conn: sqlite3.Connection, key: GroupKey, facts: Record, stored: bytes) -> None:
     """Keep what the built-in policy decided of a record (its `facts` after it): its JSON's new beginning, in
     place of `stored`, its beginning as stored (checked: the first bytes alone are read); a JSON that begins
-    otherwise is written anew, whole."""
+    otherwise is written anew, whole (its facts with it)."""
     row = conn.execute(f"SELECT rowid FROM trajectories WHERE uid=? AND {_KEY}", (facts["uid"], *key)).fetchone()
     if row is None:
         return
@@ -212,8 +212,8 @@ def _put_rewards(conn: sqlite3.Connection, key: GroupKey, facts: Record, stored:
         return
     (whole,) = conn.execute("SELECT record FROM trajectories WHERE rowid=?", row).fetchone()
     record = orjson.loads(whole) | {"reward": facts["reward"], "raw_reward": facts["raw_reward"]}
-    conn.execute("UPDATE trajectories SET record=?, summary=? WHERE rowid=?",
-                 (orjson.dumps(rewards_first(record)), summarize(facts), row[0]))
+    conn.execute("UPDATE trajectories SET record=?, summary=?, facts=? WHERE rowid=?",
+                 (orjson.dumps(rewards_first(record)), summarize(facts), orjson.dumps(facts), row[0]))
 
 
 class Records:
