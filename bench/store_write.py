@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import statistics
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ from bench.long_records import long_records
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.buffer import RolloutBuffer
 from rollout_buffer.delivery.encoded import EncodedRecord
+from rollout_buffer.delivery.runs import StoredRun
 from rollout_buffer.delivery.store import Store
 from rollout_buffer.generation.tokenizer import bundled_tokenizer_path
 from rollout_buffer.schemas import TrajectoryRecord
@@ -61,14 +64,24 @@ def record(writer: int, seq: int) -> dict[str, Any]:
     }
 
 
-async def _in_process(data_dir: Path, total: int, writers: int) -> float:
-    """Records/s through `RolloutBuffer.write` with `writers` concurrent writers (1: one commit each)."""
-    config = ServerConfig(data_dir=data_dir, group_size=GROUP)
+@contextlib.asynccontextmanager
+async def _bench_run(data_dir: Path, group_size: int) -> AsyncIterator[tuple[RolloutBuffer, StoredRun]]:
+    """A buffer on a new store in `data_dir`, with a run of groups of `group_size`."""
+    config = ServerConfig(data_dir=data_dir, group_size=group_size)
     store = Store(config.db_path)
     await store.open()
     try:
         buffer = RolloutBuffer(config, store, {})
-        run = await buffer.runs.get(await buffer.create_run({"task_type": None, "source": "bench"}, GROUP))
+        run = await buffer.runs.get(await buffer.create_run({"task_type": None, "source": "bench"}, group_size))
+        assert run is not None
+        yield buffer, run
+    finally:
+        await store.close()
+
+
+async def _in_process(data_dir: Path, total: int, writers: int) -> float:
+    """Records/s through `RolloutBuffer.write` with `writers` concurrent writers (1: one commit each)."""
+    async with _bench_run(data_dir, GROUP) as (buffer, run):
         per_writer = total // writers
         records = [[TrajectoryRecord.model_validate(record(w, s)) for s in range(per_writer)] for w in range(writers)]
 
@@ -79,25 +92,15 @@ async def _in_process(data_dir: Path, total: int, writers: int) -> float:
         start = time.perf_counter()
         await asyncio.gather(*(writer(rs) for rs in records))
         return per_writer * writers / (time.perf_counter() - start)
-    finally:
-        await store.close()
 
 
 async def _long(data_dir: Path, records: list[EncodedRecord], group_size: int, per_batch: int = 4) -> float:
     """Process CPU ms per record through `RolloutBuffer.write_encoded` in batches of `per_batch`."""
-    config = ServerConfig(data_dir=data_dir, group_size=group_size)
-    store = Store(config.db_path)
-    await store.open()
-    try:
-        buffer = RolloutBuffer(config, store, {})
-        run = await buffer.runs.get(await buffer.create_run({"task_type": None, "source": "bench"}, group_size))
-        assert run is not None
+    async with _bench_run(data_dir, group_size) as (buffer, run):
         start = time.process_time()
         for b in range(0, len(records), per_batch):
             await buffer.write_encoded(records[b:b + per_batch], run)
         return (time.process_time() - start) / len(records) * 1000
-    finally:
-        await store.close()
 
 
 def long_records_table(tokens: int, count: int, workdir: Path) -> None:
