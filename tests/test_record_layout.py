@@ -36,10 +36,10 @@ def long_record(i: int, reward: float) -> dict[str, Any]:
             "rollout_log_probs": [-0.25 * (k % 5) for k in range(7000)], "response_length": 7000}
 
 
-def expected(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """What the built-in policy makes of the whole records."""
+def expected(records: list[dict[str, Any]], **hooks: Any) -> list[dict[str, Any]]:
+    """What the policy (built-in, or with `hooks`) makes of the whole records."""
     full = [EncodedRecord.of(TrajectoryRecord.model_validate(r)) for r in records]
-    return GroupPolicy().finalize([orjson.loads(e.row.blob) for e in full]).records
+    return GroupPolicy(**hooks).finalize([orjson.loads(e.row.blob) for e in full]).records
 
 
 def stored(db: Path) -> tuple[dict[str, bytes], dict[str, bytes]]:
@@ -49,7 +49,18 @@ def stored(db: Path) -> tuple[dict[str, bytes], dict[str, bytes]]:
     return {uid: blob for uid, blob, _, _ in rows}, {uid: with_rewards(*rest) for uid, *rest in rows}
 
 
-def run_group(tmp_path: Path, before_last: str | None = None) -> tuple[dict[str, bytes], dict[str, bytes]]:
+class _Hooks:
+    """A generator as delivery sees it: only its hooks."""
+
+    def __init__(self, **hooks: Any):
+        self.hooks = hooks
+
+    def hook(self, name: str) -> Any:
+        return self.hooks.get(name)
+
+
+def run_group(tmp_path: Path, before_last: str | None = None, hooks: dict[str, Any] | None = None
+              ) -> tuple[dict[str, bytes], dict[str, bytes]]:
     """Write a group of four (the SQL `before_last` run on the store before its last record arrives), check
     every record reads whole with its group's rewards (delivered and looked up): the records' JSON as stored
     before the group completed, and after."""
@@ -60,8 +71,8 @@ def run_group(tmp_path: Path, before_last: str | None = None) -> tuple[dict[str,
         store = Store(config.db_path)
         await store.open()
         try:
-            buffer = RolloutBuffer(config, store, {})
-            run = await buffer.runs.get(await buffer.create_run({"task_type": None}, GROUP))
+            buffer = RolloutBuffer(config, store, {"hooked": _Hooks(**hooks or {})})
+            run = await buffer.runs.get(await buffer.create_run({"task_type": "hooked"}, GROUP))
             assert run is not None
             encoded = [EncodedRecord.of(TrajectoryRecord.model_validate(r)) for r in records]
             await buffer.write_encoded(encoded[:-1], run)
@@ -71,8 +82,8 @@ def run_group(tmp_path: Path, before_last: str | None = None) -> tuple[dict[str,
             result = await buffer.write_encoded(encoded[-1:], run)
             assert [f.reason for f in result.finished] == [None]
             delivered = await buffer.deliver(None, 0, None)
-            assert [r.reward for r in delivered.records] == pytest.approx([r["reward"] for r in expected(records)])
-            want = expected(records)
+            want = expected(records, **hooks or {})
+            assert [r.reward for r in delivered.records] == pytest.approx([r["reward"] for r in want])
             assert [orjson.loads(r.blob) for r in delivered.records] == want
             assert [await buffer.get_record(r.row.uid) for r in encoded] == want
             reader = Reader(config.db_path)  # the dashboard's
@@ -90,7 +101,7 @@ def run_group(tmp_path: Path, before_last: str | None = None) -> tuple[dict[str,
             await store.close()
 
     before, (after, read) = asyncio.run(main())
-    want = expected(records)
+    want = expected(records, **hooks or {})
     assert [orjson.loads(read[r["uid"]]) for r in want] == want
     out = io.BytesIO()
     export(tmp_path, out)  # `rollout-buffer export`
@@ -130,3 +141,11 @@ def test_a_record_whose_json_begins_otherwise_gets_its_rewards(tmp_path: Path) -
     before, after = run_group(tmp_path, f"UPDATE trajectories SET record=CAST('{with_uid_first}' AS BLOB) "
                                         "WHERE uid='u0'")
     assert after["u0"] != before["u0"] and all(after[uid] == before[uid] for uid in ("u1", "u2", "u3"))
+
+
+def test_records_a_hook_transforms_are_written_whole_and_read_as_it_left_them(tmp_path: Path) -> None:
+    def tag(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{**r, "reward": 2 * r["reward"], "extra_info": {**r["extra_info"], "tagged": True}} for r in records]
+
+    before, after = run_group(tmp_path, hooks={"transform_group": tag})
+    assert all(after[uid] != blob for uid, blob in before.items())

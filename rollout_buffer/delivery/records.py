@@ -88,7 +88,7 @@ class WriteResult:
         return len(self.duplicate_at)
 
 
-def _write(conn: sqlite3.Connection, run_id: str, group_size: int, items: list[NewRecord], facts: bool
+def _write(conn: sqlite3.Connection, run_id: str, group_size: int, items: list[NewRecord], by_facts: bool
            ) -> WriteResult:
     result = WriteResult()
     now = time.time()
@@ -138,7 +138,8 @@ def _write(conn: sqlite3.Connection, run_id: str, group_size: int, items: list[N
         n, size, state = conn.execute(f"SELECT n, size, state FROM groups WHERE {_KEY}", key).fetchone()
         if state == "open" and n >= size:
             conn.execute(f"UPDATE groups SET state='complete', completed_at=? WHERE {_KEY}", (now, *key))
-            result.complete.append(_group_facts(conn, key) if facts else CompleteGroup(key, _group_records(conn, key)))
+            group = _group_facts(conn, key) if by_facts else CompleteGroup(key, _group_records(conn, key))
+            result.complete.append(group)
     return result
 
 
@@ -191,8 +192,9 @@ def _finish(conn: sqlite3.Connection, key: GroupKey, outcome: GroupOutcome,
             _put_rewards(conn, key, rec, prefixes[rec["uid"]])
             continue
         # The role too: a `transform_group` hook may have changed it, and role streams select by it. A record
-        # a hook invented (a uid not of this group) changes nothing.
-        conn.execute(f"UPDATE trajectories SET record=?, summary=?, agent_id=? WHERE uid=? AND {_KEY}",
+        # a hook invented (a uid not of this group) changes nothing. A record written whole keeps no facts:
+        # they would say what it was.
+        conn.execute(f"UPDATE trajectories SET record=?, summary=?, agent_id=?, facts=NULL WHERE uid=? AND {_KEY}",
                      (orjson.dumps(rec), summarize(rec), role_of(rec), rec["uid"], *key))
     return Finished(key, None, admit(conn, key, outcome.records, seq))
 
@@ -200,7 +202,7 @@ def _finish(conn: sqlite3.Connection, key: GroupKey, outcome: GroupOutcome,
 def _put_rewards(conn: sqlite3.Connection, key: GroupKey, facts: Record, stored: bytes) -> None:
     """Keep what the built-in policy decided of a record (its `facts` after it): its JSON's new beginning, in
     place of `stored`, its beginning as stored (checked: the first bytes alone are read); a JSON that begins
-    otherwise is written anew, whole (its facts with it)."""
+    otherwise is written anew, whole."""
     row = conn.execute(f"SELECT rowid FROM trajectories WHERE uid=? AND {_KEY}", (facts["uid"], *key)).fetchone()
     if row is None:
         return
@@ -212,8 +214,8 @@ def _put_rewards(conn: sqlite3.Connection, key: GroupKey, facts: Record, stored:
         return
     (whole,) = conn.execute("SELECT record FROM trajectories WHERE rowid=?", row).fetchone()
     record = orjson.loads(whole) | {"reward": facts["reward"], "raw_reward": facts["raw_reward"]}
-    conn.execute("UPDATE trajectories SET record=?, summary=?, facts=? WHERE rowid=?",
-                 (orjson.dumps(rewards_first(record)), summarize(facts), orjson.dumps(facts), row[0]))
+    conn.execute("UPDATE trajectories SET record=?, summary=?, facts=NULL WHERE rowid=?",
+                 (orjson.dumps(rewards_first(record)), summarize(facts), row[0]))
 
 
 class Records:
@@ -231,7 +233,7 @@ class Records:
         items = list(records)
 
         def first(conn: sqlite3.Connection) -> WriteResult:
-            return _write(conn, run_id, group_size, items, facts=finalize is not None)
+            return _write(conn, run_id, group_size, items, by_facts=finalize is not None)
 
         def sequel(result: WriteResult) -> Callable[[sqlite3.Connection], WriteResult] | None:
             if finalize is None or not result.complete:
