@@ -225,9 +225,9 @@ def measure(system: str, engine: Service, buffer: Service | None, sessions: int,
 
 
 def start_agent_run(buffer: Service, engine: Service, workers: int = 0, **options: Any) -> None:
-    """Start the agent run the measured sessions open in (sessions only, no input), with extra run `options`; with
-    session `workers`, one session opened and finished on each first (a worker loads the run's tokenizer when it
-    gets the run's first session: not what is measured)."""
+    """Start the agent run the measured sessions open in (sessions only, no input), with extra run `options`, and
+    open and finish a session first (one on each of the session `workers`): a first session waits for the run to
+    load its tokenizer and engine client (in the buffer, and on its worker), which is not what is measured."""
     httpx.post(f"{buffer.url}/start_rollout", timeout=60, json={
         "task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": bundled_tokenizer_path(),
         "num_repeat_per_sample": 8, "max_tokens": 4 * MAX_TOKENS, **options}).raise_for_status()
@@ -235,7 +235,7 @@ def start_agent_run(buffer: Service, engine: Service, workers: int = 0, **option
     async def warm() -> None:
         async with httpx.AsyncClient(base_url=buffer.url, timeout=120) as http:
             opened = await asyncio.gather(*(http.post("/sessions", json={"instance_id": "warm-up"})
-                                            for _ in range(workers)))
+                                            for _ in range(max(workers, 1))))
             for answer in opened:
                 await http.post(f"/sessions/{answer.raise_for_status().json()['session_id']}/finish",
                                 json={"reward": 0.0})
