@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 import pytest
+from test_groups import _Hooks
 
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.buffer import RolloutBuffer
@@ -47,16 +48,6 @@ def stored(db: Path) -> tuple[dict[str, bytes], dict[str, bytes]]:
     with sqlite3.connect(db) as conn:
         rows = conn.execute(f"SELECT t.uid, {REWARDED_SQL} FROM trajectories t {REWARDS_JOIN_SQL}").fetchall()
     return {uid: blob for uid, blob, _, _ in rows}, {uid: with_rewards(*rest) for uid, *rest in rows}
-
-
-class _Hooks:
-    """A generator as delivery sees it: only its hooks."""
-
-    def __init__(self, **hooks: Any):
-        self.hooks = hooks
-
-    def hook(self, name: str) -> Any:
-        return self.hooks.get(name)
 
 
 def run_group(tmp_path: Path, before_last: str | None = None, hooks: dict[str, Any] | None = None

@@ -313,7 +313,7 @@ class SessionWorkers:
 
     async def _open_run(self, slot: WorkerSlot, run: Run) -> None:
         opening = slot.runs.get(run.run_id)
-        if opening is None or (opening.done() and (opening.cancelled() or opening.exception() is not None)):
+        if opening is None or (opening.done() and not slot.has_run(run.run_id)):  # none yet, or it failed
             payload = run.req.model_dump(mode="json")
             opening = slot.runs[run.run_id] = asyncio.create_task(
                 self._call(slot, f"/worker/runs/{run.run_id}/open", payload))
