@@ -1,7 +1,9 @@
-"""The server the buffer and its workers run (`server.quiet_server`): uvicorn's housekeeping once a second, the
-`Date` header still current, and a stop asked for handled at once.
+"""The server the buffer and its workers run (`server.quiet_server`, `server.http_protocol`): an idle server does
+not wake, the `Date` header stays current all the same, and a stop asked for (a signal, or `should_exit` from
+another thread) is handled at once.
 
-Served by the installed uvicorn in a thread: if uvicorn changes the methods `QuietServer` replaces, these fail.
+Served by the installed uvicorn in a thread: if uvicorn changes what `QuietServer` and `OneWriteHttpProtocol`
+replace, these fail.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from servers import free_port
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
 
-from rollout_buffer.server import quiet_server
+from rollout_buffer.server.http_protocol import OneWriteHttpProtocol
 from rollout_buffer.server.quiet_server import QuietServer
 
 
@@ -38,7 +42,8 @@ class Counted(QuietServer):
 def started(cls: type[QuietServer], port: int) -> tuple[QuietServer, threading.Thread]:
     """A `cls` serving a one-route app on `port`, in a thread, once it is up."""
     app = Starlette(routes=[Route("/", lambda request: PlainTextResponse("ok"))])
-    srv = cls(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, access_log=False))
+    srv = cls(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, access_log=False,
+                             http=OneWriteHttpProtocol))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     for _ in range(200):  # bounded: up within 10 s
@@ -64,22 +69,36 @@ def test_uvicorn_still_has_what_quiet_server_replaces() -> None:
     assert list(inspect.signature(uvicorn.Server.on_tick).parameters) == ["self", "counter"]
     # Called as uvicorn's signal handler is; sse-starlette (imported by mcp) wraps it as (*args, **kwargs).
     inspect.signature(uvicorn.Server.handle_exit).bind(object(), signal.SIGTERM, None)
+    srv = QuietServer(uvicorn.Config(Starlette()))  # uvicorn sets `should_exit` in __init__: the property takes it
+    assert srv.should_exit is False
+    assert isinstance(ServerState().default_headers, list)
+    assert "on_headers_complete" in vars(HttpToolsProtocol)
+    assert "default_headers=self.server_state.default_headers" in inspect.getsource(
+        HttpToolsProtocol.on_headers_complete), "uvicorn no longer reads the default headers per request"
 
 
-def test_housekeeping_runs_once_a_second_and_the_date_header_stays_current(server: tuple[Counted, str]) -> None:
+def test_an_idle_server_does_not_wake_and_its_date_header_stays_current(server: tuple[Counted, str]) -> None:
     srv, url = server
     ticks_before = srv.ticks
     time.sleep(2.5)
-    assert 1 <= srv.ticks - ticks_before <= 4, "uvicorn's own loop ticks ten times a second"
-    answer = httpx.get(url, timeout=10)
-    assert answer.status_code == 200 and answer.text == "ok"
-    date = email.utils.parsedate_to_datetime(answer.headers["date"]).timestamp()
-    assert abs(date - time.time()) <= 2.5
+    assert srv.ticks - ticks_before <= 1, "the server's main loop ticks"
+    dates = []
+    for _ in range(2):
+        answer = httpx.get(url, timeout=10)
+        assert answer.status_code == 200 and answer.text == "ok"
+        dates.append(email.utils.parsedate_to_datetime(answer.headers["date"]).timestamp())
+        assert abs(dates[-1] - time.time()) <= 1.5
+        time.sleep(1.2)
+    assert dates[1] > dates[0], "the Date header was not renewed"
 
 
-def test_a_stop_signal_is_handled_at_once_not_at_the_next_tick(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(quiet_server, "TICK_S", 60.0)
+@pytest.mark.parametrize("stop", ["signal", "flag from another thread"])
+def test_a_stop_asked_for_is_handled_at_once(stop: str) -> None:
     srv, thread = started(QuietServer, free_port())
-    srv.handle_exit(signal.SIGTERM, None)
+    time.sleep(0.2)  # asleep in its main loop
+    if stop == "signal":
+        srv.handle_exit(signal.SIGTERM, None)
+    else:
+        srv.should_exit = True
     thread.join(30)
-    assert not thread.is_alive(), "the server waits for its next tick to stop"
+    assert not thread.is_alive(), "the server did not stop"

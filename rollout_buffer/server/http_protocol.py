@@ -1,5 +1,5 @@
 """The HTTP protocol the buffer and its session workers serve with: uvicorn's httptools protocol, each response
-written to the socket in one piece.
+written to the socket in one piece, its `Date` header renewed by the requests.
 
 uvicorn writes a response's head when the app sends `http.response.start` and its body when it sends the body:
 two writes, each a system call and, on loopback, the receiver's TCP work done in the sender's time, and two
@@ -7,14 +7,22 @@ segments the client wakes up for. `OneWritePerTick` holds what is written during
 hands it to the socket at the end of that pass, so a whole response costs one write. Nothing waits longer than
 the pass it was written in; a stream's chunks go out as they are sent.
 
+uvicorn renews the `Date` header of every response from its main loop, once a second; `server.quiet_server`'s
+loop does not tick (an idle server wakes for nothing), so the first request of each second renews it here
+(`DateHeader`).
+
 This module is the only one that names uvicorn's protocol class; it wraps the transport uvicorn is given
-(`asyncio.Protocol.connection_made`) and relies on nothing else of uvicorn's. `tests/test_http_protocol.py`
-fails if a response stops going out in one write.
+(`asyncio.Protocol.connection_made`) and renews the server's default headers (`ServerState.default_headers`, as
+uvicorn's `Server.on_tick` builds them) before uvicorn's `on_headers_complete` reads them.
+`tests/test_http_protocol.py` fails if a response stops going out in one write; `tests/test_quiet_server.py` if
+its `Date` header stops being current.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from email.utils import formatdate
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -84,8 +92,36 @@ class OneWritePerTick:
         return getattr(self._transport, name)
 
 
+class DateHeader:
+    """The `Date` header of the process's responses, formatted once a second."""
+
+    def __init__(self) -> None:
+        self._second = -1
+        self.header = (b"date", b"")
+
+    def current(self) -> tuple[bytes, bytes]:
+        """The header for this second (the same object all through it)."""
+        second = int(time.time())
+        if second != self._second:
+            self._second, self.header = second, (b"date", formatdate(second, usegmt=True).encode())
+        return self.header
+
+
+DATE = DateHeader()
+
+
 class OneWriteHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol on a `OneWritePerTick` transport (`uvicorn.Config(http=...)`)."""
+    """uvicorn's httptools protocol on a `OneWritePerTick` transport, renewing the `Date` header itself
+    (`uvicorn.Config(http=...)`)."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(OneWritePerTick(transport, self.loop))  # type: ignore[arg-type]
+
+    def on_headers_complete(self) -> None:
+        """uvicorn's, once the server's default headers hold this second's date."""
+        if self.config.date_header:
+            date = DATE.current()
+            headers = self.server_state.default_headers
+            if not headers or headers[0] is not date:
+                self.server_state.default_headers = [date, *self.config.encoded_headers]
+        super().on_headers_complete()
