@@ -319,11 +319,14 @@ def test_a_run_whose_store_fills_stops_saying_so_and_resumes_after_a_restart_wit
             assert "full" in run["error"] and "the run resumes where it stopped" in run["error"], run["error"]
             assert f'rollout_buffer_run_info{{run_id="{run_id}",state="failed",task_type="math"}} 1.0' in \
                 httpx.get(f"{srv.url}/metrics").text
-            assert "full" in httpx.get(f"{srv.url}/status").json()["store"]["last_refusal"]["error"]
+            status = httpx.get(f"{srv.url}/status").json()
+            assert "full" in status["store"]["last_refusal"]["error"]
+            assert status["control"]["admission"]["state"] == "ended", status["control"]  # not its gate's last state
             shown = subprocess.run([sys.executable, "-m", "rollout_buffer", "status", "--url", srv.url],
                                    capture_output=True, text=True, timeout=60,
                                    env={**os.environ, "COLUMNS": "300"}).stdout
             assert "failed" in shown and "refused a write" in shown and "resumes where it stopped" in shown, shown
+            assert "admission ended" in shown and "admission running" not in shown, shown
         with contextlib.closing(sqlite3.connect(tmp_path / "data" / "buffer.sqlite")) as db:
             stored_before = db.execute("SELECT count(*) FROM trajectories").fetchone()[0]
         assert 0 < stored_before < n_items * repeats

@@ -464,10 +464,10 @@ def create_app(config: ServerConfig) -> FastAPI:
         buffer: RolloutBuffer = request.app.state.buffer
         runs: RunManager = request.app.state.runs
         groups, run = await buffer.reads.group_counts(), await buffer.runs.latest()
-        control = await run_control(request.app, run.run_id if run is not None else None)
+        public = run_view(run.public() if run is not None else None, runs.progress())
+        control = await run_control(request.app, public)
         roles = await buffer.role_counts(run.run_id) if run is not None else {}
         sessions: SessionManager = request.app.state.sessions
-        public = run_view(run.public() if run is not None else None, runs.progress())
         body, content_type = metrics.render(groups, public, runs.progress(), request.headers.get("accept", ""), control,
                                             sessions.open_count(), await evals_view(request.app), roles)
         return Response(body, media_type=content_type)

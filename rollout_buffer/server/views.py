@@ -15,16 +15,19 @@ from rollout_buffer.generation.evaluation import EvalManager
 from rollout_buffer.generation.run_manager import RunManager
 
 
-async def run_control(app: Starlette, run_id: str | None) -> dict[str, Any] | None:
-    """The run's versions and admission: the runner's live view, else what the store kept."""
-    if run_id is None:
+async def run_control(app: Starlette, run: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The versions and admission of `run` (as `run_view` shows it): the runner's live view, else what the store
+    kept; a run that ended admits nothing (its admission state `ended`, whatever its gate was left at)."""
+    if run is None:
         return None
     buffer: RolloutBuffer = app.state.buffer
     runs: RunManager = app.state.runs
-    control = await buffer.control(run_id)
+    control = await buffer.control(run["run_id"])
     live = runs.admission()
-    if live is not None and live["run_id"] == run_id:
+    if live is not None and live["run_id"] == run["run_id"]:
         control["admission"] = {k: v for k, v in live.items() if k != "run_id"}
+    if run.get("state") != "running" and control.get("admission"):
+        control["admission"] = {**control["admission"], "state": "ended"}
     return control
 
 
@@ -34,7 +37,7 @@ async def status_view(app: Starlette) -> dict[str, Any]:
     runs: RunManager = app.state.runs
     body = await buffer.status()
     body["run"] = run_view(body["run"], runs.progress())
-    body["control"] = await run_control(app, body["run"]["run_id"] if body["run"] is not None else None)
+    body["control"] = await run_control(app, body["run"])
     body["evals"] = await evals_view(app)
     body["executor"] = runs.executor.snapshot()
     workers = app.state.sessions.workers
