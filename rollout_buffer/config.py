@@ -34,6 +34,9 @@ class ServerConfig:
     hook_timeout_s: float = 60.0
     # Cap on the SQLite file; writes past it answer 503 like a full disk. None: only the disk limits it.
     max_db_bytes: int | None = None
+    # Long records of delivered groups are cut down to their facts once older than this (`delivery.retention`).
+    # None: never.
+    prune_delivered_after_s: float | None = None
     # A Unix socket the server also listens on that serves only the agent session endpoints, each with its
     # session's key: how sandboxed agents without network reach the buffer. None: no such socket.
     agent_socket: Path | None = None
@@ -63,6 +66,8 @@ class ServerConfig:
             raise ValueError("port must be between 1 and 65535")
         if self.hook_timeout_s <= 0:
             raise ValueError("hook_timeout_s must be positive")
+        if self.prune_delivered_after_s is not None and self.prune_delivered_after_s < 0:
+            raise ValueError("prune_delivered_after_s must be 0 or more")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")
         if self.executor not in EXECUTORS:

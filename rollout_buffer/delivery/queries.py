@@ -142,7 +142,7 @@ class Reader:
         def op(conn: sqlite3.Connection) -> dict[str, Any] | None:
             row = conn.execute(
                 f"SELECT {REWARDED_SQL}, t.run_id, t.instance_id, t.epoch, t.part, coalesce(s.state, g.state), "
-                f"CASE WHEN s.state IS NULL THEN g.reason ELSE s.reason END, r.config FROM trajectories t "
+                f"CASE WHEN s.state IS NULL THEN g.reason ELSE s.reason END, r.config, t.pruned_at FROM trajectories t "
                 f"{REWARDS_JOIN_SQL} "
                 "LEFT JOIN groups g ON g.run_id=t.run_id AND g.instance_id=t.instance_id AND g.epoch=t.epoch "
                 "AND g.part=t.part LEFT JOIN stream_groups s ON s.stream='' AND s.run_id=t.run_id AND "
@@ -150,8 +150,8 @@ class Reader:
                 "LEFT JOIN runs r ON r.run_id=t.run_id WHERE t.uid=?", (uid,)).fetchone()
             if row is None:
                 return None
-            blob, cut, head, run_id, instance_id, epoch, part, state, reason, config = row
-            return {"record": orjson.loads(with_rewards(blob, cut, head)),
+            blob, cut, head, run_id, instance_id, epoch, part, state, reason, config, pruned_at = row
+            return {"record": orjson.loads(with_rewards(blob, cut, head)), "pruned_at": pruned_at,
                     "group": {"run_id": run_id, "instance_id": instance_id, "epoch": epoch, "part": part,
                               "state": state, "reason": reason},
                     "tokenizer_path": orjson.loads(config).get("tokenizer_path") if config else None}

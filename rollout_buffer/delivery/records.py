@@ -272,9 +272,14 @@ class Records:
         """One stored trajectory by uid."""
 
         def op(conn: sqlite3.Connection) -> Record | None:
-            row = conn.execute(f"SELECT {REWARDED_SQL} FROM trajectories t {REWARDS_JOIN_SQL} WHERE t.uid=?",
-                               (uid,)).fetchone()
-            return orjson.loads(with_rewards(*row)) if row else None
+            row = conn.execute(f"SELECT {REWARDED_SQL}, t.pruned_at FROM trajectories t {REWARDS_JOIN_SQL} "
+                               "WHERE t.uid=?", (uid,)).fetchone()
+            if row is None:
+                return None
+            record: Record = orjson.loads(with_rewards(*row[:3]))
+            if row[3] is not None:  # cut down to its facts (`retention`)
+                record["pruned_at"] = row[3]
+            return record
 
         return await self.store.call(op)
 

@@ -186,6 +186,12 @@ CREATE TABLE record_rewards (
 );
 """
 
+# Retention (`retention`): a long record of a delivered group, past its time, is cut down to its facts; when.
+_PRUNED = """
+ALTER TABLE trajectories ADD COLUMN pruned_at REAL;
+CREATE INDEX trajectories_prunable ON trajectories(created_at) WHERE facts IS NOT NULL AND pruned_at IS NULL;
+"""
+
 Migration = Callable[[sqlite3.Connection], None]
 
 
@@ -209,7 +215,8 @@ def _statements(sql: str) -> list[str]:
 
 
 # Migration k (1-based) brings a store at version k-1 to version k. Append only: a released store may be at any.
-MIGRATIONS: tuple[Migration, ...] = (_script(_RELEASE_0_1), _script(_STREAMS), _script(_FACTS))
+MIGRATIONS: tuple[Migration, ...] = (_script(_RELEASE_0_1), _script(_STREAMS), _script(_FACTS),
+                                   _script(_PRUNED))
 VERSION = len(MIGRATIONS)
 
 

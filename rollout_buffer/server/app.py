@@ -24,6 +24,7 @@ from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.buffer import RolloutBuffer
 from rollout_buffer.delivery.encoded import RecordError
 from rollout_buffer.delivery.queries import Reader
+from rollout_buffer.delivery.retention import Retention
 from rollout_buffer.delivery.store import Store, StoreError
 from rollout_buffer.delivery.streams import DEFAULT_STREAM, StreamMismatch
 from rollout_buffer.delivery.versions import VersionConflict
@@ -181,6 +182,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         app.state.sessions = sessions
         history = RunHistory(app)
         app.state.history = history
+        retention = None if config.prune_delivered_after_s is None else \
+            Retention(store, config.prune_delivered_after_s)
         log.info("rollout buffer ready: data dir %s, generators %s", config.data_dir, sorted(generators))
         sessions.start()
         await buffer.finish_interrupted()  # groups a stopped process left complete: their policy runs now
@@ -188,9 +191,13 @@ def create_app(config: ServerConfig) -> FastAPI:
         await sessions.recover(runs)  # before serving: a restored session's next request finds it
         await evals.resume()
         history.start()
+        if retention is not None:
+            retention.start()
         try:
             yield
         finally:
+            if retention is not None:
+                await retention.stop()
             await history.stop()
             await sessions.stop()  # first: the runs' harness sessions stay stored instead of being closed
             await evals.shutdown()

@@ -83,13 +83,17 @@ def mount_ui(app: FastAPI) -> None:
             raise HTTPException(404, f"uid: no trajectory {uid!r}")
         g = found["group"]
         members = await reader(request).group(g["run_id"], g["instance_id"], g["epoch"], g["part"])
-        return json_response({"record": found["record"], "group": {**g, "members": members}})
+        return json_response({"record": found["record"], "pruned_at": found["pruned_at"],
+                              "group": {**g, "members": members}})
 
     @app.get(UI_PREFIX + "/api/trajectories/{uid}/tokens", summary="Dashboard: the token view of a trajectory")
     async def tokens(uid: str, request: Request) -> Response:
         found = await reader(request).trajectory(uid)
         if found is None:
             raise HTTPException(404, f"uid: no trajectory {uid!r}")
+        if found["pruned_at"] is not None:
+            return json_response({"tokens": None, "reason": "pruned to its facts (serve --prune-delivered-after-h): "
+                                  "its tokens and all but its last message are gone"})
         return json_response(await asyncio.to_thread(token_view, found["record"], found["tokenizer_path"]))
 
     @app.get(UI_PREFIX + "/api/batches", summary="Dashboard: reward distribution of the newest delivered batches")

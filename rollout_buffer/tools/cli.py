@@ -52,6 +52,10 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
                    help="only accept input files under this folder (repeatable)")
     p.add_argument("--max-db-mb", type=float, default=None,
                    help="cap the store's size; writes past it answer 503 as on a full disk")
+    p.add_argument("--prune-delivered-after-h", type=float, default=None, metavar="HOURS",
+                   help="cut the long records (64 KiB and more: coding agents' trajectories) of groups every "
+                   "stream has delivered down to their facts once older than HOURS: the row, reward and last "
+                   "message stay, the tokens and log-probs go (default: keep everything)")
     p.add_argument("--executor", choices=EXECUTORS, default="local",
                    help="where trajectories run: asyncio tasks of this process, or a pool of Ray actors "
                    "(pip install 'rollout-buffer[ray]')")
@@ -107,6 +111,8 @@ def serve(args: argparse.Namespace) -> None:
         generator_paths=tuple(args.generator_path),
         data_roots=tuple(args.data_root),
         max_db_bytes=int(args.max_db_mb * 1024 * 1024) if args.max_db_mb else None,
+        prune_delivered_after_s=(None if args.prune_delivered_after_h is None
+                                 else args.prune_delivered_after_h * 3600),
         executor=args.executor,
         ray_address=args.ray_address,
         ray_actors=args.ray_actors,

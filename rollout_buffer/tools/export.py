@@ -58,6 +58,7 @@ class ExportSummary:
     records: int
     run_ids: tuple[str, ...]
     by_role: dict[str, int] = field(default_factory=dict)  # records per `extra_info.agent_id`, when they have one
+    pruned: int = 0  # selected, but cut down to their facts (`delivery.retention`): not written
 
 
 def open_readonly(data_dir: Path) -> sqlite3.Connection:
@@ -97,9 +98,11 @@ def select_runs(conn: sqlite3.Connection, run: str | None) -> list[str]:
 
 
 def iter_records(conn: sqlite3.Connection, run_id: str | None, delivered_only: bool,
-                 statuses: tuple[str, ...] = (), agent_id: str | None = None) -> Iterator[tuple[bytes, str | None]]:
+                 statuses: tuple[str, ...] = (), agent_id: str | None = None
+                 ) -> Iterator[tuple[bytes | None, str | None]]:
     """The stored JSON and role of each selected trajectory (one run, or all; one role's), in delivery order,
-    or in write order when everything is exported. Delivered, for a role, means consumed on its role stream."""
+    or in write order when everything is exported; None for a record pruned to its facts. Delivered, for a role,
+    means consumed on its role stream."""
     where: list[str] = []
     args: list[str] = []
     if run_id is not None:
@@ -114,16 +117,17 @@ def iter_records(conn: sqlite3.Connection, run_id: str | None, delivered_only: b
     if delivered_only:
         # Delivered on the stream asked for: a role's (its records of each group) or the default one (all).
         sql = (
-            f"SELECT {REWARDED_SQL}, t.agent_id FROM stream_groups s JOIN trajectories t ON t.run_id=s.run_id AND "
+            f"SELECT {REWARDED_SQL}, t.agent_id, t.pruned_at FROM stream_groups s JOIN trajectories t ON "
+            "t.run_id=s.run_id AND "
             f"t.instance_id=s.instance_id AND t.epoch=s.epoch AND t.part=s.part {REWARDS_JOIN_SQL} "
             f"WHERE {' AND '.join(['s.state=?', 's.stream=?', *where])} ORDER BY s.ready_seq, t.rowid"
         )
         args[:0] = ["delivered", agent_id or ""]
     else:
-        sql = (f"SELECT {REWARDED_SQL}, t.agent_id FROM trajectories t {REWARDS_JOIN_SQL} "
+        sql = (f"SELECT {REWARDED_SQL}, t.agent_id, t.pruned_at FROM trajectories t {REWARDS_JOIN_SQL} "
                f"WHERE {' AND '.join(['1', *where])} ORDER BY t.rowid")
-    for blob, cut, head, agent in conn.execute(sql, args):
-        yield bytes(with_rewards(blob, cut, head)), agent
+    for blob, cut, head, agent, pruned_at in conn.execute(sql, args):
+        yield (bytes(with_rewards(blob, cut, head)) if pruned_at is None else None), agent
 
 
 def export(data_dir: Path, out: BinaryIO, run: str | None = None, delivered_only: bool = True,
@@ -133,10 +137,13 @@ def export(data_dir: Path, out: BinaryIO, run: str | None = None, delivered_only
     try:
         conn.execute("BEGIN")  # one read transaction: runs and records come from the same snapshot
         run_ids = select_runs(conn, run)
-        n = 0
+        n = pruned = 0
         by_role: Counter[str] = Counter()
         for blob, role in iter_records(conn, run_ids[0] if run is not None else None, delivered_only, statuses,
                                        agent_id):
+            if blob is None:
+                pruned += 1
+                continue
             out.write(blob)
             out.write(b"\n")
             n += 1
@@ -147,7 +154,7 @@ def export(data_dir: Path, out: BinaryIO, run: str | None = None, delivered_only
         raise ExportError(f"reading {data_dir / DB_NAME} failed: {e}") from None
     finally:
         conn.close()
-    return ExportSummary(n, tuple(run_ids), dict(sorted(by_role.items())))
+    return ExportSummary(n, tuple(run_ids), dict(sorted(by_role.items())), pruned)
 
 
 def iter_eval_lines(conn: sqlite3.Connection, records: bool, datasets: tuple[str, ...] = ()) -> Iterator[bytes]:
@@ -251,7 +258,9 @@ def main(argv: list[str]) -> None:
     runs = summary.run_ids[0] if len(summary.run_ids) == 1 else f"{len(summary.run_ids)} runs"
     roles = ", ".join(f"{role} {n}" for role, n in summary.by_role.items())
     err.print(f"wrote {summary.records} {what} trajectories from {runs} to {args.out}"
-              + (f" (by role: {roles})" if roles else ""))
+              + (f" (by role: {roles})" if roles else "")
+              + (f"; {summary.pruned} more were pruned to their facts (serve --prune-delivered-after-h) and are "
+                 "not written" if summary.pruned else ""))
 
 
 def _main_evals(args: argparse.Namespace, err: Console) -> None:

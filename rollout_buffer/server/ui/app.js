@@ -497,7 +497,8 @@ async function inspect(uid) {
     $("detail").hidden = false;
     $("detail-title").textContent = `${rec.uid} · ${rec.status} · reward ${fmt(rec.reward)}` +
       (rec.raw_reward !== null && rec.raw_reward !== undefined ? ` (raw ${fmt(rec.raw_reward)})` : "") +
-      (info.weight_version_min !== undefined ? ` · weights ${info.weight_version_min}–${info.weight_version_max}` : "");
+      (info.weight_version_min !== undefined ? ` · weights ${info.weight_version_min}–${info.weight_version_max}` : "") +
+      (detail.pruned_at ? ` · pruned ${when(detail.pruned_at)}` : "");
     renderMessages(rec.messages || []);
     renderGroup(detail.group, rec.uid);
     renderTokens(tokens);

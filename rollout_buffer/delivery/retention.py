@@ -1,0 +1,86 @@
+"""Keeping the store's size bounded (`serve --prune-delivered-after-h H`): a long record (one that carries facts,
+`record_layout`: a coding agent's trajectory is megabytes of JSON) whose group every stream has delivered (or
+dropped) is cut down to its facts once it is older than H hours: its token lists, log-probs and all but its last
+message go, and its row stays, with its reward, status and summary (so a resumed run still knows it, and the
+dashboard's lists, charts and group views are unchanged). Reading it answers what is left, with `pruned_at`;
+`rollout-buffer export` leaves it out and counts it.
+
+Without the option nothing is ever pruned. Short records (and long ones a group hook rewrote whole) are kept
+whole: a few KB each, they are not what fills a disk. SQLite reuses the pages pruning frees; the file itself does
+not shrink (`VACUUM` it offline for that).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sqlite3
+import time
+
+from rollout_buffer.delivery.store import Store, StoreError
+
+log = logging.getLogger(__name__)
+
+PRUNE_EVERY_S = 60.0
+_BATCH = 16  # records per transaction: each frees megabytes of pages, and the store thread serves delivery too
+
+# A long record of a group no stream is still to deliver (every stream's row delivered or filtered; a group
+# filtered before it was ready has none).
+_PRUNABLE = """
+SELECT t.rowid FROM trajectories t INDEXED BY trajectories_prunable
+JOIN groups g ON g.run_id=t.run_id AND g.instance_id=t.instance_id AND g.epoch=t.epoch AND g.part=t.part
+WHERE t.facts IS NOT NULL AND t.pruned_at IS NULL AND t.created_at < ? AND g.state IN ('ready', 'filtered')
+AND NOT EXISTS (SELECT 1 FROM stream_groups s WHERE s.run_id=t.run_id AND s.instance_id=t.instance_id
+                AND s.epoch=t.epoch AND s.part=t.part AND s.state IN ('ready', 'leased'))
+LIMIT ?
+"""
+
+
+def prune_delivered(conn: sqlite3.Connection, before: float, limit: int = _BATCH) -> int:
+    """Cut down to their facts up to `limit` long records of delivered groups stored before `before` (a time);
+    how many were."""
+    rows = [(time.time(), rowid) for (rowid,) in conn.execute(_PRUNABLE, (before, limit))]
+    conn.executemany("UPDATE trajectories SET record=facts, facts=NULL, pruned_at=? WHERE rowid=?", rows)
+    return len(rows)
+
+
+class Retention:
+    """The pruning loop: every `PRUNE_EVERY_S`, the records past `after_s`, a batch per transaction."""
+
+    def __init__(self, store: Store, after_s: float, every_s: float = PRUNE_EVERY_S):
+        self.store = store
+        self.after_s = after_s
+        self.every_s = every_s
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start the loop (from the running event loop)."""
+        log.info("retention: long records of delivered groups are cut down to their facts after %g h",
+                 self.after_s / 3600)
+        self._task = asyncio.create_task(self._loop(), name="retention")
+
+    async def stop(self) -> None:
+        """Stop the loop."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def prune(self) -> int:
+        """Prune every record due now; how many were."""
+        before, total = time.time() - self.after_s, 0
+        while (n := await self.store.call(lambda conn: prune_delivered(conn, before))) > 0:
+            total += n
+        if total:
+            log.info("pruned %d long records of delivered groups (older than %g h): their facts are kept",
+                     total, self.after_s / 3600)
+        return total
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.every_s)
+            try:
+                await self.prune()
+            except StoreError as e:  # the next pass tries again
+                log.warning("pruning delivered records failed: %s", e)

@@ -1,0 +1,153 @@
+"""Retention (`serve --prune-delivered-after-h`): a long record of a group every stream has delivered is cut down
+to its facts once older than the option says; its row, reward and last message stay and every reader still
+reads it (with `pruned_at`); export leaves it out and counts it. Records of groups still to be delivered (ready,
+or leased and not acked), short records and records not old enough are kept whole."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from servers import Server, free_port
+from test_groups import _Hooks
+from test_record_layout import long_record
+
+from rollout_buffer.config import ServerConfig
+from rollout_buffer.delivery.buffer import RolloutBuffer
+from rollout_buffer.delivery.encoded import EncodedRecord
+from rollout_buffer.delivery.queries import Reader
+from rollout_buffer.delivery.retention import Retention, prune_delivered
+from rollout_buffer.delivery.store import Store
+from rollout_buffer.schemas import TrajectoryRecord
+from rollout_buffer.tools.export import export
+
+GROUP = 2
+
+
+def group(instance_id: str, long: bool) -> list[EncodedRecord]:
+    records = []
+    for i in range(GROUP):
+        record = {**long_record(i, float(i)), "uid": f"{instance_id}-{i}", "instance_id": instance_id}
+        if not long:  # the same trajectory without its token lists: a short record, no facts
+            record |= {"tokens": None, "loss_mask": None, "rollout_log_probs": None, "response_length": None}
+        records.append(EncodedRecord.of(TrajectoryRecord.model_validate(record)))
+    return records
+
+
+def rows(db: Path) -> dict[str, tuple[int, bool, float | None]]:
+    """Each record's stored size, whether it carries facts, and when it was pruned."""
+    with sqlite3.connect(db) as conn:
+        return {uid: (size, has_facts, pruned_at) for uid, size, has_facts, pruned_at in conn.execute(
+            "SELECT uid, length(record), facts IS NOT NULL, pruned_at FROM trajectories")}
+
+
+def test_long_records_of_delivered_groups_are_cut_to_their_facts_once_old(tmp_path: Path) -> None:
+    async def main() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        config = ServerConfig(data_dir=tmp_path, group_size=GROUP)
+        store = Store(config.db_path)
+        await store.open()
+        try:
+            buffer = RolloutBuffer(config, store, {"hooked": _Hooks()})
+            run = await buffer.runs.get(await buffer.create_run({"task_type": "hooked"}, GROUP))
+            assert run is not None
+
+            async def prune(before: float) -> int:
+                return sum([await store.call(lambda conn: prune_delivered(conn, before)) for _ in range(4)])
+
+            await buffer.write_encoded(group("delivered", long=True) + group("short", long=False), run)
+            delivered = await buffer.deliver(None, 0, None)  # both groups, consumed (no lease)
+            assert sorted(orjson.loads(r.blob)["instance_id"] for r in delivered.records) == \
+                ["delivered", "delivered", "short", "short"]
+            want = {orjson.loads(r.blob)["uid"]: orjson.loads(r.blob) for r in delivered.records}
+            await buffer.write_encoded(group("leased", long=True), run)
+            leased = await buffer.deliver(None, 0, 60.0)  # leased, not acked yet
+            await buffer.write_encoded(group("ready", long=True), run)  # ready, not delivered
+
+            assert await prune(time.time() - 3600) == 0  # none is old enough
+            assert await prune(time.time() + 1) == GROUP  # the delivered long records alone
+            assert await buffer.ack(leased.meta_info["batch_id"]) == 1
+            assert await prune(time.time() + 1) == GROUP  # acked: consumed now
+
+            reader = Reader(config.db_path)  # the dashboard's
+            try:
+                for uid in ("delivered-0", "delivered-1"):
+                    record = await buffer.get_record(uid)
+                    assert record is not None and record["pruned_at"] > 0
+                    assert "tokens" not in record and "rollout_log_probs" not in record
+                    assert record["messages"] == want[uid]["messages"][-1:]
+                    assert (record["reward"], record["raw_reward"]) == (want[uid]["reward"], want[uid]["raw_reward"])
+                    shown = await reader.trajectory(uid)
+                    assert shown is not None and shown["pruned_at"] == record["pruned_at"]
+                members = await reader.group(run.run_id, "delivered", 0, 0)
+                assert [m["reward"] for m in members] == [want[f"delivered-{i}"]["reward"] for i in range(GROUP)]
+            finally:
+                await reader.close()
+            return want, [await buffer.get_record(f"short-{i}") for i in range(GROUP)]
+        finally:
+            await store.close()
+
+    want, short = asyncio.run(main())
+    assert short == [want[f"short-{i}"] for i in range(GROUP)]  # whole
+    stored = rows(tmp_path / "buffer.sqlite")
+    for uid, (size, has_facts, pruned_at) in stored.items():
+        pruned = uid.startswith(("delivered", "leased"))
+        assert (pruned_at is not None) == pruned, uid
+        assert size < 2000 if pruned else (size > 50_000) == uid.startswith("ready"), (uid, size)
+        assert has_facts == uid.startswith("ready"), uid  # a pruned record is its facts; short ones have none
+    out = io.BytesIO()
+    summary = export(tmp_path, out)  # `rollout-buffer export`: the delivered records it still holds whole
+    assert [orjson.loads(line)["uid"] for line in out.getvalue().splitlines()] == ["short-0", "short-1"]
+    assert summary.pruned == 2 * GROUP
+
+    # Served: the option is taken and named; the API and the dashboard say a record was pruned.
+    port = free_port()
+    srv = Server(["serve", "--port", str(port), "--data-dir", str(tmp_path), "--prune-delivered-after-h", "24"],
+                 "/healthz", port, tmp_path / "buffer.log").start()
+    try:
+        assert "long records of delivered groups are cut down to their facts after 24 h" in srv.log()
+        record = httpx.get(f"{srv.url}/trajectories/delivered-0", timeout=10).json()
+        assert record["pruned_at"] > 0 and record["reward"] == want["delivered-0"]["reward"], record
+        shown = httpx.get(f"{srv.url}/ui/api/trajectories/delivered-0", timeout=10).json()
+        assert shown["pruned_at"] == record["pruned_at"] and shown["record"]["uid"] == "delivered-0", shown
+        tokens = httpx.get(f"{srv.url}/ui/api/trajectories/delivered-0/tokens", timeout=10).json()
+        assert tokens["tokens"] is None and "pruned" in tokens["reason"], tokens
+        assert httpx.get(f"{srv.url}/ui/api/trajectories/ready-0/tokens", timeout=30).json()["tokens"]
+    finally:
+        srv.stop()
+
+
+def test_the_retention_loop_prunes_what_is_due_and_says_so(tmp_path: Path,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> dict[str, tuple[int, bool, float | None]]:
+        config = ServerConfig(data_dir=tmp_path, group_size=GROUP)
+        store = Store(config.db_path)
+        await store.open()
+        retention = Retention(store, after_s=0.0, every_s=0.05)
+        try:
+            buffer = RolloutBuffer(config, store, {"hooked": _Hooks()})
+            run = await buffer.runs.get(await buffer.create_run({"task_type": "hooked"}, GROUP))
+            assert run is not None
+            await buffer.write_encoded(group("delivered", long=True), run)
+            assert len((await buffer.deliver(None, 0, None)).records) == GROUP
+            retention.start()
+            for _ in range(200):  # bounded: 10 s
+                if all(p is not None for _, _, p in rows(config.db_path).values()):
+                    break
+                await asyncio.sleep(0.05)
+            return rows(config.db_path)
+        finally:
+            await retention.stop()
+            await store.close()
+
+    with caplog.at_level(logging.INFO, logger="rollout_buffer.delivery.retention"):
+        stored = asyncio.run(main())
+    assert all(pruned_at is not None for _, _, pruned_at in stored.values()), stored
+    assert f"pruned {GROUP} long records of delivered groups" in caplog.text
