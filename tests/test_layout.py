@@ -49,7 +49,7 @@ DELIVERY: dict[str, set[str]] = {
     "records": {"store", "groups", "streams", "versions", "record_layout"},
     "reads": {"store", "streams"},
     "evals": {"store"},
-    "retention": {"store"},  # the app runs it beside the buffer
+    "retention": {"store", "encoded", "record_layout"},  # the app runs it beside the buffer
     "queries": {"record_layout"},
     "ledger": {"streams", "versions"},
     # A record as the store takes it, made where it is built.

@@ -124,6 +124,38 @@ def test_long_records_of_delivered_groups_are_cut_to_their_facts_once_old(tmp_pa
         srv.stop()
 
 
+def test_long_records_a_hook_rewrote_whole_are_pruned_as_the_hook_left_them(tmp_path: Path) -> None:
+    """A `transform_group` hook's records are written whole, without facts: pruning makes them from the record."""
+    def tag(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{**r, "reward": 2 * r["reward"] + 1, "extra_info": {**r["extra_info"], "tagged": True}}
+                for r in records]
+
+    async def main() -> tuple[list[dict[str, Any]], list[dict[str, Any] | None]]:
+        config = ServerConfig(data_dir=tmp_path, group_size=GROUP)
+        store = Store(config.db_path)
+        await store.open()
+        try:
+            buffer = RolloutBuffer(config, store, {"hooked": _Hooks(transform_group=tag)})
+            run = await buffer.runs.get(await buffer.create_run({"task_type": "hooked"}, GROUP))
+            assert run is not None
+            await buffer.write_encoded(group("hooked", long=True), run)
+            delivered = [orjson.loads(r.blob) for r in (await buffer.deliver(None, 0, None)).records]
+            assert all(not has_facts for _, has_facts, _ in rows(config.db_path).values())  # written whole
+            assert await store.call(lambda conn: prune_delivered(conn, time.time() + 1)) == GROUP
+            return delivered, [await buffer.get_record(f"hooked-{i}") for i in range(GROUP)]
+        finally:
+            await store.close()
+
+    delivered, pruned = asyncio.run(main())
+    assert all(r["extra_info"]["tagged"] for r in delivered)  # as the hook left them
+    for i, (whole, record) in enumerate(zip(delivered, pruned, strict=True)):
+        assert record is not None and record["pruned_at"] > 0 and "tokens" not in record
+        assert (record["reward"], record["raw_reward"]) == (whole["reward"], whole["raw_reward"])
+        assert record["extra_info"]["tagged"] is True
+        assert record["messages"] == [{"role": "assistant", "content": f"a{i}"}]
+    assert all(size < 2000 for size, _, _ in rows(tmp_path / "buffer.sqlite").values())
+
+
 def test_the_retention_loop_prunes_what_is_due_and_says_so(tmp_path: Path,
                                                            caplog: pytest.LogCaptureFixture) -> None:
     async def main() -> dict[str, tuple[int, bool, float | None]]:

@@ -187,9 +187,10 @@ CREATE TABLE record_rewards (
 """
 
 # Retention (`retention`): a long record of a delivered group, past its time, is cut down to its facts; when.
+# (65536: `encoded.FACTS_FROM_BYTES`, what makes a record long.)
 _PRUNED = """
 ALTER TABLE trajectories ADD COLUMN pruned_at REAL;
-CREATE INDEX trajectories_prunable ON trajectories(created_at) WHERE facts IS NOT NULL AND pruned_at IS NULL;
+CREATE INDEX trajectories_prunable ON trajectories(created_at) WHERE pruned_at IS NULL AND length(record) >= 65536;
 """
 
 Migration = Callable[[sqlite3.Connection], None]
