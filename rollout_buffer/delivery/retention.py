@@ -94,3 +94,5 @@ class Retention:
                 await self.prune()
             except StoreError as e:  # the next pass tries again
                 log.warning("pruning delivered records failed: %s", e)
+            except Exception:  # a bug must not end the loop unseen
+                log.exception("pruning delivered records failed")
