@@ -30,8 +30,8 @@ from test_proxy import assert_engine_tokens, decode_tail, finish, open_session, 
 
 from generators.agent.sandbox import namespaces_work
 
-PACKAGES = {"codex": "@openai/codex@0.169.0", "claude": "@anthropic-ai/claude-code@2.1.332"}
-VERSIONS = {"codex": "codex-cli 0.169.0", "claude": "2.1.332 (Claude Code)"}
+PACKAGES = {"codex": "@openai/codex@0.171.0", "claude": "@anthropic-ai/claude-code@2.1.332"}
+VERSIONS = {"codex": "codex-cli 0.171.0", "claude": "2.1.332 (Claude Code)"}
 TASK = "Run `ls` and tell me what it printed."
 MARKER_FILE = "marker-7f3a.txt"
 WRAPPERS = Path(__file__).resolve().parents[1] / "generators" / "data" / "agents"
