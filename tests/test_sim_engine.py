@@ -19,7 +19,7 @@ import pytest
 from servers import free_port
 from sim_engine_process import SimEngineProcess, sim_engines
 
-from rollout_buffer.sim.engine import token_logprob
+from rollout_buffer.sim.engine import Sampling, SimConfig, SimEngine, token_logprob
 from rollout_buffer.sim.policy import Draw, scripted_reply
 from rollout_buffer.sim.server import build_parser
 
@@ -457,6 +457,33 @@ def test_real_sglang_router_in_front_of_two_sim_engines(
     assert (right.generate_count() - before[0], wrong.generate_count() - before[1]) == (2, 2)
     assert all(len(b["meta_info"]["output_token_logprobs"]) == len(b["output_ids"]) for b in bodies)
     assert chat.status_code == 200 and "simulated" in chat.json()["model"]
+
+
+def test_a_growing_conversation_is_planned_as_from_scratch(qwen_tokenizer: Any, qwen_tokenizer_path: str) -> None:
+    # The engine decodes and keys a conversation's prompt from where its previous request left off; each turn
+    # plans what an engine seeing the prompt for the first time plans, and a continued turn goes on with its reply.
+    def engine() -> SimEngine:
+        return SimEngine(SimConfig(tokenizer_path=qwen_tokenizer_path, correct_rate=1.0), qwen_tokenizer,
+                         qwen_tokenizer_path)
+
+    grown, sampling = engine(), Sampling(max_new_tokens=512)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You compute. 日本語 ✓"},
+                                      {"role": "user", "content": "What is (12 - 4) * 3?"}]
+    for turn in range(4):
+        ids = qwen_tokenizer.encode(qwen_tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                      tokenize=False), add_special_tokens=False)
+        planned = grown.plan_turn(ids, sampling, 512)
+        fresh = engine().plan_turn(ids, sampling, 512)
+        assert (planned.policy, planned.output_ids) == (fresh.policy, fresh.output_ids)
+        assert planned.policy == "math" and "\\boxed{24}" in qwen_tokenizer.decode(planned.output_ids)
+        continued = grown.plan_turn(ids + planned.output_ids[:5], sampling, 512)
+        assert continued.output_ids == planned.output_ids[5:]
+        assert grown.prompt_text(ids, grown.prefixes.find(ids)) == qwen_tokenizer.decode(ids)
+        reply = qwen_tokenizer.decode(planned.output_ids, skip_special_tokens=True)
+        # A tool's output with no arithmetic (emoji and a split multi-byte character's neighbours), so the
+        # expression is found in the first user turn, through the remembered text.
+        messages += [{"role": "assistant", "content": reply},
+                     {"role": "user", "content": f"Output {turn}: 🎉 naïve café — Ω≈ç √ {'x' * 50 * turn}"}]
 
 
 def test_cli_rejects_rates_outside_0_1() -> None:

@@ -14,6 +14,7 @@ from rollout_buffer.sim.policy import (
     answer_candidates,
     choose_policy,
     find_arithmetic,
+    last_arithmetic,
     make_draw,
     scripted_reply,
 )
@@ -86,6 +87,32 @@ def test_arithmetic_is_taken_from_the_last_user_turn() -> None:
     )
     problem = find_arithmetic(text)
     assert problem is not None and problem.value == Fraction(22)
+
+
+def whole_text_scan(text: str) -> Fraction | None:
+    """The last expression of `text`, scanned whole: what `last_arithmetic` must find however it got there."""
+    for match in reversed(list(re.finditer(r"(?<![\w.])[(\d][\d\s()+\-*/×÷]*[\d)]", text))):
+        problem = find_arithmetic(match.group(0))
+        if problem is not None:
+            return problem.value
+    return None
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.text(alphabet="0123456789 +-*/()×÷.\nab", max_size=16),
+                          st.booleans()), max_size=30))
+def test_a_growing_conversation_is_scanned_from_where_its_previous_text_left_off(
+        steps: list[tuple[int, str, bool]]) -> None:
+    # Three conversations grow in turns, some rewritten (cut to half their text first): each text is scanned from
+    # the memo of an earlier one it extends, and finds what a scan of the whole text finds, also where an
+    # expression runs across the point an earlier text ended at.
+    texts = ["<|im_start|>user\nfirst ", "<|im_start|>user\nsecond 7", "<|im_start|>user\n(3 "]
+    for which, more, rewritten in steps:
+        if rewritten:
+            texts[which] = texts[which][: len(texts[which]) // 2]
+        texts[which] += more
+        found = last_arithmetic(texts[which])
+        assert (found.value if found is not None else None) == whole_text_scan(texts[which]), texts[which]
 
 
 def test_unbalanced_prose_brackets_do_not_hide_the_expression() -> None:

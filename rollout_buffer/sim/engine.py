@@ -109,6 +109,7 @@ from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from rollout_buffer.sim.policy import make_draw, scripted_reply
+from rollout_buffer.sim.prefix_memo import Hit, PrefixMemo
 from rollout_buffer.sim.tool_calls import normalize_history, parse_tool_calls
 
 logger = logging.getLogger(__name__)
@@ -129,6 +130,16 @@ FORCE_STREAM_INTERVAL = 50  # SGLANG_FORCE_STREAM_INTERVAL: a non-streamed reque
 SURROUNDING_PROMPT_TOKENS = 5  # INIT_INCREMENTAL_DETOKENIZATION_OFFSET
 JUNK_TOKEN_ID = 0  # the token a refused request's 1-token stand-in prefill yields (any token: it means nothing)
 _TURN_MEMORY = 8192
+_TEXT_CUT_WITHIN = 64  # tokens from a prompt's end a special token is looked for, to remember its text up to it
+
+
+@dataclass(frozen=True)
+class _Prefix:
+    """A prompt's ids to right after a special token, remembered for the conversation's next request: their
+    text, and their blake2b state (`SimEngine._digest`), both to be continued."""
+
+    text: str
+    hashed: hashlib.blake2b
 _RECENT_REQUESTS = 256
 
 # SamplingParams fields in SGLang's order (0.5.23's JSON contract `_FIELDS_SamplingParams`).
@@ -561,6 +572,8 @@ class SimEngine:
         self._queued_faults: deque[str] = deque()
         self._turns: OrderedDict[bytes, list[list[int]]] = OrderedDict()
         self._turns_lock = threading.Lock()
+        self.prefixes: PrefixMemo[list[int], _Prefix] = PrefixMemo()  # prompts to right after a special token
+        self._special_ids = frozenset(tokenizer.all_special_ids)
         self._requests: dict[int, _Request] = {}  # admitted to the scheduler, not answered yet
         self._running_tokens = 0
         self.paused: str | None = None  # the /pause_generation mode in effect
@@ -620,8 +633,13 @@ class SimEngine:
         return ids, []
 
     @staticmethod
-    def _digest(ids: list[int]) -> bytes:
-        return hashlib.blake2b(array("q", ids).tobytes(), digest_size=16).digest()
+    def _digest(context: list[int], prefix: Hit[_Prefix] | None) -> bytes:
+        """A key of `context` (a prompt up to its assistant header); continued from the remembered `prefix`'s."""
+        if prefix is not None and prefix.length <= len(context):
+            hashed = prefix.value.hashed.copy()
+            hashed.update(array("q", context[prefix.length :]).tobytes())
+            return hashed.digest()
+        return hashlib.blake2b(array("q", context).tobytes(), digest_size=16).digest()
 
     def _recall(self, key: bytes, partial: list[int]) -> list[int] | None:
         with self._turns_lock:
@@ -637,6 +655,23 @@ class SimEngine:
             del self._turns[key][:-8]
             while len(self._turns) > _TURN_MEMORY:
                 self._turns.popitem(last=False)
+
+    def prompt_text(self, ids: list[int], prefix: Hit[_Prefix] | None) -> str:
+        """`ids` decoded (special tokens kept), from the remembered `prefix` of them on (`self.prefixes.find`,
+        a conversation's previous request); remembers them, to right after their last special token, for the next.
+        A text cut right after a special token decodes as its two parts do (an added token is decoded on its own)."""
+        start = prefix.length if prefix is not None else 0
+        decoded: str = self.tokenizer.decode(ids[start:], skip_special_tokens=False)
+        text = (prefix.value.text if prefix is not None else "") + decoded
+        cut = len(ids)
+        while cut > max(start, len(ids) - _TEXT_CUT_WITHIN) and ids[cut - 1] not in self._special_ids:
+            cut -= 1
+        if cut > start and ids[cut - 1] in self._special_ids:
+            tail: str = self.tokenizer.decode(ids[cut:], skip_special_tokens=False) if cut < len(ids) else ""
+            hashed = prefix.value.hashed.copy() if prefix is not None else hashlib.blake2b(digest_size=16)
+            hashed.update(array("q", ids[start:cut]).tobytes())
+            self.prefixes.put(ids[:cut], _Prefix(text[: len(text) - len(tail)], hashed), replacing=prefix)
+        return text
 
     def _stop_at_string(self, out: list[int], stops: tuple[str, ...]) -> tuple[int, str] | None:
         """(tokens up to and including the one completing a stop string, that string), or None."""
@@ -654,12 +689,13 @@ class SimEngine:
         """Choose (or continue) the scripted reply for `ids` and apply the finish rules in the scheduler's order
         (`Req.update_finish_state`): at each token, length, then stop strings, then stop ids and end of turn."""
         context, partial = self._split_turn(ids)
-        key = self._digest(context)
+        prefix = self.prefixes.find(ids)
+        key = self._digest(context, prefix)
         full = self._recall(key, partial) if partial else None
         policy = "continue"
         if full is None:
             draw = make_draw(self._policy_rng, self.config.correct_rate, self.config.invalid_rate)
-            policy, reply = scripted_reply(self.tokenizer.decode(ids, skip_special_tokens=False), draw)
+            policy, reply = scripted_reply(self.prompt_text(ids, prefix), draw)
             full = partial + self.tokenizer.encode(reply, add_special_tokens=False) + [self.eos_id]
             self._remember(key, full)
         out = full[len(partial) :]
@@ -827,7 +863,7 @@ class SimEngine:
         await self._unpaused.wait()
         if not ids:
             raise _Refused(400, "the prompt is empty")
-        if any(t < 0 or t >= self.vocab_size for t in ids):  # real SGLang does not check (undefined behaviour)
+        if min(ids) < 0 or max(ids) >= self.vocab_size:  # real SGLang does not check (undefined behaviour)
             raise _Refused(400, f"input_ids contain token ids outside [0, {self.vocab_size})")
         context = self.config.context_length
         if len(ids) >= context:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from rollout_buffer.sim.judge import is_judge_prompt, judge_reply
+from rollout_buffer.sim.prefix_memo import PrefixMemo
 from rollout_buffer.sim.shell_agent import TOOL_RESPONSE, shell_reply, shell_tool
 
 _WRONG_OFFSETS = (-3, -2, -1, 1, 2, 3)
@@ -117,12 +118,38 @@ def _parse(candidate: str) -> Arithmetic | None:
 
 def find_arithmetic(text: str) -> Arithmetic | None:
     """The last arithmetic expression of the last user turn (else of the whole text), evaluated exactly."""
-    for scope in (last_user_turn(text), text):
-        for match in reversed(list(_EXPR.finditer(scope))):
-            parsed = _parse(match.group(0))
-            if parsed is not None:
-                return parsed
-    return None
+    for match in reversed(list(_EXPR.finditer(last_user_turn(text)))):
+        parsed = _parse(match.group(0))
+        if parsed is not None:
+            return parsed
+    return last_arithmetic(text)
+
+
+# The whole texts of recent conversations scanned, to a point no expression spans, with the last expression
+# found before it: a conversation's next request is scanned from there (`PrefixMemo`).
+_SCANNED: PrefixMemo[str, Arithmetic | None] = PrefixMemo()
+_IN_EXPR = re.compile(r"[\d\s()+\-*/×÷]")  # the characters `_EXPR` matches
+
+
+def last_arithmetic(text: str) -> Arithmetic | None:
+    """The last arithmetic expression of `text`, evaluated exactly; the part of it an earlier text scanned is
+    not scanned again (a match never spans a character outside `_IN_EXPR`, so the matches before such a point
+    are the same in any text that starts the same)."""
+    hit = _SCANNED.find(text)
+    start, last = (hit.length, hit.value) if hit is not None else (0, None)
+    cut = len(text)
+    while cut > start and _IN_EXPR.match(text, cut - 1):
+        cut -= 1
+    before_cut = last
+    for match in _EXPR.finditer(text, start):
+        parsed = _parse(match.group(0))
+        if parsed is not None:
+            last = parsed
+            if match.end() <= cut:
+                before_cut = parsed
+    if cut > start:
+        _SCANNED.put(text[:cut], before_cut, replacing=hit)
+    return last
 
 
 def all_arithmetic(text: str) -> list[Arithmetic]:
