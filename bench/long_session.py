@@ -43,6 +43,7 @@ class Turn:
     buffer_ms: float
     tokenize_ms: float
     worker_ms: float = 0.0  # the CPU of the session worker serving the session (`--workers`)
+    engine_ms: float = 0.0  # the simulated engine's, on the same cores: its work can slow the buffer's (caches)
 
     @property
     def total_ms(self) -> float:
@@ -134,16 +135,16 @@ def run(buffer: Service, engine: Service, protocol: str, sessions: int, new_toke
             conv.add_user(text)
             url, body = conv.request()
             worker_before = buffer_cpu_ns(conv.worker_pid) if conv.worker_pid else 0
-            before = buffer_cpu_ns(buffer.pid)
+            before, engine_before = buffer_cpu_ns(buffer.pid), buffer_cpu_ns(engine.pid)
             answer = http.post(url, json=body)
-            spent = buffer_cpu_ns(buffer.pid) - before
+            spent, engine_spent = buffer_cpu_ns(buffer.pid) - before, buffer_cpu_ns(engine.pid) - engine_before
             worker_spent = buffer_cpu_ns(conv.worker_pid) - worker_before if conv.worker_pid else 0
             answer.raise_for_status()
             reply = answer.json()
             conv.add_reply(reply)
             usage = reply["usage"]
             context = usage.get("prompt_tokens", usage.get("input_tokens", 0))
-            turns.append(Turn(context, new, spent / 1e6, tokenize_ms, worker_spent / 1e6))
+            turns.append(Turn(context, new, spent / 1e6, tokenize_ms, worker_spent / 1e6, engine_spent / 1e6))
         turn += 1
     for conv in convs:  # a turn that did not continue its branch was rendered afresh: not what is measured
         branches = http.get(f"{buffer.url}/sessions/{conv.session_id}").json()["branches"]
@@ -158,7 +159,7 @@ def report(turns: list[Turn], title: str) -> None:
     on_workers = any(t.worker_ms for t in turns)
     for column in ("context tokens", "new tokens", "buffer CPU ms/turn", *(["worker CPU ms/turn"] if on_workers
                    else []), "tokenizing new tokens ms", "(buffer + worker) / tokenizing" if on_workers
-                   else "buffer / tokenizing"):
+                   else "buffer / tokenizing", "engine stand-in CPU ms/turn"):
         table.add_column(column, justify="right")
     buckets: dict[int, list[Turn]] = {}
     for t in turns:
@@ -169,7 +170,8 @@ def report(turns: list[Turn], title: str) -> None:
         worker = [f"{statistics.median(t.worker_ms for t in group):.2f}"] if on_workers else []
         table.add_row(f"{min(t.context_tokens for t in group)}–{max(t.context_tokens for t in group)}",
                       f"{statistics.median(t.new_tokens for t in group):.0f}", f"{cpu:.2f}", *worker, f"{tok:.2f}",
-                      f"{statistics.median(t.total_ms for t in group) / tok:.2f}")
+                      f"{statistics.median(t.total_ms for t in group) / tok:.2f}",
+                      f"{statistics.median(t.engine_ms for t in group):.2f}")
     console.print(table)
     quarter = max(1, len(turns) // 4)
     early, late = turns[:quarter], turns[-quarter:]
@@ -181,7 +183,9 @@ def report(turns: list[Turn], title: str) -> None:
              else "buffer CPU")
     console.print(f"SUMMARY long session: late turns {late_cpu:.2f} ms {where} at ~{late[-1].context_tokens} tokens "
                   f"of context = {late_cpu / late_tok:.2f}x tokenizing their new tokens; late / early turns "
-                  f"{late_cpu / early_cpu:.2f}x")
+                  f"{late_cpu / early_cpu:.2f}x (the engine stand-in's CPU, early / late: "
+                  f"{statistics.median(t.engine_ms for t in early):.2f} / "
+                  f"{statistics.median(t.engine_ms for t in late):.2f} ms)")
 
 
 def main(argv: list[str] | None = None) -> None:
