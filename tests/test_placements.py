@@ -25,7 +25,7 @@ from websockets.sync.client import connect
 
 from rollout_buffer.delivery.encoded import EncodedRecord
 from rollout_buffer.proxy.placements import ARRIVAL_WAIT_S
-from rollout_buffer.proxy.session_names import new_session_id, placed_on
+from rollout_buffer.proxy.session_names import new_session_id, placed_on, well_formed
 from rollout_buffer.proxy.worker_run import WORKER_SECRET_ENV, WORKER_SECRET_HEADER
 from rollout_buffer.schemas import TrajectoryRecord
 
@@ -117,7 +117,7 @@ def test_requests_wait_for_their_placement_and_a_session_never_placed_or_refused
         return httpx.post(f"{worker['url']}/sessions/{session_id}/v1/chat/completions", timeout=60,
                           headers={"authorization": f"Bearer {key}"}, json={"model": "m", "messages": QUESTION})
 
-    early, refused_id, never = "s-w0-early", "s-w0-refused", "s-w0-never"  # ids of sessions placed on worker 0
+    early, refused_id, never = (new_session_id(0) for _ in range(3))  # ids of sessions placed on worker 0
     answers: list[httpx.Response] = []
     waiting = threading.Thread(target=lambda: answers.append(chat(early, "early-key")))
     waiting.start()
@@ -140,10 +140,13 @@ def test_requests_wait_for_their_placement_and_a_session_never_placed_or_refused
         assert unknown.status_code == 404 and never in unknown.json()["error"]["message"], unknown.text
         assert time.monotonic() - started >= ARRIVAL_WAIT_S - 0.5
 
-        # Another worker's session, and an id no worker was given, are refused without waiting.
+        # Another worker's session, an id no worker was given and one naming this worker without its checksum
+        # (mistyped, made up) are refused without waiting.
         started = time.monotonic()
-        elsewhere, made_up = chat("s-w1-elsewhere", "any"), chat("s-0123456789abcdef01234567", "any")
+        elsewhere, made_up = chat(new_session_id(1), "any"), chat("s-0123456789abcdef01234567", "any")
+        mistyped = chat(never[:-1] + ("0" if never[-1] != "0" else "1"), "any")
         assert time.monotonic() - started < ARRIVAL_WAIT_S
+        assert mistyped.status_code == 404 and "unknown session" in mistyped.json()["error"]["message"], mistyped.text
         assert elsewhere.status_code == 404 and "was placed on session worker 1, not on this one (0)" in \
             elsewhere.json()["error"]["message"], elsewhere.text
         assert made_up.status_code == 404 and made_up.json()["error"]["message"] == \
@@ -181,5 +184,8 @@ def test_a_record_a_worker_sends_again_is_stored_and_counted_once(
 def test_a_placed_sessions_id_names_its_worker() -> None:
     assert placed_on(new_session_id(3)) == 3 and placed_on(new_session_id(0)) == 0
     assert placed_on(new_session_id()) is None
+    placed = new_session_id(2)
+    assert well_formed(placed) and not well_formed(placed[:-1] + ("a" if placed[-1] != "a" else "b"))
+    assert not any(map(well_formed, ("s-w2-early", "s-w2-", "", "s-w2-0123456789abcdef01234567")))
     for other in ("s-w", "s-w-x", "s-w12-", "s-wx-1", "s-w\u0661-x", "w1-x", "s-1-w2-x"):
         assert placed_on(other) is None, other

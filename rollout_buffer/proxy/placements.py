@@ -7,8 +7,8 @@ Why not a call per session: its answer is a wake-up, a read and a parse in the b
 is what a session costs the buffer besides accepting `POST /sessions` and storing the records
 (docs/benchmarks). The placement leaves before the harness has its answer, so it reaches the worker before the
 agent's first request; a request that comes first anyway (another route through the network) waits up to
-`ARRIVAL_WAIT_S` for it. A placed session's id names its worker, so a request for one placed elsewhere, or for an
-id no worker was given, is refused at once.
+`ARRIVAL_WAIT_S` for it. A placed session's id names its worker and ends with a checksum, so a request for one
+placed elsewhere, for an id no worker was given, or for one mistyped or made up, is refused at once.
 
 Faults: a placement the worker never read is lost with its process; the buffer's recovery places again every
 session it placed there that the worker's journal does not hold and whose records are not in (a session's opening
@@ -30,7 +30,7 @@ from pydantic import BaseModel, Field, ValidationError
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from rollout_buffer.proxy.session_names import placed_on
+from rollout_buffer.proxy.session_names import placed_on, well_formed
 
 log = logging.getLogger(__name__)
 
@@ -117,16 +117,16 @@ class Arrivals:
             waiting.set_result(None)
 
     async def wait(self, session_id: str) -> str | None:
-        """None once the session is here, or when it is not to come: an id no worker was given (at once), or a
-        placement that did not arrive within `ARRIVAL_WAIT_S` (the caller then answers for an unknown session).
-        Else why it will not be here: the worker could not open it, or it names another worker (at once)."""
+        """None once the session is here, or when it is not to come: an id no worker was given, or mistyped (at
+        once), or a placement that did not arrive within `ARRIVAL_WAIT_S` (the caller then answers for an unknown
+        session). Else why it will not be here: the worker could not open it, or it names another worker (at once)."""
         if self._holds(session_id):
             return None
         placed = placed_on(session_id)
         if placed is not None and placed != self._index:
             return (f"was placed on session worker {placed}, not on this one ({self._index}): send its requests "
                     "to the base_url that POST /sessions answered")
-        if placed is None or session_id in self.refused:
+        if placed is None or session_id in self.refused or not well_formed(session_id):
             return self._refusal(session_id)
         waiting = self._waiting.get(session_id)
         if waiting is None:

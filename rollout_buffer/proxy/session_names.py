@@ -3,13 +3,31 @@ harness session's records, the URL a session is reached at."""
 
 from __future__ import annotations
 
+import hashlib
 import secrets
+
+_CHECK_CHARS = 8
 
 
 def new_session_id(worker: int | None = None) -> str:
-    """A fresh session id; one placed on session worker `worker` says so, so that another worker refuses it at
-    once instead of waiting for a placement that is not coming (`placed_on`)."""
-    return f"s-{secrets.token_hex(12)}" if worker is None else f"s-w{worker}-{secrets.token_hex(12)}"
+    """A fresh session id. One placed on session worker `worker` says so, so that another worker refuses it at
+    once instead of waiting for a placement that is not coming (`placed_on`), and ends with a checksum, so that
+    its worker refuses at once an id mistyped or made up (`well_formed`)."""
+    if worker is None:
+        return f"s-{secrets.token_hex(12)}"
+    name = f"s-w{worker}-{secrets.token_hex(12)}"
+    return name + _checksum(name)
+
+
+def well_formed(session_id: str) -> bool:
+    """Whether a session id naming a worker ends with its checksum (`new_session_id`). Not a secret: an id that
+    passes still needs its session's key."""
+    name, check = session_id[:-_CHECK_CHARS], session_id[-_CHECK_CHARS:]
+    return len(session_id) > _CHECK_CHARS and _checksum(name) == check
+
+
+def _checksum(name: str) -> str:
+    return hashlib.blake2b(name.encode(), digest_size=_CHECK_CHARS // 2).hexdigest()
 
 
 def placed_on(session_id: str) -> int | None:
