@@ -131,15 +131,6 @@ SURROUNDING_PROMPT_TOKENS = 5  # INIT_INCREMENTAL_DETOKENIZATION_OFFSET
 JUNK_TOKEN_ID = 0  # the token a refused request's 1-token stand-in prefill yields (any token: it means nothing)
 _TURN_MEMORY = 8192
 _TEXT_CUT_WITHIN = 64  # tokens from a prompt's end a special token is looked for, to remember its text up to it
-
-
-@dataclass(frozen=True)
-class _Prefix:
-    """A prompt's ids to right after a special token, remembered for the conversation's next request: their
-    text, and their blake2b state (`SimEngine._digest`), both to be continued."""
-
-    text: str
-    hashed: hashlib.blake2b
 _RECENT_REQUESTS = 256
 
 # SamplingParams fields in SGLang's order (0.5.23's JSON contract `_FIELDS_SamplingParams`).
@@ -330,6 +321,15 @@ _CHAT_SAMPLING_KEYS = (
     "presence_penalty", "repetition_penalty", "skip_special_tokens", "no_stop_trim", "n", "min_new_tokens",
     "ignore_eos",
 )
+
+
+@dataclass(frozen=True)
+class _Prefix:
+    """A prompt's ids to right after a special token, remembered for the conversation's next request: their
+    text, and their blake2b state (`SimEngine._digest`), both to be continued."""
+
+    text: str
+    hashed: hashlib.blake2b
 
 
 @dataclass
