@@ -7,6 +7,7 @@ are counted in each rate's figure, as they are in `bench.proxy`'s.
 
     python -m bench.proxy --opens                       # one worker, 32 and 700 opens a second
     python -m bench.proxy --opens --rates 32 --workers 2
+    python -m bench.proxy --opens --rates 32 --src ../base-worktree   # the buffer of another commit
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--idle-s", type=float, default=20.0, help="how long the idle buffer is metered first")
     parser.add_argument("--workers", type=int, default=1, help="session workers (0: the buffer holds the sessions)")
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--src", type=Path, default=REPO,
+                        help="the source tree the buffer runs from (default: this checkout), to measure another commit")
     args = parser.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-session-opens-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     table = Table(title=f"Opening sessions: {args.count} at each rate, {args.clients} clients, {args.workers} workers")
     for column in ("opens/s asked", "opens/s", "event loop CPU ms/open", "process CPU ms/open"):
         table.add_column(column, justify="right")
-    with sim_engine(workdir, 1000.0) as engine, rollout_buffer(workdir, REPO, *extra) as buffer:
+    with sim_engine(workdir, 1000.0) as engine, rollout_buffer(workdir, args.src.resolve(), *extra) as buffer:
         start_agent_run(buffer, engine, args.workers)
         loop0, all0 = proc_cpu_s(buffer.pid, buffer.pid), proc_cpu_s(buffer.pid)
         time.sleep(args.idle_s)
