@@ -10,6 +10,7 @@ worker or without the worker's secret are refused in the caller's protocol."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import signal
@@ -212,6 +213,24 @@ def test_an_agent_run_opens_on_every_worker_before_its_first_session(
     opened = wait_until(lambda: (ws := workers(buffer)) and all(run_id in w["runs"] for w in ws) and ws)
     assert [w["served"] for w in opened] == served  # no session placed meanwhile
     assert all(w["runs"] == [run_id] for w in opened)  # the runs before it ended on the workers too
+
+
+def test_the_workers_and_the_simulated_engine_tokenize_without_torch(
+        buffer: Server, engine: Server, qwen_tokenizer_path: str) -> None:
+    """They run only the buffer's own code and use transformers for a tokenizer alone: torch, which transformers
+    imports whenever it is installed, stays out of them (its start-up CPU and memory, in every worker)."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed here: there is nothing to keep out")
+    run_id = start_run(buffer, engine, qwen_tokenizer_path)
+    wait_until(lambda: all(run_id in w["runs"] for w in workers(buffer)))  # each loaded the run's tokenizer
+    chat_turns(open_session(buffer.url, "no-torch"), stream=False)
+    procs = [p for p in psutil.Process(buffer.proc.pid).children(recursive=True)
+             if "session-worker" in " ".join(p.cmdline())]
+    assert len(procs) == 2
+    for proc in [*procs, psutil.Process(engine.proc.pid)]:
+        mapped = {m.path for m in proc.memory_maps()}
+        assert any("/tokenizers/" in path for path in mapped), proc.cmdline()  # its tokenizer is loaded
+        assert not any("libtorch" in path for path in mapped), proc.cmdline()
 
 
 def test_a_worker_killed_mid_turn_comes_back_with_its_sessions(

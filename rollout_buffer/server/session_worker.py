@@ -37,6 +37,7 @@ from rollout_buffer.config import AUTH_TOKEN_ENV, DEFAULT_MAX_BODY_BYTES, Server
 from rollout_buffer.delivery.encoded import EncodedRecord
 from rollout_buffer.delivery.store import StoreError
 from rollout_buffer.generation.resources import close_resources, run_resources
+from rollout_buffer.generation.tokenizer import keep_torch_out
 from rollout_buffer.observability.logs import ACCESS_LOG_MODES, setup_logging
 from rollout_buffer.proxy.journal import load_sessions
 from rollout_buffer.proxy.manager import SessionError, SessionManager
@@ -363,6 +364,7 @@ def main(argv: list[str] | None = None) -> None:
     if not secret:
         p.error(f"{WORKER_SECRET_ENV} must hold the secret the buffer gave this worker")
     setup_logging(args.log_level, args.log_format, args.access_log)
+    keep_torch_out()
     setproctitle.setproctitle(f"rollout-buffer session-worker {args.index} :{args.port}")
     gc.set_threshold(50_000, 20, 10)  # as `serve`: thousands of sessions' objects in flight
     with contextlib.ExitStack() as stack:

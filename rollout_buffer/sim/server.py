@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from rollout_buffer.generation.tokenizer import bundled_tokenizer_path
+from rollout_buffer.generation.tokenizer import bundled_tokenizer_path, keep_torch_out
 from rollout_buffer.sim.engine import (
     ALL_ERROR_KINDS,
     ERROR_KINDS,
@@ -301,6 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of `rollout-buffer sim-engine` and `python -m rollout_buffer.sim.engine`."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    keep_torch_out()
     # The environment variable SGLang reads for the same rule.
     timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", HEALTH_CHECK_TIMEOUT_S))
     serve(SimConfig(**vars(args), health_check_timeout_s=timeout))
