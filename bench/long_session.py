@@ -51,9 +51,9 @@ class Turn:
         return self.buffer_ms + self.worker_ms
 
 
-def buffer_cpu_ns(pid: int) -> int:
+def process_cpu_ns(pid: int) -> int:
     """CPU time of every thread of `pid` so far, in nanoseconds (threads that ended are not counted: the buffer's
-    threads live as long as it does)."""
+    threads, a session worker's and the engine stand-in's live as long as they do)."""
     total = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
@@ -134,11 +134,11 @@ def run(buffer: Service, engine: Service, protocol: str, sessions: int, new_toke
         for conv in convs:
             conv.add_user(text)
             url, body = conv.request()
-            worker_before = buffer_cpu_ns(conv.worker_pid) if conv.worker_pid else 0
-            before, engine_before = buffer_cpu_ns(buffer.pid), buffer_cpu_ns(engine.pid)
+            worker_before = process_cpu_ns(conv.worker_pid) if conv.worker_pid else 0
+            before, engine_before = process_cpu_ns(buffer.pid), process_cpu_ns(engine.pid)
             answer = http.post(url, json=body)
-            spent, engine_spent = buffer_cpu_ns(buffer.pid) - before, buffer_cpu_ns(engine.pid) - engine_before
-            worker_spent = buffer_cpu_ns(conv.worker_pid) - worker_before if conv.worker_pid else 0
+            spent, engine_spent = process_cpu_ns(buffer.pid) - before, process_cpu_ns(engine.pid) - engine_before
+            worker_spent = process_cpu_ns(conv.worker_pid) - worker_before if conv.worker_pid else 0
             answer.raise_for_status()
             reply = answer.json()
             conv.add_reply(reply)
