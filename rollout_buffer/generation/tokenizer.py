@@ -25,7 +25,7 @@ def keep_torch_out() -> None:
     For the programs that run nothing but the buffer's own code (a session worker, the simulated engine), never for
     a process that runs users' code (the buffer, Ray actors: a reward model may need torch there). transformers
     imports torch whenever it is installed (its rotary-embedding helpers come with `AutoTokenizer`), which costs
-    each such process about as much CPU as the rest of its start and ~190 MB, for nothing a tokenizer uses.
+    each such process a large part of its start-up CPU and of its memory, for nothing a tokenizer uses.
     With the import blocked, transformers runs as in an install without torch: tokenizers and chat templates the
     same. Call it before anything imports transformers; a process that already has torch keeps it.
     """

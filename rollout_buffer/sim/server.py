@@ -298,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of `rollout-buffer sim-engine` and `python -m rollout_buffer.sim.engine`."""
+    """Entry point of `rollout-buffer sim-engine` and `python -m rollout_buffer.sim.server`."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keep_torch_out()
