@@ -160,6 +160,12 @@ def test_sglang_refusals_are_4xx(right: SimEngineProcess, qwen_tokenizer: Any) -
         assert r.status_code == 400 and words in r.json()["error"]["message"]
     assert httpx.post(right.url + "/generate", json={"sampling_params": {}}, timeout=5).status_code == 400
     assert generate(right, [10**7]).status_code == 400
+    # A continued conversation: only what follows its earlier, checked request is checked, and it is.
+    assert generate(right, ids).status_code == 200
+    for bad in (10**7, -1):
+        r = generate(right, [*ids, bad])
+        assert r.status_code == 400 and "outside [0," in r.json()["error"]["message"], r.text
+    assert generate(right, [*ids, 42]).status_code == 200
 
 
 def test_chat_completions_openai_shape(right: SimEngineProcess, qwen_tokenizer: Any) -> None:

@@ -863,7 +863,11 @@ class SimEngine:
         await self._unpaused.wait()
         if not ids:
             raise _Refused(400, "the prompt is empty")
-        if min(ids) < 0 or max(ids) >= self.vocab_size:  # real SGLang does not check (undefined behaviour)
+        # Real SGLang does not check (undefined behaviour). A conversation's earlier request, remembered, was
+        # checked: only what follows it is (a resent context would cost the simulator as much as the context).
+        known = self.prefixes.find(ids)
+        new = ids[known.length :] if known is not None else ids
+        if new and (min(new) < 0 or max(new) >= self.vocab_size):
             raise _Refused(400, f"input_ids contain token ids outside [0, {self.vocab_size})")
         context = self.config.context_length
         if len(ids) >= context:
