@@ -478,11 +478,12 @@ def test_a_growing_conversation_is_planned_as_from_scratch(qwen_tokenizer: Any, 
     for turn in range(4):
         ids = qwen_tokenizer.encode(qwen_tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                                       tokenize=False), add_special_tokens=False)
-        planned = grown.plan_turn(ids, sampling, 512)
-        fresh = engine().plan_turn(ids, sampling, 512)
+        planned = grown.plan_turn(ids, sampling, 512, grown.prefixes.find(ids))
+        fresh = engine().plan_turn(ids, sampling, 512, None)
         assert (planned.policy, planned.output_ids) == (fresh.policy, fresh.output_ids)
         assert planned.policy == "math" and "\\boxed{24}" in qwen_tokenizer.decode(planned.output_ids)
-        continued = grown.plan_turn(ids + planned.output_ids[:5], sampling, 512)
+        continued = grown.plan_turn(ids + planned.output_ids[:5], sampling, 512,
+                                    grown.prefixes.find(ids + planned.output_ids[:5]))
         assert continued.output_ids == planned.output_ids[5:]
         assert grown.prompt_text(ids, grown.prefixes.find(ids)) == qwen_tokenizer.decode(ids)
         reply = qwen_tokenizer.decode(planned.output_ids, skip_special_tokens=True)

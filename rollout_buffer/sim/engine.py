@@ -685,11 +685,11 @@ class SimEngine:
                     return k, s
         return None
 
-    def plan_turn(self, ids: list[int], sampling: Sampling, max_new: int) -> Turn:
+    def plan_turn(self, ids: list[int], sampling: Sampling, max_new: int, prefix: Hit[_Prefix] | None) -> Turn:
         """Choose (or continue) the scripted reply for `ids` and apply the finish rules in the scheduler's order
-        (`Req.update_finish_state`): at each token, length, then stop strings, then stop ids and end of turn."""
+        (`Req.update_finish_state`): at each token, length, then stop strings, then stop ids and end of turn.
+        `prefix`: the remembered prefix of `ids` (`self.prefixes.find`, looked up at admission)."""
         context, partial = self._split_turn(ids)
-        prefix = self.prefixes.find(ids)
         key = self._digest(context, prefix)
         full = self._recall(key, partial) if partial else None
         policy = "continue"
@@ -856,8 +856,9 @@ class SimEngine:
 
     # ------------------------------------------------------------ admission (the tokenizer manager's checks)
 
-    async def _admit(self, ids: list[int], params: dict[str, Any]) -> Sampling:
-        """Wait while generation is paused, then validate like `TokenizerManager._tokenize_one_request`.
+    async def _admit(self, ids: list[int], params: dict[str, Any]) -> tuple[Sampling, Hit[_Prefix] | None]:
+        """Wait while generation is paused, then validate like `TokenizerManager._tokenize_one_request`: the
+        sampling parameters, and the remembered prefix of `ids` the checks used (planning the turn goes on from it).
 
         Raises `_Refused(400)` with SGLang's wording, TypeError for an unknown sampling key (0.5.15)."""
         await self._unpaused.wait()
@@ -881,7 +882,7 @@ class SimEngine:
                 f"{max_new} tokens for the completion. Please reduce the number of tokens in the input messages or "
                 "the completion to fit within the limit."))
         try:
-            return Sampling.parse(params, _CONTRACT_KEYS if self.v23 else SGLANG_SAMPLING_KEYS)
+            return Sampling.parse(params, _CONTRACT_KEYS if self.v23 else SGLANG_SAMPLING_KEYS), known
         except ValueError as e:
             raise _Refused(400, str(e)) from e
 
@@ -917,8 +918,8 @@ class SimEngine:
                 return True
         return False
 
-    async def _run(self, rid: str, ids: list[int], sampling: Sampling, fault: str | None,
-                   stream: bool) -> AsyncGenerator[tuple[_Event, Turn | None, _Request | None]]:
+    async def _run(self, rid: str, ids: list[int], sampling: Sampling, known: Hit[_Prefix] | None,
+                   fault: str | None, stream: bool) -> AsyncGenerator[tuple[_Event, Turn | None, _Request | None]]:
         """The scheduler's answers for one admitted request, in order; the last carries the finish."""
         if fault == "refuse_503":
             yield _Event(0, {"type": "abort", "status_code": 503, "message": QUEUE_FULL}, queued_abort=True), \
@@ -930,7 +931,7 @@ class SimEngine:
             yield _Event(1, finish, junk=True), None, None
             return
         max_new = self._max_new(len(ids), sampling)
-        turn = await asyncio.to_thread(self.plan_turn, ids, sampling, max_new)
+        turn = await asyncio.to_thread(self.plan_turn, ids, sampling, max_new, known)
         n = len(turn.output_ids)
         req = _Request(rid=rid, stream=stream, n=n, keep=n // 2 if fault == "abort" else n,
                        total_s=self.generation_s(n))
@@ -1067,7 +1068,7 @@ class SimEngine:
         started = time.time()
         try:
             ids = await self._prompt_ids(body)
-            sampling = await self._admit(ids, body.sampling_params)
+            sampling, known = await self._admit(ids, body.sampling_params)
         except _Refused as e:
             return error_response(e.status, e.message)
         except TypeError:
@@ -1076,7 +1077,7 @@ class SimEngine:
         out = _Output(Detokenizer(self.tokenizer, ids, sampling.skip_special_tokens, sampling.no_stop_trim))
         answer: dict[str, Any] = {}
         policy = None
-        async for event, turn, req in self._run(rid, ids, sampling, fault, stream=False):
+        async for event, turn, req in self._run(rid, ids, sampling, known, fault, stream=False):
             answer = self._answer(body, rid, ids, sampling, event, turn, req, out, started)
             policy = turn.policy if turn else None
         self._record("/generate", rid, ids, sampling, answer, policy, fault)
@@ -1100,7 +1101,7 @@ class SimEngine:
         started = time.time()
         try:
             ids = await self._prompt_ids(body)
-            sampling = await self._admit(ids, body.sampling_params)
+            sampling, known = await self._admit(ids, body.sampling_params)
         except _Refused as e:
             error = {"message": e.message, "type": "invalid_request_error", "code": 400, "retryable": False}
             yield b"data: " + orjson.dumps({"error": error}) + b"\n\n"
@@ -1109,7 +1110,7 @@ class SimEngine:
         except TypeError as e:  # 0.5.15: the exception escapes the stream; the connection breaks
             raise RuntimeError("SGLang 0.5.15 fails an unexpected sampling parameter") from e
         out = _Output(Detokenizer(self.tokenizer, ids, sampling.skip_special_tokens, sampling.no_stop_trim))
-        steps = self._run(rid, ids, sampling, fault, stream=True)
+        steps = self._run(rid, ids, sampling, known, fault, stream=True)
         last: tuple[dict[str, Any], _Request | None, Turn | None] | None = None
         answered = False
         try:
@@ -1159,7 +1160,7 @@ class SimEngine:
                 tokenize=False, **(body.chat_template_kwargs or {}),
             )
             ids = await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
-            sampling = await self._admit(ids, params)
+            sampling, known = await self._admit(ids, params)
         except _Refused as e:
             return openai_error(e.status, e.message, e.err_type)
         except (ValueError, TypeError, KeyError, TemplateError) as e:
@@ -1169,7 +1170,7 @@ class SimEngine:
         out = _Output(Detokenizer(self.tokenizer, ids, sampling.skip_special_tokens, sampling.no_stop_trim))
         answer: dict[str, Any] = {}
         turn: Turn | None = None
-        async for event, turn, req in self._run(rid, ids, sampling, fault, stream=False):
+        async for event, turn, req in self._run(rid, ids, sampling, known, fault, stream=False):
             answer = self._answer(gen, rid, ids, sampling, event, turn, req, out, started)
         self._record("/v1/chat/completions", rid, ids, sampling, answer, turn.policy if turn else None, fault)
         meta = answer["meta_info"]
