@@ -136,8 +136,9 @@ def check_payload(payload: dict[str, Any], data_roots: Any) -> None:
             raise ValueError(f"openenv_command: program {command[0]!r} not found")
 
 
-def default_input(payload: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per `openenv_resets` entry, its instance id from its content (the same every time)."""
+async def default_input(payload: dict[str, Any], runs_here: bool) -> list[dict[str, Any]]:
+    """One row per `openenv_resets` entry, its instance id from its content (the same every time; where the run's
+    trajectories run, `runs_here`, changes nothing)."""
     opts = OpenEnvOptions.from_run(payload)
     return [{"instance_id": f"openenv-{hashlib.sha256(orjson.dumps(r, option=orjson.OPT_SORT_KEYS)).hexdigest()[:12]}",
              "reset": r} for r in opts.openenv_resets]

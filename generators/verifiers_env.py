@@ -7,12 +7,16 @@ captured exactly, whatever the environment's harness sends), and the session clo
 environment computed; its per-function rewards and metrics go to `extra_info.env`.
 
 Without `input_file` the environment's own taskset is the input: listed once at start into a file under the
-server's data folder, instance ids from the tasks' ids (else their content keys), stable across restarts.
+server's data folder, instance ids from the tasks' ids (else their content keys), stable across restarts. The
+worker that listed it, the environment loaded, becomes the first of the run's pool when the run's trajectories
+run in this process (not on Ray actors, which keep their own pools): the run adopts it instead of loading the
+environment again; one no run adopted within `_PARK_S` (a start that failed after the listing) is stopped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import subprocess
 import tempfile
@@ -24,6 +28,7 @@ from pydantic import Field, model_validator
 
 from rollout_buffer.generator_api import (
     EnvError,
+    EnvLoadError,
     EnvWorker,
     EnvWorkerDied,
     ProcessPool,
@@ -44,6 +49,9 @@ REQUIRED_FIELDS = ("env_task",)
 
 _SHARED_KEY = "verifiers.pool"
 _LIST_TIMEOUT_S = 600.0
+_PARK_S = 60.0  # how long the pool that listed a taskset waits for its run
+
+log = logging.getLogger(__name__)
 
 __all__ = ["TASK_TYPE", "check_payload", "default_input", "run_rollout", "runs_in_buffer"]
 
@@ -129,31 +137,36 @@ def check_payload(payload: dict[str, Any], data_roots: Any) -> None:
                              f"{probe.stderr.decode(errors='replace')[-800:]}")
 
 
-def default_input(payload: dict[str, Any]) -> list[dict[str, Any]]:
-    """The environment's own taskset as input rows (blocking: a worker started once to list it, in a thread).
+async def default_input(payload: dict[str, Any], runs_here: bool) -> list[dict[str, Any]]:
+    """The environment's own taskset as input rows, listed by the first worker of the run's pool, kept for the run
+    when it `runs_here` (its trajectories in this process: see the module docstring), else stopped.
 
     ValueError naming the option when the environment cannot be loaded.
     """
     opts = VerifiersOptions.from_run(payload)
-    spec = opts.spec(opts.interpreter())
-    with tempfile.TemporaryDirectory(prefix="rb-env-list-") as cwd:
-        give_to(Path(cwd), spec.user)
-        requests = orjson.dumps({"op": "load", "env": spec.load}) + b"\n" + orjson.dumps({"op": "tasks", "id": 0})
-        try:
-            done = subprocess.run(spec.argv(), input=requests + b"\n", cwd=cwd, env=spec.environ(),
-                                  capture_output=True, timeout=_LIST_TIMEOUT_S, check=False)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise ValueError(f"env_python: cannot list the environment's tasks: {e}") from None
-    answers = [orjson.loads(line) for line in done.stdout.splitlines() if line.strip()]
-    fatal = next((a for a in answers if "fatal" in a), None)
-    if fatal is not None:
-        raise ValueError(f"{fatal.get('field', 'env_id')}: {opts.env_id!r} cannot be loaded by {spec.python}: "
-                         f"{fatal['fatal']}")
-    listed = next((a["result"]["tasks"] for a in answers if a.get("id") == 0 and "result" in a), None)
-    if listed is None:
-        tail = done.stderr.decode(errors="replace")[-1500:]
-        raise ValueError(f"env_python: {spec.python} did not run the verifiers worker (exit code "
-                         f"{done.returncode}): {tail}")
+    python = await asyncio.to_thread(opts.interpreter)
+    pool = _Pool(opts, python)
+    try:
+        async with pool.lease() as worker:
+            listed = (await worker.request({"op": "tasks"}, _LIST_TIMEOUT_S)).get("tasks")
+        rows = _rows(opts, listed)
+    except BaseException as e:
+        await pool.aclose()
+        if isinstance(e, EnvLoadError):
+            raise ValueError(f"{e.field}: {opts.env_id!r} cannot be loaded by {python}: {e}") from None
+        if isinstance(e, EnvError):
+            raise ValueError(f"env_python: {python} did not run the verifiers worker: {e}") from None
+        raise
+    if runs_here:
+        _parked.park(_pool_key(opts, python), pool)
+    else:
+        await pool.aclose()
+    return rows
+
+
+def _rows(opts: VerifiersOptions, listed: Any) -> list[dict[str, Any]]:
+    if not isinstance(listed, list):
+        raise ValueError(f"env_python: the verifiers worker listed no tasks (answered {listed!r})")
     rows = []
     for task in listed:
         iid = task["id"] if task.get("id") else f"{opts.env_id}-{task['key'][:16]}"
@@ -178,11 +191,53 @@ class _Pool(ProcessPool[EnvWorker]):
         await asyncio.to_thread(shutil.rmtree, self.scratch, True)
 
 
+def _pool_key(opts: VerifiersOptions, python: str) -> bytes:
+    return orjson.dumps([python, opts.model_dump(mode="json")], option=orjson.OPT_SORT_KEYS)
+
+
+class _Parked:
+    """Pools that listed a taskset, by their options, each until its run adopts it or `_PARK_S` passed."""
+
+    def __init__(self) -> None:
+        self._pools: dict[bytes, tuple[_Pool, asyncio.TimerHandle]] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def park(self, key: bytes, pool: _Pool) -> None:
+        """Keep `pool` for the run started with these options (one listed before with them is stopped)."""
+        self._stop(key)
+        self._pools[key] = (pool, asyncio.get_running_loop().call_later(_PARK_S, self._stop, key))
+
+    def adopt(self, key: bytes) -> _Pool | None:
+        """The pool parked with these options, now the caller's."""
+        parked = self._pools.pop(key, None)
+        if parked is None:
+            return None
+        parked[1].cancel()
+        return parked[0]
+
+    def _stop(self, key: bytes) -> None:
+        parked = self._pools.pop(key, None)
+        if parked is None:
+            return
+        parked[1].cancel()
+        task = asyncio.get_running_loop().create_task(parked[0].aclose(), name="stop a listing's verifiers pool")
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+
+_parked = _Parked()
+
+
 async def _pool(ctx: RolloutContext) -> tuple[_Pool, VerifiersOptions]:
     opts = VerifiersOptions.from_run(ctx.config)
 
     async def build() -> _Pool:
-        return _Pool(opts, await asyncio.to_thread(opts.interpreter))
+        python = await asyncio.to_thread(opts.interpreter)
+        adopted = _parked.adopt(_pool_key(opts, python))
+        if adopted is not None:
+            log.info("verifiers:%s: the run goes on with the worker that listed its tasks", opts.env_id)
+            return adopted
+        return _Pool(opts, python)
 
     return await ctx.run.once(_SHARED_KEY, build), opts
 

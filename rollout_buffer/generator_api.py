@@ -10,7 +10,14 @@ from rollout_buffer.environments.openenv_client import OpenEnvSession, StepResul
 from rollout_buffer.environments.openenv_servers import PORT_PLACEHOLDER, OpenEnvServer, ServerSpec
 from rollout_buffer.environments.pool import EnvError, ProcessPool
 from rollout_buffer.environments.venvs import venv_python
-from rollout_buffer.environments.workers import EnvWorker, EnvWorkerDied, WorkerSpec, python_env_paths, worker_script
+from rollout_buffer.environments.workers import (
+    EnvLoadError,
+    EnvWorker,
+    EnvWorkerDied,
+    WorkerSpec,
+    python_env_paths,
+    worker_script,
+)
 from rollout_buffer.generation.context import RolloutContext, RunResources
 from rollout_buffer.generation.conversation import Conversation
 from rollout_buffer.generation.engine import EngineClient
@@ -31,6 +38,7 @@ __all__ = [
     "EngineClient",
     "EngineError",
     "EnvError",
+    "EnvLoadError",
     "EnvWorker",
     "EnvWorkerDied",
     "OpenEnvServer",

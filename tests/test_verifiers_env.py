@@ -6,6 +6,8 @@ venv maker (rollout_buffer/environments/venvs.py): one test names it by its requ
 
 from __future__ import annotations
 
+import asyncio
+import re
 import subprocess
 import sys
 import time
@@ -21,6 +23,7 @@ from servers import Server, buffer_server, free_port, sim_engine
 from test_agent_docker import assert_engine_tokens
 from test_proxy import decode_tail, spans
 
+from generators import verifiers_env
 from rollout_buffer.environments.venvs import venv_python
 
 VERIFIERS = "verifiers==0.4.0"
@@ -73,6 +76,7 @@ def test_a_judged_single_turn_environment_trains_from_its_own_dataset(verifiers_
     # checked against its own prompt's latest answer.
     # Judged too: verifiers' reference judge, its own endpoint the engine itself (its calls are not training data).
     judge = {"id": "reference", "base_url": f"{engine.url}/v1", "api_key_var": "RB_TEST_JUDGE_KEY", "model": "judge"}
+    log_before = len(buffer.log())
     # The venv named by its requirements: the buffer makes it (here it finds the fixture's, made the same way).
     answer = start(buffer, engine, qwen_tokenizer_path, None, "rb_arith", num_repeat_per_sample=1,
                    env_requirements=[VERIFIERS, "uv"], env_config={"agent": {"harness": {"id": "null"}}},
@@ -80,6 +84,10 @@ def test_a_judged_single_turn_environment_trains_from_its_own_dataset(verifiers_
     assert answer.status_code == 200, answer.text
     assert answer.json()["num_items"] == 3  # the taskset's own tasks: no input_file
     status = wait_finished(buffer.url, timeout_s=300)
+    # The worker that listed the tasks ran the episodes: the environment was loaded once for the whole run.
+    run_log = buffer.log()[log_before:]
+    assert "the run goes on with the worker that listed its tasks" in run_log, run_log[-3000:]
+    assert len(re.findall(r"verifiers:rb_arith worker \d+ \(pid \d+\) ready", run_log)) == 1, run_log[-3000:]
     assert status["run"]["progress"]["statuses"] == {"completed": 3}, status["run"]["progress"]
     # The environment's reward functions and metrics, averaged for /status and the dashboard.
     assert set(status["run"]["progress"]["metrics"]) == {"correct", "reference", "reply_chars"}
@@ -310,3 +318,32 @@ def test_a_server_with_data_roots_runs_only_environments_under_them(verifiers_py
         assert outside.status_code == 422 and "env_python" in outside.text and "data roots" in outside.text
         installing = start(srv, engine, qwen_tokenizer_path, None, "rb_arith", env_requirements=[VERIFIERS])
         assert installing.status_code == 422 and "env_requirements" in installing.text, installing.text
+
+
+def test_a_listing_worker_no_run_adopts_is_stopped(verifiers_python: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A run on Ray actors (their own pools): the listing's worker stops once it has listed. A start that failed
+    # after the listing: the worker and its scratch folder go once the wait is over.
+    monkeypatch.setattr(verifiers_env, "_PARK_S", 0.5)
+    payload = {"env_python": verifiers_python, "env_id": "rb_arith", "env_paths": [str(ENVS)]}
+
+    async def scenario() -> None:
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        assert len(await verifiers_env.default_input(payload, False)) == 3
+        assert not verifiers_env._parked._pools
+        assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+        rows = await verifiers_env.default_input(payload, True)
+        assert sorted(r["instance_id"] for r in rows) == ["sum-2-3", "sum-4-5", "sum-7-8"]
+        opts = verifiers_env.VerifiersOptions.from_run(payload)
+        key = verifiers_env._pool_key(opts, verifiers_python)
+        (pool, _), = verifiers_env._parked._pools.values()
+        (worker,) = pool.processes
+        assert worker is not None and psutil.pid_exists(worker.proc.pid)
+        for _ in range(100):
+            if not pool.scratch.exists():
+                break
+            await asyncio.sleep(0.1)
+        assert worker.dead and not pool.scratch.exists()
+        assert not psutil.pid_exists(worker.proc.pid)
+        assert verifiers_env._parked.adopt(key) is None
+
+    asyncio.run(scenario())

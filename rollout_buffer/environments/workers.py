@@ -32,6 +32,14 @@ _STOP_GRACE_S = 5.0
 _LINE_LIMIT = 64 * 1024 * 1024  # a task list or an episode's summary on one line
 
 
+class EnvLoadError(EnvError):
+    """The worker could not load the environment; `field` names the run option at fault (as the worker says)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__("env_load", message)
+        self.field = field
+
+
 class EnvWorkerDied(EnvError):
     """The worker process ended with requests in flight (crashed, killed, out of memory)."""
 
@@ -180,7 +188,7 @@ class EnvWorker:
         if started is not None and not started.done():
             if "fatal" in message:
                 log.error("%s cannot load the environment:\n%s", self.label, message.get("traceback", ""))
-                started.set_exception(EnvError("env_load", str(message["fatal"])))
+                started.set_exception(EnvLoadError(str(message.get("field") or "env_id"), str(message["fatal"])))
             else:
                 started.set_result(message)
             return

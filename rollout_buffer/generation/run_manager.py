@@ -59,6 +59,10 @@ class RunManager:
         self._launch(run_id, StartRolloutRequest.model_validate(cfg), input_path)
         return run_id
 
+    def runs_here(self, gen: Generator, payload: dict[str, Any]) -> bool:
+        """Whether a run of `gen` started with `payload` runs its trajectories in this process."""
+        return isinstance(self.executor, LocalExecutor) or gen.needs_buffer_process(payload)
+
     def _launch(self, run_id: str, req: StartRolloutRequest, input_path: Path | None) -> None:
         gen = self.generators[req.task_type]
         # A generator may need this process for some runs (see Generator.needs_buffer_process).

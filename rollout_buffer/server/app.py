@@ -276,7 +276,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             if reads_input(gen, payload):
                 listing = gen.hook("default_input")
                 if req.input_file is None and listing is not None:  # the generator's own dataset (an environment's)
-                    rows = await asyncio.to_thread(listing, payload)
+                    rows = await listing(payload, request.app.state.runs.runs_here(gen, payload))
                     path = await asyncio.to_thread(write_default_input, config.data_dir, req.task_type, rows)
                 elif req.input_file is None:
                     raise InputFileError(f"input_file: required for task_type {req.task_type!r} (only an agent "
@@ -337,7 +337,7 @@ def create_app(config: ServerConfig) -> FastAPI:
                 if spec.path is None and listing is None:
                     raise ValueError(f"path: required for task_type {task!r} (it has no input of its own)")
                 if spec.path is None and listing is not None:  # the generator's own dataset (an environment's)
-                    rows = await asyncio.to_thread(listing, cfg)
+                    rows = await listing(cfg, True)  # evaluations run here whatever the executor
                     path = await asyncio.to_thread(write_default_input, config.data_dir, str(task), rows)
                 else:
                     path = await asyncio.to_thread(resolve_input_path, str(spec.path), config.data_roots)
