@@ -21,6 +21,7 @@ from rollout_buffer.delivery.encoded import FACTS_FROM_BYTES, EncodedRecord
 from rollout_buffer.delivery.groups import GroupPolicy
 from rollout_buffer.delivery.queries import Reader
 from rollout_buffer.delivery.record_layout import REWARDED_SQL, REWARDS_JOIN_SQL, with_rewards
+from rollout_buffer.delivery.records import Records
 from rollout_buffer.delivery.store import Store
 from rollout_buffer.schemas import TrajectoryRecord
 from rollout_buffer.tools.export import export
@@ -140,3 +141,34 @@ def test_records_a_hook_transforms_are_written_whole_and_read_as_it_left_them(tm
 
     before, after = run_group(tmp_path, hooks={"transform_group": tag})
     assert all(after[uid] != blob for uid, blob in before.items())
+
+
+def test_a_group_of_long_records_left_complete_by_a_stopped_process_is_finished_from_its_facts(tmp_path: Path
+                                                                                              ) -> None:
+    """At start, as when it completed: the records' JSON written once, what the group decided read beside it."""
+    records = [long_record(i, float(i % 2)) for i in range(GROUP)]
+
+    async def main() -> None:
+        config = ServerConfig(data_dir=tmp_path, group_size=GROUP)
+        store = Store(config.db_path)
+        await store.open()
+        try:
+            buffer = RolloutBuffer(config, store, {})
+            run = await buffer.runs.get(await buffer.create_run({"task_type": None}, GROUP))
+            assert run is not None
+            encoded = [EncodedRecord.of(TrajectoryRecord.model_validate(r)) for r in records]
+            written = await Records(store).write(run.run_id, GROUP, [e.row for e in encoded])  # stopped here
+            assert [g.key for g in written.complete] == [(run.run_id, "task", 0, 0)]
+            before, _ = stored(config.db_path)
+            restarted = RolloutBuffer(config, store, {})
+            assert await restarted.finish_interrupted() == 1
+            after, read = stored(config.db_path)
+            assert after == before
+            want = expected(records)
+            assert [orjson.loads(read[r["uid"]]) for r in want] == want
+            delivered = await restarted.deliver(None, 0, None)
+            assert [orjson.loads(r.blob) for r in delivered.records] == want
+        finally:
+            await store.close()
+
+    asyncio.run(main())

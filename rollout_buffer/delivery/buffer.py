@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.encoded import EncodedRecord
 from rollout_buffer.delivery.evals import EvalStore
-from rollout_buffer.delivery.groups import GroupKey, GroupOutcome, GroupPolicy, Record
+from rollout_buffer.delivery.groups import GroupOutcome, GroupPolicy, Record
 from rollout_buffer.delivery.ledger import RunLedger
 from rollout_buffer.delivery.reads import Reads
 from rollout_buffer.delivery.records import CompleteGroup, Finished, Records, WriteResult
@@ -199,9 +199,9 @@ class RolloutBuffer:
 
     async def _finish(self, policy: GroupPolicy, groups: list[CompleteGroup]) -> list[Finished]:
         """Run the group policy of each complete group (outside the store) and commit the outcomes."""
-        outcomes: list[tuple[GroupKey, GroupOutcome]] = []
+        outcomes: list[tuple[CompleteGroup, GroupOutcome]] = []
         for group in groups:
-            outcomes.append((group.key, await policy.outcome(group.records)))
+            outcomes.append((group, await policy.outcome(group.records)))
         return await self._records.finish(outcomes)
 
     def _completed(self, finished: list[Finished]) -> None:
@@ -223,20 +223,19 @@ class RolloutBuffer:
         self._notify()
 
     async def finish_interrupted(self) -> int:
-        """Finish the groups a stopped process left complete but not yet ready or dropped (start-up)."""
-        groups = await self._records.unfinished()
-        by_run: dict[str, list[CompleteGroup]] = {}
-        for group in groups:
-            by_run.setdefault(group.key[0], []).append(group)
-        for run_id, members in by_run.items():
-            run = await self.runs.get(run_id)
+        """Finish the groups a stopped process left complete but not yet ready or dropped (start-up), one at a
+        time (a group of long records is megabytes), each read as its run's policy reads a group completing."""
+        keys = await self._records.unfinished()
+        for key in keys:
+            run = await self.runs.get(key[0])
             if run is None:
                 continue
-            finished = await self._finish(self.policy_for(run), members)
-            self._completed(finished)
-        if groups:
-            log.info("%d complete groups of an interrupted process were finished", len(groups))
-        return len(groups)
+            policy = self.policy_for(run)
+            group = await self._records.complete_group(key, by_facts=not policy.has_hooks)
+            self._completed(await self._finish(policy, [group]))
+        if keys:
+            log.info("%d complete groups of an interrupted process were finished", len(keys))
+        return len(keys)
 
     async def get_record(self, uid: str) -> Record | None:
         """One stored trajectory by uid."""

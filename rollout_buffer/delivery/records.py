@@ -250,23 +250,29 @@ class Records:
         result: WriteResult = await self.store.call(WithSequel(first, sequel))
         return result
 
-    async def finish(self, outcomes: list[tuple[GroupKey, GroupOutcome]]) -> list[Finished]:
+    async def finish(self, outcomes: list[tuple[CompleteGroup, GroupOutcome]]) -> list[Finished]:
         """Commit the outcomes of complete groups (one transaction); those finished already are left out."""
 
         def op(conn: sqlite3.Connection) -> list[Finished]:
-            return [f for key, outcome in outcomes if (f := _finish(conn, key, outcome)) is not None]
+            return [f for group, outcome in outcomes
+                    if (f := _finish(conn, group.key, outcome, group.prefixes)) is not None]
 
         return await self.store.call(op)
 
-    async def unfinished(self) -> list[CompleteGroup]:
-        """Complete groups whose outcome was never committed (the process stopped in between)."""
+    async def unfinished(self) -> list[GroupKey]:
+        """The complete groups whose outcome was never committed (the process stopped in between), oldest first."""
 
-        def op(conn: sqlite3.Connection) -> list[CompleteGroup]:
-            keys = conn.execute("SELECT run_id, instance_id, epoch, part FROM groups WHERE state='complete' "
-                                "ORDER BY completed_at").fetchall()
-            return [CompleteGroup(k, _group_records(conn, k)) for k in keys]
+        def op(conn: sqlite3.Connection) -> list[GroupKey]:
+            return [tuple(k) for k in conn.execute(
+                "SELECT run_id, instance_id, epoch, part FROM groups WHERE state='complete' ORDER BY completed_at")]
 
         return await self.store.call(op)
+
+    async def complete_group(self, key: GroupKey, by_facts: bool) -> CompleteGroup:
+        """A complete group as its policy gets it: for the built-in policy (`by_facts`), its long records by their
+        facts, as when it completed; for one with user hooks, every record whole."""
+        return await self.store.call(lambda conn: _group_facts(conn, key) if by_facts
+                                     else CompleteGroup(key, _group_records(conn, key)))
 
     async def get(self, uid: str) -> Record | None:
         """One stored trajectory by uid."""
