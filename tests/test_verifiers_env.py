@@ -185,6 +185,7 @@ def test_an_environment_is_an_eval_dataset(verifiers_python: str, buffer: Server
     wait_finished(buffer.url, timeout_s=300)
     drain(buffer.url)
     # Beside the training run's environment, another one evaluated: its own taskset, no file.
+    log_before = len(buffer.log())
     evaluated = httpx.post(f"{buffer.url}/start_eval", timeout=120, json={
         "current_version": 3, "n_samples_per_eval_prompt": 2,
         "eval_datasets": {"arith": {"options": {"env_id": "rb_arith", "env_config": {"agent": {"harness": {
@@ -194,6 +195,8 @@ def test_an_environment_is_an_eval_dataset(verifiers_python: str, buffer: Server
                      json={"version": 3, "wait_s": 300, "records": True}).json()
     arith = out["results"]["arith"]
     assert (arith["state"], arith["samples"], arith["expected_samples"]) == ("finished", 6, 6), arith
+    # The evaluation ran on the worker that listed its taskset.
+    assert "verifiers:rb_arith: the run goes on with the worker that listed its tasks" in buffer.log()[log_before:]
     assert sorted({r["instance_id"] for r in arith["records"]}) == ["sum-2-3", "sum-4-5", "sum-7-8"]
     for rec in arith["records"]:
         assert rec["reward"] == rec["extra_info"]["env"]["traces"][0]["reward"]  # evals store rewards as given
