@@ -175,15 +175,22 @@ class StartRolloutRequest(BaseModel):
     max_abort_requeues: NonNegativeInt = 8
     current_version: NonNegativeInt | None = None
 
-    def near_misses(self) -> list[str]:
-        """Warnings for the payload's extra keys spelled like one of its options (`num_repeats_per_sample`): a
-        generator may read any key, so they are kept, but such a key most likely leaves the option it was meant
-        for at its default."""
-        known = list(type(self).model_fields)
-        return [f"{key}: not an option of /start_rollout; did you mean {close[0]}? (kept for the generator; "
-                f"{close[0]} stays {getattr(self, close[0])!r})"
-                for key in self.model_extra or {}
-                if (close := difflib.get_close_matches(key, known, n=1, cutoff=0.85))]
+    def near_misses(self, run_options: dict[str, Any]) -> list[str]:
+        """Warnings for the payload's extra keys spelled like one of its options (`num_repeats_per_sample`) or like
+        one of the `run_options` (a generator's, the sessions', the executor's: name -> default) without being
+        one: a generator may read any key, so they are kept, but such a key most likely leaves the option it was
+        meant for at its default."""
+        own = type(self).model_fields
+        known = [*own, *run_options]
+        warnings = []
+        for key in self.model_extra or {}:
+            if key in run_options or not (close := difflib.get_close_matches(key, known, n=1, cutoff=0.85)):
+                continue
+            name = close[0]
+            value = getattr(self, name) if name in own else run_options[name]
+            warnings.append(f"{key}: not an option of /start_rollout; did you mean {name}? (kept for the generator; "
+                            f"{name} stays {value!r})")
+        return warnings
 
     @model_validator(mode="after")
     def _staleness_needs_batch(self) -> StartRolloutRequest:

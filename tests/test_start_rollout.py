@@ -59,14 +59,20 @@ def test_accepts_slime_payload_with_strings(buffer_server: Server, math_file: Pa
 def test_a_misspelled_option_is_kept_but_named_in_a_warning(buffer_server: Server, math_file: Path) -> None:
     """A generator may read any key, so an unknown one is accepted; one spelled like an option most likely left
     that option at its default, and the answer (and the log) says so."""
-    payload = slime_payload(math_file, num_repeats_per_sample=16, sampling_param={"temperature": 0.1})
+    # The options generators, sessions and executors read are known too: one of them spelled right is not warned.
+    payload = slime_payload(math_file, num_repeats_per_sample=16, sampling_param={"temperature": 0.1},
+                            session_ttl=60, session_journal=False, env_workres=4)
     resp = start(buffer_server.url, payload)
     assert resp.status_code == 200, resp.text
     warnings = resp.json()["warnings"]
-    assert len(warnings) == 2
+    assert len(warnings) == 4, warnings
     assert warnings[0].startswith("num_repeats_per_sample: not an option of /start_rollout; did you mean "
                                   "num_repeat_per_sample?") and "num_repeat_per_sample stays 4" in warnings[0]
     assert "did you mean sampling_params?" in warnings[1]
+    assert "session_ttl: not an option of /start_rollout; did you mean session_ttl_s?" in warnings[2]
+    assert "session_ttl_s stays 3600.0" in warnings[2]
+    assert "env_workres: not an option of /start_rollout; did you mean env_workers? (kept for the generator; " \
+           "env_workers stays 1)" in warnings[3]
     assert httpx.get(f"{buffer_server.url}/status").json()["run"]["num_repeat_per_sample"] == 4
     assert "did you mean num_repeat_per_sample" in buffer_server.log_path.read_text()
 

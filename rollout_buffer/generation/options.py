@@ -41,6 +41,19 @@ class RunOptions(BaseModel):
             raise ValueError(f"{cls.error_prefix}: {e}") from None
 
 
+def run_option_defaults() -> dict[str, Any]:
+    """Every run option read from `/start_rollout` payloads by the service and by the generators loaded in this
+    process (the fields of each `RunOptions` subclass), with its default."""
+    found: dict[str, Any] = {}
+    classes: list[type[RunOptions]] = RunOptions.__subclasses__()
+    while classes:
+        cls = classes.pop()
+        classes += cls.__subclasses__()
+        for name, field in cls.model_fields.items():
+            found.setdefault(name, field.get_default(call_default_factory=True))
+    return found
+
+
 class EngineOptions(RunOptions):
     """The engine client's run option checked here: `context_length` overrides what the engines report."""
 

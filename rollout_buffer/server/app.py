@@ -37,7 +37,7 @@ from rollout_buffer.generation.inputs import (
     validate_file,
     write_default_input,
 )
-from rollout_buffer.generation.options import check_engine_options
+from rollout_buffer.generation.options import check_engine_options, run_option_defaults
 from rollout_buffer.generation.plugins import discover
 from rollout_buffer.generation.run_manager import RunManager, reads_input
 from rollout_buffer.observability import metrics
@@ -302,7 +302,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         message = (f"rollout started for {num_items} tasks" if path is not None
                    else "agent run started: open sessions with POST /sessions")
         answer = {"success": True, "message": message, "run_id": run_id, "num_items": num_items}
-        if warnings := req.near_misses():
+        if warnings := req.near_misses(run_option_defaults()):
             for warning in warnings:
                 log.warning("run %s: %s", run_id, warning)
             answer["warnings"] = warnings
