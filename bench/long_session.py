@@ -3,7 +3,8 @@
 Coding agents resend their whole history every turn. `--sessions` sessions advance in lockstep, one request at a
 time, each turn resending everything plus a tool output of about `--new-tokens` tokens, until the context holds
 `--context-tokens`. For every turn the buffer's CPU is read from the scheduler's per-thread counters
-(`/proc/PID/task/*/schedstat`, nanoseconds) before and after the request, so it is that turn's alone; beside it,
+(`/proc/PID/task/*/schedstat`, nanoseconds) before and after the request, so it is that turn's alone, and of it
+the serving process's event loop (its main thread; long texts are tokenized in other threads); beside it,
 the CPU this process spends tokenizing the turn's new text with the same tokenizer, its fastest way (the Rust
 tokenizer without offsets, as the buffer does): the floor any exact-token proxy pays. A turn's CPU should follow
 its new tokens, not its context: the late turns' ratio to that floor should equal the early turns'.
@@ -44,6 +45,7 @@ class Turn:
     tokenize_ms: float
     worker_ms: float = 0.0  # the CPU of the session worker serving the session (`--workers`)
     engine_ms: float = 0.0  # the simulated engine's, on the same cores: its work can slow the buffer's (caches)
+    loop_ms: float = 0.0  # of the serving process's CPU (buffer or worker), its event loop's (the rest: threads)
 
     @property
     def total_ms(self) -> float:
@@ -61,6 +63,12 @@ def process_cpu_ns(pid: int) -> int:
         except (FileNotFoundError, ProcessLookupError):
             continue
     return total
+
+
+def loop_cpu_ns(pid: int) -> int:
+    """CPU time of `pid`'s main thread so far, in nanoseconds: the event loop of the buffer and of a session worker
+    (tokenizing long texts and storing happen in other threads)."""
+    return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[0])
 
 
 def tool_output(turn: int, tokens: int, tokenizer: Any) -> str:
@@ -134,9 +142,12 @@ def run(buffer: Service, engine: Service, protocol: str, sessions: int, new_toke
         for conv in convs:
             conv.add_user(text)
             url, body = conv.request()
+            serving = conv.worker_pid or buffer.pid
             worker_before = process_cpu_ns(conv.worker_pid) if conv.worker_pid else 0
             before, engine_before = process_cpu_ns(buffer.pid), process_cpu_ns(engine.pid)
+            loop_before = loop_cpu_ns(serving)
             answer = http.post(url, json=body)
+            loop_spent = loop_cpu_ns(serving) - loop_before
             spent, engine_spent = process_cpu_ns(buffer.pid) - before, process_cpu_ns(engine.pid) - engine_before
             worker_spent = process_cpu_ns(conv.worker_pid) - worker_before if conv.worker_pid else 0
             answer.raise_for_status()
@@ -144,7 +155,8 @@ def run(buffer: Service, engine: Service, protocol: str, sessions: int, new_toke
             conv.add_reply(reply)
             usage = reply["usage"]
             context = usage.get("prompt_tokens", usage.get("input_tokens", 0))
-            turns.append(Turn(context, new, spent / 1e6, tokenize_ms, worker_spent / 1e6, engine_spent / 1e6))
+            turns.append(Turn(context, new, spent / 1e6, tokenize_ms, worker_spent / 1e6, engine_spent / 1e6,
+                              loop_spent / 1e6))
         turn += 1
     for conv in convs:  # a turn that did not continue its branch was rendered afresh: not what is measured
         branches = http.get(f"{buffer.url}/sessions/{conv.session_id}").json()["branches"]
@@ -158,8 +170,8 @@ def report(turns: list[Turn], title: str) -> None:
     table = Table(title=title)
     on_workers = any(t.worker_ms for t in turns)
     for column in ("context tokens", "new tokens", "buffer CPU ms/turn", *(["worker CPU ms/turn"] if on_workers
-                   else []), "tokenizing new tokens ms", "(buffer + worker) / tokenizing" if on_workers
-                   else "buffer / tokenizing", "engine stand-in CPU ms/turn"):
+                   else []), "of which its event loop", "tokenizing new tokens ms", "(buffer + worker) / tokenizing"
+                   if on_workers else "buffer / tokenizing", "engine stand-in CPU ms/turn"):
         table.add_column(column, justify="right")
     buckets: dict[int, list[Turn]] = {}
     for t in turns:
@@ -169,7 +181,8 @@ def report(turns: list[Turn], title: str) -> None:
         tok = statistics.median(t.tokenize_ms for t in group)
         worker = [f"{statistics.median(t.worker_ms for t in group):.2f}"] if on_workers else []
         table.add_row(f"{min(t.context_tokens for t in group)}–{max(t.context_tokens for t in group)}",
-                      f"{statistics.median(t.new_tokens for t in group):.0f}", f"{cpu:.2f}", *worker, f"{tok:.2f}",
+                      f"{statistics.median(t.new_tokens for t in group):.0f}", f"{cpu:.2f}", *worker,
+                      f"{statistics.median(t.loop_ms for t in group):.2f}", f"{tok:.2f}",
                       f"{statistics.median(t.total_ms for t in group) / tok:.2f}",
                       f"{statistics.median(t.engine_ms for t in group):.2f}")
     console.print(table)
@@ -182,7 +195,8 @@ def report(turns: list[Turn], title: str) -> None:
              f"{statistics.median(t.worker_ms for t in late):.2f} in its session worker)" if on_workers
              else "buffer CPU")
     console.print(f"SUMMARY long session: late turns {late_cpu:.2f} ms {where} at ~{late[-1].context_tokens} tokens "
-                  f"of context = {late_cpu / late_tok:.2f}x tokenizing their new tokens; late / early turns "
+                  f"of context = {late_cpu / late_tok:.2f}x tokenizing their new tokens (the serving event loop "
+                  f"{statistics.median(t.loop_ms for t in late):.2f} ms of it); late / early turns "
                   f"{late_cpu / early_cpu:.2f}x (the engine stand-in's CPU, early / late: "
                   f"{statistics.median(t.engine_ms for t in early):.2f} / "
                   f"{statistics.median(t.engine_ms for t in late):.2f} ms)")
