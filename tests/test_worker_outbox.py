@@ -211,6 +211,13 @@ def stored(db: Path, run_id: str) -> list[tuple[str, str]]:
         return sorted(conn.execute("SELECT uid, status FROM trajectories WHERE run_id = ?", (run_id,)).fetchall())
 
 
+def store_writes(url: str) -> float:
+    """How many writes the buffer's store took (its `rollout_buffer_store_write_seconds` histogram's count)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return float(next(line.split()[-1] for line in text.splitlines()
+                      if line.startswith("rollout_buffer_store_write_seconds_count")))
+
+
 def test_records_in_the_outbox_survive_a_killed_worker_and_a_stopped_buffer(
         tmp_path: Path, engine: Server, qwen_tokenizer_path: str) -> None:
     """A batch wait of ten seconds: finished sessions' records wait in the worker's outbox. The worker killed, its
@@ -251,11 +258,14 @@ def test_records_in_the_outbox_survive_a_killed_worker_and_a_stopped_buffer(
         killed = [play("killed") for _ in range(2)]
         assert stored(db, run_id) == [], "waiting in the outbox"
         worker = httpx.get(f"{srv.url}/status", timeout=10).json()["session_workers"][0]
+        writes = store_writes(srv.url)
         os.kill(worker["pid"], signal.SIGKILL)
         deadline = time.monotonic() + 60
         while len(stored(db, run_id)) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert stored(db, run_id) == sorted((s["uid"], "completed") for s in killed), "sent again by its next process"
+        # The two sessions' records came in one request, and went to the store in one write.
+        assert store_writes(srv.url) == writes + 1
         progress = httpx.get(f"{srv.url}/status", timeout=10).json()["run"]["progress"]
         assert (progress["done"], progress["failed"], progress["in_flight"]) == (2, 0, 0)
 

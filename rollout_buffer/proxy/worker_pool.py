@@ -492,12 +492,20 @@ class SessionWorkers:
         if not isinstance(worker, int) or not 0 <= worker < len(self.slots) or not isinstance(parts, builtins.list):
             raise ValueError("worker, records: a worker's index and a list of parts")
         refused: dict[str, str] = {}
+        # A part is one session's records: a run's parts are stored together, one store transaction a run (each
+        # costs more than the records it carries).
+        by_run: dict[str, builtins.list[tuple[int, builtins.list[EncodedRecord]]]] = {}
+        for i, part in enumerate(parts):
+            try:
+                by_run.setdefault(str(part["run_id"]), []).append((i, decode_wire(part["records"])))
+            except (KeyError, TypeError, ValueError) as e:  # pydantic's ValidationError is a ValueError
+                refused[str(i)] = f"records[{i}]: {e}"
         async with self.slots[worker].taking:  # what its recovery asks the store waits for what it sent before
-            for i, part in enumerate(parts):
+            for run_id, members in by_run.items():
                 try:
-                    await self._store(str(part["run_id"]), decode_wire(part["records"]))
-                except (KeyError, TypeError, ValueError) as e:  # pydantic's ValidationError is a ValueError
-                    refused[str(i)] = f"records[{i}]: {e}"
+                    await self._store(run_id, [record for _, records in members for record in records])
+                except ValueError as e:  # the run is gone: every part of it is refused
+                    refused.update((str(i), f"records[{i}]: {e}") for i, _ in members)
         for event in batch.get("events", []):
             if event.get("kind") == "closed":
                 self.held.let_go(str(event.get("session_id")))
