@@ -180,14 +180,14 @@ class StartRolloutRequest(BaseModel):
         one of the `run_options` (a generator's, the sessions', the executor's: name -> default) without being
         one: a generator may read any key, so they are kept, but such a key most likely leaves the option it was
         meant for at its default."""
-        own = type(self).model_fields
+        own, extra = type(self).model_fields, self.model_extra or {}
         known = [*own, *run_options]
         warnings = []
-        for key in self.model_extra or {}:
+        for key in extra:
             if key in run_options or not (close := difflib.get_close_matches(key, known, n=1, cutoff=0.85)):
                 continue
             name = close[0]
-            value = getattr(self, name) if name in own else run_options[name]
+            value = getattr(self, name) if name in own else extra.get(name, run_options[name])
             warnings.append(f"{key}: not an option of /start_rollout; did you mean {name}? (kept for the generator; "
                             f"{name} stays {value!r})")
         return warnings

@@ -9,6 +9,8 @@ import orjson
 import pytest
 from servers import Server, free_port
 
+from rollout_buffer.schemas import StartRolloutRequest
+
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_bytes(b"\n".join(orjson.dumps(r) for r in rows) + b"\n")
@@ -148,3 +150,13 @@ def test_new_run_replaces_old_and_keeps_its_data(buffer_server: Server, math_fil
     assert "old" not in {r["instance_id"] for r in current["data"]["data"]}, "the new run's fetch is its own"
     out = httpx.post(f"{url}/get_rollout_data", json={"max_groups": 10, "run_id": first}).json()
     assert "old" in {r["instance_id"] for r in out["data"]["data"]}
+
+
+def test_a_near_miss_names_the_value_its_option_keeps() -> None:
+    """The payload's own value when it gives the option too; None for a required option it leaves out."""
+    req = StartRolloutRequest.model_validate({"task_type": "verifiers", "env_ide": "x", "env_id": "y",
+                                              "env_workres": 3})
+    assert req.near_misses({"env_id": None, "env_workers": 1}) == [
+        "env_ide: not an option of /start_rollout; did you mean env_id? (kept for the generator; env_id stays 'y')",
+        "env_workres: not an option of /start_rollout; did you mean env_workers? (kept for the generator; "
+        "env_workers stays 1)"]

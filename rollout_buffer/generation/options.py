@@ -43,14 +43,14 @@ class RunOptions(BaseModel):
 
 def run_option_defaults() -> dict[str, Any]:
     """Every run option read from `/start_rollout` payloads by the service and by the generators loaded in this
-    process (the fields of each `RunOptions` subclass), with its default."""
+    process (the fields of each `RunOptions` subclass), with its default (None for a required one)."""
     found: dict[str, Any] = {}
     classes: list[type[RunOptions]] = RunOptions.__subclasses__()
     while classes:
         cls = classes.pop()
         classes += cls.__subclasses__()
         for name, field in cls.model_fields.items():
-            found.setdefault(name, field.get_default(call_default_factory=True))
+            found.setdefault(name, None if field.is_required() else field.get_default(call_default_factory=True))
     return found
 
 
