@@ -30,7 +30,7 @@ import orjson
 from pydantic import ValidationError
 
 from rollout_buffer.config import AUTH_TOKEN_ENV, ServerConfig
-from rollout_buffer.delivery.encoded import EncodedRecord, decode_wire
+from rollout_buffer.delivery.encoded import decode_wire
 from rollout_buffer.generation.http_pool import HttpPool, TransportError
 from rollout_buffer.generation.run_manager import RunManager
 from rollout_buffer.generation.runner import Run
@@ -42,6 +42,7 @@ from rollout_buffer.proxy.session import ProxyOptions
 from rollout_buffer.proxy.session_names import harness_uid, new_session_id, session_root
 from rollout_buffer.proxy.worker_launch import WorkerLauncher
 from rollout_buffer.proxy.worker_ledger import PlacedSessions, WorkerSlot, WorkerSlots
+from rollout_buffer.proxy.worker_records import store, store_parts
 from rollout_buffer.proxy.worker_run import WORKER_SECRET_ENV, WORKER_SECRET_HEADER
 from rollout_buffer.proxy.worker_sessions import WorkerCallError, WorkerSession, WorkerUnavailable
 
@@ -108,8 +109,10 @@ class SessionWorkers:
     async def _drain(self, slot: WorkerSlot) -> None:
         """Store the records waiting in a worker's outbox (its next process finds them stored, and lets them go)."""
         try:
-            for part in (await self._call(slot, "/worker/outbox/drain"))["parcels"]:
-                await self._store(str(part["run_id"]), decode_wire(part["records"]))
+            assert self._runs is not None
+            refused = await store_parts(self._runs, (await self._call(slot, "/worker/outbox/drain"))["parcels"])
+            if refused:
+                log.warning("session worker %d: records in its outbox refused: %s", slot.index, refused)
         except Exception as e:  # they stay in its outbox: its next process sends them
             log.warning("session worker %d: the records in its outbox were not stored before stopping: %s",
                         slot.index, e)
@@ -380,7 +383,8 @@ class SessionWorkers:
             run_id, records = str(answer["summary"]["run_id"]), decode_wire(answer["records"])
         except (KeyError, ValidationError) as e:
             return 502, {"message": f"session worker {slot.index} answered records that are not valid: {e}"}
-        await self._store(run_id, records)
+        assert self._runs is not None
+        await store(self._runs, run_id, records)
         self.held.let_go(session_id)
         self._release(slot, session_id)
         summary_answer: dict[str, Any] = answer["summary"]
@@ -401,19 +405,6 @@ class SessionWorkers:
             await self._call(slot, "/worker/sessions/released", {"session_ids": released})
         except WorkerUnavailable as e:  # its journals stay: recovery finds their records stored and lets them go
             log.warning("session worker %d was not told %d sessions were stored: %s", slot.index, len(released), e)
-
-    async def _store(self, run_id: str, records: builtins.list[EncodedRecord]) -> None:
-        """Store records of `run_id`: in the run when it is running, else straight in the store (ValueError when
-        the run is gone)."""
-        assert self._runs is not None
-        run = self._current(run_id)
-        if run is not None:
-            await run.accept_encoded(records)
-            return
-        row = await self._runs.buffer.runs.get(run_id)
-        if row is None:
-            raise ValueError(f"records: no run {run_id!r}")
-        await self._runs.buffer.write_encoded(records, row)
 
     async def view(self, session_id: str) -> dict[str, Any] | None:
         """A session's view from its worker (None when it has none)."""
@@ -491,21 +482,8 @@ class SessionWorkers:
         worker, parts = batch.get("worker"), batch.get("records", [])
         if not isinstance(worker, int) or not 0 <= worker < len(self.slots) or not isinstance(parts, builtins.list):
             raise ValueError("worker, records: a worker's index and a list of parts")
-        refused: dict[str, str] = {}
-        # A part is one session's records: a run's parts are stored together, one store transaction a run (each
-        # costs more than the records it carries).
-        by_run: dict[str, builtins.list[tuple[int, builtins.list[EncodedRecord]]]] = {}
-        for i, part in enumerate(parts):
-            try:
-                by_run.setdefault(str(part["run_id"]), []).append((i, decode_wire(part["records"])))
-            except (KeyError, TypeError, ValueError) as e:  # pydantic's ValidationError is a ValueError
-                refused[str(i)] = f"records[{i}]: {e}"
         async with self.slots[worker].taking:  # what its recovery asks the store waits for what it sent before
-            for run_id, members in by_run.items():
-                try:
-                    await self._store(run_id, [record for _, records in members for record in records])
-                except ValueError as e:  # the run is gone: every part of it is refused
-                    refused.update((str(i), f"records[{i}]: {e}") for i, _ in members)
+            refused = await store_parts(self._runs, parts)
         for event in batch.get("events", []):
             if event.get("kind") == "closed":
                 self.held.let_go(str(event.get("session_id")))
