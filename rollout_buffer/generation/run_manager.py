@@ -59,6 +59,11 @@ class RunManager:
         self._launch(run_id, StartRolloutRequest.model_validate(cfg), input_path)
         return run_id
 
+    def running(self, run_id: str) -> Run | None:
+        """The current run when it is `run_id`."""
+        run = self.current
+        return run if run is not None and run.run_id == run_id else None
+
     def runs_here(self, gen: Generator, payload: dict[str, Any]) -> bool:
         """Whether a run of `gen` started with `payload` runs its trajectories in this process."""
         return isinstance(self.executor, LocalExecutor) or gen.needs_buffer_process(payload)

@@ -88,8 +88,8 @@ async def record_failure(runs: RunManager, stored: StoredSummary, reason: str) -
                         "turns": stored.turns, "metadata": stored.metadata, "epoch": 0, "repeat": stored.repeat,
                         "task_type": run_row.config.get("task_type"), "run_id": stored.run_id,
                         "timestamp": time.time()})
-        run = runs.current
-        if run is not None and run.run_id == stored.run_id:
+        run = runs.running(stored.run_id)
+        if run is not None:
             await run.accept([record])
             run.session_failed("session_failed")
         else:

@@ -291,8 +291,7 @@ class SessionWorkers:
                 "api_key": placement.api_key, "uid": uid, "worker": slot.index, "node": slot.where.get("node")}
 
     def _current(self, run_id: str) -> Run | None:
-        run = self._runs.current if self._runs is not None else None
-        return run if run is not None and run.run_id == run_id else None
+        return self._runs.running(run_id) if self._runs is not None else None
 
     def prepare(self, run_id: str) -> None:
         """Open the agent run `run_id`, just ready, on every worker up, in the background: each loads its tokenizer

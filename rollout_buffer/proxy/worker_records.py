@@ -14,8 +14,8 @@ from rollout_buffer.generation.run_manager import RunManager
 async def store(runs: RunManager, run_id: str, records: list[EncodedRecord]) -> None:
     """Store records of `run_id`: in the run when it is running, else straight in the store (ValueError when the
     run is gone)."""
-    run = runs.current
-    if run is not None and run.run_id == run_id:
+    run = runs.running(run_id)
+    if run is not None:
         await run.accept_encoded(records)
         return
     row = await runs.buffer.runs.get(run_id)
