@@ -16,6 +16,7 @@ environment again; one no run adopted within `_PARK_S` (a start that failed afte
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import shutil
 import subprocess
@@ -201,6 +202,8 @@ class _Parked:
     def __init__(self) -> None:
         self._pools: dict[bytes, tuple[_Pool, asyncio.TimerHandle]] = {}
         self._closing: set[asyncio.Task[None]] = set()
+        # A server stopped while a pool waits: its workers die with the process (fate-shared), its folder here.
+        atexit.register(self._remove_scratch)
 
     def park(self, key: bytes, pool: _Pool) -> None:
         """Keep `pool` for the run started with these options (one listed before with them is stopped)."""
@@ -223,6 +226,11 @@ class _Parked:
         task = asyncio.get_running_loop().create_task(parked[0].aclose(), name="stop a listing's verifiers pool")
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
+
+
+    def _remove_scratch(self) -> None:
+        for pool, _ in self._pools.values():
+            shutil.rmtree(pool.scratch, ignore_errors=True)
 
 
 _parked = _Parked()

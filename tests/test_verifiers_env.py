@@ -7,6 +7,7 @@ venv maker (rollout_buffer/environments/venvs.py): one test names it by its requ
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import subprocess
 import sys
@@ -350,3 +351,19 @@ def test_a_listing_worker_no_run_adopts_is_stopped(verifiers_python: str, monkey
         assert verifiers_env._parked.adopt(key) is None
 
     asyncio.run(scenario())
+
+
+def test_a_listing_worker_waiting_for_its_run_leaves_no_folder_when_the_server_stops(
+        verifiers_python: str, tmp_path: Path) -> None:
+    # The buffer stops (its interpreter exits) while the listing's pool waits for its run to adopt it.
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    script = ("import asyncio, pathlib, sys, tempfile; from generators import verifiers_env; "
+              "rows = asyncio.run(verifiers_env.default_input({'env_python': sys.argv[1], 'env_id': 'rb_arith', "
+              "'env_paths': [sys.argv[2]]}, True)); "
+              "print(len(rows), len(list(pathlib.Path(tempfile.gettempdir()).glob('rb-env-*'))))")
+    done = subprocess.run([sys.executable, "-c", script, verifiers_python, str(ENVS)], capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).parent.parent, env={**os.environ, "TMPDIR": str(scratch)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["3", "1"], "the listing's pool, with its folder, waited when the process ended"
+    assert list(scratch.iterdir()) == []
