@@ -12,14 +12,17 @@ its new tokens, not its context: the late turns' ratio to that floor should equa
     python -m bench.proxy --long-session                                  # chat completions, to 128k tokens
     python -m bench.proxy --long-session --protocol responses --context-tokens 65536
     python -m bench.proxy --long-session --workers 2     # sessions on session workers: their CPU beside the buffer's
+    python -m bench.proxy --long-session --workers 1 --front   # reached through a forwarding front: its CPU too
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import tempfile
 import time
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from bench.forwarding_front import forwarding_front
 from bench.harness import REPO, Service, free_ports, rollout_buffer, sim_engine
 from rollout_buffer.generation.tokenizer import bundled_tokenizer_path, load_tokenizer
 
@@ -46,6 +50,7 @@ class Turn:
     worker_ms: float = 0.0  # the CPU of the session worker serving the session (`--workers`)
     engine_ms: float = 0.0  # the simulated engine's, on the same cores: its work can slow the buffer's (caches)
     loop_ms: float = 0.0  # of the serving process's CPU (buffer or worker), its event loop's (the rest: threads)
+    front_ms: float = 0.0  # the forwarding front's (`--front`): what one address for every session would add
 
     @property
     def total_ms(self) -> float:
@@ -83,9 +88,12 @@ def tool_output(turn: int, tokens: int, tokenizer: Any) -> str:
 class Protocol:
     """How a history is sent and a reply read back in one wire format."""
 
-    def __init__(self, name: str, opened: dict[str, Any]):
+    def __init__(self, name: str, opened: dict[str, Any], front_url: str | None = None):
         self.name, self.session_id = name, opened["session_id"]
         self.base_url, self.anthropic_base_url = opened["base_url"], opened["anthropic_base_url"]
+        if front_url is not None:
+            self.base_url, self.anthropic_base_url = (front_url + urllib.parse.urlsplit(url).path
+                                                      for url in (self.base_url, self.anthropic_base_url))
         self.history: list[dict[str, Any]] = []
         self.worker_pid: int | None = None  # the session worker serving it, if one does
 
@@ -115,8 +123,8 @@ class Protocol:
                 b for b in answer["content"] if b["type"] == "text"]})
 
 
-def run(buffer: Service, engine: Service, protocol: str, sessions: int, new_tokens: int, context_tokens: int
-        ) -> list[Turn]:
+def run(buffer: Service, engine: Service, protocol: str, sessions: int, new_tokens: int, context_tokens: int,
+        front: Service | None = None) -> list[Turn]:
     """The turns of `sessions` sessions grown to `context_tokens`, each measured."""
     tokenizer = load_tokenizer(bundled_tokenizer_path())
     httpx.post(f"{buffer.url}/start_rollout", timeout=60, json={
@@ -127,7 +135,7 @@ def run(buffer: Service, engine: Service, protocol: str, sessions: int, new_toke
     workers = {w["worker"]: w["pid"] for w in http.get(f"{buffer.url}/status").json().get("session_workers", [])}
     for s in range(sessions):
         opened = http.post(f"{buffer.url}/sessions", json={"instance_id": f"long-{s}"}).json()
-        conv = Protocol(protocol, opened)
+        conv = Protocol(protocol, opened, front.url if front else None)
         conv.worker_pid = workers.get(opened.get("worker", -1))
         conv.add_user("You are a coding agent. Read the files I show you and say what each does, briefly.")
         convs.append(conv)
@@ -146,7 +154,9 @@ def run(buffer: Service, engine: Service, protocol: str, sessions: int, new_toke
             worker_before = process_cpu_ns(conv.worker_pid) if conv.worker_pid else 0
             before, engine_before = process_cpu_ns(buffer.pid), process_cpu_ns(engine.pid)
             loop_before = loop_cpu_ns(serving)
+            front_before = process_cpu_ns(front.pid) if front else 0
             answer = http.post(url, json=body)
+            front_spent = process_cpu_ns(front.pid) - front_before if front else 0
             loop_spent = loop_cpu_ns(serving) - loop_before
             spent, engine_spent = process_cpu_ns(buffer.pid) - before, process_cpu_ns(engine.pid) - engine_before
             worker_spent = process_cpu_ns(conv.worker_pid) - worker_before if conv.worker_pid else 0
@@ -156,7 +166,7 @@ def run(buffer: Service, engine: Service, protocol: str, sessions: int, new_toke
             usage = reply["usage"]
             context = usage.get("prompt_tokens", usage.get("input_tokens", 0))
             turns.append(Turn(context, new, spent / 1e6, tokenize_ms, worker_spent / 1e6, engine_spent / 1e6,
-                              loop_spent / 1e6))
+                              loop_spent / 1e6, front_spent / 1e6))
         turn += 1
     for conv in convs:  # a turn that did not continue its branch was rendered afresh: not what is measured
         branches = http.get(f"{buffer.url}/sessions/{conv.session_id}").json()["branches"]
@@ -169,9 +179,12 @@ def report(turns: list[Turn], title: str) -> None:
     """A table of the turns by context length (median of each bucket) and the summary line."""
     table = Table(title=title)
     on_workers = any(t.worker_ms for t in turns)
-    for column in ("context tokens", "new tokens", "buffer CPU ms/turn", *(["worker CPU ms/turn"] if on_workers
-                   else []), "of which its event loop", "tokenizing new tokens ms", "(buffer + worker) / tokenizing"
-                   if on_workers else "buffer / tokenizing", "engine stand-in CPU ms/turn"):
+    via_front = any(t.front_ms for t in turns)
+    for column in ("context tokens", "new tokens", "buffer CPU ms/turn",
+                   *(["worker CPU ms/turn"] if on_workers else []), *(["front CPU ms/turn"] if via_front else []),
+                   "of which its event loop", "tokenizing new tokens ms",
+                   "(buffer + worker) / tokenizing" if on_workers else "buffer / tokenizing",
+                   "engine stand-in CPU ms/turn"):
         table.add_column(column, justify="right")
     buckets: dict[int, list[Turn]] = {}
     for t in turns:
@@ -180,6 +193,7 @@ def report(turns: list[Turn], title: str) -> None:
         cpu = statistics.median(t.buffer_ms for t in group)
         tok = statistics.median(t.tokenize_ms for t in group)
         worker = [f"{statistics.median(t.worker_ms for t in group):.2f}"] if on_workers else []
+        worker += [f"{statistics.median(t.front_ms for t in group):.2f}"] if via_front else []
         table.add_row(f"{min(t.context_tokens for t in group)}–{max(t.context_tokens for t in group)}",
                       f"{statistics.median(t.new_tokens for t in group):.0f}", f"{cpu:.2f}", *worker,
                       f"{statistics.median(t.loop_ms for t in group):.2f}", f"{tok:.2f}",
@@ -194,6 +208,8 @@ def report(turns: list[Turn], title: str) -> None:
     where = (f"CPU ({statistics.median(t.buffer_ms for t in late):.2f} in the buffer, "
              f"{statistics.median(t.worker_ms for t in late):.2f} in its session worker)" if on_workers
              else "buffer CPU")
+    if via_front:
+        where += f", and {statistics.median(t.front_ms for t in late):.2f} in the forwarding front"
     console.print(f"SUMMARY long session: late turns {late_cpu:.2f} ms {where} at ~{late[-1].context_tokens} tokens "
                   f"of context = {late_cpu / late_tok:.2f}x tokenizing their new tokens (the serving event loop "
                   f"{statistics.median(t.loop_ms for t in late):.2f} ms of it); late / early turns "
@@ -211,14 +227,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context-tokens", type=int, default=131072)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--workers", type=int, default=0, help="session workers serving the sessions (0: the buffer)")
+    parser.add_argument("--front", action="store_true", help="the sessions reached through a forwarding front "
+                        "(bench/forwarding_front.py; with --workers)")
     args = parser.parse_args(argv)
+    if args.front and not args.workers:
+        parser.error("--front forwards to session workers: give --workers")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-long-session-"))
     workdir.mkdir(parents=True, exist_ok=True)
     engine_context = str(2 * args.context_tokens + 4096)
     extra = ["--session-workers", str(args.workers), "--session-worker-port", str(free_ports(args.workers))
              ] if args.workers else []
     with sim_engine(workdir, 1.0, 0, "--context-length", engine_context) as engine, \
-            rollout_buffer(workdir, REPO, *extra) as buffer:
-        turns = run(buffer, engine, args.protocol, args.sessions, args.new_tokens, args.context_tokens)
+            rollout_buffer(workdir, REPO, *extra) as buffer, contextlib.ExitStack() as stack:
+        front = stack.enter_context(forwarding_front(workdir, [w["url"] for w in httpx.get(
+            f"{buffer.url}/status", timeout=10).json()["session_workers"]])) if args.front else None
+        turns = run(buffer, engine, args.protocol, args.sessions, args.new_tokens, args.context_tokens, front)
     report(turns, f"Long sessions ({args.protocol}): {args.sessions} sessions, ~{args.new_tokens} new tokens a turn, "
                   f"to {args.context_tokens} tokens of context")

@@ -23,11 +23,14 @@ shows how many cores the machine kept busy and the engine's CPU per request.
     python -m bench.proxy --opens            # the buffer's CPU per POST /sessions (bench/session_opens.py)
     python -m bench.proxy --workers 0,1,2,4  # the proxy served by N session workers (0: the buffer itself)
     python -m bench.proxy --workers 1 --batch-ms 25   # workers' records waiting 25 ms for company
+    python -m bench.proxy --workers 0,1 --front       # also through a forwarding front (bench/forwarding_front.py)
 
 With `--workers`, the proxy is measured once per worker count (`serve --session-workers N`), and the table
 splits the CPU per turn between the buffer process (placing, finishing and storing) and its workers (each
 turn's parsing, rendering, tokenizing, engine call and journal). "Of which storing" is the buffer's store thread
-(its SQLite writes), metered apart from its event loop.
+(its SQLite writes), metered apart from its event loop. With `--front`, each worker count is measured again with
+the agents' turns and finishes sent through a forwarding front (one address for every session) instead of to the
+worker's own URL: the front's CPU per turn is what the buffer would pay on top of its own if it forwarded.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import contextlib
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +54,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import long_session, profiler, session_opens
+from bench.forwarding_front import forwarding_front
 from bench.harness import REPO, MachineCpu, Meter, Service, ThreadCpu, free_ports, rollout_buffer, sim_engine
 from rollout_buffer.delivery.store import STORE_THREAD
 from rollout_buffer.generation.tokenizer import bundled_tokenizer_path
@@ -72,6 +77,7 @@ class Result:
     machine_cores: float
     worker_cores: list[float] = field(default_factory=list)
     store_cores: float | None = None  # the buffer's store thread (SQLite writes), part of buffer_cores
+    front_cores: float | None = None  # the forwarding front's (`--front`)
 
     @property
     def workers_ms_per_turn(self) -> float:
@@ -84,6 +90,10 @@ class Result:
     @property
     def store_ms_per_turn(self) -> float | None:
         return None if self.store_cores is None else 1000 * self.store_cores / self.turns_per_s
+
+    @property
+    def front_ms_per_turn(self) -> float | None:
+        return None if self.front_cores is None else 1000 * self.front_cores / self.turns_per_s
 
     @property
     def engine_ms_per_turn(self) -> float:
@@ -102,13 +112,14 @@ class Agents:
     follow-up questions); turn completion times in `done_at`."""
 
     def __init__(self, sessions: int, turns: int, latency_s: float, target: str, engine_url: str,
-                 buffer_url: str | None):
+                 buffer_url: str | None, front_url: str | None = None):
         self.sessions = sessions
         self.turns = turns
         self.latency_s = latency_s
         self.target = target  # direct | proxy
         self.engine_url = engine_url
         self.buffer_url = buffer_url
+        self.front_url = front_url  # sessions' URLs reached through this forwarding front instead
         self.done_at: list[float] = []
         self.errors = 0
         self.stop = asyncio.Event()
@@ -125,7 +136,7 @@ class Agents:
         if self.target == "proxy":
             assert self.buffer_url is not None
             opened = await self._post(http, f"{self.buffer_url}/sessions", {"instance_id": f"e{i}"})
-            url = opened["base_url"] + "/chat/completions"
+            url = self._via_front(opened["base_url"] + "/chat/completions")
         else:
             url = self.engine_url + "/v1/chat/completions"
         for turn in range(turns):
@@ -141,7 +152,13 @@ class Agents:
                 messages += [{"role": "assistant", "content": reply["content"]},
                              {"role": "user", "content": f"Check it once more ({turn})."}]
         if self.target == "proxy":
-            await self._post(http, opened["finish_url"], {"reward": 1.0})
+            await self._post(http, self._via_front(opened["finish_url"]), {"reward": 1.0})
+
+    def _via_front(self, url: str) -> str:
+        if self.front_url is None:
+            return url
+        parts = urllib.parse.urlsplit(url)
+        return self.front_url + parts.path + (f"?{parts.query}" if parts.query else "")
 
     async def _agent(self, http: aiohttp.ClientSession, k: int) -> None:
         # Agents start spread over one engine latency, and their first episodes are cut short by 0 to turns-1
@@ -190,9 +207,9 @@ class _Profile:
 
 
 def measure(system: str, engine: Service, buffer: Service | None, sessions: int, turns: int, latency_s: float,
-            warmup_s: float, window_s: float, profile: Path | None = None) -> Result:
+            warmup_s: float, window_s: float, profile: Path | None = None, front: Service | None = None) -> Result:
     agents = Agents(sessions, turns, latency_s, "proxy" if buffer else "direct", engine.url,
-                    buffer.url if buffer else None)
+                    buffer.url if buffer else None, front.url if front else None)
     machine = MachineCpu()
     cpu_s: dict[str, float] = {}
     worker_pids = [w["pid"] for w in httpx.get(f"{buffer.url}/status", timeout=10).json().get(
@@ -202,6 +219,7 @@ def measure(system: str, engine: Service, buffer: Service | None, sessions: int,
         buffer_meter = stack.enter_context(Meter(buffer.pid, children=False)) if buffer else None
         store_meter = ThreadCpu(buffer.pid, STORE_THREAD) if buffer else None
         worker_meters = [stack.enter_context(Meter(pid, children=False)) for pid in worker_pids]
+        front_meter = stack.enter_context(Meter(front.pid)) if front else None
         spy = _Profile(buffer.pid, window_s, profile) if buffer and profile is not None else None
         worker_cpu_s: list[float] = []
 
@@ -210,9 +228,11 @@ def measure(system: str, engine: Service, buffer: Service | None, sessions: int,
             if buffer_meter is not None and store_meter is not None:
                 cpu_s["buffer"], cpu_s["store"] = buffer_meter.usage().cpu_s, store_meter.cpu_s()
             worker_cpu_s.extend(m.usage().cpu_s for m in worker_meters)
+            if front_meter is not None:
+                cpu_s["front"] = front_meter.usage().cpu_s
 
         meters = [engine_meter, machine, *([buffer_meter, store_meter] if buffer_meter else []), *worker_meters,
-                  *([spy] if spy else [])]
+                  *([front_meter] if front_meter else []), *([spy] if spy else [])]
         turns, window = asyncio.run(agents.run(warmup_s, window_s, meters, window_closed))
     if spy is not None and spy.spy is not None:
         spy.spy.wait(window_s + 30)
@@ -221,7 +241,8 @@ def measure(system: str, engine: Service, buffer: Service | None, sessions: int,
         console.print(f"[yellow]{system}: {agents.errors} failed episodes[/]")
     buffer_cores = cpu_s["buffer"] / window if "buffer" in cpu_s else None
     return Result(system, turns / window, buffer_cores, cpu_s["engine"] / window, cpu_s["machine"],
-                  [c / window for c in worker_cpu_s], cpu_s["store"] / window if "store" in cpu_s else None)
+                  [c / window for c in worker_cpu_s], cpu_s["store"] / window if "store" in cpu_s else None,
+                  cpu_s["front"] / window if "front" in cpu_s else None)
 
 
 def start_agent_run(buffer: Service, engine: Service, workers: int = 0, **options: Any) -> None:
@@ -275,6 +296,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", default="0",
                         help="comma-separated session worker counts to measure the proxy with (0: the buffer "
                         "serves the sessions itself; default %(default)s)")
+    parser.add_argument("--front", action="store_true",
+                        help="measure each worker count again with the sessions reached through a forwarding front")
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.workers.split(",")]
     warmup = warmup_s(args.warmup_s, args.latency_ms)
@@ -293,6 +316,11 @@ def main(argv: list[str] | None = None) -> None:
                 name = f"proxy, {n} workers" if n else "proxy"
                 proxies.append(measure(name, engine, buffer, *shape,
                                        workdir / f"profile-proxy-{n}.txt" if args.profile else None))
+                if n and args.front:
+                    urls = [w["url"] for w in httpx.get(f"{buffer.url}/status", timeout=10).json()[
+                        "session_workers"]]
+                    with forwarding_front(workdir, urls) as front:
+                        proxies.append(measure(f"{name}, through a front", engine, buffer, *shape, front=front))
     for r in (direct, *proxies):
         if r.turns_per_s == 0:
             raise SystemExit(f"{r.system}: no turn finished within the {args.window_s:g} s window; "
@@ -300,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     table = Table(title=f"Agent proxy: {args.sessions} sessions of {args.turns} turns, engine latency "
                   f"{args.latency_ms:g} ms, window {args.window_s:g} s")
     for column in ("system", "turns/s", "% of direct", "buffer CPU ms/turn", "of which storing", "workers CPU ms/turn",
-                   "per worker cores", "engine CPU ms/turn", "machine busy cores"):
+                   "per worker cores", "front CPU ms/turn", "engine CPU ms/turn", "machine busy cores"):
         table.add_column(column, justify="left" if column == "system" else "right")
     for r in (direct, *proxies):
         table.add_row(r.system, f"{r.turns_per_s:.1f}", f"{100 * r.turns_per_s / direct.turns_per_s:.0f}%",
@@ -308,10 +336,13 @@ def main(argv: list[str] | None = None) -> None:
                       "-" if r.store_ms_per_turn is None else f"{r.store_ms_per_turn:.3f}",
                       f"{r.workers_ms_per_turn:.2f}" if r.worker_cores else "-",
                       " ".join(f"{c:.2f}" for c in r.worker_cores) or "-",
+                      "-" if r.front_ms_per_turn is None else f"{r.front_ms_per_turn:.3f}",
                       f"{r.engine_ms_per_turn:.2f}", f"{r.machine_cores:.2f}")
     console.print(table)
     for proxy in proxies:
         workers = f", {proxy.workers_ms_per_turn:.2f} ms in workers" if proxy.worker_cores else ""
+        if proxy.front_ms_per_turn is not None:
+            workers += f", {proxy.front_ms_per_turn:.3f} ms in the front"
         console.print(f"SUMMARY {proxy.system} {args.sessions}@{args.latency_ms:g}ms: {proxy.turns_per_s:.1f} "
                       f"turns/s, {100 * proxy.turns_per_s / direct.turns_per_s:.0f}% of direct, "
                       f"{proxy.buffer_ms_per_turn:.3f} ms buffer CPU per turn ({proxy.store_ms_per_turn:.3f} storing)"

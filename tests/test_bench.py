@@ -83,7 +83,7 @@ def test_staleness_measures_throughput_and_lag_per_bound() -> None:
 
 def test_proxy_measures_agent_turns_against_the_engine_directly(tmp_path: Path) -> None:
     out = run_bench("proxy", "--sessions", "8", "--turns", "3", "--latency-ms", "20", "--warmup-s", "1",
-                    "--window-s", "2", "--workdir", str(tmp_path), "--workers", "0,1")
+                    "--window-s", "2", "--workdir", str(tmp_path), "--workers", "0,1", "--front")
     found = re.search(rf"SUMMARY proxy 8@20ms: {NUMBER} turns/s, {NUMBER}% of direct, {NUMBER} ms buffer CPU per "
                       rf"turn \({NUMBER} storing\)\n", out)
     assert found and float(found.group(1)) > 0 and float(found.group(3)) > 0, out[-3000:]
@@ -92,6 +92,10 @@ def test_proxy_measures_agent_turns_against_the_engine_directly(tmp_path: Path) 
     found = re.search(rf"SUMMARY proxy, 1 workers 8@20ms: {NUMBER} turns/s, {NUMBER}% of direct, {NUMBER} ms buffer "
                       rf"CPU per turn \({NUMBER} storing\), {NUMBER} ms in workers", out)
     assert found and float(found.group(1)) > 0 and float(found.group(5)) > 0, out[-3000:]
+    # The same worker reached through a forwarding front: the turns pass through it, and it counts its CPU.
+    found = re.search(rf"SUMMARY proxy, 1 workers, through a front 8@20ms: {NUMBER} turns/s, .* {NUMBER} ms in "
+                      rf"workers, {NUMBER} ms in the front", out)
+    assert found and float(found.group(1)) > 0 and float(found.group(3)) > 0, out[-3000:]
     assert re.search(r"│ direct +│ +\d", out) and re.search(r"│ proxy +│ +\d", out), out[-3000:]
 
 
