@@ -2,7 +2,7 @@
 
 The buffer hands out base URLs that point at the session's worker (docs/session-workers.md says why). The other
 design is one address for every agent and a front that forwards each turn to the worker holding the session, as
-AReaL's gateway does. This is that front at its leanest: uvicorn (with httptools, as the buffer serves) and a bare
+AReaL's gateway does. This is such a front, kept lean: uvicorn (with httptools, as the buffer serves) and a bare
 ASGI app, no framework, that reads the worker from the session's id (`s-w<n>-…`) and passes the request and the
 reply through with one pooled aiohttp connection set, the reply streamed as it comes. `bench.proxy --front`
 measures its CPU per turn beside the buffer's and the workers'.
