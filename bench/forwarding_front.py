@@ -13,10 +13,12 @@ measures its CPU per turn beside the buffer's and the workers'.
 from __future__ import annotations
 
 import argparse
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx
 import uvicorn
 
 from bench.harness import REPO, Service, free_port
@@ -91,11 +93,21 @@ async def _answer(send: Any, status: int, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def forwarding_front(workdir: Path, workers: list[str]) -> Service:
-    """This front as a subprocess on a free port, forwarding to `workers` (their URLs, worker 0 first)."""
+def forwarding_front(workdir: Path, buffer_url: str) -> Service:
+    """This front as a subprocess on a free port, forwarding to the session workers of the buffer at `buffer_url`."""
+    listed = httpx.get(f"{buffer_url}/status", timeout=10).raise_for_status().json()["session_workers"]
+    workers = [w["url"] for w in sorted(listed, key=lambda w: w["worker"])]
     port = free_port()
     args = ["--port", str(port), *(a for url in workers for a in ("--worker", url))]
     return Service("bench.forwarding_front", args, port, "/healthz", workdir / f"front-{port}.log", REPO)
+
+
+def through(front_url: str | None, url: str) -> str:
+    """A session's `url` (at its worker) as reached through the front at `front_url`; `url` itself without one."""
+    if front_url is None:
+        return url
+    parts = urllib.parse.urlsplit(url)
+    return front_url + parts.path + (f"?{parts.query}" if parts.query else "")
 
 
 def main() -> None:

@@ -22,7 +22,6 @@ import contextlib
 import statistics
 import tempfile
 import time
-import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from bench.forwarding_front import forwarding_front
+from bench.forwarding_front import forwarding_front, through
 from bench.harness import REPO, Service, free_ports, rollout_buffer, sim_engine
 from rollout_buffer.generation.tokenizer import bundled_tokenizer_path, load_tokenizer
 
@@ -90,10 +89,8 @@ class Protocol:
 
     def __init__(self, name: str, opened: dict[str, Any], front_url: str | None = None):
         self.name, self.session_id = name, opened["session_id"]
-        self.base_url, self.anthropic_base_url = opened["base_url"], opened["anthropic_base_url"]
-        if front_url is not None:
-            self.base_url, self.anthropic_base_url = (front_url + urllib.parse.urlsplit(url).path
-                                                      for url in (self.base_url, self.anthropic_base_url))
+        self.base_url = through(front_url, opened["base_url"])
+        self.anthropic_base_url = through(front_url, opened["anthropic_base_url"])
         self.history: list[dict[str, Any]] = []
         self.worker_pid: int | None = None  # the session worker serving it, if one does
 
@@ -239,8 +236,7 @@ def main(argv: list[str] | None = None) -> None:
              ] if args.workers else []
     with sim_engine(workdir, 1.0, 0, "--context-length", engine_context) as engine, \
             rollout_buffer(workdir, REPO, *extra) as buffer, contextlib.ExitStack() as stack:
-        front = stack.enter_context(forwarding_front(workdir, [w["url"] for w in httpx.get(
-            f"{buffer.url}/status", timeout=10).json()["session_workers"]])) if args.front else None
+        front = stack.enter_context(forwarding_front(workdir, buffer.url)) if args.front else None
         turns = run(buffer, engine, args.protocol, args.sessions, args.new_tokens, args.context_tokens, front)
     report(turns, f"Long sessions ({args.protocol}): {args.sessions} sessions, ~{args.new_tokens} new tokens a turn, "
                   f"to {args.context_tokens} tokens of context")

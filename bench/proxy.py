@@ -41,7 +41,6 @@ import contextlib
 import sys
 import tempfile
 import time
-import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +53,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import long_session, profiler, session_opens
-from bench.forwarding_front import forwarding_front
+from bench.forwarding_front import forwarding_front, through
 from bench.harness import REPO, MachineCpu, Meter, Service, ThreadCpu, free_ports, rollout_buffer, sim_engine
 from rollout_buffer.delivery.store import STORE_THREAD
 from rollout_buffer.generation.tokenizer import bundled_tokenizer_path
@@ -136,7 +135,7 @@ class Agents:
         if self.target == "proxy":
             assert self.buffer_url is not None
             opened = await self._post(http, f"{self.buffer_url}/sessions", {"instance_id": f"e{i}"})
-            url = self._via_front(opened["base_url"] + "/chat/completions")
+            url = through(self.front_url, opened["base_url"] + "/chat/completions")
         else:
             url = self.engine_url + "/v1/chat/completions"
         for turn in range(turns):
@@ -152,13 +151,7 @@ class Agents:
                 messages += [{"role": "assistant", "content": reply["content"]},
                              {"role": "user", "content": f"Check it once more ({turn})."}]
         if self.target == "proxy":
-            await self._post(http, self._via_front(opened["finish_url"]), {"reward": 1.0})
-
-    def _via_front(self, url: str) -> str:
-        if self.front_url is None:
-            return url
-        parts = urllib.parse.urlsplit(url)
-        return self.front_url + parts.path + (f"?{parts.query}" if parts.query else "")
+            await self._post(http, through(self.front_url, opened["finish_url"]), {"reward": 1.0})
 
     async def _agent(self, http: aiohttp.ClientSession, k: int) -> None:
         # Agents start spread over one engine latency, and their first episodes are cut short by 0 to turns-1
@@ -317,9 +310,7 @@ def main(argv: list[str] | None = None) -> None:
                 proxies.append(measure(name, engine, buffer, *shape,
                                        workdir / f"profile-proxy-{n}.txt" if args.profile else None))
                 if n and args.front:
-                    urls = [w["url"] for w in httpx.get(f"{buffer.url}/status", timeout=10).json()[
-                        "session_workers"]]
-                    with forwarding_front(workdir, urls) as front:
+                    with forwarding_front(workdir, buffer.url) as front:
                         proxies.append(measure(f"{name}, through a front", engine, buffer, *shape, front=front))
     for r in (direct, *proxies):
         if r.turns_per_s == 0:
