@@ -227,7 +227,6 @@ class _Parked:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-
     def _remove_scratch(self) -> None:
         for pool, _ in self._pools.values():
             shutil.rmtree(pool.scratch, ignore_errors=True)
