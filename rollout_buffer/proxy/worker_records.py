@@ -25,8 +25,8 @@ async def store(runs: RunManager, run_id: str, records: list[EncodedRecord]) -> 
 
 
 async def store_parts(runs: RunManager, parts: list[Any]) -> dict[str, str]:
-    """Store a batch's `{"run_id", "records"}` parts, a run's together; why each part refused for good (malformed,
-    its run gone) was, by index."""
+    """Store a batch's `{"run_id", "records"}` parts, a run's together. Returns the parts refused for good
+    (malformed, or their run gone), by index, each with why."""
     by_run: dict[str, list[tuple[int, list[EncodedRecord]]]] = {}
     refused: dict[str, str] = {}
     for i, part in enumerate(parts):
