@@ -266,11 +266,13 @@ def test_started_servers_run_as_the_user_the_run_names(readable_openenv_python: 
                    openenv_command=[readable_openenv_python, str(ENVS / "arith_drill.py"), "--port", "{port}"])
     assert answer.status_code == 200, answer.text
     assert buffer.proc is not None
+    server = [readable_openenv_python, str(ENVS / "arith_drill.py")]
     owners: set[str] = set()
     deadline = time.monotonic() + 120
     while not owners and time.monotonic() < deadline:  # the server the buffer started, while its episode runs
-        owners = {c.username() for c in psutil.Process(buffer.proc.pid).children()
-                  if any("arith_drill.py" in part for part in c.cmdline())}
+        # The program itself: the user-switching launcher before it (its arguments name the program too) is the
+        # buffer's user until it execs the server.
+        owners = {c.username() for c in psutil.Process(buffer.proc.pid).children() if c.cmdline()[:2] == server}
         time.sleep(0.1)
     assert owners == {"nobody"}
     status = wait_finished(buffer.url, timeout_s=300)

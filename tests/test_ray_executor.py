@@ -37,6 +37,8 @@ NAMESPACE = "rollout_buffer"
 # their agent sessions with it.
 TOKEN = "ray-buffer-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+# A run's wait: each run starts its pool's actors, which took over 30 s on a loaded 2-core machine.
+RUN_S = 180
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +116,7 @@ def test_a_math_run_on_ray_delivers_the_same_groups_as_locally(tmp_path, engine,
         locally = groups(drain_batches(local.url))
         local_tokens = metric(local.url, "rollout_buffer_tokens_generated_total")
         local_requests = metric(local.url, "rollout_buffer_engine_request_seconds_count")
-    ray_status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=60)
+    ray_status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=RUN_S)
     on_ray = groups(drain_batches(ray_buffer.url, headers=AUTH))
     assert ray_status["executor"]["kind"] == "ray" and ray_status["executor"]["actors"] == 2
     assert local_status["executor"] == {"kind": "local"}
@@ -132,7 +134,7 @@ def kill_an_actor_and_finish(ray_buffer: Server, instances: int, repeats: int) -
     """Kill the pool's first actor mid-run; once the run finished, nothing failed and each of the `instances` ×
     `repeats` trajectories was delivered exactly once. The run's final status."""
     ray.kill(ray.get_actor(pool_workers(ray_buffer)[0], namespace=NAMESPACE))
-    status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=60)
+    status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=RUN_S)
     records = [r for batch in drain_batches(ray_buffer.url, headers=AUTH) for r in batch]
     assert status["run"]["state"] == "finished"
     assert status["run"]["progress"]["failed"] == 0 and status["run"]["progress"]["done"] == instances * repeats
@@ -171,7 +173,7 @@ def test_killing_an_actor_mid_run_loses_nothing(tmp_path, engine, ray_buffer, qw
         time.sleep(0.02)
     assert start(ray_buffer.url, engine.url, math_file(tmp_path / "next.jsonl", 8), qwen_tokenizer_path,
                  num_process=8).status_code == 200
-    status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=60)
+    status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=RUN_S)
     assert status["run"]["progress"]["done"] == 32 and status["run"]["progress"]["failed"] == 0
     assert len([r for batch in drain_batches(ray_buffer.url, headers=AUTH) for r in batch]) == 32
 
@@ -188,7 +190,7 @@ def test_a_ray_run_resumes_after_the_buffer_is_killed(tmp_path, engine, ray_buff
         time.sleep(0.02)
     ray_buffer.kill9()  # its actors go with it
     ray_buffer.start()  # the same data dir: the run resumes on a new pool
-    status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=60)
+    status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=RUN_S)
     records = [r for batch in drain_batches(ray_buffer.url, headers=AUTH) for r in batch
                if r["extra_info"]["run_id"] == run_id]
     assert status["run"]["run_id"] == run_id and status["run"]["state"] == "finished"
@@ -206,7 +208,7 @@ def test_in_flight_limit_holds_and_resource_hints_place_the_actors(tmp_path, ray
     with start_sim_engine(tmp_path, qwen_tokenizer_path, "--latency-ms", "40") as eng:
         assert start(ray_buffer.url, eng.url, inp, qwen_tokenizer_path, num_process=4,
                      ray_memory_mb=64).status_code == 200
-        status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=60)
+        status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=RUN_S)
         stats = httpx.get(f"{eng.url}/sim/stats").json()
     assert status["run"]["state"] == "finished" and status["run"]["progress"]["done"] == 32
     # num_process bounds the requests at the engine however many actors run them.
@@ -231,7 +233,7 @@ def test_failed_trajectories_are_recorded_with_their_reason(tmp_path, ray_buffer
     before = metric(ray_buffer.url, 'rollout_buffer_trajectories_failed_total{reason="engine_connection"}')
     closed = f"http://127.0.0.1:{free_port()}"  # nothing listens: every trajectory fails in its actor
     assert start(ray_buffer.url, closed, inp, qwen_tokenizer_path, max_retries=0, backoff_s=0.01).status_code == 200
-    status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=30)
+    status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=RUN_S)
     assert status["run"]["state"] == "finished"
     assert status["run"]["progress"]["failures"] == {"engine_connection": 8}
     assert status["records"] == {"failed": 8} and status["groups"] == {"filtered": 2}
@@ -331,7 +333,7 @@ def test_subprocess_agents_run_in_the_actors_with_sessions_in_the_buffer(tmp_pat
     started = start_agents(ray_buffer.url, engine.url, inp, qwen_tokenizer_path,
                            agent_command=[str(readable_agents / "stdlib_agent.py")])
     assert started.status_code == 200, started.text
-    status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=60)
+    status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=RUN_S)
     assert status["run"]["state"] == "finished" and status["executor"]["kind"] == "ray"
     assert status["run"]["progress"]["failed"] == 0 and status["run"]["progress"]["done"] == 6
     batches = drain_batches(ray_buffer.url, headers=AUTH)
@@ -373,7 +375,7 @@ def test_a_callable_agent_runs_in_the_actors_at_most_agent_max_running_at_once(t
     started = start_agents(ray_buffer.url, engine.url, inp, qwen_tokenizer_path,
                            agent=f"{readable_agents / 'pid_agent.py'}:agent", agent_max_running=1)
     assert started.status_code == 200, started.text
-    status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=60)
+    status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=RUN_S)
     assert status["run"]["progress"]["failed"] == 0 and status["run"]["progress"]["done"] == 8
     records = [r for batch in drain_batches(ray_buffer.url, headers=AUTH) for r in batch]
     assert len(records) == 8 and len({r["uid"] for r in records}) == 8
@@ -545,7 +547,7 @@ def test_the_token_reaches_the_actors_in_no_command_line_and_no_ray_record(tmp_p
     started = start_agents(ray_buffer.url, engine.url, inp, qwen_tokenizer_path,
                            agent=f"{readable_agents / 'pid_agent.py'}:agent")
     assert started.status_code == 200, started.text
-    status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=60)
+    status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=RUN_S)
     assert status["run"]["progress"]["done"] == 4 and status["run"]["progress"]["failed"] == 0
     assert processes_with(TOKEN) == []
     # Ray's records of the actors, jobs and tasks, which its state API serves (where Ray's dashboard runs).
@@ -568,7 +570,7 @@ def test_a_token_given_on_the_command_line_is_masked_in_the_ray_job(tmp_path, ra
             "task_type": "math", "input_file": str(math_file(tmp_path / "math.jsonl", 1)), "num_repeat_per_sample": 1,
             "remote_engine_url": closed, "tokenizer_path": qwen_tokenizer_path, "max_retries": 0, "ray_num_cpus": 0.5})
         assert resp.status_code == 200, resp.text
-        wait_finished(srv.url, headers={"Authorization": f"Bearer {secret}"}, timeout_s=60)
+        wait_finished(srv.url, headers={"Authorization": f"Bearer {secret}"}, timeout_s=RUN_S)
         job = next(j for j in ray._private.state.state.job_table() if j["DriverPid"] == srv.proc.pid)
         assert "--auth-token ***" in job["Entrypoint"] and secret not in job["Entrypoint"]
         assert secret not in " ".join(psutil.Process(srv.proc.pid).cmdline()), "ps shows no token either"
