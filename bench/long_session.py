@@ -6,8 +6,12 @@ time, each turn resending everything plus a tool output of about `--new-tokens` 
 (`/proc/PID/task/*/schedstat`, nanoseconds) before and after the request, so it is that turn's alone, and of it
 the serving process's event loop (its main thread; long texts are tokenized in other threads); beside it,
 the CPU this process spends tokenizing the turn's new text with the same tokenizer, its fastest way (the Rust
-tokenizer without offsets, as the buffer does): the floor any exact-token proxy pays. A turn's CPU should follow
-its new tokens, not its context: the late turns' ratio to that floor should equal the early turns'.
+tokenizer without offsets, as the buffer does): the floor any exact-token proxy pays. And the part of a turn no
+proxy between a resending agent and SGLang's `/generate` avoids: the same body sent to a proxy that does nothing
+but receive it and send a body the size of the turn's ids as JSON to another process (`bench/bytes_floor.py`), its
+CPU read the same way. A turn's CPU should follow its new tokens, not its context: the late turns' ratio to the
+tokenizing should equal the early turns', and what the late turns grow by should be what moving their bytes grows
+by.
 
     python -m bench.proxy --long-session                                  # chat completions, to 128k tokens
     python -m bench.proxy --long-session --protocol responses --context-tokens 65536
@@ -27,15 +31,18 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 from rich.console import Console
 from rich.table import Table
 
+from bench.bytes_floor import bytes_floor
 from bench.forwarding_front import forwarding_front, through
 from bench.harness import REPO, Service, free_ports, rollout_buffer, sim_engine
 from rollout_buffer.generation.tokenizer import bundled_tokenizer_path, load_tokenizer
 
 console = Console(width=200)
 REPLY_TOKENS = 256
+JSON = {"content-type": "application/json"}
 
 
 @dataclass
@@ -50,6 +57,7 @@ class Turn:
     engine_ms: float = 0.0  # the simulated engine's, on the same cores: its work can slow the buffer's (caches)
     loop_ms: float = 0.0  # of the serving process's CPU (buffer or worker), its event loop's (the rest: threads)
     front_ms: float = 0.0  # the forwarding front's (`--front`): what one address for every session would add
+    bytes_ms: float = 0.0  # a bare proxy's, receiving the same body and sending the ids' bytes (`bytes_floor`)
 
     @property
     def total_ms(self) -> float:
@@ -120,9 +128,10 @@ class Protocol:
                 b for b in answer["content"] if b["type"] == "text"]})
 
 
-def run(buffer: Service, engine: Service, protocol: str, sessions: int, new_tokens: int, context_tokens: int,
-        front: Service | None = None) -> list[Turn]:
-    """The turns of `sessions` sessions grown to `context_tokens`, each measured."""
+def run(buffer: Service, engine: Service, floor: Service, protocol: str, sessions: int, new_tokens: int,
+        context_tokens: int, front: Service | None = None) -> list[Turn]:
+    """The turns of `sessions` sessions grown to `context_tokens`, each measured, and the same bodies sent to the
+    bare proxy `floor` (`bench.bytes_floor`)."""
     tokenizer = load_tokenizer(bundled_tokenizer_path())
     httpx.post(f"{buffer.url}/start_rollout", timeout=60, json={
         "task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": bundled_tokenizer_path(),
@@ -139,20 +148,24 @@ def run(buffer: Service, engine: Service, protocol: str, sessions: int, new_toke
     turns: list[Turn] = []
     context = 0
     turn = 0
+    json_bytes_per_id = 0.0  # of the ids the engine gets: as in the tool outputs' ids
     while context < context_tokens:
         text = tool_output(turn, new_tokens, tokenizer)
         started = time.thread_time_ns()
-        new = len(tokenizer.backend_tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids)
+        ids = tokenizer.backend_tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
         tokenize_ms = (time.thread_time_ns() - started) / 1e6
+        new = len(ids)
+        json_bytes_per_id = json_bytes_per_id or len(orjson.dumps(ids)) / new
         for conv in convs:
             conv.add_user(text)
-            url, body = conv.request()
+            url, request = conv.request()
+            body = orjson.dumps(request)  # one serialization, sent to the buffer and to the bare proxy
             serving = conv.worker_pid or buffer.pid
             worker_before = process_cpu_ns(conv.worker_pid) if conv.worker_pid else 0
             before, engine_before = process_cpu_ns(buffer.pid), process_cpu_ns(engine.pid)
             loop_before = loop_cpu_ns(serving)
             front_before = process_cpu_ns(front.pid) if front else 0
-            answer = http.post(url, json=body)
+            answer = http.post(url, content=body, headers=JSON)
             front_spent = process_cpu_ns(front.pid) - front_before if front else 0
             loop_spent = loop_cpu_ns(serving) - loop_before
             spent, engine_spent = process_cpu_ns(buffer.pid) - before, process_cpu_ns(engine.pid) - engine_before
@@ -162,8 +175,12 @@ def run(buffer: Service, engine: Service, protocol: str, sessions: int, new_toke
             conv.add_reply(reply)
             usage = reply["usage"]
             context = usage.get("prompt_tokens", usage.get("input_tokens", 0))
+            floor_before = process_cpu_ns(floor.pid)
+            http.post(floor.url, content=body, headers={
+                **JSON, "x-forward-bytes": str(round(context * json_bytes_per_id))}).raise_for_status()
+            floor_spent = process_cpu_ns(floor.pid) - floor_before
             turns.append(Turn(context, new, spent / 1e6, tokenize_ms, worker_spent / 1e6, engine_spent / 1e6,
-                              loop_spent / 1e6, front_spent / 1e6))
+                              loop_spent / 1e6, front_spent / 1e6, floor_spent / 1e6))
         turn += 1
     for conv in convs:  # a turn that did not continue its branch was rendered afresh: not what is measured
         branches = http.get(f"{buffer.url}/sessions/{conv.session_id}").json()["branches"]
@@ -181,7 +198,7 @@ def report(turns: list[Turn], title: str) -> None:
                    *(["worker CPU ms/turn"] if on_workers else []), *(["front CPU ms/turn"] if via_front else []),
                    "of which its event loop", "tokenizing new tokens ms",
                    "(buffer + worker) / tokenizing" if on_workers else "buffer / tokenizing",
-                   "engine stand-in CPU ms/turn"):
+                   "moving its bytes ms (a bare proxy)", "engine stand-in CPU ms/turn"):
         table.add_column(column, justify="right")
     buckets: dict[int, list[Turn]] = {}
     for t in turns:
@@ -195,6 +212,7 @@ def report(turns: list[Turn], title: str) -> None:
                       f"{statistics.median(t.new_tokens for t in group):.0f}", f"{cpu:.2f}", *worker,
                       f"{statistics.median(t.loop_ms for t in group):.2f}", f"{tok:.2f}",
                       f"{statistics.median(t.total_ms for t in group) / tok:.2f}",
+                      f"{statistics.median(t.bytes_ms for t in group):.2f}",
                       f"{statistics.median(t.engine_ms for t in group):.2f}")
     console.print(table)
     quarter = max(1, len(turns) // 4)
@@ -207,12 +225,18 @@ def report(turns: list[Turn], title: str) -> None:
              else "buffer CPU")
     if via_front:
         where += f", and {statistics.median(t.front_ms for t in late):.2f} in the forwarding front"
+    early_bytes = statistics.median(t.bytes_ms for t in early)
+    late_bytes = statistics.median(t.bytes_ms for t in late)
     console.print(f"SUMMARY long session: late turns {late_cpu:.2f} ms {where} at ~{late[-1].context_tokens} tokens "
                   f"of context = {late_cpu / late_tok:.2f}x tokenizing their new tokens (the serving event loop "
                   f"{statistics.median(t.loop_ms for t in late):.2f} ms of it); late / early turns "
                   f"{late_cpu / early_cpu:.2f}x (the engine stand-in's CPU, early / late: "
                   f"{statistics.median(t.engine_ms for t in early):.2f} / "
-                  f"{statistics.median(t.engine_ms for t in late):.2f} ms)")
+                  f"{statistics.median(t.engine_ms for t in late):.2f} ms); bytes floor: a bare proxy moving the "
+                  f"same bytes {early_bytes:.2f} ms early, {late_bytes:.2f} ms late (it grows "
+                  f"{late_bytes - early_bytes:.2f} ms, the turn {late_cpu - early_cpu:.2f} ms); tokenizing and moving "
+                  f"the bytes {late_tok + late_bytes:.2f} ms late = {(late_tok + late_bytes) / late_tok:.2f}x "
+                  f"tokenizing, the late turn {late_cpu / (late_tok + late_bytes):.2f}x that", soft_wrap=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -235,8 +259,10 @@ def main(argv: list[str] | None = None) -> None:
     extra = ["--session-workers", str(args.workers), "--session-worker-port", str(free_ports(args.workers))
              ] if args.workers else []
     with sim_engine(workdir, 1.0, 0, "--context-length", engine_context) as engine, \
-            rollout_buffer(workdir, REPO, *extra) as buffer, contextlib.ExitStack() as stack:
+            rollout_buffer(workdir, REPO, *extra) as buffer, bytes_floor(workdir) as floor, \
+            contextlib.ExitStack() as stack:
         front = stack.enter_context(forwarding_front(workdir, buffer.url)) if args.front else None
-        turns = run(buffer, engine, args.protocol, args.sessions, args.new_tokens, args.context_tokens, front)
+        turns = run(buffer, engine, floor, args.protocol, args.sessions, args.new_tokens, args.context_tokens,
+                    front)
     report(turns, f"Long sessions ({args.protocol}): {args.sessions} sessions, ~{args.new_tokens} new tokens a turn, "
                   f"to {args.context_tokens} tokens of context")

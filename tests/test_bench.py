@@ -106,6 +106,9 @@ def test_proxy_long_session_measures_cpu_per_turn_against_context(tmp_path: Path
     found = re.search(rf"late turns {NUMBER} ms buffer CPU at ~{NUMBER} tokens of context = {NUMBER}x tokenizing",
                       line)
     assert found and float(found.group(1)) > 0 and float(found.group(2)) >= 4000, line
+    # The same bodies through a proxy that only moves their bytes (bench/bytes_floor.py): its CPU is read too.
+    floor = re.search(rf"bytes floor: a bare proxy moving the same bytes {NUMBER} ms early, {NUMBER} ms late", line)
+    assert floor and float(floor.group(1)) > 0 and float(floor.group(2)) > 0, line
 
 
 def test_proxy_opens_measures_the_buffers_cpu_per_session_opened(tmp_path: Path) -> None:
