@@ -40,6 +40,7 @@ class _Server(asyncio.Protocol):
         self.forward = 0
         self.body: list[bytes] = []
         self.received = b""
+        self.forwarding: asyncio.Task[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -64,7 +65,7 @@ class _Server(asyncio.Protocol):
         if self.sink is None or not self.forward:
             self._answer()
             return
-        asyncio.get_running_loop().create_task(self._forwarded(self.forward))
+        self.forwarding = asyncio.get_running_loop().create_task(self._forwarded(self.forward))  # held till done
 
     async def _forwarded(self, size: int) -> None:
         assert self.sink is not None
