@@ -450,11 +450,13 @@ def test_run_ids_stay_on_one_line_with_the_full_id_in_their_title(open_dashboard
     page.wait_for_function("id => document.querySelector('#run-id')?.textContent === id", arg=run_id)
     page.wait_for_selector(f"#runs .run-id[title='{run_id}']")
     for selector in ("#run-id", f"#runs .run-id[title='{run_id}']"):
-        white_space, overflow, title, text, height, font = page.locator(selector).evaluate("""e => {
-            const s = getComputedStyle(e);
+        # Found and read in one script: the dashboard redraws these elements as it polls, and a handle held across
+        # a redraw reads a detached element (no computed style).
+        white_space, overflow, title, text, height, font = page.evaluate("""selector => {
+            const e = document.querySelector(selector), s = getComputedStyle(e);
             return [s.whiteSpace, s.textOverflow, e.title, e.textContent, e.getBoundingClientRect().height,
                     parseFloat(s.fontSize)];
-        }""")
+        }""", selector)
         assert (white_space, overflow, title, text) == ("nowrap", "ellipsis", run_id, run_id), selector
         assert height < 2 * font, (selector, height, font)  # one line
 
