@@ -3,9 +3,10 @@ proxy between a resending agent and SGLang's `/generate` can avoid.
 
 An agent resends its whole history each turn, and SGLang's `/generate` takes every id of the prompt each turn: a
 proxy receives the one body and sends the other, however little it does with them. This is such a proxy with
-nothing else in it: an asyncio server (httptools, as the buffer serves) that reads a request's body, POSTs
-`x-forward-bytes` bytes to a sink in another process over a keep-alive connection (the engine's place), waits for
-its short answer and answers shortly. `bench.proxy --long-session` sends it each turn's exact body, with the size
+nothing else in it: an asyncio server on uvloop (httptools, as the buffer serves) that reads a request's body,
+POSTs `x-forward-bytes` bytes to a sink in another process with the buffer's own engine client (`HttpPool`: pooled
+keep-alive connections, a body in pieces written without joining them), waits for its short answer and answers
+shortly. `bench.proxy --long-session` sends it each turn's exact body, with the size
 of that turn's ids as JSON, and reads its CPU beside the buffer's.
 
     python -m bench.bytes_floor --port 9000 --sink http://127.0.0.1:9001   # the proxy
@@ -17,24 +18,31 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import httptools
+import uvloop
 
 from bench.harness import REPO, Service, free_port
+from rollout_buffer.generation.http_pool import HttpPool
 
 _OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{\"ok\":true}"
-# What the proxy sends the sink, sliced to each request's size (the ids' bytes are the buffer's already).
-_PAYLOAD = memoryview(b"1" * (16 << 20))
+# What the proxy sends the sink, in pieces of this size (the ids' JSON is the buffer's already, in pieces too).
+_PIECE = b"1" * (1 << 16)
+
+
+def _pieces(size: int) -> list[bytes]:
+    whole, rest = divmod(size, len(_PIECE))
+    return [_PIECE] * whole + ([_PIECE[:rest]] if rest else [])
 
 
 class _Server(asyncio.Protocol):
     """One connection: each request's body read whole, then (with a sink) forwarded, then answered."""
 
-    def __init__(self, sink: _Sink | None):
-        self.sink = sink
+    def __init__(self, engine: HttpPool | None, sink_url: str | None):
+        self.engine, self.sink_url = engine, sink_url
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.forward = 0
@@ -43,8 +51,7 @@ class _Server(asyncio.Protocol):
         self.forwarding: asyncio.Task[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
 
     def data_received(self, data: bytes) -> None:
         self.parser.feed_data(data)
@@ -62,14 +69,14 @@ class _Server(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self.received = b"".join(self.body)  # the body assembled, as any server hands it on
-        if self.sink is None or not self.forward:
+        if self.engine is None or not self.forward:
             self._answer()
             return
         self.forwarding = asyncio.get_running_loop().create_task(self._forwarded(self.forward))  # held till done
 
     async def _forwarded(self, size: int) -> None:
-        assert self.sink is not None
-        await self.sink.post(size)
+        assert self.engine is not None and self.sink_url is not None
+        await self.engine.post(self.sink_url, "/generate", _pieces(size))
         self._answer()
 
     def _answer(self) -> None:
@@ -77,30 +84,9 @@ class _Server(asyncio.Protocol):
         self.transport.write(_OK)
 
 
-class _Sink:
-    """A keep-alive connection to the sink; one request at a time (the bench sends one turn at a time)."""
-
-    def __init__(self, url: str):
-        parts = urllib.parse.urlsplit(url)
-        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
-        self.streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
-        self.lock = asyncio.Lock()
-
-    async def post(self, size: int) -> None:
-        async with self.lock:
-            if self.streams is None:
-                self.streams = await asyncio.open_connection(self.host, self.port)
-            reader, writer = self.streams
-            writer.writelines([b"POST /generate HTTP/1.1\r\nHost: sink\r\nContent-Type: application/json\r\n"
-                               b"Content-Length: %d\r\n\r\n" % size, _PAYLOAD[:size]])
-            await writer.drain()
-            await reader.readuntil(b"\r\n\r\n")
-            await reader.readexactly(len(b'{"ok":true}'))
-
-
 async def _serve(port: int, sink_url: str | None) -> None:
-    sink = _Sink(sink_url) if sink_url else None
-    server = await asyncio.get_running_loop().create_server(lambda: _Server(sink), "127.0.0.1", port)
+    engine = HttpPool() if sink_url else None
+    server = await asyncio.get_running_loop().create_server(lambda: _Server(engine, sink_url), "127.0.0.1", port)
     async with server:
         await server.serve_forever()
 
@@ -122,7 +108,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--sink", default=None, help="the sink's URL (without it, this is the sink)")
     args = parser.parse_args()
-    asyncio.run(_serve(args.port, args.sink))
+    uvloop.run(_serve(args.port, args.sink))
 
 
 if __name__ == "__main__":
