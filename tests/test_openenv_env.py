@@ -23,6 +23,7 @@ import psutil
 import pytest
 import uvicorn
 from fastapi import FastAPI, WebSocket
+from readable import readable_copies
 from runs import drain, wait_finished
 from servers import Server, buffer_server, free_port, sim_engine, wait_http
 from test_agent_docker import assert_engine_tokens
@@ -261,12 +262,21 @@ def test_started_servers_run_as_the_user_the_run_names(readable_openenv_python: 
                                                         engine: Server, qwen_tokenizer_path: str) -> None:
     if os.geteuid() != 0:
         pytest.skip("switching users needs the buffer to run as root")
+    with readable_copies([ENVS / "arith_drill.py"], "rb-openenv-") as envs:
+        server = [readable_openenv_python, str(envs / "arith_drill.py")]
+        run_as_nobody(buffer, engine, qwen_tokenizer_path, server)
+    nobody = start(buffer, engine, qwen_tokenizer_path, openenv_user="no-such-user-rb",
+                   openenv_command=[readable_openenv_python, str(ENVS / "arith_drill.py"), "--port", "{port}"])
+    assert nobody.status_code == 422 and "openenv_user" in nobody.text, nobody.text
+
+
+def run_as_nobody(buffer: Server, engine: Server, qwen_tokenizer_path: str, server: list[str]) -> None:
+    """A run whose server (`server`: its program and script) runs as `nobody`: seen as nobody's, its episode done."""
     answer = start(buffer, engine, qwen_tokenizer_path, openenv_user="nobody", openenv_resets=[{"seed": 6,
                                                                                                  "sleep_s": 1}],
-                   openenv_command=[readable_openenv_python, str(ENVS / "arith_drill.py"), "--port", "{port}"])
+                   openenv_command=[*server, "--port", "{port}"])
     assert answer.status_code == 200, answer.text
     assert buffer.proc is not None
-    server = [readable_openenv_python, str(ENVS / "arith_drill.py")]
     owners: set[str] = set()
     deadline = time.monotonic() + 120
     while not owners and time.monotonic() < deadline:  # the server the buffer started, while its episode runs
@@ -278,9 +288,6 @@ def test_started_servers_run_as_the_user_the_run_names(readable_openenv_python: 
     status = wait_finished(buffer.url, timeout_s=300)
     assert status["run"]["progress"]["statuses"] == {"completed": 1}, status["run"]["progress"]
     drain(buffer.url)
-    nobody = start(buffer, engine, qwen_tokenizer_path, openenv_user="no-such-user-rb",
-                   openenv_command=[readable_openenv_python, str(ENVS / "arith_drill.py"), "--port", "{port}"])
-    assert nobody.status_code == 422 and "openenv_user" in nobody.text, nobody.text
 
 
 def test_a_server_with_data_roots_starts_only_programs_under_them(openenv_python: str, engine: Server,

@@ -10,10 +10,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import shutil
 import signal
 import sqlite3
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -25,6 +23,7 @@ import orjson
 import psutil
 import pytest
 import ray
+from readable import readable_copies
 from runs import drain_batches, wait_finished
 from servers import Server, free_port
 from servers import sim_engine as start_sim_engine
@@ -297,15 +296,8 @@ TEST_AGENTS = Path(__file__).resolve().parent / "agents"
 @pytest.fixture(scope="module")
 def readable_agents() -> Iterator[Path]:
     """The test agents in a folder anyone may read: subprocess agents run as `nobody` under root."""
-    folder = Path(tempfile.mkdtemp(prefix="rb-ray-agents-"))
-    try:
-        folder.chmod(0o755)
-        for agent in TEST_AGENTS.glob("*.py"):
-            shutil.copy(agent, folder / agent.name)
-            (folder / agent.name).chmod(0o755)
+    with readable_copies(TEST_AGENTS.glob("*.py"), "rb-ray-agents-") as folder:
         yield folder
-    finally:
-        shutil.rmtree(folder)
 
 
 def start_agents(url: str, engine: str, input_file: Path, tokenizer: str, **over) -> httpx.Response:
