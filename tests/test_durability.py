@@ -9,6 +9,8 @@ from pathlib import Path
 import httpx
 from servers import Server, free_port
 
+LEASE_S = 10.0
+
 
 def _server(tmp_path: Path, port: int) -> Server:
     args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--group-size", "2"]
@@ -27,7 +29,9 @@ def test_kill9_mid_write_then_restart(tmp_path: Path) -> None:
     # Two complete groups before the crash: one leased and not acked, one acked.
     for k in range(2):
         httpx.post(f"{url}/buffer/write", json=_rec(f"lease-{k}", "lease", float(k))).raise_for_status()
-    leased = httpx.post(f"{url}/get_rollout_data", json={"lease_s": 1.0}).json()["data"]
+    # The lease outlasts the next few requests however slow the machine, and has run out after the restart.
+    leased = httpx.post(f"{url}/get_rollout_data", json={"lease_s": LEASE_S}).json()["data"]
+    lease_ends = time.monotonic() + LEASE_S
     assert leased["meta_info"]["num_groups"] == 1
     for k in range(2):
         httpx.post(f"{url}/buffer/write", json=_rec(f"acked-{k}", "acked", float(k))).raise_for_status()
@@ -64,6 +68,7 @@ def test_kill9_mid_write_then_restart(tmp_path: Path) -> None:
     assert len(answered) >= 300
 
     srv = _server(tmp_path, port).start()
+    time.sleep(max(0.0, lease_ends - time.monotonic()))
     try:
         with httpx.Client(base_url=srv.url, timeout=30) as client:
             missing = [u for u in answered if client.get(f"/trajectories/{u}").status_code != 200]

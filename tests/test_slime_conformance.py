@@ -4,7 +4,9 @@
   against a live `rollout-buffer serve` and a simulated engine over HTTP, with slime's own data buffer
   (`slime.rollout.data_source.RolloutDataSourceWithBuffer`, the default of `--data-source-path`): two
   rollouts, a restart of the trainer side (the client module imported afresh, the data buffer rebuilt and
-  loaded from its own checkpoint), two more; the resumed run skips exactly the instance ids slime stored.
+  loaded from its own checkpoint), two more; the resumed run skips exactly the instance ids slime stored. The
+  engine generates only while the run gains each batch (held in place otherwise): the client takes whatever is
+  ready at its polls, and what it takes must not depend on the machine's speed.
 - slime's `MultiTurnLossMaskGenerator` against the adapter's `LossMaskGenerator` (qwen, qwen3, distill_qwen,
   real Qwen3 tokenizer) on the conversations below and on chat-mode tool-call records of a live run.
 
@@ -18,10 +20,12 @@ from __future__ import annotations
 import importlib
 import json
 import sys
+import threading
+import time
 import types
 from argparse import Namespace
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +113,45 @@ def check_batch(slime: types.SimpleNamespace, batch: list[list[Any]]) -> list[st
     return [str(group[0].index) for group in batch]
 
 
+def deliverable(url: str, run_id: str) -> int:
+    """How many of the run's groups are ready for, or were handed to, a trainer."""
+    return sum(g["state"] in ("ready", "leased", "delivered") for g in groups_of(url, run_id))
+
+
+def current_run(url: str, other_than: str | None = None, timeout_s: float = 60) -> str:
+    """The id of the buffer's run, once it is not `other_than`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        run = httpx.get(f"{url}/status", timeout=10).json()["run"]
+        if run and run["run_id"] != other_than:
+            return str(run["run_id"])
+        time.sleep(0.05)
+    raise TimeoutError(f"no run other than {other_than}")
+
+
+def gated_rollout(slime: types.SimpleNamespace, rollout: Callable[[], list[list[Any]]], engine_url: str,
+                  buffer_url: str, run_id: str | None = None) -> list[str]:
+    """One of slime's rollouts, with the engine held (`/pause_generation` in place) except while the run gains
+    `BATCH` deliverable groups. slime's client takes every group ready at its poll and drops what it does not
+    need, so how many it takes must not depend on how fast the machine generates between its polls.
+    `run_id`: the run to watch; None for the run this rollout starts (the one after the buffer's current run)."""
+    result: list[list[list[Any]]] = []
+    thread = threading.Thread(target=lambda: result.append(rollout()), daemon=True)
+    before = httpx.get(f"{buffer_url}/status", timeout=10).json()["run"]
+    thread.start()
+    if run_id is None:
+        run_id = current_run(buffer_url, other_than=before and before["run_id"])
+    target = deliverable(buffer_url, run_id) + BATCH
+    httpx.post(f"{engine_url}/continue_generation", timeout=10).raise_for_status()
+    deadline = time.monotonic() + 120
+    while deliverable(buffer_url, run_id) < target and time.monotonic() < deadline:
+        time.sleep(0.05)
+    httpx.post(f"{engine_url}/pause_generation", json={"mode": "in_place"}, timeout=10).raise_for_status()
+    thread.join(120)
+    assert result, f"slime's rollout did not return with {deliverable(buffer_url, run_id)} groups deliverable"
+    return check_batch(slime, result[0])
+
+
 def test_slimes_client_runs_unchanged_and_a_restarted_trainer_skips_the_finished_ids(
     slime: types.SimpleNamespace, tmp_path: Path, qwen_tokenizer_path: str
 ) -> None:
@@ -116,26 +159,30 @@ def test_slimes_client_runs_unchanged_and_a_restarted_trainer_skips_the_finished
     data.write_text("".join(json.dumps({"instance_id": i, "prompt": f"What is {i} + {i + 5}? Box it.",
                                         "label": str(2 * i + 5)}) + "\n" for i in range(INSTANCES)))
     port = free_port()
-    # 4 trajectories in flight at 2 s each: about one group a second, so generation outlasts the first
-    # two rollouts (slime's client waits 5 s before each fetch) and the restarted run has work left.
-    with sim_engine(tmp_path, qwen_tokenizer_path, "--latency-ms", "2000", "--correct-rate", "0.5") as engine, \
+    with sim_engine(tmp_path, qwen_tokenizer_path, "--latency-ms", "1000", "--correct-rate", "0.5") as engine, \
             running(["serve", "--port", str(port), "--data-dir", str(tmp_path / "data")], "/healthz", port,
                     tmp_path / "buffer.log") as buffer:
+        httpx.post(f"{engine.url}/pause_generation", json={"mode": "in_place"}, timeout=10).raise_for_status()
         args = slime_args(tmp_path, data, buffer.url, engine.url, qwen_tokenizer_path)
         client, data_buffer = fresh_client(), slime.DataSource(args)
-        delivered: list[str] = []
-        for rollout_id in (0, 1):
-            delivered += check_batch(slime, client.generate_rollout(args, rollout_id, data_buffer))
-            data_buffer.save(rollout_id)
+        delivered = gated_rollout(slime, lambda: client.generate_rollout(args, 0, data_buffer), engine.url,
+                                  buffer.url)
+        data_buffer.save(0)
+        first_run = current_run(buffer.url)
+        delivered += gated_rollout(slime, lambda: client.generate_rollout(args, 1, data_buffer), engine.url,
+                                   buffer.url, first_run)
+        data_buffer.save(1)
         stored = data_buffer.get_metadata()
-        first_run = httpx.get(f"{buffer.url}/status", timeout=10).json()["run"]["run_id"]
 
         # The trainer restarts: slime's client starts afresh and its data buffer comes back from the checkpoint.
         client, data_buffer = fresh_client(), slime.DataSource(args)
         data_buffer.load(1)
         assert data_buffer.get_metadata() == stored
-        for rollout_id in (2, 3):
-            check_batch(slime, client.generate_rollout(args, rollout_id, data_buffer))
+        gated_rollout(slime, lambda: client.generate_rollout(args, 2, data_buffer), engine.url, buffer.url)
+        new_run = current_run(buffer.url)
+        gated_rollout(slime, lambda: client.generate_rollout(args, 3, data_buffer), engine.url, buffer.url,
+                      new_run)
+        httpx.post(f"{engine.url}/continue_generation", timeout=10).raise_for_status()
         status = wait_finished(buffer.url, timeout_s=120)
         old_groups, new_groups = groups_of(buffer.url, first_run), groups_of(buffer.url, status["run"]["run_id"])
 
