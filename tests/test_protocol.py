@@ -134,13 +134,16 @@ def test_lease_expiry_redelivers_and_ack_stops_it(buffer_server: Server) -> None
     url = buffer_server.url
     write_group(url, "l1", [1, 0, 0, 1])
     write_group(url, "l2", [1, 1, 0, 1])
-    first = get(url, {"lease_s": 0.5, "max_groups": 1})
+    # A lease long enough that the next request comes inside it however busy the machine (a write's fsync can
+    # stall for a second), short enough to wait out.
+    first = get(url, {"lease_s": 3, "max_groups": 1})
+    lease_ends = time.monotonic() + 3
     batch = first["data"]["meta_info"]["batch_id"]
     assert batch and first["data"]["meta_info"]["num_groups"] == 1
     uids = {r["uid"] for r in first["data"]["data"]}
     second = get(url, {"lease_s": 30})  # l2 only: l1 is leased
     assert {r["instance_id"] for r in second["data"]["data"]} == {"l2"}
-    time.sleep(0.7)
+    time.sleep(max(0.0, lease_ends - time.monotonic()) + 0.2)
     again = get(url, {"lease_s": 30, "ack": second["data"]["meta_info"]["batch_id"]})
     assert {r["uid"] for r in again["data"]["data"]} == uids, "unacked batch must come back after its lease"
     assert again["data"]["meta_info"]["acked_groups"] == 1

@@ -137,9 +137,14 @@ def test_lost_responses_come_back_after_the_lease(tmp_path: Path) -> None:
     port = free_port()
     with buffer(tmp_path, port, "--group-size", "2").start() as srv:
         _group(srv.url, "g1")
-        _raw_post(port, "/get_rollout_data", b'{"lease_s": 1.0}')  # answered into a closed socket
+        _raw_post(port, "/get_rollout_data", b'{"lease_s": 3.0}')  # answered into a closed socket
+        lease_ends = time.monotonic() + 3
+        for _ in range(100):  # the hung-up request is served, however late, before the next one is asked
+            if httpx.get(f"{srv.url}/status").json()["groups"].get("leased"):
+                break
+            time.sleep(0.02)
         assert httpx.post(f"{srv.url}/get_rollout_data", json={"lease_s": 1}).json()["success"] is False
-        time.sleep(1.2)
+        time.sleep(max(0.0, lease_ends - time.monotonic()) + 0.2)
         again = httpx.post(f"{srv.url}/get_rollout_data", json={"lease_s": 30}).json()
         assert {r["instance_id"] for r in again["data"]["data"]} == {"g1"}
         # A client that never acks gets the same group again too; once acked it never returns.
