@@ -115,7 +115,7 @@ def test_subprocess_agents_run_sandboxed_with_a_time_limit(buffer: Server, engin
              {"instance_id": "slow", "prompt": prompt, "label": "87", "mode": "sleep"},
              {"instance_id": "crash", "prompt": prompt, "label": "87", "mode": "crash"}]
     started = start(buffer, engine, qwen_tokenizer_path, input_file=rows(roots, "sandbox", items),
-                    agent_command=[str(stdlib_agent)], agent_timeout_s=4, num_repeat_per_sample=1,
+                    agent_command=[str(stdlib_agent)], agent_timeout_s=15, num_repeat_per_sample=1,
                     agent_env={"PROBE_PORTS": f"{buffer.port},{engine.port}"})
     assert started.status_code == 200, started.text
     run_id = started.json()["run_id"]
@@ -140,7 +140,7 @@ def test_subprocess_agents_run_sandboxed_with_a_time_limit(buffer: Server, engin
         assert (report["buffer_status"], report["models_with_wrong_key"]) == (403, 401)
     slow, crash = stored("slow"), stored("crash")
     assert slow["status"] == "failed" and slow["extra_info"]["error_kind"] == "agent_timeout"
-    assert "agent_timeout_s=4" in slow["extra_info"]["error"]
+    assert "agent_timeout_s=15" in slow["extra_info"]["error"]
     assert crash["status"] == "failed" and crash["extra_info"]["error_kind"] == "agent_crash"
     assert "exited with code 3" in crash["extra_info"]["error"] and "boom" in crash["extra_info"]["error"]
 
