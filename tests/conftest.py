@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
@@ -11,6 +12,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# The environments' venvs (made once per requirement list) in a folder every user may read, set before any server
+# starts: the servers the buffer runs as `nobody` use the same venvs as the rest of the suite.
+os.environ.setdefault("ROLLOUT_BUFFER_ENV_VENVS", os.path.join(tempfile.gettempdir(), "rollout-buffer-env-venvs"))
 
 from servers import Server, free_port, running
 

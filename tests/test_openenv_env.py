@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -244,29 +243,15 @@ def not_openenv_server() -> Iterator[str]:
         thread.join(10)
 
 
-@pytest.fixture(scope="module")
-def readable_openenv_python() -> Iterator[str]:
-    """openenv in a venv other users can run (the default cache folder is in the home of the tests' user)."""
-    before = os.environ.get("ROLLOUT_BUFFER_ENV_VENVS")
-    os.environ["ROLLOUT_BUFFER_ENV_VENVS"] = str(Path(tempfile.gettempdir()) / "rollout-buffer-env-venvs")
-    try:
-        yield venv_python([OPENENV])
-    finally:
-        if before is None:
-            os.environ.pop("ROLLOUT_BUFFER_ENV_VENVS")
-        else:
-            os.environ["ROLLOUT_BUFFER_ENV_VENVS"] = before
-
-
-def test_started_servers_run_as_the_user_the_run_names(readable_openenv_python: str, buffer: Server,
+def test_started_servers_run_as_the_user_the_run_names(openenv_python: str, buffer: Server,
                                                         engine: Server, qwen_tokenizer_path: str) -> None:
     if os.geteuid() != 0:
         pytest.skip("switching users needs the buffer to run as root")
     with readable_copies([ENVS / "arith_drill.py"], "rb-openenv-") as envs:
-        server = [readable_openenv_python, str(envs / "arith_drill.py")]
+        server = [openenv_python, str(envs / "arith_drill.py")]
         run_as_nobody(buffer, engine, qwen_tokenizer_path, server)
     nobody = start(buffer, engine, qwen_tokenizer_path, openenv_user="no-such-user-rb",
-                   openenv_command=[readable_openenv_python, str(ENVS / "arith_drill.py"), "--port", "{port}"])
+                   openenv_command=[openenv_python, str(ENVS / "arith_drill.py"), "--port", "{port}"])
     assert nobody.status_code == 422 and "openenv_user" in nobody.text, nobody.text
 
 
