@@ -163,15 +163,19 @@ def test_time_limits_and_environment_errors_are_recorded_failed(verifiers_python
 
 
 def test_an_environment_that_cannot_load_is_refused_naming_the_option(verifiers_python: str, buffer: Server,
-                                                                      engine: Server, qwen_tokenizer_path: str) -> None:
+                                                                      engine: Server, qwen_tokenizer_path: str,
+                                                                      tmp_path: Path) -> None:
     missing = start(buffer, engine, qwen_tokenizer_path, verifiers_python, "rb_no_such_env")
     assert missing.status_code == 422 and "env_id" in missing.text and "rb_no_such_env" in missing.text, missing.text
     not_python = start(buffer, engine, qwen_tokenizer_path, "/nonexistent/bin/python", "rb_arith")
     assert not_python.status_code == 422 and "env_python" in not_python.text, not_python.text
     no_verifiers = start(buffer, engine, qwen_tokenizer_path, sys.executable, "rb_arith")
     assert no_verifiers.status_code == 422 and "env_python" in no_verifiers.text, no_verifiers.text
-    # The venv lies where another user cannot run it (or the buffer is not root): named, before anything runs.
-    other_user = start(buffer, engine, qwen_tokenizer_path, verifiers_python, "rb_arith", env_user="nobody")
+    # The interpreter lies where another user cannot run it (or the buffer is not root): named, before anything runs.
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    (private / "python").symlink_to(verifiers_python)
+    other_user = start(buffer, engine, qwen_tokenizer_path, str(private / "python"), "rb_arith", env_user="nobody")
     assert other_user.status_code == 422 and "env_user" in other_user.text, other_user.text
     both = start(buffer, engine, qwen_tokenizer_path, verifiers_python, "rb_arith", env_requirements=["x"])
     assert both.status_code == 422 and "env_python" in both.text, both.text

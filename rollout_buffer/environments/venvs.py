@@ -1,6 +1,8 @@
 """Venvs the buffer makes for environments from a requirement list: one per list, in a cache folder
 (`ROLLOUT_BUFFER_ENV_VENVS`, default `~/.cache/rollout-buffer/env-venvs`), created once under a file lock and
-reused by every later run (and every process) that names the same list."""
+reused by every later run (and every process) that names the same list. uv makes and fills them: it resolves and
+unpacks in parallel and keeps one cache of wheels, where pip takes many times as long for a list as large as
+verifiers'. Its index settings apply (`UV_INDEX_URL`, `UV_EXTRA_INDEX_URL`, `uv.toml`), not pip's."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from uv import find_uv_bin
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +31,8 @@ def venv_root() -> Path:
 
 
 def venv_python(requirements: Sequence[str], field: str = "requirements") -> str:
-    """The interpreter of a venv holding `requirements` (pip specifiers), created the first time (blocking: minutes
-    for a large list; call it in a thread). ValueError naming `field` when pip cannot install them."""
+    """The interpreter of a venv holding `requirements` (pip specifiers), created the first time (blocking, for as
+    long as the downloads take; call it in a thread). ValueError naming `field` when uv cannot install them."""
     if not requirements or not all(isinstance(r, str) and r.strip() for r in requirements):
         raise ValueError(f"{field}: a list of pip requirement specifiers")
     key = hashlib.sha256("\n".join(sorted(r.strip() for r in requirements)).encode()).hexdigest()[:16]
@@ -40,12 +44,13 @@ def venv_python(requirements: Sequence[str], field: str = "requirements") -> str
         if not (venv / _READY).exists():
             started = time.monotonic()
             log.info("creating the environment venv %s for %s", venv, list(requirements))
-            subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True, timeout=300,
-                           capture_output=True)
-            done = subprocess.run([str(python), "-m", "pip", "install", "-q", *requirements], capture_output=True,
-                                  text=True, timeout=_INSTALL_TIMEOUT_S)
+            uv = find_uv_bin()
+            subprocess.run([uv, "venv", "--quiet", "--clear", "--python", sys.executable, str(venv)], check=True,
+                           timeout=300, capture_output=True)
+            done = subprocess.run([uv, "pip", "install", "--quiet", "--python", str(python), *requirements],
+                                  capture_output=True, text=True, timeout=_INSTALL_TIMEOUT_S)
             if done.returncode != 0:
-                raise ValueError(f"{field}: pip could not install {list(requirements)}: {done.stderr[-1500:]}")
+                raise ValueError(f"{field}: uv could not install {list(requirements)}: {done.stderr[-1500:]}")
             (venv / _READY).write_text("\n".join(requirements) + "\n")
             log.info("environment venv %s ready in %.0f s", venv, time.monotonic() - started)
     return str(python)
