@@ -22,7 +22,6 @@ import asyncio
 import hashlib
 import json
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -45,6 +44,7 @@ from rollout_buffer.generator_api import (
     confined_path,
     give_to,
     is_mcp,
+    scratch_folder,
     user_ids,
     venv_python,
 )
@@ -147,9 +147,9 @@ async def default_input(payload: dict[str, Any], runs_here: bool) -> list[dict[s
 class _Run(ProcessPool[OpenEnvServer]):
     """The run's servers, its HTTP client (schemas, the policy's session), its scratch folder."""
 
-    def __init__(self, opts: OpenEnvOptions, command: list[str] | None):
+    def __init__(self, opts: OpenEnvOptions, command: list[str] | None, scratch: Path):
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30))
-        self.scratch = Path(tempfile.mkdtemp(prefix="rb-openenv-"))
+        self.scratch = scratch
         spec = ServerSpec(opts.openenv_url, command, opts.openenv_env, self.scratch, opts.openenv_start_timeout_s,
                           opts.user())
         give_to(self.scratch, spec.user)
@@ -167,7 +167,8 @@ async def _run(ctx: RolloutContext) -> _Run:
     opts = OpenEnvOptions.from_run(ctx.config)
 
     async def build() -> _Run:
-        return _Run(opts, await asyncio.to_thread(opts.command))
+        command = await asyncio.to_thread(opts.command)
+        return _Run(opts, command, await asyncio.to_thread(scratch_folder, "rb-openenv-"))
 
     return await ctx.run.once(_SHARED_KEY, build)
 

@@ -20,7 +20,6 @@ import atexit
 import logging
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -40,6 +39,7 @@ from rollout_buffer.generator_api import (
     fate_shared,
     give_to,
     python_env_paths,
+    scratch_folder,
     user_ids,
     venv_python,
     worker_script,
@@ -146,7 +146,7 @@ async def default_input(payload: dict[str, Any], runs_here: bool) -> list[dict[s
     """
     opts = VerifiersOptions.from_run(payload)
     python = await asyncio.to_thread(opts.interpreter)
-    pool = _Pool(opts, python)
+    pool = await _Pool.start(opts, python)
     try:
         async with pool.lease() as worker:
             listed = (await worker.request({"op": "tasks"}, _LIST_TIMEOUT_S)).get("tasks")
@@ -181,11 +181,16 @@ def _rows(opts: VerifiersOptions, listed: Any) -> list[dict[str, Any]]:
 class _Pool(ProcessPool[EnvWorker]):
     """The run's workers with their scratch folder, removed when the run ends."""
 
-    def __init__(self, opts: VerifiersOptions, python: str):
-        self.scratch = Path(tempfile.mkdtemp(prefix="rb-env-"))
+    def __init__(self, opts: VerifiersOptions, python: str, scratch: Path):
+        self.scratch = scratch
         spec = opts.spec(python, self.scratch)
         give_to(self.scratch, spec.user)
         super().__init__(lambda index: EnvWorker(spec, index), opts.env_workers, opts.env_max_episodes, spec.name)
+
+    @classmethod
+    async def start(cls, opts: VerifiersOptions, python: str) -> _Pool:
+        """A pool for the run, its scratch folder made off the event loop."""
+        return cls(opts, python, await asyncio.to_thread(scratch_folder, "rb-env-"))
 
     async def aclose(self) -> None:
         await super().aclose()
@@ -244,7 +249,7 @@ async def _pool(ctx: RolloutContext) -> tuple[_Pool, VerifiersOptions]:
         if adopted is not None:
             log.info("verifiers:%s: the run goes on with the worker that listed its tasks", opts.env_id)
             return adopted
-        return _Pool(opts, python)
+        return await _Pool.start(opts, python)
 
     return await ctx.run.once(_SHARED_KEY, build), opts
 

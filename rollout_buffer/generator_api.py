@@ -29,6 +29,7 @@ from rollout_buffer.generation.prompt_ids import INLINE_CHARS
 from rollout_buffer.generation.sessions import AgentSession
 from rollout_buffer.processes import fate_shared, give_to, user_ids
 from rollout_buffer.schemas import check_http_urls
+from rollout_buffer.scratch import scratch_folder
 
 __all__ = [
     "INLINE_CHARS",
@@ -59,6 +60,7 @@ __all__ = [
     "iter_json_objects",
     "parse_tool_calls",
     "python_env_paths",
+    "scratch_folder",
     "tool_call",
     "user_ids",
     "venv_python",

@@ -41,7 +41,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -49,7 +48,7 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from rollout_buffer.generator_api import fate_shared
+from rollout_buffer.generator_api import fate_shared, scratch_folder
 
 FORWARDER = Path(__file__).with_name("forward.py")
 _KEPT_ENV = ("PATH", "LANG", "LC_ALL")
@@ -126,7 +125,7 @@ class Workspace:
         return self
 
     def _create(self) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="rb-agent-", dir=self.parent))
+        self.root = scratch_folder("rb-agent-", self.parent)
         self.root.chmod(0o711)
         self.work = self.root / "work"
         self.work.mkdir(mode=0o700)
