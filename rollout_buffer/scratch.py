@@ -58,12 +58,14 @@ def _remove_orphans(base: Path, own: Path) -> None:
     and folders still being claimed (no lock file yet), are left alone."""
     uid = os.geteuid()
     for folder in base.glob(f"{_PREFIX}*"):
-        if folder == own or not folder.is_dir() or folder.stat().st_uid != uid:
+        if folder == own:
             continue
         try:
+            if folder.stat().st_uid != uid:
+                continue
             with open(folder / _LOCK, "rb") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 log.info("removing %s: the process that made it is gone", folder)
                 shutil.rmtree(folder, ignore_errors=True)
-        except OSError:  # no lock file yet, or its owner holds the lock: not an orphan
+        except OSError:  # no lock file yet, its owner holds the lock, or another process removed it first
             continue
