@@ -340,8 +340,8 @@ def test_a_listing_worker_no_run_adopts_is_stopped(verifiers_python: str, monkey
     def workers() -> set[int]:
         return {p.pid for p in psutil.Process().children(recursive=True)}
 
-    def scratch_folders() -> list[Path]:
-        return list(tmp_path.iterdir())
+    def scratch_folders() -> list[Path]:  # in the folder of this process's own (rollout_buffer/scratch.py)
+        return list(tmp_path.glob("rb-scratch-*/rb-env-*"))
 
     async def scenario() -> None:
         before = workers()
@@ -368,7 +368,7 @@ def test_a_listing_worker_waiting_for_its_run_leaves_no_folder_when_the_server_s
     script = ("import asyncio, pathlib, sys, tempfile; from generators import verifiers_env; "
               "rows = asyncio.run(verifiers_env.default_input({'env_python': sys.argv[1], 'env_id': 'rb_arith', "
               "'env_paths': [sys.argv[2]]}, True)); "
-              "print(len(rows), len(list(pathlib.Path(tempfile.gettempdir()).glob('rb-env-*'))))")
+              "print(len(rows), len(list(pathlib.Path(tempfile.gettempdir()).glob('rb-scratch-*/rb-env-*'))))")
     done = subprocess.run([sys.executable, "-c", script, verifiers_python, str(ENVS)], capture_output=True, text=True,
                           timeout=300, cwd=Path(__file__).parent.parent, env={**os.environ, "TMPDIR": str(scratch)})
     assert done.returncode == 0, done.stderr
