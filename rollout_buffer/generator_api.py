@@ -27,9 +27,8 @@ from rollout_buffer.generation.inputs import confined_path, iter_json_objects
 from rollout_buffer.generation.options import RunOptions
 from rollout_buffer.generation.prompt_ids import INLINE_CHARS
 from rollout_buffer.generation.sessions import AgentSession
-from rollout_buffer.processes import fate_shared, give_to, user_ids
+from rollout_buffer.processes import fate_shared, give_to, scratch_folder, user_ids
 from rollout_buffer.schemas import check_http_urls
-from rollout_buffer.scratch import scratch_folder
 
 __all__ = [
     "INLINE_CHARS",

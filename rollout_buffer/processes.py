@@ -1,17 +1,36 @@
 """How the buffer's child processes — an environment's, agents' commands, session workers — are started and ended:
 tied to the process that starts them, as another user when a run asks, their process group killed when they do
-not end when asked."""
+not end when asked; and their scratch folders, which do not outlive the process that made them either.
+
+A process makes its scratch folders inside one folder of its own, `rb-scratch-*` under the parent (the system's
+temporary folder unless given), whose lock file it holds locked (`flock`) for its whole life. Removing a scratch
+folder when its user is done stays the caller's job; what a process killed by SIGKILL (or the OOM killer) could
+not remove, the next process to make a scratch folder under the same parent removes: a folder whose lock anyone
+can take has no owner left."""
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import fcntl
+import logging
 import os
 import pwd
 import shutil
 import signal
+import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import IO
+
+log = logging.getLogger(__name__)
+
+_SCRATCH_PREFIX = "rb-scratch-"
+_SCRATCH_LOCK = "owner.lock"
+_scratch_guard = threading.Lock()
+_scratch_owned: dict[Path, tuple[Path, IO[bytes]]] = {}  # parent -> (this process's folder, its lock, held open)
 
 
 def fate_shared(argv: Sequence[str], switch_to: tuple[int, int] | None = None) -> list[str]:
@@ -61,3 +80,47 @@ async def end_process(proc: asyncio.subprocess.Process, ask: Callable[[], None],
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         await proc.wait()
+
+
+def scratch_folder(prefix: str, parent: str | Path | None = None) -> Path:
+    """A new empty folder named `prefix…` (mode 0700), in this process's own folder under `parent` (mode 0711: other
+    users reach what they are given inside, but list nothing). The first call for a parent in a process removes the
+    folders of processes that died without removing theirs. Blocking: call it in a thread from async code."""
+    base = Path(parent if parent is not None else tempfile.gettempdir()).resolve()
+    with _scratch_guard:
+        own = _scratch_owned.get(base)
+        if own is None or not own[0].is_dir():  # the first call, or a cleaner of old files took it
+            own = _scratch_owned[base] = _claim_scratch(base)
+            _remove_orphaned_scratch(base, own[0])
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=own[0]))
+
+
+def _claim_scratch(base: Path) -> tuple[Path, IO[bytes]]:
+    """This process's folder under `base`, its lock held. The lock file is locked before it gets the name other
+    processes look for, so none of them can ever take it from a live owner."""
+    folder = Path(tempfile.mkdtemp(prefix=_SCRATCH_PREFIX, dir=base))
+    folder.chmod(0o711)
+    fd, pending = tempfile.mkstemp(prefix=".lock-", dir=folder)
+    lock = os.fdopen(fd, "wb")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    os.rename(pending, folder / _SCRATCH_LOCK)
+    atexit.register(shutil.rmtree, folder, True)  # a process that ends normally leaves nothing either
+    return folder, lock
+
+
+def _remove_orphaned_scratch(base: Path, own: Path) -> None:
+    """Remove every `rb-scratch-*` folder under `base` whose owner is gone (its lock free). Folders of other users,
+    and folders still being claimed (no lock file yet), are left alone."""
+    uid = os.geteuid()
+    for folder in base.glob(f"{_SCRATCH_PREFIX}*"):
+        if folder == own:
+            continue
+        try:
+            if folder.stat().st_uid != uid:
+                continue
+            with open(folder / _SCRATCH_LOCK, "rb") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                log.info("removing %s: the process that made it is gone", folder)
+                shutil.rmtree(folder, ignore_errors=True)
+        except OSError:  # no lock file yet, its owner holds the lock, or another process removed it first
+            continue

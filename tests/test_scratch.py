@@ -10,11 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rollout_buffer.scratch import scratch_folder
+from rollout_buffer.processes import scratch_folder
 
 MAKER = """
 import sys, time
-from rollout_buffer.scratch import scratch_folder
+from rollout_buffer.processes import scratch_folder
 folder = scratch_folder("rb-agent-", sys.argv[1])
 (folder / "checkout.txt").write_text("a large checkout")
 print(folder, flush=True)

@@ -340,7 +340,7 @@ def test_a_listing_worker_no_run_adopts_is_stopped(verifiers_python: str, monkey
     def workers() -> set[int]:
         return {p.pid for p in psutil.Process().children(recursive=True)}
 
-    def scratch_folders() -> list[Path]:  # in the folder of this process's own (rollout_buffer/scratch.py)
+    def scratch_folders() -> list[Path]:  # in this process's own folder (processes.scratch_folder)
         return list(tmp_path.glob("rb-scratch-*/rb-env-*"))
 
     async def scenario() -> None:
