@@ -2,7 +2,8 @@
 (`ROLLOUT_BUFFER_ENV_VENVS`, default `~/.cache/rollout-buffer/env-venvs`), created once under a file lock and
 reused by every later run (and every process) that names the same list. uv makes and fills them: it resolves and
 unpacks in parallel and keeps one cache of wheels, where pip takes many times as long for a list as large as
-verifiers'. Its index settings apply (`UV_INDEX_URL`, `UV_EXTRA_INDEX_URL`, `uv.toml`), not pip's."""
+verifiers'. Its index settings apply (`UV_INDEX_URL`, `UV_EXTRA_INDEX_URL`, `uv.toml`), not pip's; TLS trusts the
+system's certificate store."""
 
 from __future__ import annotations
 
@@ -47,8 +48,9 @@ def venv_python(requirements: Sequence[str], field: str = "requirements") -> str
             uv = find_uv_bin()
             subprocess.run([uv, "venv", "--quiet", "--clear", "--python", sys.executable, str(venv)], check=True,
                            timeout=300, capture_output=True)
-            done = subprocess.run([uv, "pip", "install", "--quiet", "--python", str(python), *requirements],
-                                  capture_output=True, text=True, timeout=_INSTALL_TIMEOUT_S)
+            # The system's certificates, as pip's own (truststore) uses: a proxy's or a company's CA is trusted.
+            done = subprocess.run([uv, "pip", "install", "--quiet", "--system-certs", "--python", str(python),
+                                   *requirements], capture_output=True, text=True, timeout=_INSTALL_TIMEOUT_S)
             if done.returncode != 0:
                 raise ValueError(f"{field}: uv could not install {list(requirements)}: {done.stderr[-1500:]}")
             (venv / _READY).write_text("\n".join(requirements) + "\n")
