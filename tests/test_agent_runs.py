@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +17,7 @@ import openai
 import orjson
 import psutil
 import pytest
+from readable import readable_copies
 from runs import drain, wait_finished
 from servers import Server, free_port, running, sim_engine
 
@@ -49,15 +48,8 @@ def roots(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def stdlib_agent() -> Iterator[Path]:
     """The test agent in a folder anyone may read: run as `nobody`, it cannot reach a checkout under a private
     folder (a `mktemp -d` clone, /root) or pytest's own temporary folders (mode 0700)."""
-    folder = Path(tempfile.mkdtemp(prefix="rb-agent-"))
-    try:
-        folder.chmod(0o755)
-        agent = folder / STDLIB_AGENT.name
-        shutil.copy(STDLIB_AGENT, agent)
-        agent.chmod(0o755)
-        yield agent
-    finally:
-        shutil.rmtree(folder)
+    with readable_copies([STDLIB_AGENT], "rb-test-agent-") as folder:
+        yield folder / STDLIB_AGENT.name
 
 
 @pytest.fixture(scope="module")
