@@ -128,10 +128,10 @@ def ray_actors_cpu_s() -> float:
 
 def rollout_buffer(workdir: Path, src: Path = REPO, *extra: str) -> Service:
     """`rollout-buffer serve` with a fresh data dir under `workdir`, from the source tree `src`, with `extra`
-    arguments."""
+    arguments; the bench's runs read their inputs from `workdir` (`--data-root`)."""
     port = free_port()
     args = ["serve", "--port", str(port), "--data-dir", str(workdir / f"data-{port}"), "--log-level", "WARNING",
-            *extra]
+            "--data-root", str(workdir), *extra]
     return Service("rollout_buffer", args, port, "/healthz", workdir / f"buffer-{port}.log", src)
 
 

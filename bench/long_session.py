@@ -101,6 +101,7 @@ class Protocol:
         self.anthropic_base_url = through(front_url, opened["anthropic_base_url"])
         self.history: list[dict[str, Any]] = []
         self.worker_pid: int | None = None  # the session worker serving it, if one does
+        self.headers = {**JSON, "authorization": f"Bearer {opened['api_key']}"}
 
     def add_user(self, text: str) -> None:
         if self.name == "responses":
@@ -165,7 +166,7 @@ def run(buffer: Service, engine: Service, floor: Service, protocol: str, session
             before, engine_before = process_cpu_ns(buffer.pid), process_cpu_ns(engine.pid)
             loop_before = loop_cpu_ns(serving)
             front_before = process_cpu_ns(front.pid) if front else 0
-            answer = http.post(url, content=body, headers=JSON)
+            answer = http.post(url, content=body, headers=conv.headers)
             front_spent = process_cpu_ns(front.pid) - front_before if front else 0
             loop_spent = loop_cpu_ns(serving) - loop_before
             spent, engine_spent = process_cpu_ns(buffer.pid) - before, process_cpu_ns(engine.pid) - engine_before

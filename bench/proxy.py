@@ -123,8 +123,9 @@ class Agents:
         self.errors = 0
         self.stop = asyncio.Event()
 
-    async def _post(self, http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Any:
-        async with http.post(url, data=orjson.dumps(body)) as resp:
+    async def _post(self, http: aiohttp.ClientSession, url: str, body: dict[str, Any], key: str = "") -> Any:
+        headers = {"content-type": "application/json", **({"authorization": f"Bearer {key}"} if key else {})}
+        async with http.post(url, data=orjson.dumps(body), headers=headers) as resp:
             data = await resp.read()
             if resp.status != 200:
                 raise RuntimeError(f"{url}: HTTP {resp.status}: {data[:300]!r}")
@@ -136,11 +137,12 @@ class Agents:
             assert self.buffer_url is not None
             opened = await self._post(http, f"{self.buffer_url}/sessions", {"instance_id": f"e{i}"})
             url = through(self.front_url, opened["base_url"] + "/chat/completions")
+            key = opened["api_key"]
         else:
-            url = self.engine_url + "/v1/chat/completions"
+            url, key = self.engine_url + "/v1/chat/completions", ""
         for turn in range(turns):
             body = {"model": "policy", "messages": messages, "tools": TOOLS, "max_tokens": MAX_TOKENS}
-            reply = (await self._post(http, url, body))["choices"][0]["message"]
+            reply = (await self._post(http, url, body, key))["choices"][0]["message"]
             self.done_at.append(time.monotonic())
             if reply.get("tool_calls"):  # the proxy's answer
                 messages += [{"role": "assistant", "content": None, "tool_calls": reply["tool_calls"]},

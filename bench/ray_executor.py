@@ -64,7 +64,7 @@ class Point:
 def buffer(workdir: Path, *extra: str) -> Service:
     port = free_port()
     args = ["serve", "--port", str(port), "--data-dir", str(workdir / f"data-{port}"), "--log-level", "WARNING",
-            "--generator-path", str(PLUGIN), *extra]
+            "--generator-path", str(PLUGIN), "--data-root", str(workdir), *extra]
     return Service("rollout_buffer", args, port, "/healthz", workdir / f"buffer-{port}.log")
 
 

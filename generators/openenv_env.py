@@ -24,7 +24,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import httpx
 import orjson
@@ -34,14 +34,15 @@ from rollout_buffer.generator_api import (
     PORT_PLACEHOLDER,
     AgentSession,
     EnvError,
+    Governed,
     OpenEnvServer,
     OpenEnvSession,
+    Policy,
     ProcessPool,
     RolloutContext,
     RunOptions,
     ServerSpec,
     StepResult,
-    confined_path,
     give_to,
     is_mcp,
     scratch_folder,
@@ -70,13 +71,15 @@ class OpenEnvOptions(RunOptions):
 
     error_prefix: ClassVar[str] = "openenv run options"
 
-    openenv_url: str | None = Field(default=None, min_length=1, description="a running OpenEnv server")
-    openenv_command: list[str] | None = Field(default=None, min_length=1,
-                                              description="starts one server; {port} is replaced by its port")
-    openenv_requirements: list[str] | None = Field(default=None, min_length=1,
-                                                   description="pip requirements of a venv the buffer makes; "
-                                                               "{python} in the command is its interpreter")
-    openenv_env: dict[str, str] = Field(default_factory=dict, description="environment variables of the command")
+    openenv_url: Annotated[str | None, Governed("urls")] = Field(default=None, min_length=1,
+                                                                 description="a running OpenEnv server")
+    openenv_command: Annotated[list[str] | None, Governed("program")] = Field(
+        default=None, min_length=1, description="starts one server; {port} is replaced by its port")
+    openenv_requirements: Annotated[list[str] | None, Governed("packages")] = Field(
+        default=None, min_length=1,
+        description="pip requirements of a venv the buffer makes; {python} in the command is its interpreter")
+    openenv_env: Annotated[dict[str, str], Governed("child_env")] = Field(
+        default_factory=dict, description="environment variables of the command")
     openenv_servers: int = Field(default=1, ge=1, le=256, description="servers started from the command")
     openenv_max_sessions: int = Field(default=1, ge=1, description="episodes one server runs at once")
     openenv_resets: list[dict[str, Any]] = Field(default_factory=_one_default_reset, min_length=1)
@@ -89,7 +92,8 @@ class OpenEnvOptions(RunOptions):
     openenv_timeout_s: float = Field(default=1800.0, gt=0, description="time limit of one episode")
     openenv_max_retries: int = Field(default=2, ge=0, description="retries of an episode whose server went away")
     openenv_start_timeout_s: float = Field(default=120.0, gt=0)
-    openenv_user: str | None = Field(default=None, min_length=1, description="the user started servers run as")
+    openenv_user: Annotated[str | None, Governed("user")] = Field(default=None, min_length=1,
+                                                                  description="the user started servers run as")
 
     @model_validator(mode="after")
     def _one_server(self) -> OpenEnvOptions:
@@ -116,8 +120,9 @@ class OpenEnvOptions(RunOptions):
         return [a.replace(PYTHON_PLACEHOLDER, python) for a in self.openenv_command]
 
 
-def check_payload(payload: dict[str, Any], data_roots: Any) -> None:
-    """The start-time checks (blocking: called in a thread): the options, a reachable server or a program."""
+def check_payload(payload: dict[str, Any], policy: Policy) -> None:
+    """The start-time checks (blocking: called in a thread; the server's policy has allowed the program, the
+    requirements and the URL already): the options, a reachable server or a program."""
     opts = OpenEnvOptions.from_run(payload)
     if opts.openenv_url is not None:
         try:
@@ -127,11 +132,7 @@ def check_payload(payload: dict[str, Any], data_roots: Any) -> None:
                              ) from None
     else:
         opts.user()
-        if data_roots and opts.openenv_requirements is not None:  # a locked-down server (docs/security.md)
-            raise ValueError("openenv_requirements: not with --data-root (it installs code from an index)")
         command = opts.command()  # the first time with openenv_requirements: the venv is made here
-        if data_roots and command is not None:
-            confined_path(shutil.which(command[0]) or command[0], data_roots, "openenv_command")
         if command is not None and shutil.which(command[0]) is None:
             raise ValueError(f"openenv_command: program {command[0]!r} not found")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
@@ -18,7 +18,7 @@ from generators.search import SearchConfig, format_documents
 from generators.search_client import SearchClient
 from generators.tool_call import default_tool_config
 from generators.tools import BaseTool, CallLimits, ToolRegistry, TruncateSide, load_tool_config
-from rollout_buffer.generator_api import EngineClient, RolloutContext, RunOptions, check_http_urls
+from rollout_buffer.generator_api import EngineClient, Governed, RolloutContext, RunOptions, check_http_urls
 
 _SHARED_KEY = "plan_act"
 # EngineClient options a run payload may set; per-role clients take the same ones as the run's own.
@@ -36,7 +36,8 @@ class PlanActOptions(RunOptions):
     max_subtasks_per_turn: int = Field(default=4, ge=1, le=64, description="steps of one plan given to the actor")
     max_actor_turns: int = Field(default=4, ge=1, le=64, description="actor turns per sub-task")
     actor_tools: list[ActorTools] = Field(default_factory=lambda: list[ActorTools](["function"]))
-    tool_config_path: str | None = Field(default=None, description="function tools (default: the calculator)")
+    tool_config_path: Annotated[str | None, Governed("code_paths")] = Field(
+        default=None, description="function tools (default: the calculator)")
     max_parallel_calls: int = Field(default=1, ge=1)
     max_tool_response_length: int = Field(default=1024, ge=1)
     tool_response_truncate_side: TruncateSide = "middle"
@@ -48,8 +49,8 @@ class PlanActOptions(RunOptions):
     actor_reward_weight: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
     scorer: Scorer = "auto"
     reward_timeout_s: float = Field(default=10.0, gt=0)
-    planner_engine_url: str | list[str] | None = None
-    actor_engine_url: str | list[str] | None = None
+    planner_engine_url: Annotated[str | list[str] | None, Governed("urls")] = None
+    actor_engine_url: Annotated[str | list[str] | None, Governed("urls")] = None
     planner_sampling_params: dict[str, Any] = Field(default_factory=dict)
     actor_sampling_params: dict[str, Any] = Field(default_factory=dict)
 

@@ -22,12 +22,12 @@ import os
 import re
 import string
 from collections import Counter
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, field_validator
 
 from generators.search_client import Document, SearchClient, SearchError
-from rollout_buffer.generator_api import RolloutContext, RunOptions, check_http_urls
+from rollout_buffer.generator_api import Governed, RolloutContext, RunOptions, check_http_urls
 
 TASK_TYPE = "search"
 REQUIRED_FIELDS = ("question", ("golden_answers", "answer"))
@@ -81,7 +81,8 @@ class SearchConfig(RunOptions):
 
     max_turns: int = Field(default=2, ge=1, le=100, description="assistant turns at most")
     topk: int = Field(default=3, ge=1, le=100, description="documents per search")
-    search_url: str = Field(default_factory=lambda: os.environ.get(SEARCH_URL_ENV, DEFAULT_SEARCH_URL))
+    search_url: Annotated[str, Governed("urls")] = Field(
+        default_factory=lambda: os.environ.get(SEARCH_URL_ENV, DEFAULT_SEARCH_URL))
     search_concurrency: int = Field(default=256, ge=1, description="searches in flight over the run")
     search_timeout_s: float = Field(default=60.0, gt=0)
     search_retries: int = Field(default=1, ge=0, le=10, description="retries of an unreachable or 5xx search")

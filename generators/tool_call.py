@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 from pydantic import Field
 
@@ -44,7 +44,7 @@ from generators.tools import (
     load_tool_config,
     message_tool_calls,
 )
-from rollout_buffer.generator_api import RolloutContext, RunOptions
+from rollout_buffer.generator_api import Governed, RolloutContext, RunOptions
 
 TASK_TYPE = "tool_call"
 REQUIRED_FIELDS = ("prompt",)
@@ -62,7 +62,7 @@ class ToolCallOptions(RunOptions):
 
     error_prefix: ClassVar[str] = "tool_call run options"
 
-    tool_config_path: str | None = None
+    tool_config_path: Annotated[str | None, Governed("code_paths")] = None  # a tool config names code to import
     system_prompt: str | None = None
     max_assistant_turns: int | None = Field(default=8, ge=1)
     max_user_turns: int | None = Field(default=None, ge=1)

@@ -21,7 +21,7 @@ import logging
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import orjson
 from pydantic import Field, model_validator
@@ -31,11 +31,12 @@ from rollout_buffer.generator_api import (
     EnvLoadError,
     EnvWorker,
     EnvWorkerDied,
+    Governed,
+    Policy,
     ProcessPool,
     RolloutContext,
     RunOptions,
     WorkerSpec,
-    confined_path,
     fate_shared,
     give_to,
     python_env_paths,
@@ -62,20 +63,22 @@ class VerifiersOptions(RunOptions):
 
     error_prefix: ClassVar[str] = "verifiers run options"
 
-    env_python: str | None = Field(default=None, min_length=1,
-                                   description="the interpreter of a venv with verifiers and the environment")
-    env_requirements: list[str] | None = Field(default=None, min_length=1,
-                                               description="pip requirements of a venv the buffer makes")
+    env_python: Annotated[str | None, Governed("program")] = Field(
+        default=None, min_length=1, description="the interpreter of a venv with verifiers and the environment")
+    env_requirements: Annotated[list[str] | None, Governed("packages")] = Field(
+        default=None, min_length=1, description="pip requirements of a venv the buffer makes")
     env_id: str = Field(min_length=1, description="the taskset id as verifiers imports it")
     env_args: dict[str, Any] = Field(default_factory=dict, description="the taskset's config fields")
     env_config: dict[str, Any] = Field(default_factory=dict, description="the rest of verifiers' env config")
-    env_paths: list[str] = Field(default_factory=list, description="folders the worker imports environments from")
+    env_paths: Annotated[list[str], Governed("code_paths")] = Field(
+        default_factory=list, description="folders the worker imports environments from")
     env_workers: int = Field(default=1, ge=1, le=256)
     env_max_episodes: int = Field(default=16, ge=1, description="episodes one worker runs at once")
     env_timeout_s: float = Field(default=1800.0, gt=0, description="time limit of one episode")
     env_max_retries: int = Field(default=2, ge=0, description="retries of an episode whose worker died")
     env_start_timeout_s: float = Field(default=600.0, gt=0)
-    env_user: str | None = Field(default=None, min_length=1, description="the user the workers run as")
+    env_user: Annotated[str | None, Governed("user")] = Field(default=None, min_length=1,
+                                                              description="the user the workers run as")
 
     @model_validator(mode="after")
     def _one_interpreter(self) -> VerifiersOptions:
@@ -112,17 +115,10 @@ def runs_in_buffer(payload: dict[str, Any]) -> bool:
     return False
 
 
-def check_payload(payload: dict[str, Any], data_roots: Any) -> None:
-    """The start-time checks: the options, and an interpreter that exists (blocking: called in a thread)."""
+def check_payload(payload: dict[str, Any], policy: Policy) -> None:
+    """The start-time checks (blocking: called in a thread; the server's policy has allowed the interpreter, the
+    requirements and the paths already): the options, and an interpreter that exists."""
     opts = VerifiersOptions.from_run(payload)
-    if data_roots:  # a locked-down server runs only code under its data roots (docs/security.md)
-        if opts.env_requirements is not None:
-            raise ValueError("env_requirements: not with --data-root (it installs code from an index); name an "
-                             "env_python under a data root")
-        assert opts.env_python is not None
-        confined_path(shutil.which(opts.env_python) or opts.env_python, data_roots, "env_python")
-        for path in opts.env_paths:
-            confined_path(path, data_roots, "env_paths")
     python = opts.interpreter()  # the first time with env_requirements: the venv is made here
     if shutil.which(python) is None:
         raise ValueError(f"env_python: {python!r} is not an executable interpreter")

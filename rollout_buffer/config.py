@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from rollout_buffer.policy import Policy
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8889
@@ -13,6 +16,16 @@ DEFAULT_GROUP_SIZE = 16
 DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
 AUTH_TOKEN_ENV = "ROLLOUT_BUFFER_AUTH_TOKEN"
 EXECUTORS = ("local", "ray")
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a bind address serves this machine alone (`localhost`, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -26,8 +39,12 @@ class ServerConfig:
     auth_token: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     generator_paths: tuple[Path, ...] = ()
-    # Where input files and tokenizers may live; empty means anywhere.
-    data_roots: tuple[Path, ...] = ()
+    # What clients may name: files to read, code to run, children's environment, sandbox, hosts to reach.
+    policy: Policy = field(default_factory=Policy)
+    # Host names requests may name besides loopback, the bind address and `public_url`'s (`Host` header).
+    allowed_hosts: tuple[str, ...] = ()
+    # Serve a network address without a token: anyone who reaches the port may start runs. Refused unless set.
+    insecure_no_auth: bool = False
     progress_log_s: float = 10.0
     # How long a generator's group hook (`is_valid_group`, `transform_group`) may take before its group is
     # dropped with the reason `hook_timeout`.
@@ -60,6 +77,13 @@ class ServerConfig:
     session_worker_batch_ms: float = 500.0
 
     def __post_init__(self) -> None:
+        if self.data_dir not in self.policy.read_roots:  # the data dir is always readable (a listing's input)
+            object.__setattr__(self, "policy", replace(self.policy, read_roots=(self.data_dir,
+                                                                                 *self.policy.read_roots)))
+        if not self.auth_token and not self.insecure_no_auth and not is_loopback_host(self.host):
+            raise ValueError(f"--host {self.host} serves the network without a token: anyone who reaches the port "
+                             "could start runs; give --auth-token T (or ROLLOUT_BUFFER_AUTH_TOKEN), or "
+                             "--insecure-no-auth to serve it open anyway")
         if self.group_size < 1:
             raise ValueError("group_size must be at least 1")
         if not 0 < self.port < 65536:

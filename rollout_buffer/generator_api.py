@@ -23,10 +23,11 @@ from rollout_buffer.generation.conversation import Conversation
 from rollout_buffer.generation.engine import EngineClient
 from rollout_buffer.generation.engine_results import EngineError
 from rollout_buffer.generation.hermes import ToolCall, parse_tool_calls, tool_call
-from rollout_buffer.generation.inputs import confined_path, iter_json_objects
+from rollout_buffer.generation.inputs import existing_path, iter_json_objects
 from rollout_buffer.generation.options import RunOptions
 from rollout_buffer.generation.prompt_ids import INLINE_CHARS
 from rollout_buffer.generation.sessions import AgentSession
+from rollout_buffer.policy import Governed, Policy, PolicyRefused
 from rollout_buffer.processes import fate_shared, give_to, scratch_folder, user_ids
 from rollout_buffer.schemas import check_http_urls
 
@@ -41,8 +42,11 @@ __all__ = [
     "EnvLoadError",
     "EnvWorker",
     "EnvWorkerDied",
+    "Governed",
     "OpenEnvServer",
     "OpenEnvSession",
+    "Policy",
+    "PolicyRefused",
     "ProcessPool",
     "RolloutContext",
     "RunOptions",
@@ -52,7 +56,7 @@ __all__ = [
     "ToolCall",
     "WorkerSpec",
     "check_http_urls",
-    "confined_path",
+    "existing_path",
     "fate_shared",
     "give_to",
     "is_mcp",

@@ -17,6 +17,8 @@ from pydantic import (
     model_validator,
 )
 
+from rollout_buffer.policy import MAX_URLS, REDACTED, Governed, is_secret_name
+
 TrajectoryStatus = Literal["completed", "truncated", "aborted", "failed"]
 
 
@@ -32,6 +34,16 @@ def _wire_int(value: Any) -> Any:
 
 # The store keeps integers as SQLite's 64-bit ones.
 INT64_MAX = 2**63 - 1
+# The largest reward (in magnitude) a record, an episode or a reward weight may carry: far beyond any reward
+# function's range, far below where the sums and squares of a group's rewards overflow a float.
+REWARD_LIMIT = 1e6
+
+
+def check_reward(value: float | None) -> float | None:
+    """`value` unless it is NaN, infinite or beyond ±REWARD_LIMIT (ValueError saying so)."""
+    if value is not None and not -REWARD_LIMIT <= value <= REWARD_LIMIT:
+        raise ValueError(f"must be a finite number within ±{REWARD_LIMIT:g} (reward_out_of_range)")
+    return value
 
 
 def _int_schema(ge: int, le: int = INT64_MAX) -> WithJsonSchema:
@@ -79,6 +91,8 @@ def check_http_urls(value: str | list[str] | None, what: str = "engine URL") -> 
 
 def _engine_urls(value: str | list[str] | None) -> str | list[str] | None:
     check_http_urls(value)
+    if isinstance(value, list) and len(value) > MAX_URLS:
+        raise ValueError(f"{len(value)} engine URLs; a run names at most {MAX_URLS} (a router, or its engines)")
     return value
 
 
@@ -116,9 +130,7 @@ class TrajectoryRecord(BaseModel):
     @field_validator("reward", "raw_reward")
     @classmethod
     def _finite(cls, v: float | None) -> float | None:
-        if v is not None and not math.isfinite(v):
-            raise ValueError("must be a finite number (NaN and infinity are refused)")
-        return v
+        return check_reward(v)
 
     @model_validator(mode="after")
     def _token_fields_align(self) -> TrajectoryRecord:
@@ -151,15 +163,16 @@ class StartRolloutRequest(BaseModel):
 
     task_type: Text
     # Required unless the generator runs without input (an `agent` run that only hosts sessions).
-    input_file: Text | None = None
+    input_file: Annotated[Text | None, Governed("read")] = None
     num_repeat_per_sample: Annotated[int, BeforeValidator(_wire_int), Field(ge=1, le=4096), _int_schema(1, 4096)] = 8
     num_epoch: PositiveInt = 1
     num_process: Annotated[int, BeforeValidator(_wire_int), Field(ge=1, le=1_000_000), _int_schema(1, 1_000_000)] = 256
-    remote_engine_url: EngineUrls = None
+    remote_engine_url: Annotated[EngineUrls, Governed("urls")] = None
+    # slime's URL of the buffer; a slime-style generator posts its records to this server whatever it says.
     remote_buffer_url: str | None = None
     max_tokens: PositiveInt | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
-    tokenizer_path: str | None = None
+    tokenizer_path: Annotated[str | None, Governed("read")] = None
     skip_instance_ids: list[Id] | None = None
     # Group policy: slime's validity rule by default, DAPO dynamic sampling on request.
     drop_zero_variance: bool = False
@@ -188,6 +201,7 @@ class StartRolloutRequest(BaseModel):
                 continue
             name = close[0]
             value = getattr(self, name) if name in own else extra.get(name, run_options[name])
+            value = REDACTED if is_secret_name(name) and value else value
             warnings.append(f"{key}: not an option of /start_rollout; did you mean {name}? (kept for the generator; "
                             f"{name} stays {value!r})")
         return warnings
@@ -241,8 +255,8 @@ class StartEvalRequest(BaseModel):
     # The trainer's weight version the eval stands for; default: the latest run's trainer version, else 0.
     current_version: NonNegativeInt | None = None
     task_type: Text | None = None
-    remote_engine_url: EngineUrls = None
-    tokenizer_path: str | None = None
+    remote_engine_url: Annotated[EngineUrls, Governed("urls")] = None
+    tokenizer_path: Annotated[str | None, Governed("read")] = None
     # A sample is correct (for pass@k) when its reward is at least this (slime: reward == 1).
     pass_threshold: float = 1.0
 
@@ -377,6 +391,4 @@ class FinishSessionRequest(BaseModel):
     @field_validator("reward")
     @classmethod
     def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError("must be a finite number (NaN and infinity are refused)")
-        return v
+        return check_reward(v)  # type: ignore[return-value]  # a float in, a float out

@@ -8,11 +8,28 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+
+from rollout_buffer.policy import default_agent_user
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def trusting_flags() -> list[str]:
+    """`serve` flags of a server that trusts the suite as an operator trusts their own scripts: it reads input files
+    in the temporary folder and the repository, runs the test agents, environments and interpreters named there
+    (and the system's programs), installs requirements, passes any variable, runs agents as nobody or root. Tests of
+    the default policy start `serve` without them (`Server(..., trusting=False)`)."""
+    tmp = tempfile.gettempdir()
+    code = [tmp, str(ROOT), sys.prefix, "/usr/bin", "/usr/local/bin", "/bin"]
+    users = dict.fromkeys([default_agent_user(), "nobody", "root"])
+    return ["--data-root", tmp, "--data-root", str(ROOT), *[f for c in code for f in ("--allow-code", c)],
+            "--allow-installs", "--allow-env", "*", *[f for u in users for f in ("--agent-user", u)]]
 
 
 def free_port() -> int:
@@ -71,8 +88,9 @@ def stop_process(proc: subprocess.Popen | None) -> None:
 class Server:
     """A CLI subcommand of `rollout-buffer` running as a subprocess."""
 
-    def __init__(self, args: list[str], health_path: str, port: int, log_path: Path, env: dict | None = None):
-        self.args = args
+    def __init__(self, args: list[str], health_path: str, port: int, log_path: Path, env: dict | None = None,
+                 trusting: bool = True):
+        self.args = [*args, *trusting_flags()] if trusting and args[:1] == ["serve"] else args
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.health_url = self.url + health_path
@@ -116,10 +134,11 @@ class Server:
 
 
 @contextlib.contextmanager
-def running(args: list[str], health_path: str, port: int, log_path: Path, env: dict | None = None
-            ) -> Iterator[Server]:
-    """Context manager: start a `rollout-buffer` subcommand, stop it on exit."""
-    srv = Server(args, health_path, port, log_path, env).start()
+def running(args: list[str], health_path: str, port: int, log_path: Path, env: dict | None = None,
+            trusting: bool = True) -> Iterator[Server]:
+    """Context manager: start a `rollout-buffer` subcommand, stop it on exit (`serve` with `trusting_flags()`
+    unless `trusting` is False)."""
+    srv = Server(args, health_path, port, log_path, env, trusting).start()
     try:
         yield srv
     finally:
@@ -136,11 +155,12 @@ def sim_engine(log_dir: Path, tokenizer: str, *extra: str) -> Iterator[Server]:
 
 
 @contextlib.contextmanager
-def buffer_server(log_dir: Path, *extra: str) -> Iterator[Server]:
-    """A `rollout-buffer serve` subprocess on a free port, its store and log in `log_dir`, with the extra flags."""
+def buffer_server(log_dir: Path, *extra: str, trusting: bool = True) -> Iterator[Server]:
+    """A `rollout-buffer serve` subprocess on a free port, its store and log in `log_dir`, with the extra flags
+    (and `trusting_flags()` unless `trusting` is False)."""
     port = free_port()
     args = ["serve", "--port", str(port), "--data-dir", str(log_dir / "data"), *extra]
-    with running(args, "/healthz", port, log_dir / "buffer.log") as srv:
+    with running(args, "/healthz", port, log_dir / "buffer.log", trusting=trusting) as srv:
         yield srv
 
 

@@ -57,10 +57,11 @@ def buffer(tmp_path_factory: pytest.TempPathFactory, roots: Path, qwen_tokenizer
            stdlib_agent: Path) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("agent-buffer")
     port = free_port()
+    # What the operator allows the tests' runs, no more: their inputs, the agents they run, their hook, PROBE_PORTS.
     args = ["serve", "--port", str(port), "--data-dir", str(tmp / "data"), "--group-size", "2", "--auth-token", TOKEN,
-            "--data-root", str(REPO), "--data-root", str(roots), "--data-root", qwen_tokenizer_path,
-            "--data-root", str(stdlib_agent.parent)]
-    with running(args, "/healthz", port, tmp / "buffer.log", env={SECRET: "do-not-leak"}) as srv:
+            "--data-root", str(roots), "--allow-code", str(AGENTS), "--allow-code", str(stdlib_agent.parent),
+            "--allow-code", str(roots / "score_hook.py"), "--allow-env", "PROBE_PORTS"]
+    with running(args, "/healthz", port, tmp / "buffer.log", env={SECRET: "do-not-leak"}, trusting=False) as srv:
         yield srv
 
 
@@ -186,9 +187,9 @@ def test_a_harness_run_groups_by_group_size_and_expires_idle_sessions(buffer: Se
 
 def test_the_start_payload_of_agent_runs_is_checked(buffer: Server, engine: Server, roots: Path,
                                                     qwen_tokenizer_path: str, tmp_path: Path) -> None:
-    def refused(**payload: Any) -> str:
+    def refused(status: int = 422, **payload: Any) -> str:
         answer = start(buffer, engine, qwen_tokenizer_path, **payload)
-        assert answer.status_code == 422, answer.text
+        assert answer.status_code == status, answer.text
         return answer.json()["message"]
 
     outside = tmp_path / "agent.py"
@@ -198,9 +199,10 @@ def test_the_start_payload_of_agent_runs_is_checked(buffer: Server, engine: Serv
     assert math.status_code == 422 and "input_file: required" in math.json()["message"]
     assert "not both" in refused(input_file=input_file, agent=f"{AGENTS}/openai_agent.py:agent",
                                  agent_command=["x"])
-    assert "outside the allowed data roots" in refused(input_file=input_file, agent=f"{outside}:agent")
-    assert "name a file under a data root" in refused(input_file=input_file, agent="json:loads")
-    assert "agent_command" in refused(input_file=input_file, agent_command=["/usr/bin/python3", str(STDLIB_AGENT)])
+    assert "--allow-code" in refused(403, input_file=input_file, agent=f"{outside}:agent")
+    assert "--allow-module json" in refused(403, input_file=input_file, agent="json:loads")
+    assert "agent_command" in refused(403, input_file=input_file,
+                                      agent_command=["/usr/bin/python3", str(STDLIB_AGENT)])
     assert "input_file: required" in refused(agent=f"{AGENTS}/openai_agent.py:agent")
     no_tokenizer = httpx.post(f"{buffer.url}/start_rollout", timeout=10, json={"task_type": "agent"}, headers=AUTH)
     assert no_tokenizer.status_code == 422 and "tokenizer_path" in no_tokenizer.json()["message"]
@@ -245,7 +247,8 @@ def test_agents_die_with_a_buffer_killed_by_sigkill(tmp_path: Path, engine: Serv
     if network == "isolated" and not namespaces_work():
         pytest.skip("unshare cannot create namespaces here")
     port = free_port()
-    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--group-size", "2"]
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--group-size", "2",
+            "--agent-network", "host"]
     srv = Server(args, "/healthz", port, tmp_path / "buffer.log").start()
     try:
         prompt = "What is 12 * 7 + 3? Use the calculator."

@@ -17,10 +17,14 @@ from typing import Any
 
 import httpx
 import pytest
-from servers import Server, session_host, sim_engine
+from servers import Server, buffer_server, sim_engine
 
 LONG = os.environ.get("RB_LONG") == "1"
 FUZZ = Path(__file__).parent / "fuzz"
+# The buffer is fuzzed with its default policy (plus the fuzzer's dataset folder) and a token the fuzzer sends on
+# every request: a session's API takes the server token like its key, so turns are fuzzed past the key check.
+TOKEN = "fuzz-t0ken"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
 CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,negative_data_rejection," \
          "unsupported_method"
 
@@ -70,21 +74,26 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_path: str) -
     data.write_text("".join(json.dumps({"instance_id": f"m{i}", "prompt": f"What is {i} + 1?", "label": str(i + 1)})
                             + "\n" for i in range(2)))
     with sim_engine(tmp, qwen_tokenizer_path) as engine, \
-            session_host(tmp, engine.url, qwen_tokenizer_path, "--group-size", "2", max_tokens=64) as srv:
+            buffer_server(tmp, "--group-size", "2", "--data-root", str(tmp), "--auth-token", TOKEN,
+                          trusting=False) as srv:
+        start = httpx.post(f"{srv.url}/start_rollout", timeout=30, headers=AUTH, json={
+            "task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": qwen_tokenizer_path,
+            "max_tokens": 64})
+        assert start.status_code == 200, start.text
         uids = [f"seed-{k}" for k in range(2)]
         for k, uid in enumerate(uids):
-            httpx.post(f"{srv.url}/buffer/write", timeout=30, json={
+            httpx.post(f"{srv.url}/buffer/write", timeout=30, headers=AUTH, json={
                 "uid": uid, "instance_id": "seed", "reward": float(k), "extra_info": {},
                 "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
             }).raise_for_status()
-        opened = [httpx.post(f"{srv.url}/sessions", timeout=30, json={"instance_id": f"fuzz-{k}"}).json()
-                  for k in range(8)]
+        opened = [httpx.post(f"{srv.url}/sessions", timeout=30, headers=AUTH, json={"instance_id": f"fuzz-{k}"}
+                             ).json() for k in range(8)]
         sessions = [s["session_id"] for s in opened]
         yield Fuzzed(srv, sessions, uids, [str(data)])
 
 
 def test_every_ref_of_the_openapi_document_resolves(fuzzed: Fuzzed) -> None:
-    doc = httpx.get(f"{fuzzed.server.url}/openapi.json").json()
+    doc = httpx.get(f"{fuzzed.server.url}/openapi.json", headers=AUTH).json()
     refs = _refs(doc)
     assert refs, "the document uses components"
     for ref in refs:
@@ -97,7 +106,7 @@ def test_every_ref_of_the_openapi_document_resolves(fuzzed: Fuzzed) -> None:
 
 
 def test_request_models_carry_examples(fuzzed: Fuzzed) -> None:
-    schemas = httpx.get(f"{fuzzed.server.url}/openapi.json").json()["components"]["schemas"]
+    schemas = httpx.get(f"{fuzzed.server.url}/openapi.json", headers=AUTH).json()["components"]["schemas"]
     for name in ("StartRolloutRequest", "StartEvalRequest", "GetRolloutDataRequest", "TrajectoryRecord"):
         assert schemas[name].get("examples"), name
 
@@ -116,23 +125,23 @@ def test_request_models_carry_examples(fuzzed: Fuzzed) -> None:
     ("/buffer/write", {"uid": "u", "instance_id": "i", "messages": [], "reward": True}, "reward"),
 ])
 def test_refusals_name_the_field(fuzzed: Fuzzed, path: str, body: dict[str, Any], field: str) -> None:
-    resp = httpx.post(f"{fuzzed.server.url}{path}", json=body, timeout=30)
+    resp = httpx.post(f"{fuzzed.server.url}{path}", json=body, timeout=30, headers=AUTH)
     assert resp.status_code == 422, resp.text
     assert f"body.{field}:" in resp.json()["message"], resp.json()["message"]
 
 
 def test_numbers_as_strings_are_taken_as_slime_sends_them(fuzzed: Fuzzed) -> None:
-    resp = httpx.post(f"{fuzzed.server.url}/get_rollout_data", timeout=30,
+    resp = httpx.post(f"{fuzzed.server.url}/get_rollout_data", timeout=30, headers=AUTH,
                       json={"max_groups": "1", "current_version": "0", "run_id": "nope"})
     assert resp.status_code == 404 and "run_id" in resp.json()["message"]  # validated, then looked up
 
 
 def test_a_content_part_of_no_known_type_is_a_400_in_the_protocol(fuzzed: Fuzzed) -> None:
     base = f"{fuzzed.server.url}/sessions/{fuzzed.sessions[-1]}/v1"
-    chat = httpx.post(f"{base}/chat/completions", timeout=30,
+    chat = httpx.post(f"{base}/chat/completions", timeout=30, headers=AUTH,
                       json={"messages": [{"role": "user", "content": [{"type": {}}]}]})
     assert chat.status_code == 400 and "messages[0].content[0]" in chat.json()["error"]["message"]
-    messages = httpx.post(f"{base}/messages", timeout=30, json={
+    messages = httpx.post(f"{base}/messages", timeout=30, headers=AUTH, json={
         "max_tokens": 16, "messages": [{"role": "user", "content": [{"type": ["text"], "name": ""}]}]})
     assert messages.status_code == 400 and messages.json()["type"] == "error"
 
@@ -154,14 +163,18 @@ def test_fuzzed_api_answers_as_documented_and_never_5xx(fuzzed: Fuzzed, tmp_path
     exact = operations == "exact"
     # An unresolvable `$ref`, or an operation that refuses most of what its document allows, fails the run.
     fail_on = ["unresolvable_reference", *(["validation_mismatch"] if exact else [])]
+    schema = tmp_path / "openapi.json"
+    schema.write_bytes(httpx.get(f"{fuzzed.server.url}/openapi.json", headers=AUTH).content)
     out = subprocess.run(
         [st, "--config-file", str(fuzzed.config(tmp_path / "schemathesis.toml", fail_on)), "run",
-         f"{fuzzed.server.url}/openapi.json", "--exclude-path-regex" if exact else "--include-path-regex",
+         str(schema), "--url", fuzzed.server.url, "--exclude-path-regex" if exact else "--include-path-regex",
          OPEN_ENDED, "--checks", CHECKS, "--phases", "examples,coverage,fuzzing,stateful", "--seed", str(seed),
-         "--max-examples", "150" if LONG else "25", "--request-timeout", "15", "--workers", "1"],
+         "--max-examples", "150" if LONG else "25", "--request-timeout", "15", "--workers", "1",
+         "--header", f"Authorization: Bearer {TOKEN}"],
         capture_output=True, text=True, timeout=1200, cwd=tmp_path,
         # The long-polls' valid waits are shortened to stay well inside the request timeout (fuzz/hooks.py).
         env={**os.environ, "SCHEMATHESIS_HOOKS": "hooks", "PYTHONPATH": str(FUZZ)},
     )
     assert out.returncode == 0, out.stdout[-8000:] + fuzzed.server.log()[-3000:]
     assert httpx.get(f"{fuzzed.server.url}/healthz").json() == {"ok": True}
+    assert httpx.get(f"{fuzzed.server.url}/status", headers=AUTH).status_code == 200

@@ -28,11 +28,18 @@ COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 PROBE = ROOT / "docker" / "healthcheck.py"
 DEFAULT_SERVICES = {"buffer", "router", "sim-engine", "retriever"}
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\}")
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
+# What the stack needs set (compose refuses to start without it): the buffer's token.
+REQUIRED_ENV = {"ROLLOUT_BUFFER_AUTH_TOKEN": "t0ken"}
+
+
+class Unset(ValueError):
+    """A `${VAR:?message}` variable compose would refuse to start without."""
 
 
 def interpolate(node: Any, env: dict[str, str]) -> Any:
-    """Compose's variable substitution: `${VAR}`, `${VAR:-default}` (unset or empty), `${VAR-default}` (unset)."""
+    """Compose's variable substitution: `${VAR}`, `${VAR:-default}` (unset or empty), `${VAR-default}` (unset),
+    `${VAR:?message}` (required: Unset with the message when unset or empty)."""
     if isinstance(node, dict):
         return {k: interpolate(v, env) for k, v in node.items()}
     if isinstance(node, list):
@@ -40,6 +47,10 @@ def interpolate(node: Any, env: dict[str, str]) -> Any:
     if isinstance(node, str):
         def sub(m: re.Match[str]) -> str:
             name, op, default = m.group(1), m.group(2), m.group(3) or ""
+            if op in (":?", "?") and not env.get(name):
+                raise Unset(f"{name}: {default}")
+            if op in (":?", "?"):
+                return env[name]
             if op == ":-":
                 return env.get(name) or default
             return env.get(name, default) if op == "-" else env.get(name, "")
@@ -48,7 +59,16 @@ def interpolate(node: Any, env: dict[str, str]) -> Any:
 
 
 def load_compose(env: dict[str, str] | None = None) -> dict[str, Any]:
-    return interpolate(yaml.safe_load(COMPOSE.read_text()), env or {})
+    return interpolate(yaml.safe_load(COMPOSE.read_text()), {**REQUIRED_ENV, **(env or {})})
+
+
+def test_the_stack_does_not_start_the_buffer_without_a_token() -> None:
+    with pytest.raises(Unset, match="ROLLOUT_BUFFER_AUTH_TOKEN"):
+        interpolate(yaml.safe_load(COMPOSE.read_text()), {})
+    buffer = load_compose()["services"]["buffer"]
+    assert buffer["environment"]["ROLLOUT_BUFFER_AUTH_TOKEN"] == REQUIRED_ENV["ROLLOUT_BUFFER_AUTH_TOKEN"]
+    assert flag(argv(buffer), "--host") == "0.0.0.0"
+    assert {argv(buffer)[i + 1] for i, a in enumerate(argv(buffer)) if a == "--data-root"} == {"/inputs", "/models"}
 
 
 @pytest.fixture(scope="module")

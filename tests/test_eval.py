@@ -173,8 +173,8 @@ def test_two_eval_sets_beside_a_training_run(buffer: Server, engine: Server, fil
     ("body", "message"),
     [
         ({"eval_datasets": {}}, "body.eval_datasets"),
-        ({"eval_datasets": {"x": "/no/such.jsonl"}, "task_type": "math", "remote_engine_url": "http://127.0.0.1:9"},
-         "eval_datasets.x: input_file"),
+        ({"eval_datasets": {"x": "{a}.missing"}, "task_type": "math", "remote_engine_url": "http://127.0.0.1:9"},
+         "eval_datasets.x: path: "),
         ({"eval_datasets": {"x": "{a}"}, "n_samples_per_eval_prompt": 0}, "body.n_samples_per_eval_prompt"),
         ({"eval_datasets": {"x": "{a}"}, "eval_num_process": "many"}, "body.eval_num_process"),
         ({"eval_datasets": {"x": "{a}"}, "task_type": "nope"}, "task_type: unknown 'nope'"),

@@ -158,3 +158,47 @@ def test_a_group_left_complete_by_a_stopped_process_is_finished_at_start(tmp_pat
             await store.close()
 
     asyncio.run(main())
+
+
+def test_a_poisoned_group_left_by_an_older_release_is_dropped_at_start(tmp_path: Path) -> None:
+    """A store an older release wrote (it took 1e308 as a reward) holds a complete group whose normalization
+    overflows: the start drops it with its reason instead of failing (a crash loop under a restart policy)."""
+
+    async def main() -> None:
+        config = ServerConfig(data_dir=tmp_path, group_size=2)
+        store = Store(config.db_path)
+        await store.open()
+        try:
+            buffer = RolloutBuffer(config, store, {})
+            run = await buffer.runs.get(await buffer.create_run({"task_type": None}, 2))
+            assert run is not None
+            poisoned = TrajectoryRecord.model_construct(**{**_record("b", "g", 0.0).model_dump(), "reward": 1e308})
+            records = [_record("a", "g", 1.0), poisoned]
+            items = [NewRecord(r.uid, r.instance_id, 0, r.status, encode_record(r), reward=r.reward) for r in records]
+            await Records(store).write(run.run_id, 2, items)
+            restarted = RolloutBuffer(config, store, {})
+            assert await restarted.finish_interrupted() == 1
+            assert await restarted.reads.group_counts(run.run_id) == {"filtered": 1}
+            (group,) = await restarted.reads.list_groups("filtered", run.run_id, 10)
+            assert group["reason"].startswith("reward_out_of_range"), group
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(("poison", "reason"), [
+    ({"reward": 1e308}, "reward_out_of_range"),
+    ({"reward": float("nan")}, "reward_out_of_range"),
+    ({"extra_info": {"episode_reward": float("inf")}}, "reward_out_of_range"),
+    ({"extra_info": {"episode_reward": "lots"}}, "reward_out_of_range"),
+    ({"extra_info": {"reward_weight": -1e300}}, "reward_out_of_range"),
+    ({"extra_info": None, "messages": "not a list"}, "group_policy_error"),
+])
+def test_no_value_makes_finishing_a_group_raise(poison: dict[str, Any], reason: str) -> None:
+    """A value the store took (or a record of an older release) drops its own group with the reason; the policy
+    never raises (it runs in the store's thread and at start-up)."""
+    records = [rec("a", 1.0), {**rec("b", 0.0), **poison}]
+    for policy in (GroupPolicy(), GroupPolicy(drop_zero_variance=True)):
+        out = policy.finalize([dict(r) for r in records])
+        assert out.reason is not None and out.reason.startswith(reason), out.reason

@@ -1,6 +1,6 @@
-"""The security checks (`server.guards`: bearer token, agent socket gate, body cap), each written once and applied
-by both layers: FastAPI's middleware (slime's routes, refused in slime's shape) and the session API's fast path
-(`/sessions/{id}/v1/...`, refused in OpenAI's or Anthropic's shape).
+"""The security checks (`server.guards`: the request gate — agent socket, browsers, credentials —, a session's key,
+the body cap), each written once and applied by both layers: FastAPI's middleware (slime's routes, refused in
+slime's shape) and the session API's fast path (`/sessions/{id}/v1/...`, refused in OpenAI's or Anthropic's shape).
 
 The checks directly on hand-made scopes, then over real HTTP against buffers running in this process (uvicorn in
 a thread; a subprocess would add nothing here) on 127.0.0.1 and on their agent socket, each with an agent run
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -25,8 +26,18 @@ import uvicorn
 from servers import free_port
 
 from rollout_buffer.config import ServerConfig
+from rollout_buffer.policy import Policy
 from rollout_buffer.server.app import create_app
-from rollout_buffer.server.guards import BodyTooLarge, Guards, needs_server_token, presented_token, token_ok
+from rollout_buffer.server.guards import (
+    BodyTooLarge,
+    Guards,
+    Refusal,
+    host_name,
+    needs_server_token,
+    presented_token,
+    token_ok,
+)
+from rollout_buffer.server.peer import is_loopback, peer_uid
 
 TOKEN = "s3cret"
 CAP = 4096
@@ -37,11 +48,13 @@ SOCKET_PATH = "/tmp/guards-test/agents.sock"
 
 # ---- the checks themselves ---------------------------------------------------------------------------------------
 
-def scope(path: str = "/status", headers: dict[str, str] | None = None, *, on_socket: bool = False) -> dict[str, Any]:
-    """An HTTP scope as uvicorn builds it: a Unix socket's server is (path, None)."""
-    return {"type": "http", "path": path, "method": "GET",
+def scope(path: str = "/status", headers: dict[str, str] | None = None, *, on_socket: bool = False,
+          method: str = "GET", client: tuple[str, int] = ("10.0.0.9", 40000)) -> dict[str, Any]:
+    """An HTTP scope as uvicorn builds it: a Unix socket's server is (path, None). The client is not on loopback
+    (no peer to ask the kernel about) unless given."""
+    return {"type": "http", "path": path, "method": method,
             "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
-            "server": (SOCKET_PATH, None) if on_socket else ("127.0.0.1", 8889)}
+            "server": (SOCKET_PATH, None) if on_socket else ("127.0.0.1", 8889), "client": client}
 
 
 def test_the_bearer_token_check() -> None:
@@ -54,20 +67,79 @@ def test_the_bearer_token_check() -> None:
     assert token_ok(b"a", (b"b", b"a")) and not token_ok(b"c", (b"b", b"a")) and not token_ok(b"", (b"",))
 
     # FastAPI's routes: the server token, except where none is needed.
-    assert guards.server_token_ok(scope(headers=AUTH))
+    assert guards.refusal(scope(headers=AUTH)) is None
     for headers in ({}, {"authorization": "Bearer nope"}, {"x-api-key": TOKEN}, {"authorization": TOKEN}):
-        assert not guards.server_token_ok(scope(headers=headers)), headers
+        assert guards.refusal(scope(headers=headers)) == Refusal(401, guards.refusal(scope()).message), headers
     for path in ("/healthz", "/ui", "/ui/", "/ui/static/app.js", "/sessions/s-1/v1/models"):
-        assert not needs_server_token(path) and guards.server_token_ok(scope(path)), path
+        assert not needs_server_token(path) and guards.refusal(scope(path)) is None, path
     for path in ("/ui/api/runs", "/sessions", "/sessions/s-1", "/sessions/s-1/finish", "/metrics"):
-        assert needs_server_token(path) and not guards.server_token_ok(scope(path)), path
-    assert Guards(None, None, CAP).server_token_ok(scope()), "no --auth-token: nothing to present"
+        assert needs_server_token(path) and guards.refusal(scope(path)).status == 401, path
+    assert guards.refusal(scope("/sessions/s-1", method="HEAD")) is None, "Claude Code's bodiless probe"
+    assert Guards(None, None, CAP).refusal(scope()) is None, "no --auth-token, a caller from another address"
 
-    # A session's API: its key or the server token, as a bearer token or x-api-key.
-    for headers in (AUTH, {"authorization": "Bearer key-1"}, {"x-api-key": "key-1"}, {"x-api-key": TOKEN}):
+    # A session's API: its key or the server token, as a bearer token or x-api-key, with or without a server token.
+    for keeper in (guards, Guards(None, None, CAP)):
+        for headers in ({"authorization": "Bearer key-1"}, {"x-api-key": "key-1"}):
+            assert keeper.session_key_ok(scope("/sessions/s-1/v1/models", headers), "key-1"), headers
+        for headers in ({}, {"authorization": "Bearer key-2"}, {"x-api-key": "nope"}):
+            assert not keeper.session_key_ok(scope("/sessions/s-1/v1/models", headers), "key-1"), headers
+    for headers in (AUTH, {"x-api-key": TOKEN}):
         assert guards.session_key_ok(scope("/sessions/s-1/v1/models", headers), "key-1"), headers
-    for headers in ({}, {"authorization": "Bearer key-2"}, {"x-api-key": "nope"}):
-        assert not guards.session_key_ok(scope("/sessions/s-1/v1/models", headers), "key-1"), headers
+
+
+def test_browsers_cannot_post_across_sites_or_rebind_names() -> None:
+    open_server, locked = Guards(None, None, CAP, frozenset({"buffer.internal"})), Guards(TOKEN, None, CAP)
+    json_type = {"content-type": "application/json", "content-length": "2"}
+    form = {"content-type": "text/plain", "content-length": "2"}
+    # A body must be JSON on every state-changing route (a cross-site form cannot send that), an empty one aside.
+    for guards in (open_server, locked):
+        for path in ("/start_rollout", "/sessions/s-1/v1/chat/completions", "/buffer/write"):
+            refused = guards.refusal(scope(path, {**form, **AUTH}, method="POST"))
+            assert refused is not None and refused.status == 415 and "application/json" in refused.message, path
+            for kind in ("application/x-www-form-urlencoded", "multipart/form-data; boundary=x", ""):
+                headers = {"content-type": kind, "content-length": "2", **AUTH}
+                assert guards.refusal(scope(path, headers, method="POST")).status == 415, (path, kind)
+            chunked = {"content-type": "text/plain", "transfer-encoding": "chunked", **AUTH}
+            assert guards.refusal(scope(path, chunked, method="POST")).status == 415
+        json_charset = {"content-type": "Application/JSON; charset=utf-8", "content-length": "2", **AUTH}
+        assert guards.refusal(scope("/start_rollout", json_charset, method="POST")) is None
+        assert guards.refusal(scope("/get_rollout_data", {"content-length": "0", **AUTH}, method="POST")) is None
+        assert guards.refusal(scope("/get_rollout_data", AUTH, method="POST")) is None, "slime may send no body"
+        # A browser's Origin must be the server's own.
+        own = {**json_type, **AUTH, "host": "127.0.0.1:8889", "origin": "http://127.0.0.1:8889"}
+        assert guards.refusal(scope("/start_rollout", own, method="POST")) is None
+        for origin in ("http://evil.example", "null", "http://127.0.0.1:9999", "file://"):
+            headers = {**own, "origin": origin}
+            for path in ("/start_rollout", "/sessions/s-1/v1/chat/completions"):
+                refused = guards.refusal(scope(path, headers, method="POST"))
+                assert refused is not None and refused.status == 403 and "origin" in refused.message, (origin, path)
+    # Without a token the Host must name this server (DNS rebinding: a page's own name resolving to 127.0.0.1).
+    for host in ("127.0.0.1:8889", "localhost:8889", "[::1]:8889", "127.0.0.2", "buffer.internal:8889", "LOCALHOST"):
+        assert open_server.refusal(scope(headers={"host": host})) is None, host
+    for host in ("evil.example", "evil.example:8889", "127.0.0.1.evil.example", "localhost.evil.example"):
+        refused = open_server.refusal(scope(headers={"host": host}))
+        assert refused is not None and refused.status == 403 and "--allowed-host" in refused.message, host
+    # With one, a request presenting it is taken by any name (a page cannot attach it by itself).
+    assert locked.refusal(scope(headers={"host": "10.1.2.3:8889", **AUTH})) is None
+    assert locked.refusal(scope(headers={"host": "evil.example"})).status == 401
+    assert host_name("[::1]:8889") == "::1" and host_name("Example.COM:80") == "example.com"
+
+
+def test_without_a_token_only_the_servers_own_user_calls_its_routes() -> None:
+    """The kernel names the user of a loopback caller's socket (netlink socket diagnostics)."""
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("::ffff:127.0.0.1")
+    assert not is_loopback("10.0.0.1") and not is_loopback("not an address")
+    with socket.create_server(("127.0.0.1", 0)) as listener, socket.create_connection(listener.getsockname()):
+        accepted, client = listener.accept()
+        with accepted:
+            assert peer_uid(client, listener.getsockname()) == os.geteuid()
+            guards = Guards(None, None, CAP)
+            local = {**scope(), "client": client, "server": listener.getsockname()}
+            assert guards.refusal(local) is None
+            assert peer_uid(("127.0.0.1", 1), listener.getsockname()) is None, "no such connection"
+            gone = {**local, "client": ("127.0.0.1", 1)}
+            refused = guards.refusal(gone)
+            assert refused is not None and refused.status == 403 and "--auth-token" in refused.message
 
 
 def test_the_agent_socket_gate() -> None:
@@ -75,13 +147,13 @@ def test_the_agent_socket_gate() -> None:
     assert guards.on_agent_socket(scope(on_socket=True)) and not guards.on_agent_socket(scope())
     assert not Guards(None, "/elsewhere.sock", CAP).on_agent_socket(scope(on_socket=True))
     assert not Guards(None, None, CAP).on_agent_socket(scope(on_socket=True))
-    # On the socket: a session's API only...
+    # On the socket: a session's API only (whose key the session API checks)...
     for path in ("/status", "/healthz", "/sessions", "/sessions/s-1", "/ui", "/sessions/s-1/v1/"):
-        assert not guards.socket_allows(scope(path, on_socket=True)) and guards.socket_allows(scope(path)), path
-    assert guards.socket_allows(scope("/sessions/s-1/v1/chat/completions", on_socket=True))
-    # ...and that with the session's key, though the server has no token (over TCP it then needs none).
+        refused = guards.refusal(scope(path, on_socket=True))
+        assert refused is not None and refused.status == 403 and guards.refusal(scope(path)) is None, path
+    assert guards.refusal(scope("/sessions/s-1/v1/chat/completions", on_socket=True)) is None
+    # ...and that with the session's key, as over TCP.
     models = "/sessions/s-1/v1/models"
-    assert guards.session_key_ok(scope(models), "key-1")
     assert not guards.session_key_ok(scope(models, on_socket=True), "key-1")
     assert guards.session_key_ok(scope(models, {"x-api-key": "key-1"}, on_socket=True), "key-1")
 
@@ -116,8 +188,8 @@ def test_both_layers_hold_the_same_guards(tmp_path: Path) -> None:
     config = ServerConfig(data_dir=tmp_path, auth_token=TOKEN, max_body_bytes=CAP, agent_socket=tmp_path / "a.sock")
     app: Any = create_app(config)
     installed = [m.kwargs["guards"] for m in app.user_middleware if "guards" in m.kwargs]
-    assert len(installed) == 3 and all(g is app.front.guards for g in installed)
-    assert app.front.guards == Guards(TOKEN, str(tmp_path / "a.sock"), CAP)
+    assert len(installed) == 2 and all(g is app.front.guards for g in installed)
+    assert app.front.guards == Guards(TOKEN, str(tmp_path / "a.sock"), CAP, frozenset({"127.0.0.1"}))
 
 
 # ---- over HTTP: FastAPI's routes and the session API alike ------------------------------------------------------
@@ -146,7 +218,7 @@ def buffer_in_process(folder: Path, tokenizer: str, auth_token: str | None) -> I
     unix.bind(str(agent_socket))
     tcp = socket.create_server(("127.0.0.1", port))
     config = ServerConfig(port=port, data_dir=folder / "data", auth_token=auth_token, max_body_bytes=CAP,
-                          agent_socket=agent_socket)
+                          agent_socket=agent_socket, policy=Policy(read_roots=(Path(tokenizer),)))
     server = uvicorn.Server(uvicorn.Config(create_app(config), log_level="warning", access_log=False,
                                            log_config=None, timeout_graceful_shutdown=1))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [tcp, unix]}, daemon=True)
@@ -181,7 +253,7 @@ def with_token(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_path: st
 
 @pytest.fixture(scope="module")
 def without_token(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_path: str) -> Iterator[Buffer]:
-    """A buffer without a server token (only the agent socket asks for keys)."""
+    """A buffer without a server token (its own user's requests need none; a session's API still its key)."""
     with buffer_in_process(tmp_path_factory.mktemp("guards-open"), qwen_tokenizer_path, None) as buffer:
         yield buffer
 
@@ -287,7 +359,11 @@ def test_the_agent_socket_serves_only_session_apis_with_their_keys(with_token: B
             huge = {"model": "m", "messages": [{"role": "user", "content": "x" * (CAP + 1)}]}
             openai_refusal(agent.post(buffer.session_url("chat/completions"), json=huge,
                                       headers={"authorization": f"Bearer {key}"}), 413, "request_too_large")
-    # Over TCP, a buffer without a token asks for no key; one with a token asks for it (or the token).
-    assert httpx.get(f"{without_token.url}{without_token.session_url('models')}").status_code == 200
+    # Over TCP a session's API asks for its key with a server token or without; the server's own user needs no
+    # token for the rest of a buffer without one.
+    for buffer in (with_token, without_token):
+        models = f"{buffer.url}{buffer.session_url('models')}"
+        openai_refusal(httpx.get(models), 401, "invalid_api_key")
+        openai_refusal(httpx.get(models, headers={"authorization": "Bearer wrong"}), 401, "invalid_api_key")
+        assert httpx.get(models, headers={"authorization": f"Bearer {buffer.session['api_key']}"}).status_code == 200
     assert httpx.get(f"{without_token.url}/status").status_code == 200
-    openai_refusal(httpx.get(f"{with_token.url}{with_token.session_url('models')}"), 401, "invalid_api_key")

@@ -20,17 +20,19 @@ PACKAGE = "rollout_buffer"
 # What each room may import of the service, besides itself. `tools` and the re-exporting modules at the top
 # may import anything; nothing below them may import them.
 ALLOWED: dict[str, set[str]] = {
-    "config": set(),
-    "schemas": set(),
+    # What the operator lets clients name (`--policy`, `--allow-*`): nothing of the service.
+    "policy": set(),
+    "config": {"policy"},
+    "schemas": {"policy"},
     # Starting and ending child processes (environments, agents' commands, session workers): nothing of the service.
     "processes": set(),
     "observability": set(),
-    "delivery": {"config", "schemas", "observability"},
-    "generation": {"config", "schemas", "observability", "delivery"},
-    "proxy": {"config", "schemas", "observability", "delivery", "generation", "processes"},
+    "delivery": {"policy", "config", "schemas", "observability"},
+    "generation": {"policy", "config", "schemas", "observability", "delivery"},
+    "proxy": {"policy", "config", "schemas", "observability", "delivery", "generation", "processes"},
     # Executors run trajectories elsewhere (Ray actors) with the generator API; the server picks one.
-    "executors": {"config", "schemas", "observability", "delivery", "generation"},
-    "server": {"config", "schemas", "observability", "delivery", "generation", "proxy", "executors"},
+    "executors": {"policy", "config", "schemas", "observability", "delivery", "generation"},
+    "server": {"policy", "config", "schemas", "observability", "delivery", "generation", "proxy", "executors"},
     "sim": {"generation.tokenizer"},
     # Environments in their own processes: the buffer's side knows nothing of the service.
     "environments": {"processes"},
@@ -183,7 +185,7 @@ def test_imports_run_one_way_between_rooms() -> None:
 
 def test_every_room_is_known_and_says_what_it_holds() -> None:
     rooms = {p.parent.name for p in (ROOT / PACKAGE).glob("*/__init__.py")}
-    modules = {"config", "schemas", "processes", "__main__", "generator_api"}
+    modules = {"policy", "config", "schemas", "processes", "__main__", "generator_api"}
     assert rooms == (set(ALLOWED) | TOP) - modules
     for room in rooms:
         doc = ast.get_docstring(ast.parse((ROOT / PACKAGE / room / "__init__.py").read_text()))

@@ -157,14 +157,15 @@ def test_a_time_limit_is_recorded(openenv_python: str, buffer: Server, engine: S
     assert status["run"]["progress"]["failures"] == {"env_timeout": 1}, status["run"]["progress"]
 
 
-def test_bad_options_are_refused_naming_the_option(buffer: Server, engine: Server, qwen_tokenizer_path: str) -> None:
+def test_bad_options_are_refused_naming_the_option(buffer: Server, engine: Server, qwen_tokenizer_path: str,
+                                                   tmp_path: Path) -> None:
     down = start(buffer, engine, qwen_tokenizer_path, openenv_url=f"http://127.0.0.1:{free_port()}")
     assert down.status_code == 422 and "openenv_url" in down.text, down.text
     both = start(buffer, engine, qwen_tokenizer_path, openenv_url="http://127.0.0.1:1", openenv_command=["x"])
     assert both.status_code == 422 and "openenv_url" in both.text, both.text
     no_port = start(buffer, engine, qwen_tokenizer_path, openenv_command=["python", "server.py"])
     assert no_port.status_code == 422 and "openenv_command" in no_port.text and "{port}" in no_port.text
-    missing = start(buffer, engine, qwen_tokenizer_path, openenv_command=["/nonexistent/python", "{port}"])
+    missing = start(buffer, engine, qwen_tokenizer_path, openenv_command=[str(tmp_path / "no" / "python"), "{port}"])
     assert missing.status_code == 422 and "openenv_command" in missing.text, missing.text
     assert httpx.get(f"{buffer.url}/healthz", timeout=10).status_code == 200
 
@@ -252,7 +253,7 @@ def test_started_servers_run_as_the_user_the_run_names(openenv_python: str, buff
         run_as_nobody(buffer, engine, qwen_tokenizer_path, server)
     nobody = start(buffer, engine, qwen_tokenizer_path, openenv_user="no-such-user-rb",
                    openenv_command=[openenv_python, str(ENVS / "arith_drill.py"), "--port", "{port}"])
-    assert nobody.status_code == 422 and "openenv_user" in nobody.text, nobody.text
+    assert nobody.status_code == 403 and "openenv_user" in nobody.text and "--agent-user" in nobody.text, nobody.text
 
 
 def run_as_nobody(buffer: Server, engine: Server, qwen_tokenizer_path: str, server: list[str]) -> None:
@@ -275,14 +276,14 @@ def run_as_nobody(buffer: Server, engine: Server, qwen_tokenizer_path: str, serv
     drain(buffer.url)
 
 
-def test_a_server_with_data_roots_starts_only_programs_under_them(openenv_python: str, engine: Server,
-                                                                   qwen_tokenizer_path: str, tmp_path: Path) -> None:
+def test_a_server_starts_only_programs_its_operator_allowed(openenv_python: str, engine: Server,
+                                                             qwen_tokenizer_path: str, tmp_path: Path) -> None:
     root = tmp_path / "root"
     root.mkdir()
-    with buffer_server(tmp_path, "--data-root", str(root)) as srv:
+    with buffer_server(tmp_path, "--data-root", str(root), "--allow-code", str(root), trusting=False) as srv:
         outside = start(srv, engine, qwen_tokenizer_path,
                         openenv_command=[openenv_python, str(ENVS / "arith_drill.py"), "--port", "{port}"])
-        assert outside.status_code == 422 and "openenv_command" in outside.text and "data roots" in outside.text
+        assert outside.status_code == 403 and "openenv_command" in outside.text and "--allow-code" in outside.text
         installing = start(srv, engine, qwen_tokenizer_path, openenv_requirements=[OPENENV],
                            openenv_command=["{python}", str(ENVS / "arith_drill.py"), "--port", "{port}"])
-        assert installing.status_code == 422 and "openenv_requirements" in installing.text, installing.text
+        assert installing.status_code == 403 and "--allow-installs" in installing.text, installing.text

@@ -82,7 +82,7 @@ def test_status_watch_until_done_follows_a_run_to_its_end(tmp_path, sim_engine, 
         run_id = start_run(srv.url, sim_engine.url, inp, qwen_tokenizer_path, num_process=2)
         watched = cli("status", "--url", srv.url, "--watch", "--interval", "0.1", "--until-done")
         # A run that cannot start (token mode without a tokenizer) fails: --until-done says so with exit 1.
-        start_run(srv.url, sim_engine.url, inp, "/no/such/tokenizer", engine_mode="token")
+        start_run(srv.url, sim_engine.url, inp, str(tmp_path / "no-such-tokenizer"), engine_mode="token")
         failed = cli("status", "--url", srv.url, "--watch", "--interval", "0.1", "--until-done")
     assert watched.returncode == 0, watched.stderr
     blocks = watched.stdout.strip().split("\n\n")

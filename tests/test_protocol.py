@@ -194,7 +194,7 @@ def test_bad_bodies_get_4xx_and_server_keeps_serving(buffer_server: Server) -> N
         assert 400 <= resp.status_code < 500, (body[:20], resp.status_code, resp.text)
     resp = httpx.post(f"{url}/get_rollout_data", json={"wait_s": -1})
     assert resp.status_code == 422 and "wait_s" in resp.json()["message"]
-    resp = httpx.post(f"{url}/get_rollout_data", content=b"{oops")
+    resp = httpx.post(f"{url}/get_rollout_data", content=b"{oops", headers={"content-type": "application/json"})
     assert resp.status_code == 422
     assert httpx.get(f"{url}/status").json()["records"] == {}
     assert httpx.get(f"{url}/healthz").json() == {"ok": True}

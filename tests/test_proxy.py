@@ -47,6 +47,11 @@ def buffer(tmp_path_factory: pytest.TempPathFactory, engine: Server, qwen_tokeni
         yield srv
 
 
+def key_of(session: dict[str, Any]) -> dict[str, str]:
+    """The header proving a request may drive `session` (its key; a session's API always asks for it)."""
+    return {"authorization": f"Bearer {session['api_key']}"}
+
+
 def open_session(url: str, instance_id: str, **extra: Any) -> dict[str, Any]:
     answer = httpx.post(f"{url}/sessions", json={"instance_id": instance_id, **extra}, timeout=60)
     assert answer.status_code == 200, answer.text
@@ -219,8 +224,9 @@ def test_anthropic_system_messages_anywhere_are_rendered_where_they_stand(buffer
         {"role": "user", "content": "What is 2 + 3?"},
         {"role": "system", "content": "Answer with a boxed number."},
         {"role": "user", "content": [{"type": "text", "text": "Go on."}]}]}
-    counted = httpx.post(f"{url}/v1/messages/count_tokens", json=body, timeout=30)
-    reply = httpx.post(f"{url}/v1/messages", json={**body, "max_tokens": 256}, timeout=30)
+    key = {"x-api-key": session["api_key"]}
+    counted = httpx.post(f"{url}/v1/messages/count_tokens", json=body, timeout=30, headers=key)
+    reply = httpx.post(f"{url}/v1/messages", json={**body, "max_tokens": 256}, timeout=30, headers=key)
     assert counted.status_code == reply.status_code == 200, (counted.text, reply.text)
     assert reply.json()["usage"]["input_tokens"] == counted.json()["input_tokens"] > 0
     rec = record(buffer.url, finish(buffer.url, session, 1.0)["uids"][0])
@@ -309,7 +315,7 @@ def test_bad_requests_get_protocol_shaped_errors_and_the_session_stays_consisten
     assert unknown_a.value.body["type"] == "error" and unknown_a.value.body["error"]["type"] == "not_found_error"
 
     raw = httpx.post(f"{base}/chat/completions", content=b"{not json", timeout=10,
-                     headers={"content-type": "application/json"})
+                     headers={"content-type": "application/json", **key_of(session)})
     assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as no_messages:
         client.chat.completions.create(model="m", messages=[])
@@ -325,7 +331,7 @@ def test_bad_requests_get_protocol_shaped_errors_and_the_session_stays_consisten
             model="m", max_tokens=10, messages=user, tools=[{"type": "bash_20250124", "name": "bash"}])
     assert server_tool.value.body["error"]["type"] == "invalid_request_error"
     assert "tools[0]" in server_tool.value.body["error"]["message"]
-    bad_block = httpx.post(f"{anthropic_base}/v1/messages", timeout=10, json={
+    bad_block = httpx.post(f"{anthropic_base}/v1/messages", timeout=10, headers={"x-api-key": key}, json={
         "model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "video"}]}]})
     assert bad_block.status_code == 400 and bad_block.json()["type"] == "error"
 
@@ -406,13 +412,13 @@ def test_a_client_that_hangs_up_leaves_no_half_turn(buffer: Server, engine: Serv
     for stream in (True, False):
         httpx.post(f"{engine.url}/sim/faults", json={"next": ["hang"]}, timeout=5).raise_for_status()
         if stream:
-            with httpx.stream("POST", f"{session['base_url']}/chat/completions", timeout=30,
+            with httpx.stream("POST", f"{session['base_url']}/chat/completions", timeout=30, headers=key_of(session),
                               json={"model": "m", "messages": follow_up, "stream": True}) as answer:
                 first_line = next(answer.iter_lines())
             assert first_line.startswith("data: ") and '"role":"assistant"' in first_line  # the stream was open
         else:
             with pytest.raises(httpx.ReadTimeout):
-                httpx.post(f"{session['base_url']}/chat/completions", timeout=1.0,
+                httpx.post(f"{session['base_url']}/chat/completions", timeout=1.0, headers=key_of(session),
                            json={"model": "m", "messages": follow_up})
         for _ in range(100):  # the server notices the hang-up and cancels the turn
             if not view(buffer.url, session)["branches"][0]["busy"]:
@@ -431,8 +437,8 @@ def test_a_client_that_hangs_up_leaves_no_half_turn(buffer: Server, engine: Serv
 def test_256_concurrent_sessions_grouped_and_delivered(buffer: Server) -> None:
     drain(buffer.url, wait_s=0.1)  # what earlier tests completed
 
-    async def post(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, Any]:
-        async with http.post(url, json=body) as answer:
+    async def post(http: aiohttp.ClientSession, url: str, body: dict[str, Any], key: str = "") -> dict[str, Any]:
+        async with http.post(url, json=body, headers={"authorization": f"Bearer {key}"} if key else {}) as answer:
             assert answer.status == 200, await answer.text()
             return await answer.json()
 
@@ -442,11 +448,11 @@ def test_256_concurrent_sessions_grouped_and_delivered(buffer: Server) -> None:
         opened = await post(http, f"{buffer.url}/sessions", {"instance_id": f"many-{i // 2}"})
         url = opened["base_url"] + "/chat/completions"
         messages: list[dict[str, Any]] = [{"role": "user", "content": f"What is {i} * 3 + 1?"}]
-        call = (await post(http, url, {"model": "m", "messages": messages, "tools": OPENAI_TOOLS})
+        call = (await post(http, url, {"model": "m", "messages": messages, "tools": OPENAI_TOOLS}, opened["api_key"])
                 )["choices"][0]["message"]
         messages += [{"role": "assistant", "content": None, "tool_calls": call["tool_calls"]},
                      {"role": "tool", "tool_call_id": call["tool_calls"][0]["id"], "content": str(i * 3 + 1)}]
-        answer = await post(http, url, {"model": "m", "messages": messages, "tools": OPENAI_TOOLS})
+        answer = await post(http, url, {"model": "m", "messages": messages, "tools": OPENAI_TOOLS}, opened["api_key"])
         assert answer["choices"][0]["finish_reason"] == "stop", answer
         done = await post(http, f"{buffer.url}/sessions/{opened['session_id']}/finish", {"reward": i % 3})
         assert done["records"] == 1, done

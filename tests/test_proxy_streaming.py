@@ -277,6 +277,7 @@ def test_a_client_that_leaves_mid_stream_leaves_no_turn_and_aborts_the_engine(bu
     session = open_session(buffer.url, "leaves")
     messages = [{"role": "user", "content": QUESTION}]
     with httpx.stream("POST", f"{session['base_url']}/chat/completions", timeout=30,
+                      headers={"authorization": f"Bearer {session['api_key']}"},
                       json={"model": "m", "messages": messages, "stream": True}) as answer:
         for line in answer.iter_lines():
             if '"reasoning_content"' in line or '"content"' in line:

@@ -484,8 +484,8 @@ def test_replacing_an_agent_run_on_ray_leaves_none_of_its_sessions_open(tmp_path
 
 def test_the_actors_reach_the_buffer_at_its_public_url_or_its_local_one():
     assert ServerConfig(port=9000).buffer_url == "http://127.0.0.1:9000"
-    assert ServerConfig(host="0.0.0.0", port=9000).buffer_url == "http://127.0.0.1:9000"
-    assert ServerConfig(host="10.0.0.5", port=9000).buffer_url == "http://10.0.0.5:9000"
+    assert ServerConfig(host="0.0.0.0", port=9000, auth_token="t").buffer_url == "http://127.0.0.1:9000"
+    assert ServerConfig(host="10.0.0.5", port=9000, auth_token="t").buffer_url == "http://10.0.0.5:9000"
     assert ServerConfig(port=9000, public_url="http://buffer:9000/").buffer_url == "http://buffer:9000"
     with pytest.raises(ValueError, match="public_url"):
         ServerConfig(public_url="buffer:9000")

@@ -36,9 +36,9 @@ def math_rows(n: int) -> list[dict]:
     return [{"instance_id": f"m{i}", "prompt": f"What is {i} + 1?", "label": str(i + 1)} for i in range(n)]
 
 
-def buffer(tmp_path: Path, port: int, *extra: str) -> Server:
+def buffer(tmp_path: Path, port: int, *extra: str, trusting: bool = True) -> Server:
     args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), *extra]
-    return Server(args, "/healthz", port, tmp_path / "buffer.log")
+    return Server(args, "/healthz", port, tmp_path / "buffer.log", trusting=trusting)
 
 
 class Consumer:
@@ -121,7 +121,7 @@ def test_sigkill_mid_rollout_delivers_every_trajectory_once(tmp_path: Path, qwen
 def _raw_post(port: int, path: str, body: bytes) -> None:
     """Send a request and hang up without reading the answer (a client that died)."""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-        s.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         time.sleep(0.3)
 
@@ -260,18 +260,18 @@ def test_paths_are_confined_to_data_roots(tmp_path: Path) -> None:
     outside = write_jsonl(tmp_path / "secret.jsonl", math_rows(1))
     (root / "escape.jsonl").symlink_to(outside)
     port = free_port()
-    with buffer(tmp_path, port, "--data-root", str(root)).start() as srv:
+    with buffer(tmp_path, port, "--data-root", str(root), trusting=False).start() as srv:
         def start(path: str, **over) -> httpx.Response:
             return httpx.post(f"{srv.url}/start_rollout",
                               json={"task_type": "math", "input_file": path, **over}, timeout=30)
 
         for path in (str(outside), str(root / ".." / "secret.jsonl"), str(root / "escape.jsonl"), "/etc/passwd"):
             resp = start(path)
-            assert resp.status_code == 422 and "input_file" in resp.json()["message"], path
+            assert resp.status_code == 403 and "input_file" in resp.json()["message"], path
         resp = start(str(inside), tokenizer_path="/usr")
-        assert resp.status_code == 422 and "tokenizer_path" in resp.json()["message"]
+        assert resp.status_code == 403 and "tokenizer_path" in resp.json()["message"]
         resp = start(str(inside), task_type="tool_call", tool_config_path=str(outside))
-        assert resp.status_code == 422 and "tool_config_path" in resp.json()["message"]
+        assert resp.status_code == 403 and "tool_config_path" in resp.json()["message"]
         assert start(str(inside), remote_engine_url=f"http://127.0.0.1:{free_port()}", max_retries=0).status_code == 200
 
 
@@ -345,3 +345,67 @@ def test_a_run_whose_store_fills_stops_saying_so_and_resumes_after_a_restart_wit
                 (n_items * repeats, n_items)
             assert dict(db.execute("SELECT state, count(*) FROM groups GROUP BY state").fetchall()) == \
                 {"ready": n_items}
+
+
+POISON_AGENT = '''#!/usr/bin/python3
+"""One turn through its session, then a reward no float sum survives in result.json."""
+import json, os, urllib.request
+
+request = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", data=json.dumps(
+    {"model": "m", "messages": [{"role": "user", "content": "What is 2 + 2?"}], "max_tokens": 8}).encode(),
+    headers={"content-type": "application/json", "authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
+urllib.request.urlopen(request, timeout=60).read()
+with open("result.json", "w") as f:
+    f.write('{"reward": 1e308}')
+'''
+
+
+def test_a_poisoned_reward_drops_its_own_group_and_the_store_still_starts(tmp_path: Path,
+                                                                          qwen_tokenizer_path: str) -> None:
+    """1e308 passes a finiteness check and overflows a group's normalization: it is refused at the edge (422 naming
+    the field), dropped with its group where it arrives inside (an agent's result file, an episode reward), and a
+    restart finishes and serves everything as before."""
+    from readable import readable_copies
+    from servers import sim_engine
+
+    script = tmp_path / "poison_agent.py"
+    script.write_text(POISON_AGENT)
+    port = free_port()
+    with sim_engine(tmp_path, qwen_tokenizer_path) as engine, readable_copies([script], "rb-poison-") as agents:
+        srv = buffer(tmp_path, port, "--group-size", "2", "--allow-code", str(agents), trusting=False).start()
+        try:
+            for poison in (1e308, -1e308, 2e6):
+                answer = httpx.post(f"{srv.url}/buffer/write", timeout=30, json={
+                    "uid": "p", "instance_id": "p", "reward": poison, "messages": []})
+                assert answer.status_code == 422 and "body.reward" in answer.json()["message"], answer.text
+            for k in range(2):  # a well-formed record with an episode reward beyond any sum
+                httpx.post(f"{srv.url}/buffer/write", timeout=30, json={
+                    "uid": f"e{k}", "instance_id": "episodes", "reward": 0.5, "extra_info": {
+                        "episode_id": f"ep{k}", "episode_reward": 1e308},
+                    "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                }).raise_for_status()
+            started = httpx.post(f"{srv.url}/start_rollout", timeout=60, json={
+                "task_type": "agent", "input_file": str(Path(__file__).parent.parent / "generators" / "data" /
+                                                        "tool_call_demo.jsonl"),
+                "agent_command": [str(agents / script.name)], "remote_engine_url": engine.url,
+                "tokenizer_path": qwen_tokenizer_path, "num_repeat_per_sample": 2, "num_epoch": 1})
+            assert started.status_code == 200, started.text
+            run_id = started.json()["run_id"]
+            status = wait_finished(srv.url, timeout_s=180)
+            assert status["run"]["state"] == "finished", status["run"]
+            groups = httpx.get(f"{srv.url}/groups", params={"state": "filtered", "limit": 1000}).json()["groups"]
+            reasons = {g["instance_id"]: g["reason"] for g in groups}
+            assert reasons.pop("episodes").startswith("reward_out_of_range"), reasons
+            assert reasons and all(r == "failed_trajectory" for r in reasons.values()), reasons
+            record = httpx.get(f"{srv.url}/trajectories/{run_id}:{next(iter(reasons))}:0:0").json()
+            assert record["status"] == "failed" and "reward_out_of_range" in record["extra_info"]["error"], record
+            srv.kill9()
+            again = buffer(tmp_path, port, "--group-size", "2", trusting=False).start()
+            try:
+                assert httpx.get(f"{again.url}/groups", params={"state": "filtered", "limit": 1000}
+                                 ).json()["groups"] == groups
+                assert httpx.get(f"{again.url}/status").json()["run"]["state"] == "finished"
+            finally:
+                again.stop()
+        finally:
+            srv.stop()

@@ -73,7 +73,8 @@ def test_a_streamed_anthropic_turn_gets_its_access_line_once_delivered(buffer: S
     session = open_session(buffer.url, "access-stream")
     sid = session["session_id"]
     body = {"model": "m", "max_tokens": 64, "messages": USER, "stream": True}
-    with httpx.stream("POST", f"{session['anthropic_base_url']}/v1/messages", json=body, timeout=30) as answer:
+    with httpx.stream("POST", f"{session['anthropic_base_url']}/v1/messages", json=body, timeout=30,
+                      headers={"x-api-key": session["api_key"]}) as answer:
         events = [line for line in answer.iter_lines() if line.startswith("data: ")]
     assert answer.status_code == 200 and events
     output_tokens = [int(m) for e in events for m in re.findall(r'"output_tokens":(\d+)', e)][-1]
@@ -124,10 +125,12 @@ def test_a_malformed_body_is_logged_with_its_reason_and_counted(buffer: Server) 
     session = open_session(buffer.url, "malformed")
     sid = session["session_id"]
     before = scrape(buffer.url)
+    key = {"authorization": f"Bearer {session['api_key']}"}
     raw = httpx.post(f"{session['base_url']}/chat/completions", content=b"{not json", timeout=10,
-                     headers={"content-type": "application/json"})
+                     headers={"content-type": "application/json", **key})
     assert raw.status_code == 400
-    empty = httpx.post(f"{session['base_url']}/chat/completions", json={"model": "m", "messages": []}, timeout=10)
+    empty = httpx.post(f"{session['base_url']}/chat/completions", json={"model": "m", "messages": []}, timeout=10,
+                       headers=key)
     assert empty.status_code == 400
     warnings = log_lines(buffer, " WARNING ", f"session={sid} ", expect=2)
     assert len(warnings) == 2, warnings
@@ -142,7 +145,8 @@ def test_a_client_that_hangs_up_is_logged_and_counted(buffer: Server, engine: Se
     before = scrape(buffer.url)
     httpx.post(f"{engine.url}/sim/faults", json={"next": ["hang"]}, timeout=5).raise_for_status()
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{session['base_url']}/chat/completions", json={"model": "m", "messages": USER}, timeout=1.0)
+        httpx.post(f"{session['base_url']}/chat/completions", json={"model": "m", "messages": USER}, timeout=1.0,
+                   headers={"authorization": f"Bearer {session['api_key']}"})
     warnings = log_lines(buffer, " WARNING ", f"session={sid} ", timeout_s=10)
     assert len(warnings) == 1 and "status=499 reason=client_gone" in warnings[0], warnings
     assert proxy_errors(before, scrape(buffer.url), "openai", "client_gone") == 1

@@ -18,7 +18,7 @@ import openai
 import pytest
 from runs import drain
 from servers import Server, session_host, sim_engine
-from test_proxy import RESULTS, assert_engine_tokens, finish, open_session, record, spans, view
+from test_proxy import RESULTS, assert_engine_tokens, finish, key_of, open_session, record, spans, view
 
 CALC_PARAMETERS = {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}
 TOOLS: list[Any] = [{"type": "function", "name": "calculator", "description": "Evaluate arithmetic.",
@@ -107,7 +107,7 @@ def test_a_resent_history_continues_and_a_rewritten_one_branches(buffer: Server,
 def test_stream_events_come_in_the_order_their_parsers_need(buffer: Server) -> None:
     session = open_session(buffer.url, "responses-events")
     events: list[dict[str, Any]] = []
-    with httpx.stream("POST", f"{session['base_url']}/responses", timeout=30, json={
+    with httpx.stream("POST", f"{session['base_url']}/responses", timeout=30, headers=key_of(session), json={
             "model": "m", "input": PARALLEL_TASK, "tools": TOOLS, "stream": True}) as answer:
         assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/event-stream")
         name = None
@@ -167,7 +167,8 @@ def test_bad_input_gets_openai_errors_naming_the_field(buffer: Server) -> None:
     refused("tools[0].type", input="hi", tools=[{"type": "computer_use_preview", "display_width": 1}])
     refused("input", input=[])
     refused("temperature", input="hi", temperature=5)
-    raw = httpx.post(f"{session['base_url']}/responses", content=b"{not json", timeout=10)
+    raw = httpx.post(f"{session['base_url']}/responses", content=b"{not json", timeout=10,
+                     headers={"content-type": "application/json", "authorization": f"Bearer {session['api_key']}"})
     assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
 
     # Nothing refused left a trace; hosted tools are left out of the prompt, so this continues the first branch.
@@ -198,7 +199,7 @@ def test_custom_and_namespace_tools_come_back_as_their_own_calls(buffer: Server)
 
     # Streamed, a custom call is its input's events, then the item.
     streamed = open_session(buffer.url, "responses-custom-stream")
-    with httpx.stream("POST", f"{streamed['base_url']}/responses", timeout=30, json={
+    with httpx.stream("POST", f"{streamed['base_url']}/responses", timeout=30, headers=key_of(streamed), json={
             "model": "m", "input": task, "tools": custom, "stream": True}) as answer:
         events = [json.loads(line.removeprefix("data: ")) for line in answer.iter_lines() if line.startswith("data: ")]
     kinds = [e["type"] for e in events]
@@ -223,7 +224,7 @@ def test_an_engine_failure_mid_stream_is_an_error_event_then_response_failed(buf
     # Failures past the engine client's 3 retries; their backoff outlasts the 0.25 s before a stream opens.
     httpx.post(f"{engine.url}/sim/faults", json={"next": ["http_500"] * 4}, timeout=5).raise_for_status()
     events: list[dict[str, Any]] = []
-    with httpx.stream("POST", f"{session['base_url']}/responses", timeout=30, json={
+    with httpx.stream("POST", f"{session['base_url']}/responses", timeout=30, headers=key_of(session), json={
             "model": "m", "input": "What is 2 + 3?", "stream": True}) as answer:
         assert answer.status_code == 200
         events = [json.loads(line.removeprefix("data: ")) for line in answer.iter_lines() if line.startswith("data: ")]
@@ -238,7 +239,7 @@ def test_a_client_that_hangs_up_mid_stream_leaves_no_response(buffer: Server, en
     client = client_of(session)
     first = client.responses.create(model="m", input="What is 9 * 9?")
     httpx.post(f"{engine.url}/sim/faults", json={"next": ["hang"]}, timeout=5).raise_for_status()
-    with httpx.stream("POST", f"{session['base_url']}/responses", timeout=30, json={
+    with httpx.stream("POST", f"{session['base_url']}/responses", timeout=30, headers=key_of(session), json={
             "model": "m", "input": "And 8 * 8?", "previous_response_id": first.id, "stream": True}) as answer:
         assert next(answer.iter_lines()) == "event: response.created"
     for _ in range(100):
@@ -276,18 +277,19 @@ def test_the_agents_sdk_default_model_calls_a_function_tool(buffer: Server, engi
 def test_256_concurrent_responses_sessions(buffer: Server) -> None:
     drain(buffer.url, wait_s=0.1)
 
-    async def post(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, Any]:
-        async with http.post(url, json=body) as answer:
+    async def post(http: aiohttp.ClientSession, url: str, body: dict[str, Any], key: str = "") -> dict[str, Any]:
+        async with http.post(url, json=body, headers={"authorization": f"Bearer {key}"} if key else {}) as answer:
             assert answer.status == 200, await answer.text()
             return await answer.json()
 
     async def one(http: aiohttp.ClientSession, i: int) -> None:
         opened = await post(http, f"{buffer.url}/sessions", {"instance_id": f"responses-many-{i // 2}"})
         url = opened["base_url"] + "/responses"
-        first = await post(http, url, {"model": "m", "input": f"What is {i} * 3 + 1?", "tools": TOOLS})
+        first = await post(http, url, {"model": "m", "input": f"What is {i} * 3 + 1?", "tools": TOOLS},
+                           opened["api_key"])
         call = next(item for item in first["output"] if item["type"] == "function_call")
         answer = await post(http, url, {"model": "m", "previous_response_id": first["id"], "tools": TOOLS, "input": [
-            {"type": "function_call_output", "call_id": call["call_id"], "output": str(i * 3 + 1)}]})
+            {"type": "function_call_output", "call_id": call["call_id"], "output": str(i * 3 + 1)}]}, opened["api_key"])
         assert answer["status"] == "completed" and answer["output"][-1]["type"] == "message", answer
         done = await post(http, f"{buffer.url}/sessions/{opened['session_id']}/finish", {"reward": i % 3})
         assert done["records"] == 1, done

@@ -167,7 +167,7 @@ def test_an_environment_that_cannot_load_is_refused_naming_the_option(verifiers_
                                                                       tmp_path: Path) -> None:
     missing = start(buffer, engine, qwen_tokenizer_path, verifiers_python, "rb_no_such_env")
     assert missing.status_code == 422 and "env_id" in missing.text and "rb_no_such_env" in missing.text, missing.text
-    not_python = start(buffer, engine, qwen_tokenizer_path, "/nonexistent/bin/python", "rb_arith")
+    not_python = start(buffer, engine, qwen_tokenizer_path, str(tmp_path / "no" / "bin" / "python"), "rb_arith")
     assert not_python.status_code == 422 and "env_python" in not_python.text, not_python.text
     no_verifiers = start(buffer, engine, qwen_tokenizer_path, sys.executable, "rb_arith")
     assert no_verifiers.status_code == 422 and "env_python" in no_verifiers.text, no_verifiers.text
@@ -317,16 +317,15 @@ def test_a_truncated_episode_is_recorded_truncated(verifiers_python: str, buffer
         assert trace["truncated"] and trace["reward"] == rec["raw_reward"]
 
 
-def test_a_server_with_data_roots_runs_only_environments_under_them(verifiers_python: str, engine: Server,
-                                                                      qwen_tokenizer_path: str, tmp_path: Path
-                                                                      ) -> None:
+def test_a_server_runs_only_environments_its_operator_allowed(verifiers_python: str, engine: Server,
+                                                               qwen_tokenizer_path: str, tmp_path: Path) -> None:
     root = tmp_path / "root"
     root.mkdir()
-    with buffer_server(tmp_path, "--data-root", str(root)) as srv:
+    with buffer_server(tmp_path, "--data-root", str(root), "--allow-code", str(root), trusting=False) as srv:
         outside = start(srv, engine, qwen_tokenizer_path, verifiers_python, "rb_arith")
-        assert outside.status_code == 422 and "env_python" in outside.text and "data roots" in outside.text
+        assert outside.status_code == 403 and "env_python" in outside.text and "--allow-code" in outside.text
         installing = start(srv, engine, qwen_tokenizer_path, None, "rb_arith", env_requirements=[VERIFIERS])
-        assert installing.status_code == 422 and "env_requirements" in installing.text, installing.text
+        assert installing.status_code == 403 and "--allow-installs" in installing.text, installing.text
 
 
 def test_a_listing_worker_no_run_adopts_is_stopped(verifiers_python: str, monkeypatch: pytest.MonkeyPatch,

@@ -1,8 +1,8 @@
-"""Loading the Python code an agent run names (the `agent` callable, a scorer hook), confined like tool configs.
+"""Loading the Python code an agent run names (the `agent` callable, a scorer hook).
 
 A reference is `path/to/file.py:function` (a relative path is read from the server's working directory) or
-`package.module:function`. With `--data-root`, only the file form is accepted, and the file must resolve (links
-followed) under a data root: a client that may start runs cannot make the server import anything else.
+`package.module:function`. The server's policy decides which a client may name (`--allow-code` for files,
+`--allow-module` for modules; `rollout_buffer.policy`) before anything here imports them.
 """
 
 from __future__ import annotations
@@ -10,29 +10,20 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
 from generators.tools.config import resolve_reference
-from rollout_buffer.generator_api import confined_path
 
 
-def _is_file_reference(module_part: str) -> bool:
-    return module_part.endswith(".py") or "/" in module_part
-
-
-def check_reference(ref: str, data_roots: Sequence[Path], field: str) -> Callable[..., Any]:
-    """The function `ref` names, loaded; ValueError naming `field` when it is malformed, outside the data roots
-    or not a function."""
+def check_reference(ref: str, field: str) -> Callable[..., Any]:
+    """The function `ref` names, loaded (the server's policy allowed it: `rollout_buffer.policy`); ValueError
+    naming `field` when it is malformed or not a function."""
     module_part, sep, attr = ref.rpartition(":")
     if not sep or not module_part or not attr:
         raise ValueError(f"{field}: {ref!r} is not a reference like path/file.py:function or module:function")
-    if data_roots:
-        if not _is_file_reference(module_part):
-            raise ValueError(f"{field}: with --data-root, name a file under a data root (path/file.py:function)")
-        confined_path(module_part, data_roots, field)
     try:
         fn = resolve_reference(ref, Path.cwd())
     except Exception as e:  # an import error of the user's module is the request's fault here

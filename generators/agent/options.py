@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from generators.agent.loading import check_reference
 from generators.agent.sandbox import check_image
-from rollout_buffer.generator_api import RunOptions, confined_path
+from rollout_buffer.generator_api import Governed, Policy, RunOptions
 
 MiB = 1024 * 1024
 
@@ -22,20 +21,25 @@ class AgentOptions(RunOptions):
 
     error_prefix: ClassVar[str] = "agent run options"
 
-    agent: str | None = Field(default=None, min_length=1, description="path/file.py:function or module:function")
-    agent_command: list[str] | None = Field(default=None, min_length=1, description="a subprocess per row")
+    agent: Annotated[str | None, Governed("code")] = Field(default=None, min_length=1,
+                                                          description="path/file.py:function or module:function")
+    # In a container the program is the image's, which `agent_image` governs.
+    agent_command: Annotated[list[str] | None, Governed("program", unless=("agent_sandbox", "docker"))] = Field(
+        default=None, min_length=1, description="a subprocess per row")
     agent_timeout_s: float = Field(default=600.0, gt=0)
     agent_max_output_bytes: int = Field(default=MiB, ge=1024, description="kept of stdout and of stderr each")
     agent_sandbox: Literal["local", "docker"] = "local"
-    agent_network: Literal["auto", "isolated", "host"] = "auto"
-    agent_user: str | None = Field(default=None, min_length=1)
-    agent_image: str | None = Field(default=None, min_length=1, description="container image (docker sandbox)")
-    agent_env: dict[str, str] = Field(default_factory=dict)
+    agent_network: Annotated[Literal["auto", "isolated", "host"], Governed("network", fill=True)] = "auto"
+    agent_user: Annotated[str | None, Governed("user", fill=True)] = Field(default=None, min_length=1)
+    agent_image: Annotated[str | None, Governed("image")] = Field(default=None, min_length=1,
+                                                                  description="container image (docker sandbox)")
+    agent_env: Annotated[dict[str, str], Governed("child_env")] = Field(default_factory=dict)
     # Agents running at once in one process running them: the buffer, or each Ray actor (with `ray_num_cpus`, the
     # CPUs an actor's agents share). None: as many as `num_process` lets in.
     agent_max_running: int | None = Field(default=None, ge=1)
-    agent_workdir_root: str | None = None
-    scorer: str = Field(default="auto", min_length=1, description="auto, math, em, or file.py:score / module:score")
+    agent_workdir_root: Annotated[str | None, Governed("workdir")] = None
+    scorer: Annotated[str, Governed("code")] = Field(default="auto", min_length=1,
+                                                     description="auto, math, em, or file.py:score / module:score")
     reward_timeout_s: float = Field(default=30.0, gt=0)
 
     @field_validator("agent_command")
@@ -67,26 +71,22 @@ class AgentOptions(RunOptions):
         return self.scorer not in ("auto", "math", "em")
 
 
-def check_payload(payload: dict[str, Any], data_roots: Sequence[Path]) -> None:
-    """The start-time checks of an agent run; ValueError naming the field (the server answers 422).
-
-    With `--data-root`, code a run names must lie under a data root: the `agent` callable and a scorer hook
-    (their file, or a module's file), and `agent_command`'s program (local sandbox; a container runs the
-    image's). The docker sandbox needs an engine holding `agent_image` (blocking: called in a thread).
-    """
+def check_payload(payload: dict[str, Any], policy: Policy) -> None:
+    """The start-time checks of an agent run; ValueError naming the field (the server answers 422). The server's
+    policy has allowed the code it names already; here the `agent` callable and a scorer hook load, and
+    `agent_command`'s program exists. The docker sandbox needs an engine holding `agent_image` (blocking: called
+    in a thread)."""
     opts = AgentOptions.from_run(payload)
     if not payload.get("tokenizer_path"):
         raise ValueError("tokenizer_path: agent runs capture exact tokens and need the model's tokenizer")
     if opts.agent is not None:
-        check_reference(opts.agent, data_roots, "agent")
+        check_reference(opts.agent, "agent")
     if opts.hook_scorer:
-        check_reference(opts.scorer, data_roots, "scorer")
-    if opts.agent_command is not None and data_roots and opts.agent_sandbox == "local":
+        check_reference(opts.scorer, "scorer")
+    if opts.agent_command is not None and opts.agent_sandbox == "local":
         program = opts.agent_command[0]
-        found = program if os.sep in program else shutil.which(program)
-        if found is None:
+        if (program if os.sep in program else shutil.which(program)) is None:
             raise ValueError(f"agent_command: program {program!r} not found")
-        confined_path(found, data_roots, "agent_command")
     if opts.agent_command is not None and opts.agent_sandbox == "docker":
         check_image(opts.agent_image or "")
     if opts.agent_workdir_root is not None and not Path(opts.agent_workdir_root).is_dir():

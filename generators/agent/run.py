@@ -76,11 +76,11 @@ async def _build_agent_run(ctx: RolloutContext) -> AgentRun:
     if opts.agent_max_running is not None:
         shared.running = asyncio.Semaphore(opts.agent_max_running)
     if opts.agent is not None:
-        shared.agent = await asyncio.to_thread(check_reference, opts.agent, (), "agent")
+        shared.agent = await asyncio.to_thread(check_reference, opts.agent, "agent")
         workers = int(ctx.config.get("num_process") or 256)
         shared.threads = ThreadPoolExecutor(max_workers=min(workers, 1024), thread_name_prefix="agent")
     if opts.hook_scorer:
-        shared.scorer = await asyncio.to_thread(check_reference, opts.scorer, (), "scorer")
+        shared.scorer = await asyncio.to_thread(check_reference, opts.scorer, "scorer")
     if opts.agent_command is not None:
         user = agent_user(opts.agent_user)
         shared.sandbox = (DockerSandbox(user, opts.agent_image or "") if opts.agent_sandbox == "docker"

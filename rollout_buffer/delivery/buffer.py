@@ -278,7 +278,7 @@ class RolloutBuffer:
         self._since_read.setdefault(stream, ReadCounters())
         if current_version is not None:
             await self.report_version(current_version, stream=stream)
-        acked = await self.ack(ack, stream) if ack else 0
+        acked = (await self.ack(ack, stream) or 0) if ack else 0  # a batch never delivered acks nothing
         deadline = time.monotonic() + wait_s
         stale: list[StaleGroup] = []
         while True:
@@ -336,9 +336,12 @@ class RolloutBuffer:
             if regenerated:
                 self.regenerations.put_nowait(group)
 
-    async def ack(self, batch_id: str, stream: str = DEFAULT_STREAM) -> int:
-        """Mark a leased batch of a stream consumed; `StreamMismatch` when the batch went to another stream."""
+    async def ack(self, batch_id: str, stream: str = DEFAULT_STREAM) -> int | None:
+        """Mark a leased batch of a stream consumed (how many groups it covered; None for a batch never delivered);
+        `StreamMismatch` when the batch went to another stream."""
         n = await self._streams.ack(batch_id, stream)
+        if n is None:
+            return None
         metrics.GROUPS_ACKED.inc(n)
         if n:
             log.debug("batch %s acked (%d groups)", batch_id, n)

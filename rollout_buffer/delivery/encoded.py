@@ -29,7 +29,10 @@ def _stored_form(record: TrajectoryRecord) -> dict[str, Any]:
     float32 and slime trains on float32 tensors, and the float64 digits beyond that are nearly half of the
     JSON of a long trajectory (which every consumer then has to parse).
     """
-    data = record.model_dump(mode="json")
+    try:
+        data = record.model_dump(mode="json")
+    except ValueError as e:  # pydantic's serializer stops at a depth JSON consumers would choke on too
+        raise RecordError(_too_deep(record, e)) from None
     if data.get("rollout_log_probs"):
         data["rollout_log_probs"] = np.asarray(data["rollout_log_probs"], dtype=np.float32)
     return rewards_first(data)
@@ -38,8 +41,29 @@ def _stored_form(record: TrajectoryRecord) -> dict[str, Any]:
 def _dumps(record: TrajectoryRecord, data: dict[str, Any]) -> bytes:
     try:
         return orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY)
+    except orjson.JSONEncodeError as e:
+        if "recursion" in str(e).lower():
+            raise RecordError(_too_deep(record, e)) from None
+        raise RecordError(f"record {record.uid!r} cannot be stored as JSON: {e}") from None
     except TypeError as e:
         raise RecordError(f"record {record.uid!r} cannot be stored as JSON: {e}") from None
+
+
+def _too_deep(record: TrajectoryRecord, error: Exception) -> str:
+    """Why a record nested too deep for JSON cannot be stored, naming the field that goes deepest."""
+    deepest: tuple[int, list[str]] = (0, [])
+    fields = (*type(record).model_fields, *(record.model_extra or {}))
+    stack: list[tuple[Any, list[str]]] = [(getattr(record, name, None), [name]) for name in fields]
+    while stack:
+        value, path = stack.pop()
+        if len(path) > deepest[0]:
+            deepest = (len(path), path)
+        if isinstance(value, dict):
+            stack += [(v, [*path, str(k)]) for k, v in value.items()]
+        elif isinstance(value, list | tuple):
+            stack += [(v, [*path, str(i)]) for i, v in enumerate(value) if isinstance(v, dict | list | tuple)]
+    field = ".".join(deepest[1][:3]) + ("..." if len(deepest[1]) > 3 else "")
+    return f"{field}: nested {deepest[0]} levels deep, too deep to store as JSON ({error})"
 
 
 def encode_record(record: TrajectoryRecord) -> bytes:

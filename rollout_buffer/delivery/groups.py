@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_buffer.schemas import REWARD_LIMIT
+
 log = logging.getLogger(__name__)
 
 Record = dict[str, Any]
@@ -19,6 +21,21 @@ GROUP_KEY_SQL = "run_id=? AND instance_id=? AND epoch=? AND part=?"  # a `GroupK
 ZERO_VARIANCE_EPS = 1e-8
 # Added to the denominator as slime's GRPO normalization does.
 NORM_EPS = 1e-6
+
+
+class RewardOutOfRange(ValueError):
+    """A reward, episode reward or reward weight that is not a finite number within ±REWARD_LIMIT."""
+
+
+def bounded(value: Any, what: str) -> float:
+    """`value` as a float, RewardOutOfRange unless it is finite and within ±REWARD_LIMIT."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise RewardOutOfRange(f"{what} {value!r} is not a number") from None
+    if not -REWARD_LIMIT <= number <= REWARD_LIMIT:  # NaN fails both comparisons
+        raise RewardOutOfRange(f"{what} {value!r} is not a finite number within ±{REWARD_LIMIT:g}")
+    return number
 
 
 @dataclass(frozen=True)
@@ -58,16 +75,25 @@ class GroupPolicy:
             return GroupOutcome(records, f"hook_timeout: no answer within {self.hook_timeout_s:g} s")
 
     def finalize(self, records: list[Record]) -> GroupOutcome:
-        """Filter, normalize and transform one complete group. Never raises: a hook error drops the group."""
+        """Filter, normalize and transform one complete group. Never raises: whatever fails (a hook, a reward out
+        of range, a record of the wrong shape) drops the group with the reason, so no group stays complete
+        forever and no start-up fails on one."""
+        try:
+            return self._finalize(records)
+        except RewardOutOfRange as e:
+            return GroupOutcome(records, f"reward_out_of_range: {e}")
+        except Exception as e:  # the store's own code must not be taken down by one group's values
+            log.exception("the group policy failed on a group of instance %s; it is dropped",
+                          records[0].get("instance_id") if records else None)
+            return GroupOutcome(records, f"group_policy_error: {type(e).__name__}: {e}")
+
+    def _finalize(self, records: list[Record]) -> GroupOutcome:
         for r in records:
             if r.get("raw_reward") is None:
                 r["raw_reward"] = r["reward"]
-        reason = failed_reason(records)
-        if reason is None:
-            try:
-                reason = self._validity_reason(records)
-            except Exception as e:  # a user hook must not take the store down
-                reason = f"is_valid_group_error: {type(e).__name__}: {e}"
+            bounded((r.get("extra_info") or {}).get("reward_weight", 1.0), "extra_info.reward_weight")
+        episode_rewards(records)  # every reward in range before anything (a hook included) reads one
+        reason = failed_reason(records) or self._validity_reason(records)
         if reason is not None:
             return GroupOutcome(records, reason)
         if self.normalize:
@@ -81,7 +107,10 @@ class GroupPolicy:
 
     def _validity_reason(self, records: list[Record]) -> str | None:
         if self.is_valid_group is not None:
-            verdict = self.is_valid_group(records)
+            try:
+                verdict = self.is_valid_group(records)
+            except Exception as e:  # a user hook must not take the store down
+                return f"is_valid_group_error: {type(e).__name__}: {e}"
             # slime's hooks return a bool, or a (bool, reason) pair in some generators.
             ok, why = verdict if isinstance(verdict, tuple) else (verdict, "invalid_group")
             return None if ok else str(why or "invalid_group")
@@ -120,7 +149,8 @@ def episode_rewards(records: list[Record]) -> dict[str, float]:
     out: dict[str, float] = {}
     for ep, rs in members.items():
         shared = (rs[0].get("extra_info") or {}).get("episode_reward")
-        out[ep] = float(shared) if shared is not None else statistics.fmean(float(r["raw_reward"]) for r in rs)
+        out[ep] = (bounded(shared, "extra_info.episode_reward") if shared is not None
+                   else statistics.fmean(bounded(r["raw_reward"], "reward") for r in rs))
     return out
 
 
@@ -145,6 +175,6 @@ def normalize_rewards(records: list[Record]) -> None:
     mean = statistics.fmean(values)
     std = statistics.pstdev(values) if len(values) > 1 else 0.0
     for r in records:
-        weight = float((r.get("extra_info") or {}).get("reward_weight", 1.0))
+        weight = bounded((r.get("extra_info") or {}).get("reward_weight", 1.0), "extra_info.reward_weight")
         advantage = 0.0 if std < ZERO_VARIANCE_EPS else (per_episode[_episode(r)] - mean) / (std + NORM_EPS)
         r["reward"] = advantage * weight

@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 
 from rollout_buffer.delivery.store import Store
+from rollout_buffer.policy import redacted
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class StoredRun:
         cfg = self.config
         return {"run_id": self.run_id, "state": self.state, "created_at": self.created_at,
                 "task_type": cfg.get("task_type"), "input_file": cfg.get("input_file"),
-                "num_repeat_per_sample": self.group_size, "num_epoch": cfg.get("num_epoch"), "config": cfg,
+                "num_repeat_per_sample": self.group_size, "num_epoch": cfg.get("num_epoch"), "config": redacted(cfg),
                 "progress": self.progress, "error": self.error}
 
 

@@ -9,6 +9,7 @@ format, created where missing.
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 from collections.abc import Callable
 from pathlib import Path
@@ -225,6 +226,10 @@ class StoreTooNew(RuntimeError):
     """The store was written by a newer release than this one."""
 
 
+class NotAStore(RuntimeError):
+    """The file at the store's path is not a rollout-buffer store: empty, or another program's database."""
+
+
 def migrate(conn: sqlite3.Connection, path: Path) -> None:
     """Bring the store to `VERSION`, one migration per transaction."""
     current = conn.execute("PRAGMA user_version").fetchone()[0]
@@ -245,14 +250,56 @@ def migrate(conn: sqlite3.Connection, path: Path) -> None:
 
 
 def connect(path: Path, max_bytes: int | None = None) -> sqlite3.Connection:
-    """The store's connection (autocommit; WAL), migrated to today's format."""
+    """The store's connection (autocommit; WAL), migrated to today's format. A new store is made under another name
+    and renamed into place once it holds its tables, so an empty file at `path` is never the buffer's own: it is
+    refused (`NotAStore`), as is another program's database. The store's files are its owner's alone (0600)."""
+    if not path.exists():
+        _create(path)
+    if path.stat().st_size == 0:
+        raise NotAStore(f"{path} is an empty file (0 bytes), not a rollout-buffer store: the buffer never leaves "
+                        "one; move it away to start a new store there, or restore the store from a copy")
+    conn = _open(path)
+    try:
+        migrate(conn, path)
+    except BaseException:
+        conn.close()
+        raise
+    if max_bytes is not None:
+        page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+        conn.execute(f"PRAGMA max_page_count={max(1, max_bytes // page_size)}")
+    for suffix in ("", "-wal", "-shm"):  # SQLite gives its side files the main file's mode
+        file = path.with_name(path.name + suffix)
+        if file.exists():
+            file.chmod(0o600)
+    return conn
+
+
+def _create(path: Path) -> None:
+    fresh = path.with_name(path.name + ".new")
+    for stale in (fresh, fresh.with_name(fresh.name + "-wal"), fresh.with_name(fresh.name + "-shm")):
+        stale.unlink(missing_ok=True)  # a creation cut short
+    os.close(os.open(fresh, os.O_CREAT | os.O_WRONLY, 0o600))
+    conn = _open(fresh)
+    try:
+        migrate(conn, fresh)
+    finally:
+        conn.close()  # the last connection checkpoints the WAL into the file and removes it
+    os.replace(fresh, path)
+
+
+def _open(path: Path) -> sqlite3.Connection:
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    try:  # before anything is written to it: another program's database is left as it was
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if conn.execute("PRAGMA user_version").fetchone()[0] == 0 and tables and "runs" not in tables:
+            raise NotAStore(f"{path} is another program's SQLite database (tables "
+                            f"{', '.join(sorted(tables)[:5])}), not a rollout-buffer store: give the server another "
+                            "--data-dir")
+    except BaseException:
+        conn.close()
+        raise
     conn.execute("PRAGMA journal_mode=WAL")
     # NORMAL in WAL mode survives a killed process; only power loss can drop the last commits.
     conn.execute("PRAGMA synchronous=NORMAL")
     conn.execute("PRAGMA busy_timeout=5000")
-    migrate(conn, path)
-    if max_bytes is not None:
-        page_size = conn.execute("PRAGMA page_size").fetchone()[0]
-        conn.execute(f"PRAGMA max_page_count={max(1, max_bytes // page_size)}")
     return conn

@@ -35,6 +35,28 @@ REFUSALS_SHOWN_S = 60.0  # how long `/status` shows the store's last refused ope
 _Op = tuple[Callable[[sqlite3.Connection], Any], "asyncio.Future[Any] | None"]
 
 
+_OPEN_ERRORS = (sqlite3.Error, OSError, schema.StoreTooNew, schema.NotAStore)
+
+
+def _private_folder(folder: Path) -> None:
+    """The store's folder, made if missing, its owner's alone: it holds records and runs' settings."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        folder.chmod(0o700)
+    except PermissionError:
+        log.warning("data dir %s belongs to another user: its mode stays as it is", folder)
+
+
+def check_store(path: Path) -> None:
+    """Open (or make) the store at `path` and close it again: StoreError saying what is wrong with it, before a
+    server starts serving."""
+    try:
+        _private_folder(path.parent)
+        schema.connect(path).close()
+    except _OPEN_ERRORS as e:
+        raise StoreError(f"cannot open {path}: {e}") from None
+
+
 class StoreError(RuntimeError):
     """SQLite failed (disk full, I/O error, corrupt file): the caller answers 503, nothing is half-written."""
 
@@ -98,7 +120,7 @@ class Store:
     # ---- lifecycle -------------------------------------------------------------------------------
     async def open(self) -> None:
         """Create or open the database and start the store thread."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _private_folder(self.path.parent)
         ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._main, args=(loop, ready), name=STORE_THREAD, daemon=True)
@@ -118,7 +140,7 @@ class Store:
         setproctitle.setthreadtitle(STORE_THREAD)
         try:
             self._conn = schema.connect(self.path, self.max_bytes)
-        except (sqlite3.Error, schema.StoreTooNew) as e:
+        except _OPEN_ERRORS as e:
             loop.call_soon_threadsafe(ready.set_exception, StoreError(f"cannot open {self.path}: {e}"))
             return
         loop.call_soon_threadsafe(ready.set_result, None)

@@ -312,14 +312,14 @@ class Streams:
 
         return await self.store.call(op)
 
-    async def ack(self, batch_id: str, stream: str) -> int:
-        """Mark a leased batch consumed; returns how many groups it covered (0 for an unknown batch). Raises
+    async def ack(self, batch_id: str, stream: str) -> int | None:
+        """Mark a leased batch consumed; returns how many groups it covered (None for an unknown batch). Raises
         `StreamMismatch` when the batch was delivered to another stream than `stream`."""
 
-        def op(conn: sqlite3.Connection) -> int:
+        def op(conn: sqlite3.Connection) -> int | None:
             row = conn.execute("SELECT stream FROM batches WHERE batch_id=?", (batch_id,)).fetchone()
             if row is None:
-                return 0
+                return None
             if row[0] != stream:
                 raise StreamMismatch(batch_id, row[0], stream)
             n = conn.execute("UPDATE stream_groups SET state='delivered', lease_expires=NULL "

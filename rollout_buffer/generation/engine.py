@@ -24,7 +24,7 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -88,12 +88,14 @@ class EngineClient:
         max_abort_resumes: int = 3,
         max_connections: int = 4096,
         context_length: int | None = None,
+        engine_hosts: Sequence[str] = (),
     ):
         if not urls:
             raise ValueError("EngineClient needs at least one engine URL")
         if max_retries < 0 or max_abort_resumes < 0:
             raise ValueError("max_retries and max_abort_resumes must be >= 0")
         self.urls = [u.rstrip("/") for u in urls]
+        self.engine_hosts = tuple(engine_hosts)  # the hosts a router's worker list may lead to (empty: any)
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -146,7 +148,8 @@ class EngineClient:
         if probe is None or probe.get_loop() is not asyncio.get_running_loop():
             if time.monotonic() < self._probe_after.get(url, 0.0):
                 return _UNKNOWN
-            probe = self._probes[url] = asyncio.ensure_future(probe_engine(url, min(self.timeout_s, PROBE_TIMEOUT_S)))
+            probe = self._probes[url] = asyncio.ensure_future(probe_engine(url, min(self.timeout_s, PROBE_TIMEOUT_S),
+                                                                            self.engine_hosts))
         found = await asyncio.shield(probe)  # a cancelled turn leaves the shared probe running
         if self._probes.get(url) is probe:
             del self._probes[url]

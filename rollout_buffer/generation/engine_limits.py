@@ -9,11 +9,15 @@ probes engines with it too, before a run starts.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import orjson
+
+from rollout_buffer.policy import host_allowed
 
 # Engine info: how long `probe_engine` waits for an engine's answer.
 PROBE_TIMEOUT_S = 10.0
@@ -71,12 +75,14 @@ async def _engine_limits(http: httpx.AsyncClient, url: str, info: Any) -> Engine
     return EngineLimits(context, _positive(info.get("max_req_input_len")))
 
 
-async def probe_engine(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> EngineLimits | None:
+async def probe_engine(url: str, timeout_s: float = PROBE_TIMEOUT_S, hosts: Sequence[str] = ()
+                       ) -> EngineLimits | None:
     """Ask an engine URL what it takes; None when it does not answer.
 
     `/get_server_info` tells a router from an engine: sglang-router answers it itself with
     `{"router_manager": true, ...}` (and serves its own `/v1/models`, without `max_model_len`), so behind a router
-    the limits are read from its first worker listed by `/workers`, when that worker answers this process.
+    the limits are read from its first worker listed by `/workers`, when that worker answers this process and its
+    host is among `hosts` (the server's `--engine-host` list; empty: any host).
     """
     url = url.rstrip("/")
     async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as http:  # no proxies, as HttpPool
@@ -90,7 +96,7 @@ async def probe_engine(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> EngineLi
             listed = await _get_json(http, f"{url}/workers")
             workers = listed.get("workers") if isinstance(listed, dict) else None
             worker = workers[0].get("url") if isinstance(workers, list) and workers else None
-            if isinstance(worker, str):
+            if isinstance(worker, str) and host_allowed(urlsplit(worker).hostname or "", hosts):
                 worker = worker.rstrip("/")
                 return replace(await _engine_limits(http, worker, await _get_json(http, f"{worker}/get_server_info")),
                                router=True)

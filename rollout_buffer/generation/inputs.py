@@ -27,25 +27,23 @@ class InputSummary:
     num_items: int
 
 
-def confined_path(raw: str, roots: Sequence[Path], field: str = "input_file") -> Path:
-    """Resolve a client-supplied path (symlinks included) and refuse it outside the allowed roots."""
+def existing_path(raw: str, field: str = "input_file") -> Path:
+    """A client-supplied path (links resolved) that exists; InputFileError naming `field` otherwise. The server's
+    policy has judged the path before (`Policy.readable`: outside its roots, existing or not, is refused)."""
     path = Path(raw).expanduser()
     try:
-        resolved = path.resolve(strict=True)
+        return path.resolve(strict=True)
     except FileNotFoundError:
         raise InputFileError(f"{field}: {raw} does not exist") from None
     except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop
         raise InputFileError(f"{field}: {raw} cannot be opened: {e}") from None
-    if roots and not any(resolved.is_relative_to(r.resolve()) for r in roots):
-        raise InputFileError(f"{field}: {raw} is outside the allowed data roots")
-    return resolved
 
 
-def resolve_input_path(raw: str, roots: Sequence[Path]) -> Path:
-    """The input file, confined to the allowed roots and a regular file."""
-    resolved = confined_path(raw, roots)
+def resolve_input_path(raw: str, field: str = "input_file") -> Path:
+    """The input file: it exists and is a regular file."""
+    resolved = existing_path(raw, field)
     if not resolved.is_file():
-        raise InputFileError(f"input_file: {raw} is not a regular file")
+        raise InputFileError(f"{field}: {raw} is not a regular file")
     return resolved
 
 

@@ -37,18 +37,33 @@ class RunOptions(BaseModel):
         try:
             return cls.model_validate(config)
         except ValidationError as e:
-            # Not pydantic's error: the runner would read that as a bad trajectory record.
-            raise ValueError(f"{cls.error_prefix}: {e}") from None
+            # Not pydantic's error: the runner would read that as a bad trajectory record. Without the values given
+            # (a child's environment may hold secrets): the field and what is wrong with it.
+            problems = "; ".join(_problem(err["loc"], err["msg"]) for err in e.errors())
+            raise ValueError(f"{cls.error_prefix}: {problems}") from None
+
+
+def _problem(loc: tuple[int | str, ...], message: str) -> str:
+    message = message.removeprefix("Value error, ")  # a validator's own message names its field already
+    return f"{'.'.join(str(p) for p in loc)}: {message}" if loc else message
+
+
+def run_option_classes() -> list[type[RunOptions]]:
+    """Every `RunOptions` class loaded in this process: the service's and its generators'."""
+    found: list[type[RunOptions]] = []
+    classes: list[type[RunOptions]] = RunOptions.__subclasses__()
+    while classes:
+        cls = classes.pop()
+        classes += cls.__subclasses__()
+        found.append(cls)
+    return found
 
 
 def run_option_defaults() -> dict[str, Any]:
     """Every run option read from `/start_rollout` payloads by the service and by the generators loaded in this
     process (the fields of each `RunOptions` subclass), with its default (None for a required one)."""
     found: dict[str, Any] = {}
-    classes: list[type[RunOptions]] = RunOptions.__subclasses__()
-    while classes:
-        cls = classes.pop()
-        classes += cls.__subclasses__()
+    for cls in run_option_classes():
         for name, field in cls.model_fields.items():
             found.setdefault(name, None if field.is_required() else field.get_default(call_default_factory=True))
     return found
@@ -72,7 +87,8 @@ async def check_engine_options(payload: dict[str, Any]) -> None:
     options = EngineOptions.from_run(payload)
     url = payload.get("remote_engine_url")
     urls = [] if url is None else [url] if isinstance(url, str) else list(url)
-    probed = await asyncio.gather(*(probe_engine(u, _START_PROBE_TIMEOUT_S) for u in urls))
+    hosts = payload.get("engine_hosts") or ()
+    probed = await asyncio.gather(*(probe_engine(u, _START_PROBE_TIMEOUT_S, hosts) for u in urls))
     found = [f for f in probed if f is not None]
     context = options.context_length or min((f.context_length for f in found if f.context_length), default=None)
     params = payload.get("sampling_params") or {}

@@ -18,7 +18,7 @@ from rollout_buffer.schemas import StartRolloutRequest
 
 log = logging.getLogger(__name__)
 
-_ENGINE_OPTIONS = ("timeout_s", "max_retries", "backoff_s", "max_abort_resumes", "context_length")
+_ENGINE_OPTIONS = ("timeout_s", "max_retries", "backoff_s", "max_abort_resumes", "context_length", "engine_hosts")
 
 
 async def run_resources(run_id: str, req: StartRolloutRequest, sessions: SessionHost | None = None) -> RunResources:

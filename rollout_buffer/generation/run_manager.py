@@ -20,8 +20,10 @@ from rollout_buffer.delivery.streams import StaleGroup
 from rollout_buffer.generation.executor import Executor, LocalExecutor
 from rollout_buffer.generation.inputs import InputFileError
 from rollout_buffer.generation.plugins import Generator
+from rollout_buffer.generation.run_policy import check_run
 from rollout_buffer.generation.runner import Run
 from rollout_buffer.generation.sessions import SessionHost
+from rollout_buffer.policy import PolicyRefused
 from rollout_buffer.schemas import StartRolloutRequest
 
 log = logging.getLogger(__name__)
@@ -119,10 +121,11 @@ class RunManager:
         try:
             req = StartRolloutRequest.model_validate(cfg)
             gen = self.generators[req.task_type]
+            check_run(cfg, self.config.policy, gen.module)  # the operator may have tightened the policy since
             path = Path(cfg["input_file"]) if reads_input(gen, cfg) else None
             if path is not None and not await asyncio.to_thread(path.is_file):
                 raise InputFileError(f"input_file: {path} is gone")
-        except (ValidationError, KeyError, InputFileError) as e:
+        except (ValidationError, KeyError, InputFileError, PolicyRefused) as e:
             log.error("cannot resume run %s: %s", run.run_id, e)
             await self.buffer.runs.set_state(run.run_id, "failed", f"resume failed: {e}")
             return

@@ -466,8 +466,8 @@ class Run:
 
     # ---- slime-style generators ------------------------------------------------------------------
     async def _run_slime_style(self) -> None:
-        payload = self.req.model_dump(mode="json")
-        if not payload.get("remote_buffer_url"):
-            payload["remote_buffer_url"] = f"http://{self.config.host}:{self.config.port}"
+        # Records go to this server, whatever URL the client sent: a client must not make it post a dataset
+        # elsewhere.
+        payload = {**self.req.model_dump(mode="json"), "remote_buffer_url": self.config.local_url}
         # slime's generators block for the whole rollout and post records over HTTP.
         await asyncio.to_thread(self.generator.module.run_rollout, payload)

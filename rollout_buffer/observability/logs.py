@@ -110,7 +110,8 @@ class RefusalLog:
 
 
 def _refused(scope: Scope, status: int, message: str) -> None:
-    route = getattr(scope.get("route"), "path", None) or "unmatched"
+    # The template as documented (`/trajectories/{uid}`, without a `:path` convertor).
+    route = getattr(scope.get("route"), "path_format", None) or "unmatched"
     metrics.HTTP_ERRORS.labels(route, str(status)).inc()
     refusals.warning("route=%s status=%d method=%s path=%s: %s", route, status, scope["method"], scope["path"],
                      message)

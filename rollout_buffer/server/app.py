@@ -30,18 +30,14 @@ from rollout_buffer.delivery.streams import DEFAULT_STREAM, StreamMismatch
 from rollout_buffer.delivery.versions import VersionConflict
 from rollout_buffer.generation.evaluation import EvalManager, eval_config
 from rollout_buffer.generation.executor import Executor, LocalExecutor
-from rollout_buffer.generation.inputs import (
-    InputFileError,
-    confined_path,
-    resolve_input_path,
-    validate_file,
-    write_default_input,
-)
+from rollout_buffer.generation.inputs import InputFileError, resolve_input_path, validate_file, write_default_input
 from rollout_buffer.generation.options import check_engine_options, run_option_defaults
-from rollout_buffer.generation.plugins import discover
+from rollout_buffer.generation.plugins import Generator, discover
 from rollout_buffer.generation.run_manager import RunManager, reads_input
+from rollout_buffer.generation.run_policy import check_run
 from rollout_buffer.observability import metrics
 from rollout_buffer.observability.logs import RefusalLog
+from rollout_buffer.policy import PolicyRefused
 from rollout_buffer.proxy.manager import SessionError, SessionManager
 from rollout_buffer.proxy.worker_launch import LocalLauncher
 from rollout_buffer.proxy.worker_pool import SessionWorkers
@@ -68,7 +64,7 @@ from rollout_buffer.server.bodies import (
 )
 from rollout_buffer.server.fast_routes import FastRoutes
 from rollout_buffer.server.guards import Guards
-from rollout_buffer.server.middleware import AgentSocketGate, BearerAuthMiddleware, BodyLimitMiddleware
+from rollout_buffer.server.middleware import BodyLimitMiddleware, RequestGate
 from rollout_buffer.server.proxy_routes import SessionApi, mount_proxy
 from rollout_buffer.server.ui_history import RunHistory
 from rollout_buffer.server.ui_routes import mount_ui
@@ -84,10 +80,6 @@ WRITE_BODY: TypeAdapter[TrajectoryRecord | list[TrajectoryRecord]] = TypeAdapter
 GET_BODY: TypeAdapter[GetRolloutDataRequest] = TypeAdapter(GetRolloutDataRequest)
 START_BODY: TypeAdapter[StartRolloutRequest] = TypeAdapter(StartRolloutRequest)
 EVAL_BODY: TypeAdapter[StartEvalRequest] = TypeAdapter(StartEvalRequest)
-
-
-# Payload fields naming server-side files: confined to --data-root like input_file (a tool config imports code).
-CONFINED_PATH_FIELDS = ("tokenizer_path", "tool_config_path")
 
 
 def make_executor(config: ServerConfig) -> Executor:
@@ -160,6 +152,10 @@ def answer_errors_as_slime(app: FastAPI) -> None:
     async def _record(_: Request, exc: RecordError) -> Response:
         return error_response(422, str(exc))
 
+    @app.exception_handler(PolicyRefused)
+    async def _policy(_: Request, exc: PolicyRefused) -> Response:
+        return error_response(403, str(exc), {"option": exc.option, "allow": exc.allow})
+
 
 def create_app(config: ServerConfig) -> FastAPI:
     """Build the FastAPI app; the store opens and the active run resumes at start-up."""
@@ -218,10 +214,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         lifespan=lifespan,
     )
     app.add_middleware(BodyLimitMiddleware, guards=guards)
-    if guards.auth_token is not None:
-        app.add_middleware(BearerAuthMiddleware, guards=guards)
-    if guards.agent_socket is not None:
-        app.add_middleware(AgentSocketGate, guards=guards)
+    app.add_middleware(RequestGate, guards=guards)
     app.add_middleware(RefusalLog)  # outermost: logs and counts the refusals of every layer inside it
 
     answer_errors_as_slime(app)
@@ -264,40 +257,19 @@ def create_app(config: ServerConfig) -> FastAPI:
                 if getattr(req, name):
                     raise HTTPException(422, f"{name}: needs a native generator (run_rollout(item, ctx)); "
                                              f"{req.task_type!r} posts its own records")
-        payload = req.model_dump(mode="json")
-        check = gen.hook("check_payload")
+        runs: RunManager = request.app.state.runs
         try:
-            if check is not None:  # the generator's own options (it may resolve files: off the loop)
-                await asyncio.to_thread(check, payload, config.data_roots)
-            await request.app.state.runs.executor.check_options(payload)
+            payload, path, num_items = await _resolved_input(gen, req.model_dump(mode="json"), request, "input_file")
+            if not req.engine_urls():  # every run has an engine client: without one, it would fail once started
+                raise ValueError("remote_engine_url: required: the policy engine the run generates with (an SGLang "
+                                 "server's URL, a list of them, or an sglang-router's)")
+            await runs.executor.check_options(payload)
             await check_engine_options(payload)  # the engines' context length; keys a router would drop
-            path: Path | None = None
-            num_items = 0
-            if reads_input(gen, payload):
-                listing = gen.hook("default_input")
-                if req.input_file is None and listing is not None:  # the generator's own dataset (an environment's)
-                    rows = await listing(payload, request.app.state.runs.runs_here(gen, payload))
-                    path = await asyncio.to_thread(write_default_input, config.data_dir, req.task_type, rows)
-                elif req.input_file is None:
-                    raise InputFileError(f"input_file: required for task_type {req.task_type!r} (only an agent "
-                                         "run that hosts sessions, without agent or agent_command, runs without)")
-                else:
-                    path = await asyncio.to_thread(resolve_input_path, req.input_file, config.data_roots)
-                required = getattr(gen.module, "REQUIRED_FIELDS", ())
-                num_items = (await asyncio.to_thread(validate_file, path, required)).num_items
-            if config.data_roots:
-                fields = {"tokenizer_path": req.tokenizer_path, **(req.model_extra or {})}
-                for name in CONFINED_PATH_FIELDS:
-                    if isinstance(fields.get(name), str):
-                        await asyncio.to_thread(confined_path, fields[name], config.data_roots, name)
         except ValueError as e:  # InputFileError included
             raise HTTPException(422, str(e)) from None
-        if not req.engine_urls():  # every run has an engine client: without one, it would fail once started
-            raise HTTPException(422, "remote_engine_url: required: the policy engine the run generates with (an "
-                                     "SGLang server's URL, a list of them, or an sglang-router's)")
-        runs: RunManager = request.app.state.runs
         # A run that only hosts sessions groups them like /buffer/write records unless told otherwise.
         group_size = config.group_size if path is None and "num_repeat_per_sample" not in req.model_fields_set else None
+        req = START_BODY.validate_python(payload)  # with the sandbox settings the policy filled in
         run_id = await runs.start(req, path, num_items, group_size)
         message = (f"rollout started for {num_items} tasks" if path is not None
                    else "agent run started: open sessions with POST /sessions")
@@ -307,6 +279,31 @@ def create_app(config: ServerConfig) -> FastAPI:
                 log.warning("run %s: %s", run_id, warning)
             answer["warnings"] = warnings
         return json_response(answer)
+
+    async def _resolved_input(gen: Generator, payload: dict[str, Any], request: Request, input_field: str,
+                              evaluating: bool = False) -> tuple[dict[str, Any], Path | None, int]:
+        """A run's or an eval's settings judged by the server's policy (PolicyRefused: 403) and the generator's own
+        checks, with its input file: the one named (which must exist), the generator's own listing, or none (a run
+        that only hosts sessions). ValueError naming what is wrong (422)."""
+        payload = {**payload, **check_run(payload, config.policy, gen.module)}
+        check = gen.hook("check_payload")
+        if check is not None:  # the generator's own options (it may resolve files: off the loop)
+            await asyncio.to_thread(check, payload, config.policy)
+        if not reads_input(gen, payload):
+            return payload, None, 0
+        runs: RunManager = request.app.state.runs
+        listing = gen.hook("default_input")
+        if payload.get("input_file") is None and listing is not None:  # the generator's own dataset
+            rows = await listing(payload, True if evaluating else runs.runs_here(gen, payload))
+            path = await asyncio.to_thread(write_default_input, config.data_dir, str(payload["task_type"]), rows)
+        elif payload.get("input_file") is None:
+            raise InputFileError(f"{input_field}: required for task_type {payload['task_type']!r} (only an agent "
+                                 "run that hosts sessions, without agent or agent_command, runs without)")
+        else:
+            path = await asyncio.to_thread(resolve_input_path, str(payload["input_file"]), input_field)
+        required = getattr(gen.module, "REQUIRED_FIELDS", ())
+        num_items = (await asyncio.to_thread(validate_file, path, required)).num_items
+        return payload, path, num_items
 
     @app.post("/start_eval", summary="Evaluate named datasets at a trainer version, beside the training run")
     async def start_eval(req: StartEvalRequest, request: Request) -> Response:
@@ -329,26 +326,19 @@ def create_app(config: ServerConfig) -> FastAPI:
                                          f"{task!r} posts its own records")
             if not cfg.get("remote_engine_url"):
                 raise HTTPException(422, "remote_engine_url: required (there is no run to take it from)")
-            check = gen.hook("check_payload")
             try:
-                if check is not None:
-                    await asyncio.to_thread(check, {**cfg, "input_file": spec.path}, config.data_roots)
-                listing = gen.hook("default_input")
-                if spec.path is None and listing is None:
+                if spec.path is not None:
+                    config.policy.readable(f"eval_datasets.{name}.path", spec.path)
+                elif gen.hook("default_input") is None:
                     raise ValueError(f"path: required for task_type {task!r} (it has no input of its own)")
-                if spec.path is None and listing is not None:  # the generator's own dataset (an environment's)
-                    rows = await listing(cfg, True)  # evaluations run here whatever the executor
-                    path = await asyncio.to_thread(write_default_input, config.data_dir, str(task), rows)
-                else:
-                    path = await asyncio.to_thread(resolve_input_path, str(spec.path), config.data_roots)
-                required = getattr(gen.module, "REQUIRED_FIELDS", ())
-                num_items = (await asyncio.to_thread(validate_file, path, required)).num_items
-                if config.data_roots:
-                    for field in CONFINED_PATH_FIELDS:
-                        if isinstance(cfg.get(field), str):
-                            await asyncio.to_thread(confined_path, cfg[field], config.data_roots, field)
+                cfg, path, num_items = await _resolved_input(gen, {**cfg, "input_file": spec.path}, request, "path",
+                                                             evaluating=True)
+            except PolicyRefused as e:
+                e.args = (f"eval_datasets.{name}: {e}",)
+                raise
             except ValueError as e:  # InputFileError included
                 raise HTTPException(422, f"eval_datasets.{name}: {e}") from None
+            assert path is not None
             resolved[name] = (path, num_items, cfg)
         started = await evals.start(version, resolved, req.eval_num_process)
         return json_response({"success": True, "message": f"{len(started)} evals at version {version}",
@@ -430,6 +420,8 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def ack(req: AckRequest, request: Request) -> Response:
         buffer: RolloutBuffer = request.app.state.buffer
         n = await buffer.ack(req.batch_id, req.agent_id or DEFAULT_STREAM)
+        if n is None:
+            raise HTTPException(404, f"batch_id: no batch {req.batch_id!r} was delivered")
         return json_response({"success": True, "acked_groups": n})
 
     @app.post("/trainer_version", summary="The trainer's weight version (it updated weights without fetching)")
@@ -447,7 +439,8 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def status(request: Request) -> Response:
         return json_response(await status_view(request.app))
 
-    @app.get("/trajectories/{uid}", summary="One stored trajectory")
+    # `:path`: a uid holds its instance id, which may hold '/'.
+    @app.get("/trajectories/{uid:path}", summary="One stored trajectory")
     async def trajectory(uid: str, request: Request) -> Response:
         buffer: RolloutBuffer = request.app.state.buffer
         rec = await buffer.get_record(uid)

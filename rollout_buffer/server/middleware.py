@@ -1,4 +1,4 @@
-"""ASGI middleware of FastAPI's routes: the bearer token, the agent socket's gate and the request body cap.
+"""ASGI middleware of FastAPI's routes: the request gate (`Guards.refusal`) and the request body cap.
 
 The checks themselves are `server.guards`' (the session API's fast path applies the same ones); these layers
 answer their refusals in slime's shape.
@@ -12,32 +12,17 @@ from rollout_buffer.server.bodies import error_response
 from rollout_buffer.server.guards import BodyTooLarge, Guards
 
 
-class BearerAuthMiddleware:
-    """Every endpoint but /healthz and the dashboard's page and assets needs `Authorization: Bearer <token>`
-    (`Guards.server_token_ok`)."""
+class RequestGate:
+    """Refuses what `Guards.refusal` refuses: the agent socket's other routes, browsers' cross-site and rebinding
+    requests, non-JSON bodies, and callers without the server's token (or, without one, not its own user)."""
 
     def __init__(self, app: ASGIApp, guards: Guards):
         self.app = app
         self.guards = guards
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not self.guards.server_token_ok(scope):
-            await error_response(401, "missing or wrong bearer token")(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-
-class AgentSocketGate:
-    """Requests arriving on the agent socket may only call a session's API (`Guards.socket_allows`)."""
-
-    def __init__(self, app: ASGIApp, guards: Guards):
-        self.app = app
-        self.guards = guards
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not self.guards.socket_allows(scope):
-            message = "the agent socket serves only /sessions/{session_id}/v1/... (with the session's key)"
-            await error_response(403, message)(scope, receive, send)
+        if scope["type"] == "http" and (refused := self.guards.refusal(scope)) is not None:
+            await error_response(refused.status, refused.message)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 

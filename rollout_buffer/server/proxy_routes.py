@@ -149,6 +149,10 @@ def mount_proxy(app: FastAPI) -> None:
 # The session API's endpoints raise WireError for what they refuse; `SessionApi` answers it in the protocol's
 # shape, logs and counts it.
 
+# The session API's kind of each status the request gate answers (`Guards.refusal`).
+_REFUSAL_KINDS = {401: "authentication", 403: "permission", 415: "media_type"}
+
+
 class Refusal(WireError):
     """A WireError whose reason (the `proxy_errors` label) is decided where it is raised: its kind alone cannot
     tell, e.g. an unknown session from one closed during the turn (both `not_found`)."""
@@ -225,8 +229,8 @@ async def arrival(state: Any, session_id: str) -> None:
 
 
 def _session(scope: Scope, sessions: SessionManager, guards: Guards, session_id: str) -> Session:
-    """The session, once the request proved it may drive it (`Guards.session_key_ok`: with a server token, or
-    through the agent socket, the session's own key or the server token)."""
+    """The session, once the request proved it may drive it (`Guards.session_key_ok`: the session's own key or the
+    server token)."""
     try:
         session = sessions.get(session_id)
     except WireError as e:
@@ -411,14 +415,14 @@ class SessionApi:
 
     The server's app (`server.app.BufferApp`) hands every HTTP request here first; other requests go on to
     FastAPI. These endpoints answer every outcome in their protocol's shape and check the session's key
-    themselves, so FastAPI's stack is skipped: its error and telemetry layers, the bearer check and the agent
-    socket's gate (both of which let the session API through), its router (which tries every route's pattern in
-    turn) and its request wrapper. They cost several percent of the buffer's CPU per proxied turn
-    (bench/proxy.py). The security checks are the ones FastAPI's middleware applies (`server.guards`, the same
-    `Guards`), refused here in the protocol's shape: the body cap (a declared length over it before anything is
-    read, a body sent in chunks once it grows past it) and the session's key (`Guards.session_key_ok`, which the
-    agent socket requires too). A route no session serves is refused here too (404 in the client's protocol), so
-    that it is logged and counted like every other refusal of the session API.
+    themselves, so FastAPI's stack is skipped: its error and telemetry layers, its request gate, its router (which
+    tries every route's pattern in turn) and its request wrapper. They cost several percent of the buffer's CPU per
+    proxied turn (bench/proxy.py). The security checks are the ones FastAPI's middleware applies (`server.guards`,
+    the same `Guards`), refused here in the protocol's shape: the request gate (`Guards.refusal`: JSON bodies, no
+    foreign Origin), the body cap (a declared length over it before anything is read, a body sent in chunks once it
+    grows past it) and the session's key (`Guards.session_key_ok`, with or without a server token). A route no
+    session serves is refused here too (404 in the client's protocol), so that it is logged and counted like every
+    other refusal of the session API.
     """
 
     def __init__(self, app: ASGIApp, state: Any, guards: Guards):
@@ -438,6 +442,8 @@ class SessionApi:
         error: WireError | None = None
         receive = self.guards.capped(receive)
         try:  # inline, not a helper coroutine: the hot path allocates nothing the access line does not need
+            if (refused := self.guards.refusal(scope)) is not None:
+                raise Refusal("refused", _REFUSAL_KINDS.get(refused.status, "permission"), refused.message)
             if route is None:
                 raise Refusal("unknown_route", "not_found", f"no route {name!r} under /sessions/{{session_id}}/v1/; "
                               f"a session serves {', '.join(SESSION_API)}")

@@ -50,7 +50,7 @@ from rollout_buffer.server.app import BufferApp, answer_errors_as_slime
 from rollout_buffer.server.bodies import error_response, json_response, parse_body, validated
 from rollout_buffer.server.guards import Guards, is_session_api
 from rollout_buffer.server.listeners import agent_socket, tcp_listener
-from rollout_buffer.server.middleware import AgentSocketGate, BearerAuthMiddleware, BodyLimitMiddleware
+from rollout_buffer.server.middleware import BodyLimitMiddleware, RequestGate
 from rollout_buffer.server.proxy_routes import FINISH_BODY, restoring
 
 log = logging.getLogger(__name__)
@@ -96,28 +96,30 @@ class RestoreSessions(BaseModel):
 
 class WorkerSecret:
     """Every route but a session's API, `/healthz`, `HEAD /sessions/{id}` (Claude Code probes its base URL) and a
-    harness's `POST /sessions/{id}/finish` is the buffer's: it must present the worker's secret. Finishing takes
-    what the buffer's own `/finish` takes: the server's token when it has one (never a session's key, which its
-    agent holds)."""
+    harness's `POST /sessions/{id}/finish` is the buffer's: it must present the worker's secret. Those others pass
+    the request gate as on the buffer (`Guards.refusal`): finishing takes what the buffer's own `/finish` takes,
+    the server's token when it has one (never a session's key, which its agent holds), else its own user."""
 
     def __init__(self, app: ASGIApp, secret: str, guards: Guards):
         self.app = app
         self.secret = secret.encode()
-        self.finishing = BearerAuthMiddleware(app, guards)
+        self.gated = RequestGate(app, guards)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and _finish(scope):
-            await self.finishing(scope, receive, send)
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
             return
-        if scope["type"] == "websocket" or (scope["type"] == "http" and not _public(scope)):
-            given = next((v for k, v in scope["headers"] if k == WORKER_SECRET_HEADER.encode()), b"")
-            if not hmac.compare_digest(given, self.secret):
-                if scope["type"] == "websocket":  # refused before the handshake: 403
-                    await send({"type": "websocket.close", "code": 1008})
-                    return
-                await error_response(403, "this route of a session worker is the buffer's")(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        given = next((v for k, v in scope["headers"] if k == WORKER_SECRET_HEADER.encode()), b"")
+        if hmac.compare_digest(given, self.secret):
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "http" and (_finish(scope) or _public(scope)):
+            await self.gated(scope, receive, send)
+            return
+        if scope["type"] == "websocket":  # refused before the handshake: 403
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        await error_response(403, "this route of a session worker is the buffer's")(scope, receive, send)
 
 
 def _finish(scope: Scope) -> bool:
@@ -180,8 +182,6 @@ def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret:
     app.state.sessions = sessions
     app.state.arrivals = arrivals
     app.add_middleware(BodyLimitMiddleware, guards=guards)
-    if guards.agent_socket is not None:
-        app.add_middleware(AgentSocketGate, guards=guards)
     app.add_middleware(WorkerSecret, secret=secret, guards=guards)
 
     answer_errors_as_slime(app)

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import gc
 import importlib
+import logging
 import sys
 from pathlib import Path
 
@@ -20,9 +21,14 @@ from rollout_buffer.config import (
     EXECUTORS,
     ServerConfig,
 )
+from rollout_buffer.delivery.store import StoreError, check_store
+from rollout_buffer.generation.tokenizer import bundled_tokenizer_path
 from rollout_buffer.observability.logs import ACCESS_LOG_MODES, setup_logging
+from rollout_buffer.policy import NETWORKS, Policy, policy_from_flags
 from rollout_buffer.server.listeners import agent_socket, tcp_listener
 from rollout_buffer.tools import demo
+
+log = logging.getLogger(__name__)
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -48,8 +54,45 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
                         "(reason hook_timeout) past it")
     p.add_argument("--generator-path", type=Path, action="append", default=[],
                    help="extra generator .py file or folder (repeatable)")
-    p.add_argument("--data-root", type=Path, action="append", default=[],
-                   help="only accept input files under this folder (repeatable)")
+    policy = p.add_argument_group(
+        "what clients may name (docs/security.md)",
+        "By default a client may read input files and tokenizers in the data dir and the bundled data only, and "
+        "may name no program, module, package, variable, image or host of its own. Each flag allows more; a "
+        "refused option answers 403 naming the flag that would allow it.")
+    policy.add_argument("--data-root", type=Path, action="append", default=[], metavar="FOLDER",
+                        help="a folder clients may name files in for the server to read: input_file, tokenizer_path, "
+                        "eval datasets (repeatable)")
+    policy.add_argument("--allow-code", type=Path, action="append", default=[], metavar="PATH",
+                        help="a program, Python file, venv or folder clients may name as code to run: agent, "
+                        "agent_command, scorer, env_python, env_paths, openenv_command, tool_config_path, "
+                        "agent_workdir_root (repeatable)")
+    policy.add_argument("--allow-module", action="append", default=[], metavar="NAME",
+                        help="a Python module (and its submodules) clients may name as module:function (repeatable)")
+    policy.add_argument("--allow-installs", action="store_true",
+                        help="let clients name requirements the server installs into a venv (env_requirements, "
+                        "openenv_requirements): code from a package index")
+    policy.add_argument("--allow-env", action="append", default=[], metavar="NAME",
+                        help="a variable (or fnmatch pattern) clients may set in a child's environment: agent_env, "
+                        "openenv_env (repeatable)")
+    policy.add_argument("--allow-image", action="append", default=[], metavar="IMAGE",
+                        help="a container image clients may name (agent_image of agent_sandbox docker; repeatable)")
+    policy.add_argument("--agent-user", action="append", default=[], metavar="USER",
+                        help="a user agents and environments may run as; the first is the default (default: nobody "
+                        "when the server runs as root, else its own user; repeatable)")
+    policy.add_argument("--agent-network", choices=NETWORKS, default="auto",
+                        help="the least isolation a run may ask of its agents' network: a run may ask more, never "
+                        "less (default: %(default)s, a namespace of its own where unshare works)")
+    policy.add_argument("--engine-host", action="append", default=[], metavar="HOST",
+                        help="a host (or fnmatch pattern) the server may send requests to: engine URLs, a router's "
+                        "workers, retrieval and OpenEnv servers (repeatable; default: any host)")
+    policy.add_argument("--policy", type=Path, default=None, metavar="FILE",
+                        help="a YAML file stating all of the above (the flags add to it)")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="a name browsers may reach the server by (its Host header) besides loopback, --host and "
+                   "--public-url's (repeatable; with --auth-token, requests presenting it are taken by any name)")
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="serve a --host other than loopback without --auth-token (anyone who reaches the port may "
+                   "start runs and read every trajectory); refused without this flag")
     p.add_argument("--max-db-mb", type=float, default=None,
                    help="cap the store's size; writes past it answer 503 as on a full disk")
     p.add_argument("--prune-delivered-after-h", type=float, default=None, metavar="HOURS",
@@ -86,6 +129,42 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
                    "tokens, ms), logged at INFO, at DEBUG, or off (default: %(default)s)")
 
 
+def _policy(args: argparse.Namespace) -> Policy:
+    """The policy `serve`'s flags state: the bundled data and tokenizer are always readable."""
+    bundled = (Path(demo.bundled_dataset("math")).parent, Path(bundled_tokenizer_path()))
+    return policy_from_flags(read=(*bundled, *args.data_root), code=args.allow_code, modules=args.allow_module,
+                             installs=args.allow_installs, env=args.allow_env, images=args.allow_image,
+                             users=args.agent_user, network=args.agent_network, engine_hosts=args.engine_host,
+                             file=args.policy)
+
+
+def _config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig.with_env(
+        host=args.host,
+        port=args.port,
+        data_dir=args.data_dir,
+        group_size=args.group_size,
+        auth_token=args.auth_token,
+        max_body_bytes=args.max_body_bytes,
+        hook_timeout_s=args.hook_timeout,
+        generator_paths=tuple(args.generator_path),
+        policy=_policy(args),
+        allowed_hosts=tuple(args.allowed_host),
+        insecure_no_auth=args.insecure_no_auth,
+        max_db_bytes=int(args.max_db_mb * 1024 * 1024) if args.max_db_mb else None,
+        prune_delivered_after_s=(None if args.prune_delivered_after_h is None
+                                 else args.prune_delivered_after_h * 3600),
+        executor=args.executor,
+        ray_address=args.ray_address,
+        ray_actors=args.ray_actors,
+        public_url=args.public_url,
+        session_workers=args.session_workers,
+        session_worker_port=args.session_worker_port,
+        session_worker_cpus=args.session_worker_cpus,
+        session_worker_batch_ms=args.session_worker_batch_ms,
+    )
+
+
 def serve(args: argparse.Namespace) -> None:
     """Start uvicorn with the app built from the command-line options."""
     from rollout_buffer.server.app import create_app
@@ -100,28 +179,14 @@ def serve(args: argparse.Namespace) -> None:
     if args.auth_token:
         _mask_in_command_line(args.auth_token)
 
-    config = ServerConfig.with_env(
-        host=args.host,
-        port=args.port,
-        data_dir=args.data_dir,
-        group_size=args.group_size,
-        auth_token=args.auth_token,
-        max_body_bytes=args.max_body_bytes,
-        hook_timeout_s=args.hook_timeout,
-        generator_paths=tuple(args.generator_path),
-        data_roots=tuple(args.data_root),
-        max_db_bytes=int(args.max_db_mb * 1024 * 1024) if args.max_db_mb else None,
-        prune_delivered_after_s=(None if args.prune_delivered_after_h is None
-                                 else args.prune_delivered_after_h * 3600),
-        executor=args.executor,
-        ray_address=args.ray_address,
-        ray_actors=args.ray_actors,
-        public_url=args.public_url,
-        session_workers=args.session_workers,
-        session_worker_port=args.session_worker_port,
-        session_worker_cpus=args.session_worker_cpus,
-        session_worker_batch_ms=args.session_worker_batch_ms,
-    )
+    try:
+        config = _config(args)
+        check_store(config.db_path)
+    except (ValueError, StoreError) as e:
+        raise SystemExit(f"rollout-buffer serve: {e}") from None
+    if config.insecure_no_auth and not config.auth_token:
+        log.warning("serving %s without --auth-token (--insecure-no-auth): anyone who reaches port %d may start "
+                    "runs and read every trajectory", config.host, config.port)
     with contextlib.ExitStack() as stack:
         listeners = [tcp_listener(config.host, config.port)]
         sandboxes = agent_socket(stack)

@@ -58,6 +58,17 @@ def _start_agent_run(buffer_url: str, engine_url: str, tokenizer: str, input_fil
         raise RuntimeError(f"the agent run was refused: {answer.text}")
 
 
+def _allowed(ns: argparse.Namespace, tokenizer: str, input_file: Path) -> list[str]:
+    """The demo's server lets its own run read the demo's input and tokenizer and, for the agent demo, run its
+    agent (docs/security.md): what the demo names, nothing else."""
+    flags = ["--data-root", str(input_file.parent), "--data-root", tokenizer]
+    if ns.task == "agent":
+        module_part = (ns.agent or bundled_agent()).rpartition(":")[0]
+        is_file = module_part.endswith(".py") or "/" in module_part
+        flags += ["--allow-code", module_part] if is_file else ["--allow-module", module_part]
+    return flags
+
+
 @contextlib.contextmanager
 def _subprocess(args: list[str], health_url: str, log_file: Path, timeout_s: float = 120) -> Iterator[None]:
     with open(log_file, "ab") as out:
@@ -166,8 +177,8 @@ def run_demo(ns: argparse.Namespace, console: Console) -> DemoResult:
         data_dir = Path(ns.data_dir) if ns.data_dir else workdir / "data"
         console.print(f"[dim]starting rollout buffer on {buffer_url} (data in {data_dir})[/dim]")
         stack.enter_context(_subprocess(
-            ["serve", "--port", str(bport), "--data-dir", str(data_dir)], f"{buffer_url}/healthz",
-            workdir / "buffer.log"))
+            ["serve", "--port", str(bport), "--data-dir", str(data_dir), *_allowed(ns, tokenizer, input_file)],
+            f"{buffer_url}/healthz", workdir / "buffer.log"))
         if ns.task == "agent":
             _start_agent_run(buffer_url, engine_url, tokenizer, input_file, ns)
         args = _slime_args(buffer_url, engine_url, tokenizer, input_file, ns)
