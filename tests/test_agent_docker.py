@@ -172,7 +172,7 @@ def test_agents_in_containers_reach_only_their_session_and_are_killed_at_the_tim
     assert started.status_code == 200, started.text
     run_id = started.json()["run_id"]
     status = wait_finished(buffer.url, timeout_s=60, headers=AUTH)
-    assert status["run"]["progress"]["failures"] == {"agent_timeout": 1, "agent_crash": 1}
+    assert status["run"]["progress"]["failures"] == {"agent_timeout": 1, "agent_exited": 1}
     assert leftover_containers() == [], "every container is removed, the killed one too"
 
     delivered = {r["instance_id"]: r for r in drain(buffer.url, headers=AUTH) if r["status"] == "completed"}
@@ -199,7 +199,7 @@ def test_agents_in_containers_reach_only_their_session_and_are_killed_at_the_tim
     slow, crash = stored(buffer, run_id, "slow"), stored(buffer, run_id, "crash")
     assert slow["status"] == "failed" and slow["extra_info"]["error_kind"] == "agent_timeout"
     assert "agent_timeout_s=6" in slow["extra_info"]["error"]
-    assert crash["status"] == "failed" and crash["extra_info"]["error_kind"] == "agent_crash"
+    assert crash["status"] == "failed" and crash["extra_info"]["error_kind"] == "agent_exited"
     assert "exited with code 3" in crash["extra_info"]["error"] and "boom" in crash["extra_info"]["error"]
 
 

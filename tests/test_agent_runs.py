@@ -48,7 +48,7 @@ def roots(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def stdlib_agent() -> Iterator[Path]:
     """The test agent in a folder anyone may read: run as `nobody`, it cannot reach a checkout under a private
     folder (a `mktemp -d` clone, /root) or pytest's own temporary folders (mode 0700)."""
-    with readable_copies([STDLIB_AGENT], "rb-test-agent-") as folder:
+    with readable_copies([STDLIB_AGENT, STDLIB_AGENT.with_name("early_exit.sh")], "rb-test-agent-") as folder:
         yield folder / STDLIB_AGENT.name
 
 
@@ -113,7 +113,7 @@ def test_subprocess_agents_run_sandboxed_with_a_time_limit(buffer: Server, engin
     assert started.status_code == 200, started.text
     run_id = started.json()["run_id"]
     status = wait_finished(buffer.url, timeout_s=60, headers=AUTH)
-    assert status["run"]["progress"]["failures"] == {"agent_timeout": 1, "agent_crash": 1}
+    assert status["run"]["progress"]["failures"] == {"agent_timeout": 1, "agent_exited": 1}
 
     def stored(instance: str) -> dict[str, Any]:
         return httpx.get(f"{buffer.url}/trajectories/{run_id}:{instance}:0:0", timeout=10, headers=AUTH).json()
@@ -134,8 +134,10 @@ def test_subprocess_agents_run_sandboxed_with_a_time_limit(buffer: Server, engin
     slow, crash = stored("slow"), stored("crash")
     assert slow["status"] == "failed" and slow["extra_info"]["error_kind"] == "agent_timeout"
     assert "agent_timeout_s=15" in slow["extra_info"]["error"]
-    assert crash["status"] == "failed" and crash["extra_info"]["error_kind"] == "agent_crash"
+    assert crash["status"] == "failed" and crash["extra_info"]["error_kind"] == "agent_exited"
     assert "exited with code 3" in crash["extra_info"]["error"] and "boom" in crash["extra_info"]["error"]
+    assert crash["extra_info"]["agent"]["exit_code"] == 3 and "boom" in crash["extra_info"]["agent"]["stderr_tail"]
+    assert slow["extra_info"]["agent"]["exit_code"] is None, "the failed record keeps what the process said"
 
 
 def test_a_harness_run_groups_by_group_size_and_expires_idle_sessions(buffer: Server, engine: Server,
@@ -219,6 +221,22 @@ def test_the_start_payload_of_agent_runs_is_checked(buffer: Server, engine: Serv
     left = httpx.get(f"{buffer.url}/sessions/{opened['session_id']}", timeout=10, headers=AUTH).json()
     record = httpx.get(f"{buffer.url}/trajectories/{left['uid']}", timeout=10, headers=AUTH).json()
     assert left["state"] == "failed" and record["status"] == "failed" and "ended" in record["extra_info"]["error"]
+
+
+def test_an_agent_that_exits_before_reading_its_row_is_recorded_with_its_exit(
+        buffer: Server, engine: Server, roots: Path, qwen_tokenizer_path: str, stdlib_agent: Path) -> None:
+    # A row larger than a pipe's buffer: writing it to an agent that is gone fails, which is the agent's exit.
+    items = [{"instance_id": "early", "prompt": "x" * 200_000, "label": "1"}]
+    started = start(buffer, engine, qwen_tokenizer_path, input_file=rows(roots, "early", items),
+                    agent_command=[str(stdlib_agent.with_name("early_exit.sh"))], num_repeat_per_sample=1)
+    assert started.status_code == 200, started.text
+    status = wait_finished(buffer.url, timeout_s=60, headers=AUTH)
+    assert status["run"]["progress"]["failures"] == {"agent_exited": 1}, status["run"]["progress"]
+    run_id = started.json()["run_id"]
+    record = httpx.get(f"{buffer.url}/trajectories/{run_id}:early:0:0", timeout=10, headers=AUTH).json()
+    agent = record["extra_info"]["agent"]
+    assert record["extra_info"]["error_kind"] == "agent_exited" and agent["exit_code"] == 7, record["extra_info"]
+    assert "cannot start (no such model)" in agent["stderr_tail"]
 
 
 def test_a_scorer_hook_sees_the_row_the_workdir_and_the_transcript(buffer: Server, engine: Server, roots: Path,

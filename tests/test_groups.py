@@ -202,3 +202,30 @@ def test_no_value_makes_finishing_a_group_raise(poison: dict[str, Any], reason: 
     for policy in (GroupPolicy(), GroupPolicy(drop_zero_variance=True)):
         out = policy.finalize([dict(r) for r in records])
         assert out.reason is not None and out.reason.startswith(reason), out.reason
+
+
+def test_a_batch_counts_only_its_own_runs_groups(tmp_path: Path) -> None:
+    """A group of a replaced run that is dropped after the next run started (an agent session left open) is not
+    reported as a loss of the next run's batches."""
+
+    async def main() -> None:
+        config = ServerConfig(data_dir=tmp_path, group_size=2)
+        store = Store(config.db_path)
+        await store.open()
+        try:
+            buffer = RolloutBuffer(config, store, {})
+            old = await buffer.runs.get(await buffer.create_run({"task_type": None}, 2))
+            new = await buffer.runs.get(await buffer.create_run({"task_type": None}, 2))
+            assert old is not None and new is not None
+            failed = TrajectoryRecord.model_validate({**_record("o2", "left-open", 0.0).model_dump(),
+                                                      "status": "failed"})
+            await buffer.write([_record("o1", "left-open", 1.0), failed], old)  # dropped: failed_trajectory
+            await buffer.write([_record("n1", "fresh", 1.0), _record("n2", "fresh", 0.0)], new)
+            delivered = await buffer.deliver(None, 0, None)
+            assert delivered.meta_info["run_id"] == new.run_id
+            assert delivered.meta_info["filtered_groups"] == {}, delivered.meta_info
+            assert delivered.meta_info["finished_groups"] == ["fresh"]
+        finally:
+            await store.close()
+
+    asyncio.run(main())

@@ -76,20 +76,33 @@ def test_status_prints_the_run_progress_bar_and_counts(finished_run, capsys, mon
 
 def test_status_watch_until_done_follows_a_run_to_its_end(tmp_path, sim_engine, qwen_tokenizer_path) -> None:
     port = free_port()
-    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data")]
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"),
+            "--generator-path", str(Path(__file__).parent / "plugins" / "broken.py")]
     with running(args, "/healthz", port, tmp_path / "buffer.log") as srv:
         inp = write_jsonl(tmp_path / "math.jsonl", math_rows(8))
-        run_id = start_run(srv.url, sim_engine.url, inp, qwen_tokenizer_path, num_process=2)
-        watched = cli("status", "--url", srv.url, "--watch", "--interval", "0.1", "--until-done")
-        # A run that cannot start (token mode without a tokenizer) fails: --until-done says so with exit 1.
-        start_run(srv.url, sim_engine.url, inp, str(tmp_path / "no-such-tokenizer"), engine_mode="token")
+        # The engine holds the run until the watcher has shown it once: it refreshes while the run goes on.
+        httpx.post(f"{sim_engine.url}/pause_generation", json={"mode": "in_place"}, timeout=10).raise_for_status()
+        try:
+            run_id = start_run(srv.url, sim_engine.url, inp, qwen_tokenizer_path, num_process=2)
+            env = {k: v for k, v in os.environ.items() if k not in (status_cli.URL_ENV, AUTH_TOKEN_ENV)}
+            watcher = subprocess.Popen([*CLI, "status", "--url", srv.url, "--watch", "--interval", "0.1",
+                                        "--until-done"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                       env={**env, "COLUMNS": "120"})
+            assert watcher.stdout is not None
+            first_line = watcher.stdout.readline()
+        finally:
+            httpx.post(f"{sim_engine.url}/continue_generation", json={}, timeout=10).raise_for_status()
+        rest, errors = watcher.communicate(timeout=120)
+        watched = subprocess.CompletedProcess(watcher.args, watcher.returncode, first_line + rest, errors)
+        # A run whose trajectories all fail fails itself: --until-done says so with exit 1.
+        start_run(srv.url, sim_engine.url, inp, qwen_tokenizer_path, task_type="broken", failure_window=4)
         failed = cli("status", "--url", srv.url, "--watch", "--interval", "0.1", "--until-done")
     assert watched.returncode == 0, watched.stderr
     blocks = watched.stdout.strip().split("\n\n")
     assert len(blocks) >= 2, "piped output gets one block per refresh"
     assert f"{run_id}  finished" in blocks[-1] and "32/32 trajectories 100%" in blocks[-1]
-    assert failed.returncode == 1 and "  failed  math" in failed.stdout
-    assert "engine_mode token needs a tokenizer" in failed.stdout
+    assert failed.returncode == 1 and "  failed  broken" in failed.stdout
+    assert "the last 4 trajectories all failed" in failed.stdout and "needs a key" in failed.stdout
 
 
 def test_status_with_a_token_and_without(tmp_path) -> None:

@@ -409,3 +409,43 @@ def test_a_poisoned_reward_drops_its_own_group_and_the_store_still_starts(tmp_pa
                 again.stop()
         finally:
             srv.stop()
+
+
+def test_sigterm_answers_open_long_polls_and_exits_within_its_bound(tmp_path: Path) -> None:
+    """A long-poll waits up to 10 minutes; a stop signal answers it (no batch) and the server exits in seconds,
+    whether its client still listens or went away."""
+    import signal
+    import threading
+
+    from rollout_buffer.server.quiet_server import SHUTDOWN_GRACE_S
+
+    port = free_port()
+    srv = buffer(tmp_path, port, "--group-size", "2").start()
+    try:
+        answers: list[httpx.Response] = []
+        listening = threading.Thread(target=lambda: answers.append(httpx.post(
+            f"{srv.url}/get_rollout_data", json={"wait_s": 600, "lease_s": 60}, timeout=120)))
+        listening.start()
+        _raw_post(port, "/get_rollout_data", b'{"wait_s": 600}')  # its client goes away
+        deadline = time.monotonic() + 30
+        while "rollout_buffer_long_polls 2.0" not in httpx.get(f"{srv.url}/metrics").text:
+            assert time.monotonic() < deadline, "both long-polls wait"
+            time.sleep(0.05)
+        assert srv.proc is not None
+        stopped = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        listening.join(60)
+        assert answers and answers[0].status_code == 200 and answers[0].json()["success"] is False, answers
+        srv.proc.wait(60)
+        took = time.monotonic() - stopped
+        # uvicorn ends by raising the signal it caught again, after a clean shutdown.
+        assert srv.proc.returncode in (0, -signal.SIGTERM) and took < SHUTDOWN_GRACE_S + 20, (took, srv.log()[-2000:])
+        assert "Application shutdown complete" in srv.log()
+        assert "stopping: open long-polls answered" in srv.log()
+    finally:
+        srv.stop()
+    again = buffer(tmp_path, port, "--group-size", "2").start()  # and it starts again as it was
+    try:
+        assert httpx.get(f"{again.url}/status").status_code == 200
+    finally:
+        again.stop()

@@ -282,3 +282,23 @@ def test_num_process_bounds_the_requests_at_the_engine(tmp_path, qwen_tokenizer_
     assert status["run"]["state"] == "finished" and len(records) == 32
     # Trajectories hand their slot on when generation ends, so the engine sees exactly num_process at once.
     assert stats["max_in_flight"] == 4
+
+
+def test_a_run_whose_trajectories_keep_failing_fails_with_the_reason(tmp_path, sim_engine, qwen_tokenizer_path):
+    """Every trajectory of a generator that cannot work fails: the run fails (instead of ending `finished` with
+    nothing to deliver), and the trainer's poll says why."""
+    inp = write_jsonl(tmp_path / "t.jsonl", math_rows(20))
+    with buffer(tmp_path, "--generator-path", str(PLUGINS / "broken.py")).start() as srv:
+        start(srv.url, sim_engine.url, inp, qwen_tokenizer_path, task_type="broken", failure_window=8,
+              num_process=4)
+        status = wait_finished(srv.url)
+        answer = httpx.post(f"{srv.url}/get_rollout_data", json={"wait_s": 0}).json()
+        with pytest.raises(httpx.HTTPStatusError):  # a bad setting is refused at the start
+            httpx.post(f"{srv.url}/start_rollout", timeout=30, json={
+                "task_type": "broken", "input_file": str(inp), "remote_engine_url": sim_engine.url,
+                "max_failure_rate": 0}).raise_for_status()
+    run = status["run"]
+    assert run["state"] == "failed" and run["error"].startswith("the last 8 trajectories all failed"), run
+    assert "generator_error ×8" in run["error"] and "needs a key" in run["error"]
+    assert run["progress"]["failed"] < 80, "it stopped early, not after failing every item"
+    assert answer["success"] is False and f"run {run['run_id']} failed: the last 8" in answer["message"]

@@ -173,10 +173,10 @@ async def _run_command(run: AgentRun, item: dict[str, Any], session: AgentSessio
                       "stderr_tail": done.stderr[-_OUTPUT_IN_RECORD:]}}
     if done.timed_out:
         raise AgentFailed("agent_timeout", f"the agent command did not end within agent_timeout_s="
-                          f"{opts.agent_timeout_s:g} and was killed; stderr: {done.stderr[-500:].strip()!r}")
+                          f"{opts.agent_timeout_s:g} and was killed; stderr: {done.stderr[-500:].strip()!r}", info)
     if done.exit_code != 0:
-        raise AgentFailed("agent_crash", f"the agent command exited with code {done.exit_code}; stderr: "
-                          f"{done.stderr[-500:].strip()!r}")
+        raise AgentFailed("agent_exited", f"the agent command exited with code {done.exit_code}; stderr: "
+                          f"{done.stderr[-500:].strip()!r}", info)
     outcome = await asyncio.to_thread(_result_file, ws.work / RESULT_FILE)
     if outcome is None:
         lines = [line for line in done.stdout.splitlines() if line.strip()]

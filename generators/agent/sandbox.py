@@ -45,7 +45,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from rollout_buffer.generator_api import fate_shared, scratch_folder
@@ -66,9 +66,10 @@ _CLI_TIMEOUT_S = 30.0
 class AgentFailed(Exception):
     """The agent did not produce a trajectory; `error_kind` names why (the runner records it as failed)."""
 
-    def __init__(self, kind: str, message: str):
+    def __init__(self, kind: str, message: str, info: dict[str, Any] | None = None):
         super().__init__(message)
         self.error_kind = kind
+        self.error_info = info or {}  # kept in the failed record's extra_info (the process's exit, its stderr)
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,9 @@ async def _run_process(argv: list[str], env: dict[str, str], proc: AgentProcess,
 
     async def feed() -> None:
         assert child.stdin is not None
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        # An agent may exit (or close its stdin) before reading its row: uvloop then refuses the write with a
+        # RuntimeError where asyncio's loop raises BrokenPipeError.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError, RuntimeError):
             child.stdin.write(proc.stdin)
             await child.stdin.drain()
         child.stdin.close()

@@ -72,8 +72,10 @@ class RolloutBuffer:
         self._records = Records(store)
         self._streams = Streams(store)
         self._changed = asyncio.Event()
-        # Per stream, from its first read on (the default stream's from the start).
-        self._since_read: dict[str, ReadCounters] = {DEFAULT_STREAM: ReadCounters()}
+        self.closing = False  # the server is stopping: long-polls do not wait (`close_long_polls`)
+        # Per stream (from its first read on; the default stream's from the start), per run: an answer reports
+        # what happened to the groups of the run it delivers, never another run's.
+        self._since_read: dict[str, dict[str, ReadCounters]] = {DEFAULT_STREAM: {}}
         self._policies: dict[str, GroupPolicy] = {}
         self._default_run_lock = asyncio.Lock()
         # The writer run, remembered until a run is created (runs are only created through this object), so
@@ -215,10 +217,10 @@ class RolloutBuffer:
             if reason is None:
                 for stream in (DEFAULT_STREAM, *roles):
                     if stream in self._since_read:
-                        self._since_read[stream].finished.append(key[1])
+                        self._counters(stream, key[0]).finished.append(key[1])
             else:
-                for counters in self._since_read.values():
-                    counters.filtered[reason] += 1
+                for stream in self._since_read:
+                    self._counters(stream, key[0]).filtered[reason] += 1
                 log.info("group %s/%s epoch %s dropped: %s", key[0], key[1], key[2], reason)
         self._notify()
 
@@ -244,6 +246,15 @@ class RolloutBuffer:
     async def episodes_stored(self, episodes: list[tuple[str, str, str]]) -> set[str]:
         """Of `(run_id, instance_id, episode uid)`s, the uids some record is stored under."""
         return await self._records.episodes_stored(episodes)
+
+    def close_long_polls(self) -> None:
+        """The server is stopping: every long-poll answers now with what is ready (often nothing), and new ones do
+        not wait."""
+        self.closing = True
+        self._notify()
+
+    def _counters(self, stream: str, run_id: str) -> ReadCounters:
+        return self._since_read[stream].setdefault(run_id, ReadCounters())
 
     def _notify(self) -> None:
         event, self._changed = self._changed, asyncio.Event()
@@ -275,7 +286,7 @@ class RolloutBuffer:
         Groups come from one run: `run_id`, else the current run (the latest: the one its trainer started or
         resumed). An earlier run's leftovers are never mixed into the current run's batches.
         """
-        self._since_read.setdefault(stream, ReadCounters())
+        self._since_read.setdefault(stream, {})
         if current_version is not None:
             await self.report_version(current_version, stream=stream)
         acked = (await self.ack(ack, stream) or 0) if ack else 0  # a batch never delivered acks nothing
@@ -293,19 +304,22 @@ class RolloutBuffer:
             self._account(batch, stream)
             stale += batch.stale
             remaining = deadline - time.monotonic()
-            if batch.groups or remaining <= 0:
+            if batch.groups or remaining <= 0 or self.closing:
                 break
             timeout = remaining
             if batch.next_lease_expiry is not None:
                 timeout = min(timeout, max(0.01, batch.next_lease_expiry - time.time()))
+            metrics.LONG_POLLS.inc()
             try:
                 await asyncio.wait_for(changed.wait(), timeout)
             except TimeoutError:
                 pass
+            finally:
+                metrics.LONG_POLLS.dec()
         records = [r for g in batch.groups for r in g]
         lags = [trainer.lag(v) for v in batch.versions]
         metrics.count_delivery(batch.groups, batch.redelivered, [lag for lag in lags if lag is not None])
-        meta = self._meta_info(batch.groups, batch.batch_id, acked, batch.redelivered, stream)
+        meta = self._meta_info(batch.groups, batch.batch_id, acked, batch.redelivered, stream, of_run)
         if meta:
             meta["run_id"] = of_run
         meta.update(_version_meta(trainer, lags, stale))
@@ -324,10 +338,9 @@ class RolloutBuffer:
             ledger = self._ledgers.get(run_id)
             if ledger is not None:
                 ledger.taken(taken[run_id], batch.expired_by_run.get(run_id, 0), stale_by_run[run_id], stream)
-        counters = self._since_read[stream]
         for group in batch.stale:
             run_id, instance_id, epoch, part = group.key
-            counters.filtered["stale"] += 1
+            self._counters(stream, run_id).filtered["stale"] += 1
             regenerated = group.regenerate_part is not None
             metrics.count_stale(regenerated)
             log.info("group %s/%s epoch %s part %s dropped%s: stale (version %d, %d behind the trainer)%s", run_id,
@@ -349,14 +362,16 @@ class RolloutBuffer:
 
     def _meta_info(
         self, groups: list[list[StoredRecord]], batch_id: str | None, acked: int, redelivered: int, stream: str,
+        run_id: str | None,
     ) -> dict[str, Any]:
         records = [r for g in groups for r in g]
         n = len(records)
-        # Only an answer that delivers groups reports (and so consumes) what happened since the last one:
-        # slime's client ignores unsuccessful answers, so ids reported there would never reach its metadata.
+        # Only an answer that delivers groups reports (and so consumes) what happened since the last one, to the
+        # groups of the run it delivers: slime's client ignores unsuccessful answers, so ids reported there would
+        # never reach its metadata.
         since = ReadCounters()
-        if groups:
-            since, self._since_read[stream] = self._since_read[stream], ReadCounters()
+        if groups and run_id is not None:
+            since = self._since_read[stream].pop(run_id, ReadCounters())
         raw = [r.raw_reward for r in records]
         meta: dict[str, Any] = {
             "total_samples": n,

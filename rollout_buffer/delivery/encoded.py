@@ -85,6 +85,7 @@ class EncodedRecord:
     row: NewRecord
     versions: tuple[int, int] | None
     metrics: dict[str, Any] | None
+    failure: tuple[str, str] | None = None  # a failed trajectory's (error_kind, error), when known
 
     @classmethod
     def of(cls, record: TrajectoryRecord) -> EncodedRecord:
@@ -96,8 +97,10 @@ class EncodedRecord:
                         episode=info.get("episode_id"), agent_id=role_of({"extra_info": info}), reward=record.reward,
                         facts=orjson.dumps(record_facts(data)) if len(blob) >= FACTS_FROM_BYTES else None)
         metrics = info.get("metrics")
+        failure = ((str(info.get("error_kind") or "failed"), str(info.get("error") or ""))
+                   if record.status == "failed" else None)
         return cls(row, version_range({"extra_info": info, "weight_versions": record.weight_versions}),
-                   metrics if isinstance(metrics, dict) else None)
+                   metrics if isinstance(metrics, dict) else None, failure)
 
     def wire(self) -> dict[str, Any]:
         """JSON-ready, for `decode_wire` in another process (the record's JSON as a string)."""

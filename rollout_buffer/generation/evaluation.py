@@ -183,7 +183,7 @@ class EvalJob:
         self.progress.in_flight += 1
         try:
             records = await produce(self.generator, item, ctx,
-                                    lambda kind, text: failed_record(item, ctx, kind, text))
+                                    lambda f: failed_record(item, ctx, f.kind, f.text, f.info))
         finally:
             ctx.engine.release(ctx.uid)
             self.progress.in_flight -= 1

@@ -77,8 +77,9 @@ class EngineOptions(RunOptions):
     context_length: PositiveInt | None = None
 
 
-async def check_engine_options(payload: dict[str, Any]) -> None:
-    """ValueError naming what a run asks that its engines cannot serve, before the run starts.
+async def check_engine_options(payload: dict[str, Any]) -> list[str]:
+    """ValueError naming what a run asks that its engines cannot serve, before the run starts; the warnings to
+    give with the start (engines that do not answer: slime starts them first, so the run starts all the same).
 
     A token budget over the context length (the run's `context_length`, else the smallest its engines report) can
     never be generated; sampling params sglang-router would drop without a word are refused when
@@ -90,6 +91,10 @@ async def check_engine_options(payload: dict[str, Any]) -> None:
     hosts = payload.get("engine_hosts") or ()
     probed = await asyncio.gather(*(probe_engine(u, _START_PROBE_TIMEOUT_S, hosts) for u in urls))
     found = [f for f in probed if f is not None]
+    silent = [u for u, f in zip(urls, probed, strict=True) if f is None]
+    warnings = [f"remote_engine_url: {', '.join(silent[:3])}{' and more' if len(silent) > 3 else ''} did not answer "
+                f"/get_server_info within {_START_PROBE_TIMEOUT_S:g} s; the run starts and its trajectories wait for "
+                "the engine"] if silent else []
     context = options.context_length or min((f.context_length for f in found if f.context_length), default=None)
     params = payload.get("sampling_params") or {}
     if context is not None:
@@ -99,7 +104,7 @@ async def check_engine_options(payload: dict[str, Any]) -> None:
                 whose = "the run's context_length" if options.context_length else "the engine's context length"
                 raise ValueError(f"{name}: {value} tokens cannot fit {whose} ({context} tokens, prompt included)")
     if not any(f.router for f in found):
-        return
+        return warnings
     chat = not payload.get("tokenizer_path") or payload.get("engine_mode") == "chat"
     dropped = sorted((ROUTER_DROPPED_CHAT_KEYS if chat else ROUTER_DROPPED_SAMPLING_KEYS) & params.keys())
     if dropped:
@@ -110,3 +115,4 @@ async def check_engine_options(payload: dict[str, Any]) -> None:
     if chat and isinstance(stop, list) and len(stop) > ROUTER_MAX_CHAT_STOPS:
         raise ValueError(f"sampling_params.stop: remote_engine_url is an sglang-router, whose chat requests take "
                          f"at most {ROUTER_MAX_CHAT_STOPS} stop strings ({len(stop)} given)")
+    return warnings

@@ -132,6 +132,12 @@ class RunManager:
         log.info("resuming run %s (%s)", run.run_id, gen.task_type)
         self._launch(run.run_id, req, path)
 
+    def stop_admission(self) -> None:
+        """The server is stopping: the current run starts no new trajectory (those in flight go on until the
+        shutdown stops them; they resume at the next start)."""
+        if self.current is not None:
+            self.current.starting.clear()
+
     def progress(self) -> dict[str, Any] | None:
         """Live progress of the current run."""
         return self.current.progress.snapshot() if self.current else None

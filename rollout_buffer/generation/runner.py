@@ -12,6 +12,7 @@ tasks here, or Ray actors); everything above stays in this process, whichever ex
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import random
@@ -34,6 +35,7 @@ from rollout_buffer.generation.executor import Executor, LocalExecutor
 from rollout_buffer.generation.inputs import LineIndex
 from rollout_buffer.generation.plugins import Generator
 from rollout_buffer.generation.resources import close_resources, engine_options, run_resources
+from rollout_buffer.generation.run_health import FailureWatch, RunCannotWork, RunHealthOptions
 from rollout_buffer.generation.sessions import SessionHost
 from rollout_buffer.generation.trajectory import Failure, failed_record
 from rollout_buffer.observability import metrics
@@ -136,6 +138,13 @@ class Run:
         self.accepting = True
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(req.num_process)
+        # Set while new trajectories may start: cleared when the server is stopping.
+        self.starting = asyncio.Event()
+        self.starting.set()
+        # Set (with `_hopeless_reason`) once its trajectories keep failing: the run fails.
+        self._watch = FailureWatch(RunHealthOptions.from_run(req.model_dump()))
+        self._hopeless = asyncio.Event()
+        self._hopeless_reason = ""
         # Finished trajectories waiting for the store: bounded too, so a slow disk slows generation down.
         self._writing = asyncio.Semaphore(req.num_process)
 
@@ -166,6 +175,11 @@ class Run:
         except asyncio.CancelledError:
             self.progress.state = "stopped"
             raise
+        except RunCannotWork as e:
+            self.progress.state = "failed"
+            self.progress.error = str(e)
+            log.error("run %s failed: %s", self.run_id, e)
+            await self._record_failure(e)
         except Exception as e:
             self.progress.state = "failed"
             self.progress.error = f"{type(e).__name__}: {e}"
@@ -259,6 +273,22 @@ class Run:
             await close_resources(resources)
 
     async def _run_items(self, input_path: Path, resources: RunResources) -> None:
+        """The run's items to their end, unless its trajectories keep failing (`RunCannotWork`)."""
+        body = asyncio.create_task(self._run_schedule(input_path, resources))
+        hopeless = asyncio.create_task(self._hopeless.wait())
+        try:
+            await asyncio.wait({body, hopeless}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hopeless.cancel()
+            if not body.done():
+                body.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await body
+        if self._hopeless.is_set():
+            raise RunCannotWork(self._hopeless_reason)
+        await body
+
+    async def _run_schedule(self, input_path: Path, resources: RunResources) -> None:
         req = self.req
         index = await asyncio.to_thread(LineIndex, input_path)
         self.progress.total = len(index.offsets) * req.num_epoch * req.num_repeat_per_sample
@@ -344,6 +374,7 @@ class Run:
             if uid in have:
                 self.progress.skipped += 1
                 continue
+            await self.starting.wait()
             await self._slots.acquire()
             t = asyncio.create_task(self._one(item, RolloutContext(resources, iid, epoch, repeat, uid)))
             self._tasks.add(t)
@@ -423,12 +454,13 @@ class Run:
 
     async def _generate(self, item: dict[str, Any], ctx: RolloutContext) -> list[TrajectoryRecord]:
         out = await self.executor.generate(self.generator, item, ctx)
-        return [self.failed(item, ctx, out.kind, out.text)] if isinstance(out, Failure) else out
+        return [self.failed(item, ctx, out.kind, out.text, out.info)] if isinstance(out, Failure) else out
 
-    def failed(self, item: dict[str, Any], ctx: RolloutContext, kind: str, text: str) -> TrajectoryRecord:
+    def failed(self, item: dict[str, Any], ctx: RolloutContext, kind: str, text: str,
+               info: dict[str, Any] | None = None) -> TrajectoryRecord:
         """The record of a failed trajectory (`status: failed`, `extra_info.error` and `error_kind`), counted."""
         self.progress.failures[kind] += 1
-        return failed_record(item, ctx, kind, text)
+        return failed_record(item, ctx, kind, text, info)
 
     async def accept(self, records: list[TrajectoryRecord]) -> None:
         """Store records produced outside the run's own scheduling (agent sessions a harness finished)."""
@@ -451,10 +483,15 @@ class Run:
                 continue
             self.progress.statuses[r.row.status] += 1
             self.progress.note_metrics(r.metrics)
+            failure = (r.failure or ("failed", "")) if r.row.status == "failed" else None
             if r.row.status == "failed":
                 self.progress.failed += 1
             else:
                 self.progress.done += 1
+            reason = self._watch.ended(failure[0] if failure else None, failure[1] if failure else "")
+            if reason is not None and not self._hopeless.is_set():
+                self._hopeless_reason = reason
+                self._hopeless.set()
 
     async def _report_loop(self) -> None:
         while True:

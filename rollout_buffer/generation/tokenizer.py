@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import re
 import sys
 import threading
 from typing import Any
@@ -33,6 +34,21 @@ def keep_torch_out() -> None:
         sys.modules["torch"] = None  # type: ignore[assignment]  # the import system's way to refuse an import
     # transformers' advice that "PyTorch was not found" would mislead a reader of this process's log.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+# `org/name`: how a model hub names a checkpoint (a local path that looks so is tried as a path first).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def looks_like_hub_id(path: str) -> bool:
+    """Whether `path` reads like a model hub's id (`Qwen/Qwen3-4B`) rather than a folder."""
+    return _HUB_ID.match(path) is not None
+
+
+def hub_id_hint(path: str) -> str:
+    """What to do about a tokenizer given as a model hub id."""
+    return (f"{path!r} looks like a model hub id: the buffer reads local checkpoints only (no hub access while it "
+            f"runs); download it (`huggingface-cli download {path} --local-dir DIR`) and give DIR as tokenizer_path")
 
 
 def load_tokenizer(path: str) -> Any:

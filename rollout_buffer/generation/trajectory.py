@@ -10,7 +10,7 @@ import asyncio
 import logging
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
@@ -26,10 +26,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Failure:
-    """Why a trajectory produced no records: `kind` becomes `extra_info.error_kind`, `text` the error."""
+    """Why a trajectory produced no records: `kind` becomes `extra_info.error_kind`, `text` the error, `info` more
+    of `extra_info` (an agent's exit code and the tail of its stderr)."""
 
     kind: str
     text: str
+    info: dict[str, Any] = field(default_factory=dict)
 
 
 async def attempt(generator: Generator, item: dict[str, Any], ctx: RolloutContext) -> list[TrajectoryRecord] | Failure:
@@ -48,27 +50,29 @@ async def attempt(generator: Generator, item: dict[str, Any], ctx: RolloutContex
         return Failure("bad_record", f"generator returned an invalid record: {e}")
     except Exception as e:
         log.debug("generator %s raised on %s: %s", generator.task_type, ctx.uid, traceback.format_exc())
-        # An exception may name its own kind (`error_kind`), e.g. an agent's time limit.
-        kind = getattr(e, "error_kind", None)
+        # An exception may name its own kind (`error_kind`), e.g. an agent's time limit, and carry what the record
+        # keeps of it (`error_info`).
+        kind, info = getattr(e, "error_kind", None), getattr(e, "error_info", None)
         if isinstance(kind, str) and kind:
-            return Failure(kind, str(e))
+            return Failure(kind, str(e), info if isinstance(info, dict) else {})
         return Failure("generator_error", f"{type(e).__name__}: {e}")
 
 
 async def produce(generator: Generator, item: dict[str, Any], ctx: RolloutContext,
-                  failed: Callable[[str, str], TrajectoryRecord]) -> list[TrajectoryRecord]:
-    """`attempt`, with a failure turned into its record by `failed(kind, text)` (training runs and evals alike)."""
+                  failed: Callable[[Failure], TrajectoryRecord]) -> list[TrajectoryRecord]:
+    """`attempt`, with a failure turned into its record by `failed` (training runs and evals alike)."""
     out = await attempt(generator, item, ctx)
-    return [failed(out.kind, out.text)] if isinstance(out, Failure) else out
+    return [failed(out)] if isinstance(out, Failure) else out
 
 
-def failed_record(item: dict[str, Any], ctx: RolloutContext, kind: str, text: str) -> TrajectoryRecord:
-    """The record of a failed trajectory (`status: failed`, `extra_info.error` and `error_kind`), counted in the
-    metrics and logged."""
+def failed_record(item: dict[str, Any], ctx: RolloutContext, kind: str, text: str,
+                  info: dict[str, Any] | None = None) -> TrajectoryRecord:
+    """The record of a failed trajectory (`status: failed`, `extra_info.error` and `error_kind`, and `info`),
+    counted in the metrics and logged."""
     metrics.TRAJECTORIES_FAILED.labels(kind).inc()
     log.warning("trajectory %s failed (%s): %s", ctx.uid, kind, text)
     prompt = item.get("prompt")
     messages = prompt if isinstance(prompt, list) else ([{"role": "user", "content": prompt}] if prompt else [])
     rec = stamp({"messages": messages, "reward": 0.0, "status": "failed",
-                 "extra_info": {"error": text, "error_kind": kind}}, ctx)
+                 "extra_info": {**(info or {}), "error": text, "error_kind": kind}}, ctx)
     return TrajectoryRecord.model_validate(rec)

@@ -84,6 +84,9 @@ RECORDS_DELIVERED = Counter(
 READY_GROUPS = Gauge(
     "rollout_buffer_ready_groups", "Queue depth: complete groups waiting for a consumer", registry=REGISTRY
 )
+LONG_POLLS = Gauge(
+    "rollout_buffer_long_polls", "Requests of /get_rollout_data waiting for a group (long-polls)", registry=REGISTRY
+)
 LEASED_GROUPS = Gauge(
     "rollout_buffer_leased_groups", "Groups delivered under a lease and not acknowledged yet", registry=REGISTRY
 )

@@ -33,8 +33,10 @@ from rollout_buffer.generation.executor import Executor, LocalExecutor
 from rollout_buffer.generation.inputs import InputFileError, resolve_input_path, validate_file, write_default_input
 from rollout_buffer.generation.options import check_engine_options, run_option_defaults
 from rollout_buffer.generation.plugins import Generator, discover
+from rollout_buffer.generation.run_health import RunHealthOptions
 from rollout_buffer.generation.run_manager import RunManager, reads_input
 from rollout_buffer.generation.run_policy import check_run
+from rollout_buffer.generation.tokenizer import hub_id_hint, load_tokenizer, looks_like_hub_id
 from rollout_buffer.observability import metrics
 from rollout_buffer.observability.logs import RefusalLog
 from rollout_buffer.policy import PolicyRefused
@@ -157,6 +159,18 @@ def answer_errors_as_slime(app: FastAPI) -> None:
         return error_response(403, str(exc), {"option": exc.option, "allow": exc.allow})
 
 
+def stopping(app: FastAPI) -> None:
+    """A stop signal arrived: open long-polls answer now and admission of new work stops, so the server's connections
+    close within its grace period; trajectories in flight are stopped by the shutdown and resume at the next start."""
+    buffer: RolloutBuffer | None = getattr(app.state, "buffer", None)
+    if buffer is not None:
+        buffer.close_long_polls()
+    runs: RunManager | None = getattr(app.state, "runs", None)
+    if runs is not None:
+        runs.stop_admission()
+    log.info("stopping: open long-polls answered, no new trajectories started")
+
+
 def create_app(config: ServerConfig) -> FastAPI:
     """Build the FastAPI app; the store opens and the active run resumes at start-up."""
     generators = discover(config.generator_paths)
@@ -264,7 +278,9 @@ def create_app(config: ServerConfig) -> FastAPI:
                 raise ValueError("remote_engine_url: required: the policy engine the run generates with (an SGLang "
                                  "server's URL, a list of them, or an sglang-router's)")
             await runs.executor.check_options(payload)
-            await check_engine_options(payload)  # the engines' context length; keys a router would drop
+            RunHealthOptions.from_run(payload)
+            # The engines' context length, keys a router would drop; engines that do not answer (yet).
+            engine_warnings = await check_engine_options(payload)
         except ValueError as e:  # InputFileError included
             raise HTTPException(422, str(e)) from None
         # A run that only hosts sessions groups them like /buffer/write records unless told otherwise.
@@ -274,7 +290,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         message = (f"rollout started for {num_items} tasks" if path is not None
                    else "agent run started: open sessions with POST /sessions")
         answer = {"success": True, "message": message, "run_id": run_id, "num_items": num_items}
-        if warnings := req.near_misses(run_option_defaults()):
+        if warnings := [*engine_warnings, *req.near_misses(run_option_defaults())]:
             for warning in warnings:
                 log.warning("run %s: %s", run_id, warning)
             answer["warnings"] = warnings
@@ -285,10 +301,22 @@ def create_app(config: ServerConfig) -> FastAPI:
         """A run's or an eval's settings judged by the server's policy (PolicyRefused: 403) and the generator's own
         checks, with its input file: the one named (which must exist), the generator's own listing, or none (a run
         that only hosts sessions). ValueError naming what is wrong (422)."""
-        payload = {**payload, **check_run(payload, config.policy, gen.module)}
+        try:
+            payload = {**payload, **check_run(payload, config.policy, gen.module)}
+        except PolicyRefused as e:
+            if e.option == "tokenizer_path" and looks_like_hub_id(str(payload["tokenizer_path"])):
+                raise ValueError(hub_id_hint(str(payload["tokenizer_path"]))) from None
+            raise
         check = gen.hook("check_payload")
         if check is not None:  # the generator's own options (it may resolve files: off the loop)
             await asyncio.to_thread(check, payload, config.policy)
+        tokenizer = payload.get("tokenizer_path")
+        if tokenizer and payload.get("engine_mode") != "chat":  # a run's exact tokens need it to load
+            try:
+                await asyncio.to_thread(load_tokenizer, str(tokenizer))
+            except ValueError as e:
+                hint = f"; {hub_id_hint(str(tokenizer))}" if looks_like_hub_id(str(tokenizer)) else ""
+                raise ValueError(f"tokenizer_path: {e}{hint}") from None
         if not reads_input(gen, payload):
             return payload, None, 0
         runs: RunManager = request.app.state.runs
@@ -410,6 +438,9 @@ def create_app(config: ServerConfig) -> FastAPI:
         if d.meta_info and (admission := runs.admission()) is not None:
             d.meta_info |= {"admission_state": admission["state"], "groups_ahead": admission["groups_ahead"]}
         message = f"{d.meta_info['num_groups']} groups" if d.success else "no complete group is ready"
+        if not d.success and (run := await buffer.runs.get(req.run_id) if req.run_id else await buffer.runs.latest()
+                              ) is not None and run.state == "failed":
+            message += f"; run {run.run_id} failed: {run.error}"  # a trainer polling on learns why nothing comes
         return json_response(
             {"success": d.success, "message": message,
              # The stored JSON goes out as it is: parsing and re-encoding long token lists costs seconds.

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -26,11 +27,12 @@ from rollout_buffer.server.http_protocol import OneWriteHttpProtocol
 
 
 class QuietServer(uvicorn.Server):
-    """`uvicorn.Server` whose main loop sleeps until it is asked to stop."""
+    """`uvicorn.Server` whose main loop sleeps until it is asked to stop; `on_stop` runs on its loop when it is."""
 
     _wake: asyncio.Event | None = None
     _loop: asyncio.AbstractEventLoop | None = None
     _exit = False
+    on_stop: Callable[[], None] | None = None
 
     @property
     def should_exit(self) -> bool:
@@ -39,10 +41,13 @@ class QuietServer(uvicorn.Server):
 
     @should_exit.setter
     def should_exit(self, value: bool) -> None:
+        stopping = value and not self._exit
         self._exit = value
         if value and self._loop is not None and self._wake is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 self._loop.call_soon_threadsafe(self._wake.set)
+                if stopping and self.on_stop is not None:
+                    self._loop.call_soon_threadsafe(self.on_stop)
 
     async def main_loop(self) -> None:
         """uvicorn's main loop without its tick: `on_tick` once (the first default headers, an exit check), then
@@ -56,8 +61,19 @@ class QuietServer(uvicorn.Server):
             self._wake.clear()
 
 
-def serve(app: Any, listeners: list[socket.socket], log_level: str) -> None:
+# After a stop signal, how long requests still being answered get before their connections are closed (open
+# long-polls answer at once: `on_stop`); then the app's shutdown stops its runs, which resume at the next start.
+SHUTDOWN_GRACE_S = 5
+
+
+def serve(app: Any, listeners: list[socket.socket], log_level: str, on_stop: Callable[[], None] | None = None
+          ) -> None:
     """Serve `app` on `listeners` until a stop signal: the buffer's and its session workers' server (uvicorn's
-    logging left to the process, no access log, idle connections kept 75 s, each response in one write)."""
-    QuietServer(uvicorn.Config(app, log_level=log_level, access_log=False, timeout_keep_alive=75, log_config=None,
-                               http=OneWriteHttpProtocol)).run(sockets=listeners)
+    logging left to the process, no access log, idle connections kept 75 s, each response in one write).
+    `on_stop` runs on the server's loop as the signal arrives; requests still open `SHUTDOWN_GRACE_S` later are
+    cut off."""
+    server = QuietServer(uvicorn.Config(app, log_level=log_level, access_log=False, timeout_keep_alive=75,
+                                        log_config=None, http=OneWriteHttpProtocol,
+                                        timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+    server.on_stop = on_stop
+    server.run(sockets=listeners)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import importlib
 import logging
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import setproctitle
 
@@ -138,6 +140,17 @@ def _policy(args: argparse.Namespace) -> Policy:
                              file=args.policy)
 
 
+# `serve`'s exit status when it cannot start, one line on stderr saying why (docs/reliability.md).
+EXIT_CONFIG = 2  # a bad option (argparse's usage errors exit 2 too)
+EXIT_LISTEN = 3  # the port cannot be listened on
+EXIT_STORE = 4  # the data dir or the store cannot be used
+
+
+def _refuse_start(status: int, message: str) -> NoReturn:
+    print(f"rollout-buffer serve: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(status)
+
+
 def _config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig.with_env(
         host=args.host,
@@ -167,7 +180,7 @@ def _config(args: argparse.Namespace) -> ServerConfig:
 
 def serve(args: argparse.Namespace) -> None:
     """Start uvicorn with the app built from the command-line options."""
-    from rollout_buffer.server.app import create_app
+    from rollout_buffer.server.app import create_app, stopping
     from rollout_buffer.server.quiet_server import serve as serve_app
 
     # One process holds thousands of trajectories in flight (messages, token lists). With the default
@@ -181,21 +194,28 @@ def serve(args: argparse.Namespace) -> None:
 
     try:
         config = _config(args)
+    except ValueError as e:
+        _refuse_start(EXIT_CONFIG, str(e))
+    try:
         check_store(config.db_path)
-    except (ValueError, StoreError) as e:
-        raise SystemExit(f"rollout-buffer serve: {e}") from None
+    except StoreError as e:
+        _refuse_start(EXIT_STORE, f"{e} (--data-dir {config.data_dir})")
     if config.insecure_no_auth and not config.auth_token:
         log.warning("serving %s without --auth-token (--insecure-no-auth): anyone who reaches port %d may start "
                     "runs and read every trajectory", config.host, config.port)
     with contextlib.ExitStack() as stack:
-        listeners = [tcp_listener(config.host, config.port)]
+        try:
+            listeners = [tcp_listener(config.host, config.port)]
+        except OSError as e:
+            _refuse_start(EXIT_LISTEN, f"cannot listen on {config.host}:{config.port}: {e.strerror or e} (another "
+                          "server there? choose another --port)")
         sandboxes = agent_socket(stack)
         if sandboxes is not None:
             listeners.append(sandboxes[1])
             config = dataclasses.replace(config, agent_socket=sandboxes[0])
         app = create_app(config)
         gc.freeze()
-        serve_app(app, listeners, args.log_level.lower())
+        serve_app(app, listeners, args.log_level.lower(), on_stop=functools.partial(stopping, app))
 
 
 # Subcommands that own their argument parsing: name → (module, help). Each module has `main(argv)`.
