@@ -167,6 +167,11 @@ class GroupCollector:
         status = self.client.status()
         run = status.get("run") or {}
         state = run.get("state")
+        outage = (run.get("progress") or {}).get("engine_outage")
+        if outage:  # generation waits for the engines: say so at each empty poll, the trainer is not stuck on us
+            log.warning("the buffer's engines (%s) have not answered for %.0f s (the run fails past %g s): %s",
+                        ", ".join(outage.get("engines") or []), outage.get("seconds", 0), outage.get("budget_s", 0),
+                        outage.get("error"))
         # Open groups of an ended run never complete, so only ready ones count as data to come.
         if state not in ("finished", "failed") or self._stream_groups(status).get("ready", 0):
             return

@@ -146,3 +146,32 @@ def test_a_group_that_cannot_become_samples_is_dropped_not_redelivered_forever()
     collector(ScriptedBuffer([broken + group("good", 2), group("next", 2)], events), data_buffer, n=2).fill(2)
     assert events == ["fetch", "add 1", "ack b0", "fetch", "add 1", "ack b1"]  # the broken group is acked too
     assert ids(take_batch(data_buffer, 2)) == ["good", "next"]
+
+
+def test_an_engine_outage_is_logged_at_each_empty_poll_and_generation_is_waited_for(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The buffer's engines are down (a restart): the trainer says so each time it finds nothing, and keeps waiting;
+    the groups come once the engines are back."""
+    events: list[str] = []
+
+    class DuringAnOutage(ScriptedBuffer):
+        polls = 0
+
+        def get_rollout_data(self, wait_s: float = 0.0, lease_s: float | None = None, **_: Any) -> Delivery:
+            self.polls += 1
+            if self.polls <= 2:
+                events.append("fetch")
+                return Delivery([], {"total_samples": 0})
+            return super().get_rollout_data(wait_s, lease_s)
+
+        def status(self) -> dict[str, Any]:
+            outage = {"since": 1.0, "seconds": 42.0, "engines": ["http://router:30000"], "budget_s": 1800.0,
+                      "error": "connection: ConnectionRefusedError"} if self.polls <= 2 else None
+            return {"run": {"state": "running", "progress": {"engine_outage": outage}}, "groups": {}}
+
+    client = DuringAnOutage([group("g0", 2)], events)
+    with caplog.at_level("WARNING", logger="slime_adapter.rollout"):
+        collector(client, RecordingDataBuffer(2, events), n=2, wait_s=1.0).fill(1)
+    lines = [r.getMessage() for r in caplog.records if "have not answered" in r.getMessage()]
+    assert len(lines) == 2 and "http://router:30000" in lines[0] and "42 s" in lines[0] and "1800" in lines[0]
+    assert events == ["fetch", "fetch", "fetch", "add 1", "ack b0"]

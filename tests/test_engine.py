@@ -23,7 +23,8 @@ from rollout_buffer.sim.engine import token_logprob
 from rollout_buffer.sim.policy import Draw, scripted_reply
 
 RIGHT = Draw(correct=True, offset=1, invalid=False)
-FAST = {"backoff_s": 0.01, "max_backoff_s": 0.05}
+# Quick backoff, and no waiting out an outage: a failure past the retries is raised (`engine_outage_s` tested apart).
+FAST = {"backoff_s": 0.01, "max_backoff_s": 0.05, "engine_outage_s": 0}
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +139,37 @@ def test_5xx_is_retried_then_raised(engines: list[SimEngineProcess], qwen_tokeni
     assert (
         engine.url in str(err) and "3 attempt" in str(err) and "simulated internal server error" in str(err)
     )
+
+
+def test_past_its_retries_an_engine_that_is_down_is_waited_for_until_the_outage_budget(
+        engines: list[SimEngineProcess], qwen_tokenizer: Any) -> None:
+    """An outage: five 500s with two retries wait (no new trajectory starts meanwhile), the sixth attempt answers;
+    an engine that never answers fails the request once the outage outlasts its budget."""
+    engine = engines[0]
+    ids = prompt(qwen_tokenizer, "What is 3 + 3?")
+    engine.queue_faults(*["http_500"] * 5)
+
+    async def call(client: EngineClient) -> Any:
+        task = asyncio.create_task(client.generate(ids, {}, session_id="o"))
+        for _ in range(2000):  # bounded: the outage begins after the third failure, tens of ms in
+            if client.outage.active:
+                break
+            await asyncio.sleep(0.005)
+        seen = client.outage.snapshot()
+        waiter = asyncio.create_task(client.outage.wait_clear())
+        result = await task
+        await asyncio.wait_for(waiter, 5)
+        return result, seen, client.outage.snapshot()
+
+    result, seen, after = run(with_client([engine.url], call, max_retries=2, engine_outage_s=60))
+    assert result.attempts == 6 and result.finish_reason == "stop" and after is None
+    assert seen["engines"] == [engine.url] and "http_5xx" in seen["error"] and seen["budget_s"] == 60
+    dead = f"http://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(EngineError) as info:
+        run(with_client([dead], lambda c: c.generate(ids, {}, session_id="d"), max_retries=1, engine_outage_s=0.3))
+    assert info.value.kind == "outage" and "engine_outage_s=0.3" in str(info.value) and dead in str(info.value)
+    assert time.monotonic() - start < 10
 
 
 def test_timeouts_are_retried_then_raised(engines: list[SimEngineProcess], qwen_tokenizer: Any) -> None:

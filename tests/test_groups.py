@@ -229,3 +229,43 @@ def test_a_batch_counts_only_its_own_runs_groups(tmp_path: Path) -> None:
             await store.close()
 
     asyncio.run(main())
+
+
+def test_a_full_store_at_start_is_served_degraded_and_caught_up_once_it_has_room(tmp_path: Path) -> None:
+    """Groups a stopped process left complete cannot be finished on a full store: the start goes on degraded
+    (reads served, `degraded` saying why), and the groups are finished once the store has room, without a
+    restart."""
+    from rollout_buffer.server.catch_up import CatchUp
+
+    async def main() -> None:
+        config = ServerConfig(data_dir=tmp_path, group_size=2)
+        store = Store(config.db_path)
+        await store.open()
+        buffer = RolloutBuffer(config, store, {})
+        run = await buffer.runs.get(await buffer.create_run({"task_type": None}, 2))
+        assert run is not None
+        items = [NewRecord(r.uid, r.instance_id, 0, r.status, encode_record(r), reward=r.reward)
+                 for g in range(200) for r in (_record(f"a{g}", f"g{g}", 1.0), _record(f"b{g}", f"g{g}", 0.0))]
+        await Records(store).write(run.run_id, 2, items)  # stopped before the policy ran
+        await store.close()
+        full = Store(config.db_path, max_bytes=config.db_path.stat().st_size)  # not a page more
+        await full.open()
+        try:
+            restarted = RolloutBuffer(config, full, {})
+            catch_up = CatchUp([("finishing complete groups", restarted.finish_interrupted)], retry_s=0.05)
+            await catch_up.start()
+            assert catch_up.degraded is not None and "full" in catch_up.degraded, catch_up.degraded
+            assert (await restarted.reads.group_counts(run.run_id)).get("complete"), "reads are served"
+            assert await restarted.get_record("a0") is not None
+            await full.call(lambda conn: conn.execute("PRAGMA max_page_count=1000000"))  # room again
+            for _ in range(200):
+                if catch_up.degraded is None:
+                    break
+                await asyncio.sleep(0.05)
+            assert catch_up.degraded is None
+            assert await restarted.reads.group_counts(run.run_id) == {"ready": 200}
+            await catch_up.stop()
+        finally:
+            await full.close()
+
+    asyncio.run(main())

@@ -85,10 +85,11 @@ def test_names_follow_prometheus_conventions() -> None:
 
 def test_counts_match_a_run_with_a_failed_trajectory(tmp_path, sim_engine, buffer, qwen_tokenizer_path) -> None:
     before, sim_before = scrape(buffer.url), sim_stats(sim_engine)
-    # The first engine request answers 500 and is not retried: one trajectory fails, its group is dropped.
+    # The first engine request answers 500 and is not retried (nor waited for as an outage): one trajectory fails,
+    # its group is dropped.
     httpx.post(f"{sim_engine.url}/sim/faults", json={"next": ["http_500"]}).raise_for_status()
     inp = write_jsonl(tmp_path / "math.jsonl", math_rows(5))
-    start_run(buffer.url, sim_engine.url, inp, qwen_tokenizer_path, num_process=4, max_retries=0)
+    start_run(buffer.url, sim_engine.url, inp, qwen_tokenizer_path, num_process=4, max_retries=0, engine_outage_s=0)
 
     written, in_flight = [], []
     deadline = time.monotonic() + 60

@@ -42,7 +42,7 @@ def finished_run(tmp_path_factory, sim_engine: Server, qwen_tokenizer_path: str)
     with running(args, "/healthz", port, tmp / "buffer.log") as srv:
         httpx.post(f"{sim_engine.url}/sim/faults", json={"next": ["http_500"]}).raise_for_status()
         inp = write_jsonl(tmp / "math.jsonl", math_rows(5))
-        start_run(srv.url, sim_engine.url, inp, qwen_tokenizer_path, max_retries=0)
+        start_run(srv.url, sim_engine.url, inp, qwen_tokenizer_path, max_retries=0, engine_outage_s=0)
         wait_finished(srv.url)
         yield srv, tmp / "data"
 

@@ -276,6 +276,7 @@ def test_failed_subtask_is_reported_and_replanned_on_the_actor_engine(
         httpx.post(f"{actor_engine.url}/sim/faults", json={"next": ["http_500"]}).raise_for_status()
         status, batches = run_to_end(srv.url, planner_engine.url, inp, qwen_tokenizer_path,
                                      actor_engine_url=actor_engine.url, num_repeat_per_sample=1, max_retries=0,
+                                     engine_outage_s=0,
                                      max_turns=5, normalize_rewards=False)
         served = {"planner": generate_requests(planner_engine) - before, "actor": generate_requests(actor_engine)}
     assert status["run"]["progress"] == {**status["run"]["progress"], "failed": 0, "done": 4}

@@ -231,7 +231,8 @@ def test_failed_trajectories_are_recorded_with_their_reason(tmp_path, ray_buffer
     inp = math_file(tmp_path / "math.jsonl", 2)
     before = metric(ray_buffer.url, 'rollout_buffer_trajectories_failed_total{reason="engine_connection"}')
     closed = f"http://127.0.0.1:{free_port()}"  # nothing listens: every trajectory fails in its actor
-    assert start(ray_buffer.url, closed, inp, qwen_tokenizer_path, max_retries=0, backoff_s=0.01).status_code == 200
+    assert start(ray_buffer.url, closed, inp, qwen_tokenizer_path, max_retries=0, backoff_s=0.01,
+                 engine_outage_s=0).status_code == 200
     status = wait_finished(ray_buffer.url, headers=AUTH, timeout_s=RUN_S)
     assert status["run"]["state"] == "finished"
     assert status["run"]["progress"]["failures"] == {"engine_connection": 8}

@@ -174,7 +174,7 @@ def test_engine_faults_end_in_completed_or_failed_with_reason(tmp_path: Path, qw
     with running(engine_args, "/health", eport, tmp_path / "sim.log") as eng, buffer(tmp_path, bport).start() as srv:
         payload = {"task_type": "math", "input_file": str(inp), "num_repeat_per_sample": 4, "num_process": 16,
                    "remote_engine_url": eng.url, "tokenizer_path": qwen_tokenizer_path, "max_tokens": 128,
-                   "max_retries": 2, "backoff_s": 0.05, "timeout_s": 1.0}
+                   "max_retries": 2, "backoff_s": 0.05, "timeout_s": 1.0, "engine_outage_s": 0}
         httpx.post(f"{srv.url}/start_rollout", json=payload, timeout=30).raise_for_status()
         deadline = time.monotonic() + 120
         while (status := httpx.get(f"{srv.url}/status").json())["run"]["state"] == "running":
@@ -449,3 +449,122 @@ def test_sigterm_answers_open_long_polls_and_exits_within_its_bound(tmp_path: Pa
         assert httpx.get(f"{again.url}/status").status_code == 200
     finally:
         again.stop()
+
+
+def test_an_engine_restart_pauses_the_run_and_loses_nothing(tmp_path: Path, qwen_tokenizer_path: str) -> None:
+    """kill -9 of the engine mid-run, restarted well past the client's quick retries: the run waits (its outage on
+    `/status` and `/metrics`), then every group is delivered; nothing failed or was dropped for the outage."""
+    from runs import drain
+
+    inp = write_jsonl(tmp_path / "math.jsonl", math_rows(16))
+    eport = free_port()
+    engine_args = ["sim-engine", "--port", str(eport), "--tokenizer", qwen_tokenizer_path, "--latency-ms", "100"]
+    engine = Server(engine_args, "/health", eport, tmp_path / "sim.log").start()
+    with buffer(tmp_path, free_port(), "--group-size", "4").start() as srv:
+        try:
+            httpx.post(f"{srv.url}/start_rollout", timeout=30, json={
+                "task_type": "math", "input_file": str(inp), "num_repeat_per_sample": 4, "num_process": 8,
+                "remote_engine_url": engine.url, "tokenizer_path": qwen_tokenizer_path, "max_tokens": 64,
+                "max_retries": 1, "backoff_s": 0.05}).raise_for_status()
+            deadline = time.monotonic() + 60
+            while httpx.get(f"{srv.url}/status").json()["run"]["progress"]["done"] < 8:
+                assert time.monotonic() < deadline, "the run got going"
+                time.sleep(0.05)
+            engine.kill9()
+            deadline = time.monotonic() + 60
+            while True:  # the outage shows, and lasts well past the retries (two, 50 ms apart)
+                outage = httpx.get(f"{srv.url}/status").json()["run"]["progress"].get("engine_outage")
+                if outage is not None and outage["seconds"] >= 3:
+                    break
+                assert time.monotonic() < deadline, "the outage shows"
+                time.sleep(0.1)
+            assert outage["engines"] == [engine.url] and "connection" in outage["error"], outage
+            metric = next(line for line in httpx.get(f"{srv.url}/metrics").text.splitlines()
+                          if line.startswith("rollout_buffer_engine_outage_seconds "))
+            assert float(metric.split()[1]) >= 3
+            in_flight = httpx.get(f"{srv.url}/status").json()["run"]["progress"]["in_flight"]
+            engine = Server(engine_args, "/health", eport, tmp_path / "sim.log").start()
+            status = wait_finished(srv.url, timeout_s=180)
+            records = drain(srv.url)
+        finally:
+            engine.stop()
+    progress = status["run"]["progress"]
+    assert status["run"]["state"] == "finished" and "engine_outage" not in progress, status["run"]
+    assert progress["failed"] == 0 and progress["failures"] == {} and status["filtered"] == {}, progress
+    assert in_flight > 0, "trajectories were waiting in flight, not failed"
+    assert len(records) == 64 and {r["status"] for r in records} <= {"completed", "truncated"}
+    prompts: dict[str, list[int]] = {}
+    for r in records:  # exact tokens: log-probs for every response token, one prompt per instance
+        response = r["response_length"]
+        assert len(r["rollout_log_probs"]) == response > 0 and len(r["loss_mask"]) in (len(r["tokens"]), response)
+        prompt = r["tokens"][:len(r["tokens"]) - response]
+        assert prompts.setdefault(r["instance_id"], prompt) == prompt
+
+
+def test_an_engine_that_never_answers_fails_the_run_with_the_reason(tmp_path: Path, qwen_tokenizer_path: str
+                                                                     ) -> None:
+    inp = write_jsonl(tmp_path / "math.jsonl", math_rows(4))
+    with buffer(tmp_path, free_port()).start() as srv:
+        started = httpx.post(f"{srv.url}/start_rollout", timeout=30, json={
+            "task_type": "math", "input_file": str(inp), "remote_engine_url": f"http://127.0.0.1:{free_port()}",
+            "tokenizer_path": qwen_tokenizer_path, "engine_outage_s": 2, "max_retries": 1, "backoff_s": 0.05})
+        assert started.status_code == 200 and "did not answer /get_server_info" in started.json()["warnings"][0]
+        status = wait_finished(srv.url, timeout_s=60)
+        answer = httpx.post(f"{srv.url}/get_rollout_data", json={}).json()
+    run = status["run"]
+    assert run["state"] == "failed" and "did not answer for" in run["error"], run
+    assert "engine_outage_s=2" in run["error"] and "failed:" in answer["message"], answer
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_server_restarted_on_a_full_disk_serves_reads_and_refuses_writes(tmp_path: Path) -> None:
+    """A tmpfs store filled to its last byte, the server killed and started again on it: it starts, serves what
+    is stored (reads, trajectories, exports), refuses writes with 503 naming the cause, and takes them again once
+    the disk has room."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("no tmpfs can be mounted here")
+    try:
+        port = free_port()
+        args = ["serve", "--port", str(port), "--data-dir", str(disk / "data"), "--group-size", "2"]
+        srv = Server(args, "/healthz", port, tmp_path / "full.log").start()
+        for g in range(10):
+            _group(srv.url, f"g{g}")
+        filler = disk / "filler"
+        with open(filler, "wb") as f:  # the disk full to its last byte
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+        refused = None
+        for k in range(200):
+            answer = httpx.post(f"{srv.url}/buffer/write", timeout=30, json={
+                "uid": f"x{k}", "instance_id": f"x{k}", "reward": 1.0, "extra_info": {"pad": "y" * 4000},
+                "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+            if answer.status_code != 200:
+                refused = answer
+                break
+        assert refused is not None and refused.status_code == 503 and "full" in refused.json()["message"]
+        srv.kill9()
+        srv = Server(args, "/healthz", port, tmp_path / "full.log").start()  # starts on the full disk
+        try:
+            status = httpx.get(f"{srv.url}/status").json()
+            assert status["groups"].get("ready", 0) >= 10, status
+            assert httpx.get(f"{srv.url}/trajectories/g3-1").json()["uid"] == "g3-1"
+            exported = subprocess.run([sys.executable, "-m", "rollout_buffer", "export", "--data-dir",
+                                       str(disk / "data"), "--out", "-", "--all"], capture_output=True, timeout=60)
+            assert exported.returncode == 0 and exported.stdout.count(b"\n") >= 20
+            answer = httpx.post(f"{srv.url}/buffer/write", timeout=30, json={
+                "uid": "late", "instance_id": "late", "reward": 1.0, "extra_info": {"pad": "y" * 100_000},
+                "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+            assert answer.status_code == 503 and "full" in answer.json()["message"], answer.text
+            filler.unlink()  # room again: writes are taken, no restart
+            again = httpx.post(f"{srv.url}/buffer/write", timeout=30, json={
+                "uid": "late", "instance_id": "late", "reward": 1.0, "extra_info": {"pad": "y" * 100_000},
+                "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+            assert again.status_code == 200, again.text
+        finally:
+            srv.stop()
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -34,8 +34,10 @@ def engine(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_path: str) -
 
 @pytest.fixture(scope="module")
 def buffer(tmp_path_factory: pytest.TempPathFactory, engine: Server, qwen_tokenizer_path: str) -> Iterator[Server]:
+    # engine_outage_s 0: an engine failing past the client's retries fails the turn at once (the error events are
+    # tested here; waiting out an outage in tests/test_reliability.py).
     with session_host(tmp_path_factory.mktemp("responses-buffer"), engine.url, qwen_tokenizer_path,
-                      num_repeat_per_sample=2, max_tokens=4096) as srv:
+                      num_repeat_per_sample=2, max_tokens=4096, engine_outage_s=0) as srv:
         yield srv
 
 

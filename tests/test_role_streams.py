@@ -339,7 +339,7 @@ def test_episode_id_is_the_session_and_a_down_engine_fails_the_episode(
 
         down = f"http://127.0.0.1:{free_port()}"
         start_run(srv.url, engines, qwen_tokenizer_path, write_rows(tmp_path / "one.jsonl", 1), actor_engine_url=down,
-                  max_retries=1)
+                  max_retries=1, engine_outage_s=0)
         status = wait_finished(srv.url, timeout_s=30)
         assert status["run"]["progress"]["failures"] == {"actor_engine_connection": 2}
         [group] = httpx.get(f"{srv.url}/groups", params={"run_id": status["run"]["run_id"]}).json()["groups"]

@@ -147,7 +147,7 @@ def test_engine_errors_are_retried_then_recorded(tmp_path, qwen_tokenizer_path):
     args = ["sim-engine", "--port", str(port), "--tokenizer", qwen_tokenizer_path, "--error-rate", "1.0",
             "--error-kinds", "http_500"]
     with running(args, "/health", port, tmp_path / "sim.log") as eng, buffer(tmp_path).start() as srv:
-        start(srv.url, eng.url, inp, qwen_tokenizer_path, max_retries=2)
+        start(srv.url, eng.url, inp, qwen_tokenizer_path, max_retries=2, engine_outage_s=0)
         status = wait_finished(srv.url)
         served = httpx.get(f"{eng.url}/sim/stats").json()
         rec = httpx.get(f"{srv.url}/trajectories/{status['run']['run_id']}:m0:0:0").json()

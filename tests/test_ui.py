@@ -561,3 +561,22 @@ def test_a_run_its_full_store_stopped_is_shown_with_why_and_the_refused_write(op
         assert lines[0].startswith("run failed: StoreError") and "the run resumes where it stopped" in lines[0]
         assert re.fullmatch(r"the store refused a write \d+ s ago: database or disk is full", lines[1]), lines
         assert problems == []
+
+
+def test_an_engine_outage_is_shown_while_generation_waits(open_dashboard, qwen_tokenizer_path: str,
+                                                         tmp_path: Path) -> None:
+    port = free_port()
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--auth-token", TOKEN]
+    with running(args, "/healthz", port, tmp_path / "buffer.log") as srv:
+        page, problems = open_dashboard(srv)
+        page.wait_for_function("() => document.querySelector('#conn').textContent === 'live'")
+        down = f"http://127.0.0.1:{free_port()}"
+        start_run(srv.url, down, write_jsonl(tmp_path / "math.jsonl", math_rows(4)), qwen_tokenizer_path,
+                  headers=AUTH, max_retries=0, backoff_s=0.05)
+        alert = page.locator("#run-alert")
+        page.wait_for_function("() => /engine outage for/.test(document.querySelector('#run-alert').textContent)",
+                               timeout=60_000)
+        text = alert.inner_text()
+        assert down in text and "1800 s before the run fails" in text and "generation waits" in text, text
+        assert httpx.get(f"{srv.url}/status", headers=AUTH).json()["run"]["state"] == "running"
+        assert problems == []

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import orjson
 
 from rollout_buffer.generation.engine_limits import PROBE_TIMEOUT_S, EngineLimits, overflow, probe_engine
+from rollout_buffer.generation.engine_outage import DEFAULT_OUTAGE_S, OUTAGE_KINDS, Outage, OutageTooLong
 from rollout_buffer.generation.engine_results import (
     ChatResult,
     EngineError,
@@ -89,6 +90,7 @@ class EngineClient:
         max_connections: int = 4096,
         context_length: int | None = None,
         engine_hosts: Sequence[str] = (),
+        engine_outage_s: float = DEFAULT_OUTAGE_S,
     ):
         if not urls:
             raise ValueError("EngineClient needs at least one engine URL")
@@ -103,6 +105,7 @@ class EngineClient:
         self.max_abort_resumes = max_abort_resumes
         self.max_connections = max_connections
         self.stats = EngineStats()
+        self.outage = Outage(engine_outage_s)
         self._affinity: OrderedDict[str, str] = OrderedDict()
         self._pool: HttpPool | None = None
         # Per engine URL: its limits, probed once (or the run's context_length), refined by its refusals.
@@ -230,18 +233,27 @@ class EngineClient:
 
     async def _retried(self, path: str, session_id: str, attempt: Callable[[str], Awaitable[_T]]
                        ) -> tuple[_T, str, int]:
-        """`attempt(engine URL)` with bounded retries; returns (its result, engine URL, attempts)."""
+        """`attempt(engine URL)` with bounded retries; returns (its result, engine URL, attempts). Past its retries a
+        failure of an engine that is down (refused, 5xx, no answer) is an outage (`engine_outage`): the request
+        waits for the engines, retrying with backoff, until one answers or the outage outlasts its budget."""
         avoid: set[str] = set()
         n = 0
         while True:
             n += 1
             url = self._pick(session_id, avoid)
             try:
-                return await attempt(url), url, n
+                result = await attempt(url)
             except AttemptError as e:
                 self._count_error(e)
-                if (e.kind == "http_4xx" and e.status not in _RETRYABLE_4XX) or n > self.max_retries:
+                refused = e.kind == "http_4xx" and e.status not in _RETRYABLE_4XX
+                down = e.kind in OUTAGE_KINDS and self.outage.budget_s > 0
+                if refused or (n > self.max_retries and not down):
                     raise EngineError(e.kind, url, n, e.reason, e.status) from None
+                if n > self.max_retries:
+                    try:
+                        self.outage.failed(url, f"{e.kind}: {e.reason}")
+                    except OutageTooLong as too_long:
+                        raise EngineError("outage", url, n, str(too_long), e.status) from None
                 if e.kind == "connection" and len(self.urls) > 1:
                     # The session's engine may be gone: let the retry go to another one.
                     avoid.add(url)
@@ -249,9 +261,13 @@ class EngineClient:
                 self.stats.retries += 1
                 metrics.ENGINE_RETRIES.inc()
                 delay = self._backoff(n - 1)
-                logger.info("engine %s%s: %s (%s); retry %d/%d in %.2fs", url, path, e.kind, e.reason,
-                            n, self.max_retries, delay)
+                # During an outage every request in flight retries: the outage's own lines say it once.
+                logger.log(logging.DEBUG if self.outage.active else logging.INFO,
+                           "engine %s%s: %s (%s); retry %d in %.2fs", url, path, e.kind, e.reason, n, delay)
                 await asyncio.sleep(delay)
+            else:
+                self.outage.answered()
+                return result, url, n
 
     def _count_error(self, e: AttemptError) -> None:
         self.stats.errors[e.kind] += 1

@@ -7,9 +7,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any, ClassVar, Self
 
-from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError
+from pydantic import BaseModel, ConfigDict, NonNegativeFloat, PositiveInt, ValidationError
 
 from rollout_buffer.generation.engine_limits import probe_engine
+from rollout_buffer.generation.engine_outage import DEFAULT_OUTAGE_S
 from rollout_buffer.generation.sglang_wire import (
     ROUTER_DROPPED_CHAT_KEYS,
     ROUTER_DROPPED_SAMPLING_KEYS,
@@ -75,6 +76,8 @@ class EngineOptions(RunOptions):
     error_prefix: ClassVar[str] = "engine options"
 
     context_length: PositiveInt | None = None
+    # How long a run waits for engines that stopped answering before it fails (0: trajectories fail instead).
+    engine_outage_s: NonNegativeFloat = DEFAULT_OUTAGE_S
 
 
 async def check_engine_options(payload: dict[str, Any]) -> list[str]:

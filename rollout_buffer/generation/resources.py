@@ -18,7 +18,8 @@ from rollout_buffer.schemas import StartRolloutRequest
 
 log = logging.getLogger(__name__)
 
-_ENGINE_OPTIONS = ("timeout_s", "max_retries", "backoff_s", "max_abort_resumes", "context_length", "engine_hosts")
+_ENGINE_OPTIONS = ("timeout_s", "max_retries", "backoff_s", "max_abort_resumes", "context_length", "engine_hosts",
+                   "engine_outage_s")
 
 
 async def run_resources(run_id: str, req: StartRolloutRequest, sessions: SessionHost | None = None) -> RunResources:

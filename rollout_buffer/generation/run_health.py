@@ -42,6 +42,8 @@ class FailureWatch:
     def ended(self, failure_kind: str | None, error: str = "") -> str | None:
         """A trajectory ended (`failure_kind` None: it did not fail); the reason the run cannot work, once the
         rule holds, else None."""
+        if failure_kind == "engine_outage":  # the engines were down longer than the run's budget
+            return error
         if not self.window:
             return None
         self._recent.append(failure_kind)

@@ -108,6 +108,8 @@ class RunManager:
         queues for generation again are generated."""
         if self._regenerations is None:
             self._regenerations = asyncio.create_task(self._take_regenerations(), name="regenerations")
+        if self.current is not None and self.current.task is not None and not self.current.task.done():
+            return  # running already (a catch-up tried again after a step that followed this one)
         run = await self.buffer.runs.latest()
         if run is None or not run.config.get("task_type"):
             return
@@ -139,8 +141,13 @@ class RunManager:
             self.current.starting.clear()
 
     def progress(self) -> dict[str, Any] | None:
-        """Live progress of the current run."""
-        return self.current.progress.snapshot() if self.current else None
+        """Live progress of the current run, with its engines' outage when one is going on."""
+        run = self.current
+        if run is None:
+            return None
+        snapshot = run.progress.snapshot()
+        outage = run.resources.engine.outage.snapshot() if run.resources is not None else None
+        return {**snapshot, "engine_outage": outage} if outage else snapshot
 
     def admission(self) -> dict[str, Any] | None:
         """Live admission view of the current run (None before its runner has started)."""

@@ -172,6 +172,14 @@ ENGINE_ERRORS = Counter(
 ENGINE_RETRIES = Counter(
     "rollout_buffer_engine_retries", "Engine requests retried after a transient failure", registry=REGISTRY
 )
+ENGINE_OUTAGES = Counter(
+    "rollout_buffer_engine_outages", "Engine outages (no engine answering past the client's quick retries)",
+    registry=REGISTRY,
+)
+ENGINE_OUTAGE_SECONDS = Gauge(
+    "rollout_buffer_engine_outage_seconds", "How long the current run's engines have not answered (0: no outage)",
+    registry=REGISTRY,
+)
 ENGINE_ABORT_RESUMES = Counter(
     "rollout_buffer_engine_abort_resumes", "Aborted generations resumed from their partial output", registry=REGISTRY
 )
@@ -357,7 +365,8 @@ def chat_tokens(body: Any) -> int:
 def _set_run(run: dict[str, Any] | None, live: dict[str, Any] | None) -> None:
     RUN_INFO.clear()
     if run is None:
-        for gauge in (RUN_PLANNED, RUN_DONE, RUN_FAILED, RUN_SKIPPED, RUN_PROGRESS, TRAJECTORIES_IN_FLIGHT):
+        for gauge in (RUN_PLANNED, RUN_DONE, RUN_FAILED, RUN_SKIPPED, RUN_PROGRESS, TRAJECTORIES_IN_FLIGHT,
+                      ENGINE_OUTAGE_SECONDS):
             gauge.set(0)
         return
     RUN_INFO.labels(run["run_id"], str(run["config"].get("task_type") or ""), run["state"]).set(1)
@@ -373,6 +382,8 @@ def _set_run(run: dict[str, Any] | None, live: dict[str, Any] | None) -> None:
     RUN_SKIPPED.set(skipped)
     RUN_PROGRESS.set(min(1.0, (done + failed + skipped) / total) if total else 0.0)
     TRAJECTORIES_IN_FLIGHT.set(in_flight)
+    outage = (live or {}).get("engine_outage") if live is progress else None
+    ENGINE_OUTAGE_SECONDS.set(float(outage["seconds"]) if outage else 0.0)
 
 
 def render(groups: dict[str, int], run: dict[str, Any] | None, live: dict[str, Any] | None,

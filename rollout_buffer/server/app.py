@@ -64,6 +64,7 @@ from rollout_buffer.server.bodies import (
     parse_body,
     validated,
 )
+from rollout_buffer.server.catch_up import CatchUp
 from rollout_buffer.server.fast_routes import FastRoutes
 from rollout_buffer.server.guards import Guards
 from rollout_buffer.server.middleware import BodyLimitMiddleware, RequestGate
@@ -196,10 +197,13 @@ def create_app(config: ServerConfig) -> FastAPI:
             Retention(store, config.prune_delivered_after_s)
         log.info("rollout buffer ready: data dir %s, generators %s", config.data_dir, sorted(generators))
         sessions.start()
-        await buffer.finish_interrupted()  # groups a stopped process left complete: their policy runs now
-        await runs.resume()
-        await sessions.recover(runs)  # before serving: a restored session's next request finds it
-        await evals.resume()
+        catch_up = app.state.catch_up = CatchUp([
+            ("finishing complete groups", buffer.finish_interrupted),  # a stopped process's: their policy runs now
+            ("resuming the run", runs.resume),
+            ("restoring agent sessions", lambda: sessions.recover(runs)),  # before serving: their requests find them
+            ("resuming evals", evals.resume),
+        ])
+        await catch_up.start()  # degraded (reads only) while the store refuses the writes it takes
         history.start()
         if retention is not None:
             retention.start()
@@ -208,6 +212,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         finally:
             if retention is not None:
                 await retention.stop()
+            await catch_up.stop()
             await history.stop()
             await sessions.stop()  # first: the runs' harness sessions stay stored instead of being closed
             await evals.shutdown()

@@ -36,6 +36,9 @@ async def status_view(app: Starlette) -> dict[str, Any]:
     buffer: RolloutBuffer = app.state.buffer
     runs: RunManager = app.state.runs
     body = await buffer.status()
+    catch_up = getattr(app.state, "catch_up", None)
+    if catch_up is not None and catch_up.degraded is not None:
+        body["store"]["degraded"] = catch_up.degraded  # serving reads only: the store refuses writes
     body["run"] = run_view(body["run"], runs.progress())
     body["control"] = await run_control(app, body["run"])
     body["evals"] = await evals_view(app)

@@ -173,10 +173,15 @@ function renderRun(s) {
   const run = s.run;
   const counts = $("run-counts");
   counts.replaceChildren();
-  // Why the run failed, and a write the store refused lately (a full disk): what an operator must act on.
+  // Why the run failed, engines that stopped answering, a store serving reads only or that refused a write lately
+  // (a full disk): what an operator must act on.
   const refused = (s.store || {}).last_refusal;
+  const outage = run && run.state === "running" ? (run.progress || {}).engine_outage : null;
   const alerts = [
     run && run.state === "failed" && run.error ? `run failed: ${run.error}` : "",
+    outage ? `engine outage for ${Math.round(outage.seconds)} s (of ${outage.budget_s} s before the run fails): ` +
+      `${(outage.engines || []).join(", ")} (${outage.error}); generation waits for them` : "",
+    (s.store || {}).degraded ? `serving reads only: ${s.store.degraded}` : "",
     refused ? `the store refused a write ${Math.max(0, Math.round(s.t - refused.at))} s ago: ${refused.error}` : "",
   ].filter(Boolean);
   $("run-alert").textContent = alerts.join("\n");
