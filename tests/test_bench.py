@@ -136,3 +136,11 @@ def test_ui_queries_times_every_dashboard_query() -> None:
     assert re.search(rf"records=1024 worst_p95_ms={NUMBER}", line), line
     for query in ("newest page of the run", "status = failed", "token view", "12 newest batches"):
         assert re.search(rf"│ {re.escape(query)} +│ +\d+ ", out), f"no {query} row:\n{out[-3000:]}"
+
+
+def test_engine_restart_measures_the_losses_before_and_after_outages() -> None:
+    out = run_bench("engine_restart", "--items", "8", "--down-s", "2", "--latency-ms", "100", "--in-flight", "8")
+    line = summary_line(out)
+    after = re.search(r"wait \(after\): (\d+) failed, (\d+) dropped, (\d+)/8 delivered", line)
+    assert re.search(r"fail \(before\): \d+ failed, \d+ dropped, \d+/8 delivered", line) and after, line
+    assert after.groups() == ("0", "0", "8"), line
