@@ -568,3 +568,44 @@ def test_a_server_restarted_on_a_full_disk_serves_reads_and_refuses_writes(tmp_p
             srv.stop()
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_tokenizer_that_does_not_load_is_refused_at_the_start(tmp_path: Path) -> None:
+    """A wrong `tokenizer_path` answered 200 and yielded records without tokens: now a 422 naming it (a model hub
+    id explained: the buffer reads local checkpoints only)."""
+    inp = write_jsonl(tmp_path / "math.jsonl", math_rows(2))
+    empty = tmp_path / "checkpoint"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    with buffer(tmp_path, free_port()).start() as srv:
+        def start(tokenizer: str) -> str:
+            answer = httpx.post(f"{srv.url}/start_rollout", timeout=60, json={
+                "task_type": "math", "input_file": str(inp), "remote_engine_url": "http://127.0.0.1:9",
+                "tokenizer_path": tokenizer})
+            assert answer.status_code == 422, answer.text
+            return str(answer.json()["message"])
+
+        assert "tokenizer_path" in start(str(tmp_path / "missing")) and "not a local folder" in start(
+            str(tmp_path / "missing"))
+        assert "tokenizer_path" in start(str(empty)) and "cannot load a tokenizer" in start(str(empty))
+        hub = start("Qwen/Qwen3-4B")
+        assert "model hub id" in hub and "huggingface-cli download Qwen/Qwen3-4B" in hub, hub
+        assert httpx.get(f"{srv.url}/status").json()["run"] is None, "nothing started"
+
+
+def test_start_up_faults_are_one_line_and_an_exit_status(tmp_path: Path) -> None:
+    def serve(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "rollout_buffer", "serve", *args], capture_output=True,
+                              text=True, timeout=120)
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        in_use = serve("--port", str(taken.getsockname()[1]), "--data-dir", str(tmp_path / "a"))
+    a_file = tmp_path / "not-a-folder"
+    a_file.write_text("x")
+    for answer, status, words in ((in_use, 3, "cannot listen on"), (serve("--data-dir", str(a_file)), 4, str(a_file)),
+                                  (serve("--port", "0"), 2, "port")):
+        assert answer.returncode == status, (answer.returncode, answer.stderr)
+        assert answer.stderr.count("\n") == 1 and "Traceback" not in answer.stderr, answer.stderr
+        assert answer.stderr.startswith("rollout-buffer serve: ") and words in answer.stderr, answer.stderr
