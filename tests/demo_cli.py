@@ -5,10 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 
-def run_demo(*args: str, cwd: Path | None = None) -> dict[str, str]:
-    """`rollout-buffer demo <args>` run to the end (asserted successful); its table as {label: value}."""
+def run_demo(*args: str, cwd: Path | None = None, with_output: bool = False) -> Any:
+    """`rollout-buffer demo <args>` run to the end (asserted successful); its table as {label: value} (with
+    `with_output`, and all it printed)."""
     out = subprocess.run(
         [sys.executable, "-m", "rollout_buffer", "demo", *args],
         capture_output=True, text=True, timeout=240, cwd=cwd,
@@ -19,4 +21,4 @@ def run_demo(*args: str, cwd: Path | None = None) -> dict[str, str]:
         cells = [c.strip() for c in line.strip("│┃ ").split("│")]
         if len(cells) == 2:
             rows[cells[0]] = cells[1]
-    return rows
+    return (rows, out.stdout + out.stderr) if with_output else rows

@@ -427,6 +427,6 @@ def test_slime_adapter_returns_each_group_whole_with_its_episodes(
 def test_demo_runs_plan_act(tmp_path: Path) -> None:
     rows = run_demo("--task", "plan_act", "--num-repeat", "2", "--batch-groups", "8", "--latency-ms", "1",
                     cwd=tmp_path)
-    assert rows["groups"] == "8" and rows["failed trajectories"] == "0"
+    assert rows["groups delivered"] == "8" and rows["failed trajectories"] == "0"
     assert int(rows["samples"]) > 16, "an episode is a planner sample and actor samples"
     assert 0.0 < float(rows["mean reward (raw)"]) < 1.0

@@ -264,5 +264,5 @@ def test_demo_search_task_runs_end_to_end(tmp_path):
     questions.write_bytes(b"".join((DATA / "search_demo.jsonl").read_bytes().splitlines(keepends=True)[:6]))
     rows = run_demo("--task", "search", "--num-repeat", "4", "--batch-groups", "3", "--latency-ms", "1",
                     "--input", str(questions))
-    assert rows["groups"] == "6" and rows["samples"] == "24" and rows["failed trajectories"] == "0"
+    assert rows["groups delivered"] == "6" and rows["samples"] == "24" and rows["failed trajectories"] == "0"
     assert 0.2 < float(rows["mean reward (raw)"]) < 1.0

@@ -52,6 +52,7 @@ async def load_run_tokenizer(run_id: str, req: StartRolloutRequest) -> Any | Non
     if not path:
         log.info("run %s: no tokenizer_path, chat mode (messages only)", run_id)
         return None
+    log.info("run %s: loading the tokenizer of %s", run_id, path)
     try:
         return await asyncio.to_thread(load_tokenizer, path)
     except Exception as e:

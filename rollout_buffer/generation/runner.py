@@ -125,7 +125,9 @@ class Run:
         self.config = config
         self.sessions = sessions
         self.executor: Executor = executor or LocalExecutor()
-        self.progress = Progress(run_id, total=0)
+        # Known from the start (the input was counted when the run was started): `/status` shows it at once.
+        items = int((req.model_extra or {}).get("num_items") or 0)
+        self.progress = Progress(run_id, total=items * req.num_epoch * req.num_repeat_per_sample)
         self.task: asyncio.Task[None] | None = None
         self.admission: AdmissionController | None = None
         # What trajectories (and agent sessions) of the run share; set once the tokenizer has loaded.
@@ -263,6 +265,9 @@ class Run:
                 await asyncio.Event().wait()  # until the run is replaced or the server stops
             else:
                 await self.executor.start_run(self.generator, resources)
+                log.info("run %s: generating %d trajectories (%s, %d in flight at most) with %s", self.run_id,
+                         self.progress.total, self.req.task_type, self.req.num_process,
+                         ", ".join(resources.engine.urls))
                 try:
                     await self._run_items(self.input_path, resources)
                 finally:

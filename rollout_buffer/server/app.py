@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.metadata
 import logging
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
@@ -172,6 +173,14 @@ def stopping(app: FastAPI) -> None:
     log.info("stopping: open long-polls answered, no new trajectories started")
 
 
+def version() -> str:
+    """This release's version, as installed."""
+    try:
+        return importlib.metadata.version("rollout-buffer")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "0+unknown"
+
+
 def create_app(config: ServerConfig) -> FastAPI:
     """Build the FastAPI app; the store opens and the active run resumes at start-up."""
     generators = discover(config.generator_paths)
@@ -195,7 +204,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         app.state.history = history
         retention = None if config.prune_delivered_after_s is None else \
             Retention(store, config.prune_delivered_after_s)
-        log.info("rollout buffer ready: data dir %s, generators %s", config.data_dir, sorted(generators))
+        log.info("rollout buffer %s on %s (dashboard %s/ui), store in %s; tasks: %s", version(), config.local_url,
+                 config.local_url, config.data_dir.resolve(), ", ".join(sorted(generators)))
         sessions.start()
         catch_up = app.state.catch_up = CatchUp([
             ("finishing complete groups", buffer.finish_interrupted),  # a stopped process's: their policy runs now
@@ -228,7 +238,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         # Called once per agent session, and per batch of a session worker's records.
         fast=[("POST", "/sessions"), ("POST", "/workers/records")],
         title="rollout-buffer",
-        version="0.1.0",
+        version=version(),
         description="Asynchronous agent rollout buffer for slime (slime's /start_rollout + /get_rollout_data).",
         lifespan=lifespan,
     )

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import gc
 import importlib
+import importlib.metadata
 import logging
 import sys
 from pathlib import Path
@@ -33,9 +34,20 @@ from rollout_buffer.tools import demo
 log = logging.getLogger(__name__)
 
 
+class HelpWithDefaults(argparse.RawDescriptionHelpFormatter):
+    """Each option's help ends with its default, unless the help says it already; the epilog is kept as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        default = "none" if action.default in (None, []) else "%(default)s"
+        return f"{text} (default: {default})" if text else f"(default: {default})"
+
+
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
-        "serve", help="run the rollout buffer HTTP server", formatter_class=argparse.RawDescriptionHelpFormatter,
+        "serve", help="run the rollout buffer HTTP server", formatter_class=HelpWithDefaults,
         epilog="examples:\n"
         "  rollout-buffer serve                                   # 127.0.0.1:8889, store in ./rollout_data\n"
         "  rollout-buffer serve --host 0.0.0.0 --data-dir /data --auth-token $TOKEN --data-root /inputs\n"
@@ -44,13 +56,15 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "  rollout-buffer serve --session-workers 4               # harness sessions served on ports 8890-8893",
     )
     p.add_argument("--host", default=DEFAULT_HOST, help="bind address (default: %(default)s, loopback only)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--data-dir", type=Path, default=Path("rollout_data"), help="SQLite store folder")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port (slime's --agent-rollout-buffer-url)")
+    p.add_argument("--data-dir", type=Path, default=Path("rollout_data"),
+                   help="the store (SQLite) and open sessions' files; made 0700")
     p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE,
                    help="group size for /buffer/write records sent before any /start_rollout")
     p.add_argument("--auth-token", default=None,
                    help="require 'Authorization: Bearer T' (also read from ROLLOUT_BUFFER_AUTH_TOKEN)")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body; larger ones are refused with 413")
     p.add_argument("--hook-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="how long a generator's is_valid_group / transform_group may take; its group is dropped "
                         "(reason hook_timeout) past it")
@@ -124,7 +138,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
                    help="how long a session worker's finished records wait (in its outbox) for others before they go "
                    "to the buffer in one batch: the trainer sees them that much later (fewer, larger batches cost "
                    "the buffer less; default: %(default)s)")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     p.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one JSON object per line")
     p.add_argument("--access-log", choices=ACCESS_LOG_MODES, default="info",
                    help="one line per agent request to a session's API (session, protocol, route, status, new "
@@ -234,6 +248,13 @@ def _mask_in_command_line(secret: str) -> None:
     setproctitle.setproctitle(" ".join(arg.replace(secret, "***") for arg in sys.orig_argv))
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("rollout-buffer")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -242,6 +263,7 @@ def main(argv: list[str] | None = None) -> None:
         module.main(argv[1:])
         return
     parser = argparse.ArgumentParser(prog="rollout-buffer", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"rollout-buffer {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     demo.add_parser(sub)

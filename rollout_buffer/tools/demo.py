@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import logging
 import os
 import socket
@@ -12,7 +13,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,9 @@ class DemoResult:
     total_tokens: int
     seconds: float
     failed: int
+    planned: int = 0  # groups the run was to deliver (items × epochs)
+    dropped: dict[str, int] = field(default_factory=dict)  # groups dropped, by reason
+    data_dir: Path | None = None  # where the store was kept, when it was
 
     @property
     def samples_per_s(self) -> float:
@@ -166,26 +170,32 @@ def run_demo(ns: argparse.Namespace, console: Console) -> DemoResult:
         if engine_url is None:
             port = _free_port()
             engine_url = f"http://127.0.0.1:{port}"
-            console.print(f"[dim]starting simulated SGLang engine on {engine_url}[/dim]")
-            stack.enter_context(_subprocess(
-                ["sim-engine", "--port", str(port), "--tokenizer", tokenizer, "--latency-ms", str(ns.latency_ms)],
-                f"{engine_url}/health", workdir / "sim_engine.log"))
+            with console.status(f"starting a simulated SGLang engine on {engine_url} (no GPU; it loads the "
+                                f"tokenizer)"):
+                stack.enter_context(_subprocess(
+                    ["sim-engine", "--port", str(port), "--tokenizer", tokenizer, "--latency-ms", str(ns.latency_ms)],
+                    f"{engine_url}/health", workdir / "sim_engine.log"))
+            console.print(f"[dim]simulated SGLang engine on {engine_url}[/dim]")
         if ns.task == "search":
             _start_retriever(stack, workdir, console)
         bport = _free_port()
         buffer_url = f"http://127.0.0.1:{bport}"
         data_dir = Path(ns.data_dir) if ns.data_dir else workdir / "data"
-        console.print(f"[dim]starting rollout buffer on {buffer_url} (data in {data_dir})[/dim]")
-        stack.enter_context(_subprocess(
-            ["serve", "--port", str(bport), "--data-dir", str(data_dir), *_allowed(ns, tokenizer, input_file)],
-            f"{buffer_url}/healthz", workdir / "buffer.log"))
+        with console.status(f"starting the rollout buffer on {buffer_url}"):
+            stack.enter_context(_subprocess(
+                ["serve", "--port", str(bport), "--data-dir", str(data_dir), *_allowed(ns, tokenizer, input_file)],
+                f"{buffer_url}/healthz", workdir / "buffer.log"))
+        console.print(f"[dim]rollout buffer on {buffer_url} (dashboard {buffer_url}/ui; store in {data_dir}; "
+                      f"logs in {workdir})[/dim]")
         if ns.task == "agent":
-            _start_agent_run(buffer_url, engine_url, tokenizer, input_file, ns)
+            with console.status("starting the agent run (the tokenizer loads)"):
+                _start_agent_run(buffer_url, engine_url, tokenizer, input_file, ns)
         args = _slime_args(buffer_url, engine_url, tokenizer, input_file, ns)
         num_items = sum(1 for line in input_file.open() if line.strip())
         total_groups = num_items * ns.num_epoch
         data_buffer = DataBuffer(ns.num_repeat)
         groups: list[list[Any]] = []
+        stopped = ""
         start = time.monotonic()
         columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=console) as progress:
@@ -196,13 +206,19 @@ def run_demo(ns: argparse.Namespace, console: Console) -> DemoResult:
                 try:
                     batch = generate_rollout(args, rollout_id, data_buffer)
                 except RolloutBufferError as e:
-                    console.print(f"[yellow]stopping: {e}[/yellow]")
+                    stopped = str(e)
                     break
                 groups += batch
                 rollout_id += 1
                 progress.update(bar, completed=len(groups))
         seconds = time.monotonic() - start
         status = httpx.get(f"{buffer_url}/status", timeout=10).json()
+        if stopped:
+            dropped = status.get("filtered") or {}
+            why = ", ".join(f"{n} {reason}" for reason, n in dropped.items()) or "none dropped"
+            console.print(f"[yellow]stopping at {len(groups)} of {total_groups} groups: the run has no more "
+                          f"({why}); --num-epoch or a larger --input gives more[/yellow]" if "no more groups" in stopped
+                          else f"[yellow]stopping: {stopped}[/yellow]")
     samples = [s for g in groups for s in g]
     raw = [float((s.metadata or {}).get("raw_reward", s.reward)) for s in samples]
     return DemoResult(
@@ -213,15 +229,24 @@ def run_demo(ns: argparse.Namespace, console: Console) -> DemoResult:
         total_tokens=sum(len(s.tokens) for s in samples),
         seconds=seconds,
         failed=int(status.get("records", {}).get("failed", 0)),
+        planned=total_groups,
+        dropped=dict(status.get("filtered") or {}),
+        data_dir=Path(ns.data_dir) if ns.data_dir else None,
     )
 
 
 def print_result(result: DemoResult, console: Console) -> None:
-    """The closing summary table."""
+    """The closing summary table: what became of every group, the numbers, and where to go next."""
     table = Table(title="rollout-buffer demo")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    table.add_row("groups", str(result.groups))
+    table.add_row("groups planned", str(result.planned))
+    table.add_row("groups delivered", str(result.groups))
+    for reason, n in sorted(result.dropped.items()):
+        table.add_row(f"groups dropped: {reason}", str(n))
+    left = result.planned - result.groups - sum(result.dropped.values())
+    if left > 0:
+        table.add_row("groups not delivered (stopped early)", str(left))
     table.add_row("samples", str(result.samples))
     table.add_row("mean reward (raw)", f"{result.mean_raw_reward:.3f}")
     table.add_row("response tokens", str(result.response_tokens))
@@ -230,6 +255,12 @@ def print_result(result: DemoResult, console: Console) -> None:
     table.add_row("wall time (s)", f"{result.seconds:.1f}")
     table.add_row("samples/s", f"{result.samples_per_s:.1f}")
     console.print(table)
+    keep = (f"rollout-buffer serve --data-dir {result.data_dir}" if result.data_dir is not None
+            else "rollout-buffer demo --data-dir ./demo-data && rollout-buffer serve --data-dir ./demo-data")
+    console.print("next:\n"
+                  f"  {keep}   # then open http://127.0.0.1:8889/ui: every trajectory, down to its tokens\n"
+                  "  the five-minute tour with curl (README.md): the protocol slime speaks, request by request\n"
+                  "  scripts/run-qwen3-4b.sh (docs/slime-launch.md): train Qwen3-4B with slime through the buffer")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -259,8 +290,24 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--log-level", default="WARNING")
 
 
+# What a demo task runs that the plain install does not hold: (module, the extra that brings it).
+_NEEDS = {"agent": ("openai", "agents")}
+
+
+def missing_extra(task: str, own_agent: bool) -> str | None:
+    """The one line to show before the demo starts when its task needs an extra that is not installed."""
+    module, extra = _NEEDS.get(task, (None, None))
+    if module is None or own_agent or importlib.util.find_spec(module) is not None:
+        return None
+    return (f"rollout-buffer demo --task {task} runs the bundled agent, which needs the `{module}` package: "
+            f"pip install 'rollout-buffer[{extra}]' (in a checkout: pip install -e '.[{extra}]')")
+
+
 def main(ns: argparse.Namespace) -> None:
     """Run the demo and print its table."""
+    if (missing := missing_extra(ns.task, ns.agent is not None)) is not None:
+        print(missing, file=sys.stderr)
+        raise SystemExit(2)
     console = Console()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     result = run_demo(ns, console)
