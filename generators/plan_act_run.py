@@ -21,8 +21,6 @@ from generators.tools import BaseTool, CallLimits, ToolRegistry, TruncateSide, l
 from rollout_buffer.generator_api import EngineClient, Governed, RolloutContext, RunOptions, check_http_urls
 
 _SHARED_KEY = "plan_act"
-# EngineClient options a run payload may set; per-role clients take the same ones as the run's own.
-_ENGINE_OPTIONS = ("timeout_s", "max_retries", "backoff_s", "max_abort_resumes")
 
 ActorTools = Literal["function", "search"]
 
@@ -129,13 +127,12 @@ class PlanActRun:
     def create(cls, config: dict[str, Any], run_engine: EngineClient) -> PlanActRun:
         """Validate the options and make the clients; the tools load in a background thread."""
         options = PlanActOptions.from_run(config)
-        engine_options = {k: config[k] for k in _ENGINE_OPTIONS if config.get(k) is not None}
         own: list[EngineClient] = []
 
         def role_engine(urls: str | list[str] | None) -> EngineClient:
             if urls is None:
                 return run_engine
-            client = EngineClient(_urls(urls), **engine_options)
+            client = run_engine.sibling(_urls(urls))  # the run's engine options, as the run's own engines
             own.append(client)
             return client
 

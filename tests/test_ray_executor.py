@@ -562,7 +562,8 @@ def test_a_token_given_on_the_command_line_is_masked_in_the_ray_job(tmp_path, ra
         closed = f"http://127.0.0.1:{free_port()}"  # the run fails at once; it only makes the buffer join Ray
         resp = httpx.post(f"{srv.url}/start_rollout", headers={"Authorization": f"Bearer {secret}"}, timeout=30, json={
             "task_type": "math", "input_file": str(math_file(tmp_path / "math.jsonl", 1)), "num_repeat_per_sample": 1,
-            "remote_engine_url": closed, "tokenizer_path": qwen_tokenizer_path, "max_retries": 0, "ray_num_cpus": 0.5})
+            "remote_engine_url": closed, "tokenizer_path": qwen_tokenizer_path, "max_retries": 0, "engine_outage_s": 0,
+            "ray_num_cpus": 0.5})
         assert resp.status_code == 200, resp.text
         wait_finished(srv.url, headers={"Authorization": f"Bearer {secret}"}, timeout_s=RUN_S)
         job = next(j for j in ray._private.state.state.job_table() if j["DriverPid"] == srv.proc.pid)

@@ -388,11 +388,12 @@ def test_a_poisoned_reward_drops_its_own_group_and_the_store_still_starts(tmp_pa
                 "task_type": "agent", "input_file": str(Path(__file__).parent.parent / "generators" / "data" /
                                                         "tool_call_demo.jsonl"),
                 "agent_command": [str(agents / script.name)], "remote_engine_url": engine.url,
-                "tokenizer_path": qwen_tokenizer_path, "num_repeat_per_sample": 2, "num_epoch": 1})
+                "tokenizer_path": qwen_tokenizer_path, "num_repeat_per_sample": 2, "num_epoch": 1,
+                "failure_window": 1000})  # every trajectory is poisoned: the run must not fail for it (run_health)
             assert started.status_code == 200, started.text
             run_id = started.json()["run_id"]
             status = wait_finished(srv.url, timeout_s=180)
-            assert status["run"]["state"] == "finished", status["run"]
+            assert status["run"]["state"] == "finished", (status["run"]["error"], status["run"]["progress"])
             groups = httpx.get(f"{srv.url}/groups", params={"state": "filtered", "limit": 1000}).json()["groups"]
             reasons = {g["instance_id"]: g["reason"] for g in groups}
             assert reasons.pop("episodes").startswith("reward_out_of_range"), reasons

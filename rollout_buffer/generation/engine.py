@@ -96,6 +96,10 @@ class EngineClient:
             raise ValueError("EngineClient needs at least one engine URL")
         if max_retries < 0 or max_abort_resumes < 0:
             raise ValueError("max_retries and max_abort_resumes must be >= 0")
+        self._options: dict[str, Any] = {
+            "timeout_s": timeout_s, "max_retries": max_retries, "backoff_s": backoff_s, "max_backoff_s": max_backoff_s,
+            "max_abort_resumes": max_abort_resumes, "max_connections": max_connections,
+            "context_length": context_length, "engine_hosts": engine_hosts, "engine_outage_s": engine_outage_s}
         self.urls = [u.rstrip("/") for u in urls]
         self.engine_hosts = tuple(engine_hosts)  # the hosts a router's worker list may lead to (empty: any)
         self.timeout_s = timeout_s
@@ -114,6 +118,11 @@ class EngineClient:
             self._limits = dict.fromkeys(self.urls, EngineLimits(int(context_length)))
         self._probes: dict[str, asyncio.Future[EngineLimits | None]] = {}
         self._probe_after: dict[str, float] = {}
+
+    def sibling(self, urls: list[str]) -> EngineClient:
+        """A client of other engines (a role's own) with this client's options: timeouts, retries, outage budget,
+        host allow-list, context length."""
+        return EngineClient(urls, **self._options)
 
     def _http(self) -> HttpPool:
         # Created on first use, and again under another event loop: connections belong to the loop.
