@@ -16,9 +16,15 @@ def run_demo(*args: str, cwd: Path | None = None, with_output: bool = False) -> 
         capture_output=True, text=True, timeout=240, cwd=cwd,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+    rows = table_of(out.stdout)
+    return (rows, out.stdout + out.stderr) if with_output else rows
+
+
+def table_of(stdout: str) -> dict[str, str]:
+    """The demo's summary table in its output, as {label: value}."""
     rows = {}
-    for line in out.stdout.splitlines():
+    for line in stdout.splitlines():
         cells = [c.strip() for c in line.strip("│┃ ").split("│")]
         if len(cells) == 2:
             rows[cells[0]] = cells[1]
-    return (rows, out.stdout + out.stderr) if with_output else rows
+    return rows

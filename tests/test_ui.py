@@ -27,7 +27,8 @@ TOKEN = "ui-s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 ARTIFACTS = Path(__file__).parent / "artifacts"
 # The line charts and the unit of their y axis.
-UNITS = {"throughput": "trajectories/s", "inflight": "trajectories", "lag": "versions", "latency": "ms"}
+UNITS = {"reward": "reward (raw)", "throughput": "trajectories/s", "inflight": "trajectories", "lag": "versions",
+         "latency": "ms"}
 
 
 
@@ -375,8 +376,8 @@ def open_dashboard(browser) -> Iterator[Callable[..., tuple[object, Problems]]]:
 
 
 def chart(page, selector: str) -> dict:
-    """What a chart shows: its title and values line, tick and unit texts, the "no data yet" text, whether it
-    has a line, the texts drawn over the plot area, and whether the values line sits above the chart."""
+    """What a chart shows: its title and values line, tick and unit texts, the text saying what would fill it,
+    whether it has a line, the texts drawn over the plot area, and whether the values line sits above the chart."""
     return page.locator(selector).evaluate("""svg => {
         const fig = svg.closest('figure');
         const texts = (sel) => [...svg.querySelectorAll(sel)].map((t) => t.textContent);
@@ -387,7 +388,7 @@ def chart(page, selector: str) -> dict:
         return {
             title: fig.querySelector('.chart-title').textContent, now: now ? now.textContent : '',
             y: texts('text.tick.y'), x: texts('text.tick.x'), unit_y: texts('text.unit.y').join(' '),
-            unit_x: texts('text.unit.x').join(' '), empty: texts('text.empty').join(' '),
+            unit_x: texts('text.unit.x').join(' '), empty: texts('.empty').join(' '),
             line: svg.querySelector('polyline') !== null, bars: svg.querySelectorAll('rect.bar').length,
             over_plot: [...svg.querySelectorAll('text')].filter((t) => over(t.getBoundingClientRect()))
                 .map((t) => t.textContent),
@@ -405,11 +406,12 @@ def test_a_fresh_buffer_shows_empty_charts_and_the_page_loads_without_an_error(o
         page.wait_for_function("() => document.querySelector('#conn').textContent === 'live'")
         # Three snapshots: two seconds and more on the page, by when the browser has asked for its icon.
         page.wait_for_function("() => state.snapshots >= 3")
-        for key in UNITS:  # no run: every chart says so instead of showing an empty box
+        for key in UNITS:  # no run: every chart says what would fill it instead of showing an empty box
             shown = chart(page, f"#chart-{key}")
-            assert shown["empty"] == "no data yet" and not shown["line"] and not shown["y"], shown
-            assert page.locator(f"#chart-{key} text.empty").is_visible()
-        assert page.inner_text("#batches") == "no batch delivered yet"
+            assert shown["empty"] and not shown["line"] and not shown["y"], shown
+            assert page.locator(f"#chart-{key} .empty").is_visible()
+        assert "current_version" in chart(page, "#chart-lag")["empty"], "the lag says how a trainer reports it"
+        assert page.inner_text("#batches").startswith("no batch delivered yet")
         assert problems == []
         # The server answered this page nothing ≥ 400, the browser's own /favicon.ico request included (Playwright
         # does not report it; without an icon in the page it is answered 401 here, 404 without a token).
@@ -423,14 +425,14 @@ def test_each_chart_has_a_title_axes_with_units_and_its_labels_off_the_line(page
                                                                             run_id: str) -> None:
     connect(page, buffer, TOKEN)
     page.wait_for_function("id => document.querySelector('#run-id')?.textContent === id", arg=run_id)
-    for key in ("throughput", "inflight", "latency"):
+    for key in ("reward", "throughput", "inflight", "latency"):
         page.wait_for_selector(f"#chart-{key} polyline")
     drawn = 0
     for key, unit in UNITS.items():
         shown = chart(page, f"#chart-{key}")
         assert shown["title"], shown
         if not shown["line"]:  # the lag needs a trainer's version: none in this run
-            assert shown["empty"] == "no data yet" and not shown["y"], shown
+            assert "no trainer version yet" in shown["empty"] and not shown["y"], shown
             continue
         drawn += 1
         assert shown["unit_y"] == unit, shown
@@ -441,7 +443,7 @@ def test_each_chart_has_a_title_axes_with_units_and_its_labels_off_the_line(page
         assert shown["over_plot"] == [] and shown["now_above"], shown  # no label on the plotted line
         now = re.fullmatch(rf"now \S+ {re.escape(unit)} · max (\S+)", shown["now"])
         assert now and float(now[1]) <= ticks[-1], shown  # the top tick covers the series
-    assert drawn >= 3
+    assert drawn >= 4
 
 
 def test_run_ids_stay_on_one_line_with_the_full_id_in_their_title(open_dashboard, buffer: Server,
@@ -580,3 +582,56 @@ def test_an_engine_outage_is_shown_while_generation_waits(open_dashboard, qwen_t
         assert down in text and "1800 s before the run fails" in text and "generation waits" in text, text
         assert httpx.get(f"{srv.url}/status", headers=AUTH).json()["run"]["state"] == "running"
         assert problems == []
+
+
+def test_a_short_run_fills_every_chart_and_the_numbers_are_those_of_status(open_dashboard, sim_engine: Server,
+                                                                           qwen_tokenizer_path: str,
+                                                                           tmp_path: Path) -> None:
+    """The run as a trainer's dashboard shows one: reward, throughput, in flight, version lag and engine latency
+    over time, each with data after a short run; the counts on the page are those of `/status`; a clicked
+    trajectory opens where the eye is; no count or uid wraps."""
+    port = free_port()
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--auth-token", TOKEN]
+    with running(args, "/healthz", port, tmp_path / "buffer.log") as srv:
+        page, problems = open_dashboard(srv)
+        page.wait_for_function("() => document.querySelector('#conn').textContent === 'live'")
+        run_id = start_run(srv.url, sim_engine.url, write_jsonl(tmp_path / "math.jsonl", math_rows(24)),
+                           qwen_tokenizer_path, headers=AUTH, num_process=4)
+        # A trainer fetching with its version, as the adapter does: the lag chart has data.
+        for version in (1, 2):
+            httpx.post(f"{srv.url}/get_rollout_data", headers=AUTH, timeout=60,
+                       json={"max_groups": 1, "wait_s": 30, "current_version": version})
+        for key in UNITS:  # attached: a flat line has no height, which Playwright calls hidden
+            page.wait_for_selector(f"#chart-{key} polyline", state="attached", timeout=60_000)
+        status = wait_run_over(srv)
+        page.wait_for_function("t => document.querySelector('#count-done').textContent === t", timeout=30_000,
+                               arg=f"{status['run']['progress']['done']} / {status['run']['progress']['total']}")
+        status = httpx.get(f"{srv.url}/status", headers=AUTH, timeout=10).json()
+        page.wait_for_function("n => document.querySelector('#count-ready').textContent === n",
+                               arg=str(status["groups"].get("ready", 0)), timeout=30_000)
+        progress = status["run"]["progress"]
+        assert page.inner_text("#count-failed") == str(progress["failed"])
+        assert page.inner_text("#count-reward") == f"{progress['reward_sum'] / progress['rewarded']:.3f}"
+        assert page.inner_text(f"#runs tr[data-run='{run_id}'] td.progress") == page.inner_text("#count-done")
+        # Labels and counts on one line each; a uid cut with an ellipsis, never wrapped.
+        heights = page.evaluate("""() => [...document.querySelectorAll('#run-counts dt, #run-counts dd')]
+            .map((e) => e.getBoundingClientRect().height / parseFloat(getComputedStyle(e).lineHeight || 16))""")
+        assert heights and max(heights) < 1.9, heights
+        page.click("#search button")
+        row = page.locator("#results tbody tr[data-uid]").nth(40)
+        row.wait_for()
+        white_space = row.locator("td.uid").evaluate("e => getComputedStyle(e).whiteSpace")
+        assert white_space == "nowrap"
+        row.click()
+        page.wait_for_selector("#detail:not([hidden])")
+        page.wait_for_function("""() => { const r = document.querySelector('#detail').getBoundingClientRect();
+                                          return r.top >= -1 && r.top < window.innerHeight / 2; }""")
+        assert problems == []
+
+
+def wait_run_over(srv: Server, timeout_s: float = 120) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while (status := httpx.get(f"{srv.url}/status", headers=AUTH, timeout=10).json())["run"]["state"] == "running":
+        assert time.monotonic() < deadline, status["run"]
+        time.sleep(0.2)
+    return status

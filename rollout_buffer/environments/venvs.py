@@ -17,8 +17,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from uv import find_uv_bin
-
 log = logging.getLogger(__name__)
 
 _READY = ".complete"
@@ -36,6 +34,11 @@ def venv_python(requirements: Sequence[str], field: str = "requirements") -> str
     long as the downloads take; call it in a thread). ValueError naming `field` when uv cannot install them."""
     if not requirements or not all(isinstance(r, str) and r.strip() for r in requirements):
         raise ValueError(f"{field}: a list of pip requirement specifiers")
+    try:
+        from uv import find_uv_bin  # an extra: only servers that make environment venvs need it
+    except ImportError:
+        raise ValueError(f"{field}: the buffer makes venvs from requirement lists with uv, which is not installed: "
+                         "pip install 'rollout-buffer[environments]'") from None
     key = hashlib.sha256("\n".join(sorted(r.strip() for r in requirements)).encode()).hexdigest()[:16]
     venv = venv_root() / key
     python = venv / "bin" / "python"

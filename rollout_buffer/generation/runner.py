@@ -65,6 +65,9 @@ class Progress:
     # Sum and count of each numeric `extra_info.metrics` value the run's records carry (an environment's reward
     # functions and metrics): their means are shown.
     metric_sums: dict[str, list[float]] = field(default_factory=dict)
+    # Raw rewards of the trajectories that did not fail, summed: the dashboard charts their mean per interval.
+    reward_sum: float = 0.0
+    rewarded: int = 0
 
     def note_metrics(self, metrics: Any) -> None:
         """Add a record's `extra_info.metrics` (name → number) to the run's means."""
@@ -97,6 +100,8 @@ class Progress:
             "failures": dict(self.failures),
             "metrics": {name: {"mean": total / n, "n": int(n)}
                         for name, (total, n) in sorted(self.metric_sums.items())},
+            "reward_sum": self.reward_sum,
+            "rewarded": self.rewarded,
         }
 
 
@@ -494,6 +499,9 @@ class Run:
                 self.progress.failed += 1
             else:
                 self.progress.done += 1
+                if r.row.reward is not None:
+                    self.progress.reward_sum += r.row.reward
+                    self.progress.rewarded += 1
             reason = self._watch.ended(failure[0] if failure else None, failure[1] if failure else "")
             if reason is not None and not self._hopeless.is_set():
                 self._hopeless_reason = reason

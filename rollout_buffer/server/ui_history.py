@@ -1,6 +1,6 @@
-"""The dashboard's recent history: a point every few seconds (the latest run's done and in-flight counts, its
-trainer-version lag, engine requests so far), kept in memory for the last half hour, so a page opened in the
-middle of a run draws its charts from before it connected.
+"""The dashboard's recent history: a point every few seconds (the latest run's done and in-flight counts, the sum
+of its trajectories' raw rewards, its trainer-version lag, engine requests so far), kept in memory for the last
+half hour, so a page opened in the middle of a run draws its charts from before it connected.
 
 Only what the process already holds in memory is read (the runner's progress, the run's ledger, the metrics):
 sampling costs the store nothing once the run's ledger is loaded.
@@ -62,6 +62,7 @@ class RunHistory:
         ledger = await buffer.ledger(progress["run_id"])  # in memory once loaded
         return {"t": time.time(), "run_id": progress["run_id"], "done": progress["done"],
                 "in_flight": progress["in_flight"], "lag": ledger.trainer_lead,
+                "reward_sum": progress.get("reward_sum", 0.0), "rewarded": progress.get("rewarded", 0),
                 "engine": metrics.engine_latency()}
 
     async def _loop(self) -> None:

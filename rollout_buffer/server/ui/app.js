@@ -8,12 +8,18 @@ const HISTORY = 2000; // points kept per chart
 const MAX_SESSIONS = 10; // open sessions whose branch trees the page shows
 const WINDOW_S = 1800; // what the charts span: the last half hour
 // The line charts: the unit of their y axis, digits shown, and whether the values are counts (whole ticks).
+// `empty`: what would fill the chart, shown while it has no point.
 const CHARTS = {
-  throughput: { unit: "trajectories/s", digits: 1, whole: false },
-  inflight: { unit: "trajectories", digits: 0, whole: true },
-  lag: { unit: "versions", digits: 0, whole: true },
-  latency: { unit: "ms", digits: 0, whole: false },
+  reward: { unit: "reward (raw)", digits: 3, whole: false, zero: false,
+            empty: "no trajectory of this run has finished yet" },
+  throughput: { unit: "trajectories/s", digits: 1, whole: false, empty: "no run is generating" },
+  inflight: { unit: "trajectories", digits: 0, whole: true, empty: "no run is generating" },
+  lag: { unit: "versions", digits: 0, whole: true,
+         empty: "no trainer version yet: the trainer reports it with current_version (the slime adapter does) " +
+                "or POST /trainer_version" },
+  latency: { unit: "ms", digits: 0, whole: false, empty: "no engine request yet" },
 };
+const MAX_BATCHES = 4; // the newest delivered batches drawn side by side
 const $ = (id) => document.getElementById(id);
 
 const state = {
@@ -21,7 +27,7 @@ const state = {
   stream: null, // AbortController of the running event stream
   runId: null,
   last: null, // previous snapshot, for rates
-  history: { throughput: [], inflight: [], lag: [], latency: [] }, // [time, value] per series
+  history: { reward: [], throughput: [], inflight: [], lag: [], latency: [] }, // [time, value] per series
   lastPoint: null,
   chartRun: null, // the run the series hold: the charts show one run
   countsKey: "",
@@ -199,11 +205,15 @@ function renderRun(s) {
     el("span", { id: "run-state" }, p.state || run.state),
   );
   $("run-bar").style.width = p.total ? `${(100 * (p.done || 0)) / p.total}%` : "0";
+  // One source for each number: this snapshot of /status. The rate here is the run's average since it started;
+  // the throughput chart shows the rate of each interval.
   const items = [
-    ["done", "count-done", p.total ? `${p.done || 0} / ${p.total}` : p.done || 0],
+    ["done / total", "count-done", p.total ? `${p.done || 0} / ${p.total}` : p.done || 0],
     ["in flight", "count-inflight", p.in_flight ?? "–"],
     ["failed", "count-failed", p.failed ?? 0],
-    ["rate /s", "count-rate", fmt(p.rate, 1)],
+    ["average rate /s", "count-rate", fmt(p.rate, 1), "trajectories per second since the run started"],
+    ["mean reward (raw)", "count-reward", p.rewarded ? fmt(p.reward_sum / p.rewarded, 3) : "–",
+     "mean raw reward of the run's trajectories that did not fail"],
     ["trajectories stored", "count-records", Object.values(s.records || {}).reduce((a, b) => a + b, 0)],
     ["groups ready", "count-ready", (s.groups || {}).ready || 0],
     ["groups delivered", "count-delivered", ((s.groups || {}).delivered || 0) + ((s.groups || {}).leased || 0)],
@@ -221,13 +231,17 @@ function renderRun(s) {
   for (const [label, id, value, title] of items) {
     counts.append(el("div", title ? { title } : {}, el("dt", {}, label), el("dd", { id }, value)));
   }
+  // The runs table shows the current run's progress from the same snapshot.
+  const row = document.querySelector(`#runs tr[data-run="${CSS.escape(run.run_id)}"] td.progress`);
+  if (row) row.textContent = p.total ? `${p.done} / ${p.total}` : "–";
 }
 
 // A chart point of a snapshot, in the shape of the server's history samples (no run_id: no live run).
 function pointOf(s) {
   const p = (s.run && s.run.progress) || {};
   return { t: s.t, run_id: p.run_id, done: p.done || 0, in_flight: p.in_flight || 0,
-           lag: (s.control || {}).trainer_lead ?? null, engine: s.engine || {} };
+           lag: (s.control || {}).trainer_lead ?? null, reward_sum: p.reward_sum || 0, rewarded: p.rewarded || 0,
+           engine: s.engine || {} };
 }
 
 function addPoint(point) {
@@ -243,6 +257,10 @@ function addPoint(point) {
   const prev = state.lastPoint;
   const t = point.t;
   if (prev && t - prev.t > 0) h.throughput.push([t, Math.max(0, (point.done - prev.done) / (t - prev.t))]);
+  // The mean raw reward of the trajectories that finished since the previous point.
+  if (prev && point.rewarded > prev.rewarded) {
+    h.reward.push([t, (point.reward_sum - prev.reward_sum) / (point.rewarded - prev.rewarded)]);
+  }
   h.inflight.push([t, point.in_flight]);
   if (point.lag !== null && point.lag !== undefined) h.lag.push([t, point.lag]);
   if (prev) {
@@ -320,17 +338,20 @@ function axes(svg, f, { xDomain, xTicks, xText, yTicks, yUnit, xUnit }) {
   return { sx, sy };
 }
 
-function noData(svg, f) {
-  svgText(svg, f.w / 2, f.h / 2 + 4, "no data yet", "empty");
+function noData(svg, f, why) {
+  // What would fill it, in the chart's box: a foreignObject lets the line wrap.
+  const box = svgEl("foreignObject", { x: 8, y: 8, width: f.w - 16, height: f.h - 16 });
+  box.append(el("div", { class: "empty", xmlns: "http://www.w3.org/1999/xhtml" }, why));
+  svg.append(box);
 }
 
 // A series of [time, value] over the time before its newest point ("now"), in seconds or minutes.
 function lineChart(key, points) {
-  const { unit, digits, whole } = CHARTS[key];
+  const { unit, digits, whole, zero = true, empty } = CHARTS[key];
   const svg = $(`chart-${key}`), f = frame(svg);
   if (!points.length) {
     $(`now-${key}`).textContent = "";
-    return noData(svg, f);
+    return noData(svg, f, empty);
   }
   const now = points[points.length - 1][0], span = Math.max(now - points[0][0], 10);
   const step = [5, 10, 15, 30, 60, 120, 300, 600].find((x) => span / x <= 4) || 900;
@@ -339,7 +360,7 @@ function lineChart(key, points) {
   const xText = (v) => (v === 0 ? "now" : step >= 60 ? `−${-v / 60} min` : `−${-v} s`);
   const values = points.map((p) => p[1]);
   const max = Math.max(...values);
-  const yTicks = niceTicks(Math.min(0, ...values), max, 4, whole);
+  const yTicks = niceTicks(zero ? Math.min(0, ...values) : Math.min(...values), max, 4, whole);
   const { sx, sy } = axes(svg, f, { xDomain: [-span, 0], xTicks, xText, yTicks, yUnit: unit });
   const xy = points.map(([t, v]) => [sx(t - now), sy(v)]);
   svg.append(svgEl("polyline", { points: xy.map(([x, y]) => `${x.toFixed(1)},${y.toFixed(1)}`).join(" ") }));
@@ -356,10 +377,11 @@ async function refreshBatches() {
     const { batches } = await getJSON(`/ui/api/batches${q}`);
     const box = $("batches");
     box.replaceChildren();
-    if (!batches.length) return box.append("no batch delivered yet");
-    const all = batches.flatMap((b) => b.raw);
+    if (!batches.length) return box.append("no batch delivered yet: the trainer fetches them with /get_rollout_data");
+    const shown = batches.slice(0, MAX_BATCHES);  // the newest first
+    const all = shown.flatMap((b) => b.raw);
     const lo = Math.min(...all, 0), hi = Math.max(...all, 1);
-    for (const b of batches.slice().reverse()) batchHistogram(box, b, lo, hi);
+    for (const b of shown.slice().reverse()) batchHistogram(box, b, lo, hi);
   } catch (err) {
     failed(err);
   }
@@ -411,10 +433,10 @@ async function refreshRuns() {
     $("runs").tBodies[0].replaceChildren(...runs.map((r) => {
       // The current run's progress is live in the snapshots; the store's copy is written now and then.
       const p = live && live.run_id === r.run_id ? live.progress || {} : r.progress || {};
-      return el("tr", { class: r.run_id === state.runId ? "current" : null },
+      return el("tr", { class: r.run_id === state.runId ? "current" : null, dataset: { run: r.run_id } },
         el("td", {}, el("span", { class: "run-id", title: r.run_id }, r.run_id)),
         el("td", {}, r.task_type || "–"), el("td", {}, r.state),
-        el("td", {}, p.total ? `${p.done} / ${p.total}` : "–"), el("td", {}, when(r.created_at)));
+        el("td", { class: "progress" }, p.total ? `${p.done} / ${p.total}` : "–"), el("td", {}, when(r.created_at)));
     }));
   } catch (err) {
     failed(err);
@@ -484,7 +506,7 @@ async function search(before = null) {
     $("older").disabled = page.next === null;
     $("results").tBodies[0].replaceChildren(...page.items.map((t) =>
       el("tr", { dataset: { uid: t.uid }, onclick: () => inspect(t.uid) },
-        el("td", { class: "uid" }, t.uid), el("td", {}, t.instance_id), el("td", {}, t.epoch),
+        el("td", { class: "uid", title: t.uid }, t.uid), el("td", {}, t.instance_id), el("td", {}, t.epoch),
         el("td", {}, t.status), el("td", {}, fmt(t.reward)), el("td", {}, t.role || ""), el("td", {}, when(t.created_at)))));
     if (!page.items.length) $("results").tBodies[0].append(el("tr", {}, el("td", { colspan: 7, class: "muted" }, "no trajectory matches")));
   } catch (err) {
@@ -507,6 +529,7 @@ async function inspect(uid) {
     renderMessages(rec.messages || []);
     renderGroup(detail.group, rec.uid);
     renderTokens(tokens);
+    $("detail").scrollIntoView({ block: "start" }); // it opens below the list: bring it to the eye
   } catch (err) {
     failed(err);
   }
