@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import ipaddress
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from rollout_buffer.policy import Policy
+
+
+def version() -> str:
+    """This release's version, as installed."""
+    try:
+        return importlib.metadata.version("rollout-buffer")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "0+unknown"
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8889

@@ -452,8 +452,16 @@ def test_a_weight_update_during_a_held_request_gives_per_token_versions(
             task = asyncio.create_task(drain())
         else:
             task = asyncio.create_task(client.generate(ids, {"max_tokens": 200}, session_id="w"))
-        await asyncio.sleep(0.25)  # some tokens out, not all
         async with httpx.AsyncClient(base_url=engine.url, timeout=10) as control:
+            # Some tokens out, not all: the request is in the engine (however long a busy machine took to send
+            # it), then a few tokens' time passes.
+            for _ in range(500):
+                if (await control.get("/get_load")).json()[0]["num_reqs"]:
+                    break
+                await asyncio.sleep(0.02)
+            else:
+                raise AssertionError("the request never reached the engine")
+            await asyncio.sleep(0.1)
             (await control.post("/pause_generation", json={"mode": "in_place"})).raise_for_status()
             (await control.post("/update_weight_version",
                                 json={"new_version": version, "abort_all_requests": False})).raise_for_status()

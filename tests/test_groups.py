@@ -132,6 +132,17 @@ def test_group_hooks_run_outside_the_store_and_a_hanging_or_raising_hook_fails_o
     asyncio.run(main())
 
 
+async def _left_complete(buffer: RolloutBuffer, store: Store, records: list[TrajectoryRecord]) -> str:
+    """A new run whose group `g` of `records` a stopped process left complete (written, its policy not run);
+    the run's id."""
+    run = await buffer.runs.get(await buffer.create_run({"task_type": None}, 2))
+    assert run is not None
+    items = [NewRecord(r.uid, r.instance_id, 0, r.status, encode_record(r), reward=r.reward) for r in records]
+    written = await Records(store).write(run.run_id, 2, items)  # stopped before the policy ran
+    assert [g.key for g in written.complete] == [(run.run_id, "g", 0, 0)]
+    return run.run_id
+
+
 def test_a_group_left_complete_by_a_stopped_process_is_finished_at_start(tmp_path: Path) -> None:
     """The policy runs between two commits: a process stopped in between leaves the group `complete`, and the
     next start finishes it."""
@@ -142,16 +153,11 @@ def test_a_group_left_complete_by_a_stopped_process_is_finished_at_start(tmp_pat
         await store.open()
         try:
             buffer = RolloutBuffer(config, store, {})
-            run = await buffer.runs.get(await buffer.create_run({"task_type": None}, 2))
-            assert run is not None
-            records = [_record("a", "g", 1.0), _record("b", "g", 0.0)]
-            items = [NewRecord(r.uid, r.instance_id, 0, r.status, encode_record(r), reward=r.reward) for r in records]
-            written = await Records(store).write(run.run_id, 2, items)  # stopped before the policy ran
-            assert [g.key for g in written.complete] == [(run.run_id, "g", 0, 0)]
-            assert await buffer.reads.group_counts(run.run_id) == {"complete": 1}
+            run_id = await _left_complete(buffer, store, [_record("a", "g", 1.0), _record("b", "g", 0.0)])
+            assert await buffer.reads.group_counts(run_id) == {"complete": 1}
             restarted = RolloutBuffer(config, store, {})
             assert await restarted.finish_interrupted() == 1
-            assert await restarted.reads.group_counts(run.run_id) == {"ready": 1}
+            assert await restarted.reads.group_counts(run_id) == {"ready": 1}
             delivered = await restarted.deliver(None, 0, None)
             assert [r.raw_reward for r in delivered.records] == [1.0, 0.0]
         finally:
@@ -169,17 +175,12 @@ def test_a_poisoned_group_left_by_an_older_release_is_dropped_at_start(tmp_path:
         store = Store(config.db_path)
         await store.open()
         try:
-            buffer = RolloutBuffer(config, store, {})
-            run = await buffer.runs.get(await buffer.create_run({"task_type": None}, 2))
-            assert run is not None
             poisoned = TrajectoryRecord.model_construct(**{**_record("b", "g", 0.0).model_dump(), "reward": 1e308})
-            records = [_record("a", "g", 1.0), poisoned]
-            items = [NewRecord(r.uid, r.instance_id, 0, r.status, encode_record(r), reward=r.reward) for r in records]
-            await Records(store).write(run.run_id, 2, items)
+            run_id = await _left_complete(RolloutBuffer(config, store, {}), store, [_record("a", "g", 1.0), poisoned])
             restarted = RolloutBuffer(config, store, {})
             assert await restarted.finish_interrupted() == 1
-            assert await restarted.reads.group_counts(run.run_id) == {"filtered": 1}
-            (group,) = await restarted.reads.list_groups("filtered", run.run_id, 10)
+            assert await restarted.reads.group_counts(run_id) == {"filtered": 1}
+            (group,) = await restarted.reads.list_groups("filtered", run_id, 10)
             assert group["reason"].startswith("reward_out_of_range"), group
         finally:
             await store.close()

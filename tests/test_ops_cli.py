@@ -229,5 +229,7 @@ def test_json_log_lines(tmp_path) -> None:
         httpx.post(f"{srv.url}/buffer/write", json=bad).raise_for_status()
     lines = [line for line in srv.log().splitlines() if line.startswith("{")]
     entries = [orjson.loads(line) for line in lines]
-    assert any(e["logger"] == "rollout_buffer.server.app" and "ready" in e["message"] for e in entries)
+    # The first line says where to look: the URL, the dashboard, the store.
+    ready = next(e["message"] for e in entries if e["logger"] == "rollout_buffer.server.app")
+    assert f"ready on {srv.url} (dashboard {srv.url}/ui), store in {(tmp_path / 'd').resolve()}" in ready, ready
     assert all({"time", "level", "logger", "message"} <= set(e) for e in entries)

@@ -13,7 +13,9 @@ import shutil
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -41,7 +43,13 @@ def sim_engine(tmp_path_factory, qwen_tokenizer_path: str) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def buffer(tmp_path_factory) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("buffer")
+    with own_buffer(tmp_path_factory.mktemp("buffer")) as srv:
+        yield srv
+
+
+@contextmanager
+def own_buffer(tmp: Path) -> Iterator[Server]:
+    """A buffer on a store of its own in `tmp`, behind the token."""
     port = free_port()
     args = ["serve", "--port", str(port), "--data-dir", str(tmp / "data"), "--auth-token", TOKEN]
     with running(args, "/healthz", port, tmp / "buffer.log") as srv:
@@ -375,6 +383,13 @@ def open_dashboard(browser) -> Iterator[Callable[..., tuple[object, Problems]]]:
         context.close()
 
 
+def connected(open_dashboard: Callable[..., tuple[Any, Problems]], srv: Server) -> tuple[Any, Problems]:
+    """The dashboard of `srv`, once its page is live."""
+    page, problems = open_dashboard(srv)
+    page.wait_for_function("() => document.querySelector('#conn').textContent === 'live'")
+    return page, problems
+
+
 def chart(page, selector: str) -> dict:
     """What a chart shows: its title and values line, tick and unit texts, the text saying what would fill it,
     whether it has a line, the texts drawn over the plot area, and whether the values line sits above the chart."""
@@ -399,11 +414,8 @@ def chart(page, selector: str) -> dict:
 
 def test_a_fresh_buffer_shows_empty_charts_and_the_page_loads_without_an_error(open_dashboard,
                                                                                tmp_path: Path) -> None:
-    port = free_port()
-    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--auth-token", TOKEN]
-    with running(args, "/healthz", port, tmp_path / "buffer.log") as srv:
-        page, problems = open_dashboard(srv)
-        page.wait_for_function("() => document.querySelector('#conn').textContent === 'live'")
+    with own_buffer(tmp_path) as srv:
+        page, problems = connected(open_dashboard, srv)
         # Three snapshots: two seconds and more on the page, by when the browser has asked for its icon.
         page.wait_for_function("() => state.snapshots >= 3")
         for key in UNITS:  # no run: every chart says what would fill it instead of showing an empty box
@@ -511,9 +523,7 @@ def wait_history(srv: Server, found: Callable[[list[dict]], bool], timeout_s: fl
 
 def test_a_chart_scales_to_the_current_run_not_an_earlier_runs_spike(open_dashboard, sim_engine: Server,
                                                                     qwen_tokenizer_path: str, tmp_path: Path) -> None:
-    port = free_port()
-    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--auth-token", TOKEN]
-    with running(args, "/healthz", port, tmp_path / "buffer.log") as srv:
+    with own_buffer(tmp_path) as srv:
         wide = write_jsonl(tmp_path / "wide.jsonl", math_rows(400))
         first = start_run(srv.url, sim_engine.url, wide, qwen_tokenizer_path, headers=AUTH, num_process=24)
         live, _ = open_dashboard(srv)
@@ -550,8 +560,7 @@ def test_a_run_its_full_store_stopped_is_shown_with_why_and_the_refused_write(op
     args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--auth-token", TOKEN,
             "--max-db-mb", "0.3"]
     with running(args, "/healthz", port, tmp_path / "buffer.log") as srv:
-        page, problems = open_dashboard(srv)
-        page.wait_for_function("() => document.querySelector('#conn').textContent === 'live'")
+        page, problems = connected(open_dashboard, srv)
         assert page.locator("#run-alert").is_hidden()
         start_run(srv.url, sim_engine.url, write_jsonl(tmp_path / "math.jsonl", math_rows(64)), qwen_tokenizer_path,
                   headers=AUTH)
@@ -567,11 +576,8 @@ def test_a_run_its_full_store_stopped_is_shown_with_why_and_the_refused_write(op
 
 def test_an_engine_outage_is_shown_while_generation_waits(open_dashboard, qwen_tokenizer_path: str,
                                                          tmp_path: Path) -> None:
-    port = free_port()
-    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--auth-token", TOKEN]
-    with running(args, "/healthz", port, tmp_path / "buffer.log") as srv:
-        page, problems = open_dashboard(srv)
-        page.wait_for_function("() => document.querySelector('#conn').textContent === 'live'")
+    with own_buffer(tmp_path) as srv:
+        page, problems = connected(open_dashboard, srv)
         down = f"http://127.0.0.1:{free_port()}"
         start_run(srv.url, down, write_jsonl(tmp_path / "math.jsonl", math_rows(4)), qwen_tokenizer_path,
                   headers=AUTH, max_retries=0, backoff_s=0.05)
@@ -590,11 +596,8 @@ def test_a_short_run_fills_every_chart_and_the_numbers_are_those_of_status(open_
     """The run as a trainer's dashboard shows one: reward, throughput, in flight, version lag and engine latency
     over time, each with data after a short run; the counts on the page are those of `/status`; a clicked
     trajectory opens where the eye is; no count or uid wraps."""
-    port = free_port()
-    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--auth-token", TOKEN]
-    with running(args, "/healthz", port, tmp_path / "buffer.log") as srv:
-        page, problems = open_dashboard(srv)
-        page.wait_for_function("() => document.querySelector('#conn').textContent === 'live'")
+    with own_buffer(tmp_path) as srv:
+        page, problems = connected(open_dashboard, srv)
         run_id = start_run(srv.url, sim_engine.url, write_jsonl(tmp_path / "math.jsonl", math_rows(24)),
                            qwen_tokenizer_path, headers=AUTH, num_process=4)
         # A trainer fetching with its version, as the adapter does: the lag chart has data.

@@ -25,12 +25,11 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from dataclasses import replace
 from typing import Any, TypeVar
 
 import orjson
 
-from rollout_buffer.generation.engine_limits import PROBE_TIMEOUT_S, EngineLimits, overflow, probe_engine
+from rollout_buffer.generation.engine_limits import PROBE_TIMEOUT_S, EngineLimits, KnownLimits, overflow
 from rollout_buffer.generation.engine_outage import DEFAULT_OUTAGE_S, OUTAGE_KINDS, Outage, OutageTooLong
 from rollout_buffer.generation.engine_results import (
     ChatResult,
@@ -64,8 +63,6 @@ _AFFINITY_SIZE = 100_000
 _RETRYABLE_4XX = frozenset({408, 429})
 _T = TypeVar("_T")
 # Engine info (`probe_engine`): asked once per engine, again this long after it did not answer.
-_PROBE_RETRY_S = 30.0
-_UNKNOWN = EngineLimits()
 
 
 class EngineClient:
@@ -112,12 +109,7 @@ class EngineClient:
         self.outage = Outage(engine_outage_s)
         self._affinity: OrderedDict[str, str] = OrderedDict()
         self._pool: HttpPool | None = None
-        # Per engine URL: its limits, probed once (or the run's context_length), refined by its refusals.
-        self._limits: dict[str, EngineLimits] = {}
-        if context_length is not None:
-            self._limits = dict.fromkeys(self.urls, EngineLimits(int(context_length)))
-        self._probes: dict[str, asyncio.Future[EngineLimits | None]] = {}
-        self._probe_after: dict[str, float] = {}
+        self._limits = KnownLimits(self.urls, min(timeout_s, PROBE_TIMEOUT_S), self.engine_hosts, context_length)
 
     def sibling(self, urls: list[str]) -> EngineClient:
         """A client of other engines (a role's own) with this client's options: timeouts, retries, outage budget,
@@ -151,44 +143,8 @@ class EngineClient:
         self._affinity.pop(session_id, None)
 
     async def limits(self, url: str) -> EngineLimits:
-        """What the engine at `url` takes: probed on first use (one probe shared by concurrent callers), then
-        kept; an engine that did not answer is asked again after a while, unknown meanwhile."""
-        limits = self._limits.get(url)
-        if limits is not None:
-            return limits
-        probe = self._probes.get(url)
-        if probe is None or probe.get_loop() is not asyncio.get_running_loop():
-            if time.monotonic() < self._probe_after.get(url, 0.0):
-                return _UNKNOWN
-            probe = self._probes[url] = asyncio.ensure_future(probe_engine(url, min(self.timeout_s, PROBE_TIMEOUT_S),
-                                                                            self.engine_hosts))
-        found = await asyncio.shield(probe)  # a cancelled turn leaves the shared probe running
-        if self._probes.get(url) is probe:
-            del self._probes[url]
-        if found is None:
-            self._probe_after[url] = time.monotonic() + _PROBE_RETRY_S
-            return _UNKNOWN
-        return self._limits.setdefault(url, found)
-
-    async def _probe_all(self) -> None:
-        """Probe every engine whose limits are not known yet, so that choosing one and sending to it needs no
-        await between them (least-in-flight counts a request only once it is sent)."""
-        now = time.monotonic()
-        unknown = [u for u in self.urls if u not in self._limits and now >= self._probe_after.get(u, 0.0)]
-        if unknown:
-            await asyncio.gather(*map(self.limits, unknown))
-
-    def _fit(self, url: str, reason: str, prompt_tokens: int, sent: int | None) -> bool:
-        """Whether `reason` is SGLang's refusal of a request that does not fit (asking `sent` new tokens), one that
-        fitting changes; the limits it tells of are kept."""
-        seen = overflow(reason, prompt_tokens)
-        if seen is None:
-            return False
-        known = self._limits.get(url, _UNKNOWN)
-        self._limits[url] = replace(known, context_length=seen.context_length or known.context_length,
-                                    max_input_tokens=seen.max_input_tokens or known.max_input_tokens)
-        room = seen.room(prompt_tokens)
-        return room is not None and (room == 0 or sent is None or room < sent)
+        """What the engine at `url` takes (`KnownLimits.of`)."""
+        return await self._limits.of(url)
 
     # ------------------------------------------------------------ HTTP with retries
 
@@ -403,10 +359,9 @@ class EngineClient:
         fitted = False
         while True:
             prompt_length = len(input_ids) + len(progress.out_ids)
-            if len(self._limits) < len(self.urls):
-                await self._probe_all()
+            await self._limits.probe_all()  # before picking: no await between choosing an engine and sending
             progress.url = self._pick(session_id, set())
-            room = self._limits.get(progress.url, _UNKNOWN).room(prompt_length)
+            room = self._limits.known(progress.url).room(prompt_length)
             want = None if budget is None else budget - len(progress.out_ids)
             if room == 0:
                 progress.finish, progress.context_full = "length", not progress.out_ids
@@ -435,7 +390,7 @@ class EngineClient:
                     progress.end_segment(len(chunk.output_ids), chunk.text, chunk)
             except EngineError as e:
                 progress.attempts += e.attempts
-                if fitted or e.status != 400 or not self._fit(e.url, e.reason, prompt_length, want):
+                if fitted or e.status != 400 or not self._limits.fit(e.url, e.reason, prompt_length, want):
                     raise
                 fitted = True
                 continue
@@ -444,7 +399,7 @@ class EngineClient:
                 progress.refusal = None
                 kind = "http_5xx" if status >= 500 else "http_4xx" if status in _RETRYABLE_4XX else "refused"
                 self._count_error(AttemptError(kind, message, status))
-                if kind == "refused" and not fitted and self._fit(progress.url, message, prompt_length, want):
+                if kind == "refused" and not fitted and self._limits.fit(progress.url, message, prompt_length, want):
                     fitted = True
                     continue
                 if kind == "refused" or refusals >= self.max_retries:
@@ -521,7 +476,6 @@ class EngineClient:
 
     async def aclose(self) -> None:
         """Close the pooled connections (and stop engine probes still running)."""
-        for probe in self._probes.values():
-            probe.cancel()
+        self._limits.cancel_probes()
         if self._pool is not None:
             await self._pool.aclose()

@@ -1,6 +1,6 @@
 """What an engine URL takes: its context length and input limit (`EngineLimits`), asked of the engine (or of an
 sglang-router's first worker) by `probe_engine`, or learnt from SGLang's refusal of a request that does not fit
-(`overflow`).
+(`overflow`); `KnownLimits` keeps them per URL for one client.
 
 Apart from the client (`engine.EngineClient`), which fits every request to these limits: `/start_rollout`
 probes engines with it too, before a run starts.
@@ -8,7 +8,9 @@ probes engines with it too, before a run starts.
 
 from __future__ import annotations
 
+import asyncio
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -117,3 +119,70 @@ def overflow(reason: str, prompt_tokens: int) -> EngineLimits | None:
         return EngineLimits(max_input_tokens=int(m[2]))
     return None
 
+
+# How long an engine that did not answer its probe stays unknown before it is asked again.
+_PROBE_RETRY_S = 30.0
+_UNKNOWN = EngineLimits()
+
+
+class KnownLimits:
+    """What each engine of a client takes: probed on first use (or the run's `context_length`), refined by its
+    refusals."""
+
+    def __init__(self, urls: Sequence[str], timeout_s: float, hosts: Sequence[str] = (),
+                 context_length: int | None = None):
+        self.urls, self.timeout_s, self.hosts = list(urls), timeout_s, tuple(hosts)
+        self._limits: dict[str, EngineLimits] = {}
+        if context_length is not None:
+            self._limits = dict.fromkeys(self.urls, EngineLimits(int(context_length)))
+        self._probes: dict[str, asyncio.Future[EngineLimits | None]] = {}
+        self._probe_after: dict[str, float] = {}
+
+    def known(self, url: str) -> EngineLimits:
+        """What is known of `url` now (all fields None when nothing is)."""
+        return self._limits.get(url, _UNKNOWN)
+
+    async def of(self, url: str) -> EngineLimits:
+        """What the engine at `url` takes: probed on first use (one probe shared by concurrent callers), then
+        kept; an engine that did not answer is asked again after a while, unknown meanwhile."""
+        limits = self._limits.get(url)
+        if limits is not None:
+            return limits
+        probe = self._probes.get(url)
+        if probe is None or probe.get_loop() is not asyncio.get_running_loop():
+            if time.monotonic() < self._probe_after.get(url, 0.0):
+                return _UNKNOWN
+            probe = self._probes[url] = asyncio.ensure_future(probe_engine(url, self.timeout_s, self.hosts))
+        found = await asyncio.shield(probe)  # a cancelled turn leaves the shared probe running
+        if self._probes.get(url) is probe:
+            del self._probes[url]
+        if found is None:
+            self._probe_after[url] = time.monotonic() + _PROBE_RETRY_S
+            return _UNKNOWN
+        return self._limits.setdefault(url, found)
+
+    async def probe_all(self) -> None:
+        """Probe every engine whose limits are not known yet (none are asked again before their retry time)."""
+        if len(self._limits) >= len(self.urls):
+            return
+        now = time.monotonic()
+        unknown = [u for u in self.urls if u not in self._limits and now >= self._probe_after.get(u, 0.0)]
+        if unknown:
+            await asyncio.gather(*map(self.of, unknown))
+
+    def fit(self, url: str, reason: str, prompt_tokens: int, sent: int | None) -> bool:
+        """Whether `reason` is SGLang's refusal of a request that does not fit (asking `sent` new tokens), one that
+        fitting changes; the limits it tells of are kept."""
+        seen = overflow(reason, prompt_tokens)
+        if seen is None:
+            return False
+        known = self.known(url)
+        self._limits[url] = replace(known, context_length=seen.context_length or known.context_length,
+                                    max_input_tokens=seen.max_input_tokens or known.max_input_tokens)
+        room = seen.room(prompt_tokens)
+        return room is not None and (room == 0 or sent is None or room < sent)
+
+    def cancel_probes(self) -> None:
+        """Stop the probes still running (the client is closing)."""
+        for probe in self._probes.values():
+            probe.cancel()

@@ -182,15 +182,11 @@ class Run:
         except asyncio.CancelledError:
             self.progress.state = "stopped"
             raise
-        except RunCannotWork as e:
-            self.progress.state = "failed"
-            self.progress.error = str(e)
-            log.error("run %s failed: %s", self.run_id, e)
-            await self._record_failure(e)
         except Exception as e:
+            hopeless = isinstance(e, RunCannotWork)  # its reason says it all: no traceback
             self.progress.state = "failed"
-            self.progress.error = f"{type(e).__name__}: {e}"
-            log.exception("run %s failed", self.run_id)
+            self.progress.error = str(e) if hopeless else f"{type(e).__name__}: {e}"
+            log.error("run %s failed: %s", self.run_id, self.progress.error, exc_info=not hopeless)
             await self._record_failure(e)
         finally:
             self.accepting = False
@@ -494,7 +490,7 @@ class Run:
                 continue
             self.progress.statuses[r.row.status] += 1
             self.progress.note_metrics(r.metrics)
-            failure = (r.failure or ("failed", "")) if r.row.status == "failed" else None
+            failure = (r.failure or ("failed", "")) if r.row.status == "failed" else (None, "")
             if r.row.status == "failed":
                 self.progress.failed += 1
             else:
@@ -502,7 +498,7 @@ class Run:
                 if r.row.reward is not None:
                     self.progress.reward_sum += r.row.reward
                     self.progress.rewarded += 1
-            reason = self._watch.ended(failure[0] if failure else None, failure[1] if failure else "")
+            reason = self._watch.ended(*failure)
             if reason is not None and not self._hopeless.is_set():
                 self._hopeless_reason = reason
                 self._hopeless.set()

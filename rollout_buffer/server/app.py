@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib.metadata
 import logging
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
@@ -21,7 +20,7 @@ from pydantic import TypeAdapter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from rollout_buffer.config import ServerConfig
+from rollout_buffer.config import ServerConfig, version
 from rollout_buffer.delivery.buffer import RolloutBuffer
 from rollout_buffer.delivery.encoded import RecordError
 from rollout_buffer.delivery.queries import Reader
@@ -173,14 +172,6 @@ def stopping(app: FastAPI) -> None:
     log.info("stopping: open long-polls answered, no new trajectories started")
 
 
-def version() -> str:
-    """This release's version, as installed."""
-    try:
-        return importlib.metadata.version("rollout-buffer")
-    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
-        return "0+unknown"
-
-
 def create_app(config: ServerConfig) -> FastAPI:
     """Build the FastAPI app; the store opens and the active run resumes at start-up."""
     generators = discover(config.generator_paths)
@@ -204,7 +195,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         app.state.history = history
         retention = None if config.prune_delivered_after_s is None else \
             Retention(store, config.prune_delivered_after_s)
-        log.info("rollout buffer %s on %s (dashboard %s/ui), store in %s; tasks: %s", version(), config.local_url,
+        log.info("rollout buffer %s ready on %s (dashboard %s/ui), store in %s; tasks: %s", version(), config.local_url,
                  config.local_url, config.data_dir.resolve(), ", ".join(sorted(generators)))
         sessions.start()
         catch_up = app.state.catch_up = CatchUp([

@@ -8,7 +8,6 @@ import dataclasses
 import functools
 import gc
 import importlib
-import importlib.metadata
 import logging
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from rollout_buffer.config import (
     DEFAULT_PORT,
     EXECUTORS,
     ServerConfig,
+    version,
 )
 from rollout_buffer.delivery.store import StoreError, check_store
 from rollout_buffer.generation.tokenizer import bundled_tokenizer_path
@@ -248,13 +248,6 @@ def _mask_in_command_line(secret: str) -> None:
     setproctitle.setproctitle(" ".join(arg.replace(secret, "***") for arg in sys.orig_argv))
 
 
-def _version() -> str:
-    try:
-        return importlib.metadata.version("rollout-buffer")
-    except importlib.metadata.PackageNotFoundError:
-        return "0+unknown"
-
-
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -263,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
         module.main(argv[1:])
         return
     parser = argparse.ArgumentParser(prog="rollout-buffer", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"rollout-buffer {_version()}")
+    parser.add_argument("--version", action="version", version=f"rollout-buffer {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     demo.add_parser(sub)
