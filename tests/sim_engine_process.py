@@ -1,4 +1,4 @@
-"""Simulated SGLang engines (`python -m rollout_buffer.sim.server`) as subprocesses on 127.0.0.1."""
+"""Simulated SGLang engines (`python -m rollout_sim.server`) as subprocesses on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class SimEngineProcess:
     def launch(self) -> None:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "rollout_buffer.sim.server", *self.args],
+                [sys.executable, "-m", "rollout_sim.server", *self.args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

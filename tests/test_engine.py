@@ -19,8 +19,8 @@ from rollout_buffer.generation.engine import EngineClient
 from rollout_buffer.generation.engine_limits import EngineLimits
 from rollout_buffer.generation.engine_results import EngineError, GenerateResult
 from rollout_buffer.generation.sglang_wire import to_sglang_sampling_params
-from rollout_buffer.sim.engine import token_logprob
-from rollout_buffer.sim.policy import Draw, scripted_reply
+from rollout_sim.policy import Draw, scripted_reply
+from rollout_sim.replies import token_logprob
 
 RIGHT = Draw(correct=True, offset=1, invalid=False)
 # Quick backoff, and no waiting out an outage: a failure past the retries is raised (`engine_outage_s` tested apart).

@@ -33,7 +33,6 @@ ALLOWED: dict[str, set[str]] = {
     # Executors run trajectories elsewhere (Ray actors) with the generator API; the server picks one.
     "executors": {"policy", "config", "schemas", "observability", "delivery", "generation"},
     "server": {"policy", "config", "schemas", "observability", "delivery", "generation", "proxy", "executors"},
-    "sim": {"generation.tokenizer"},
     # Environments in their own processes: the buffer's side knows nothing of the service.
     "environments": {"processes"},
 }
@@ -59,8 +58,11 @@ DELIVERY: dict[str, set[str]] = {
     "buffer": {"store", "groups", "versions", "runs", "streams", "records", "reads", "evals", "ledger", "encoded"},
 }
 # The core never names the packages that sit beside it: generators are found by discovery, the slime adapter
-# speaks HTTP only.
-OUTSIDE = ("generators", "slime_adapter")
+# speaks HTTP only, the simulated engine is a process the demo and the tests start.
+OUTSIDE = ("generators", "slime_adapter", "rollout_sim")
+SIMULATOR = "rollout_sim"
+# What the simulator may take from the service: the bundled tokenizer, which the engine it imitates loads too.
+SIMULATOR_USES = {"rollout_buffer.generation.tokenizer"}
 
 
 def _module_name(path: Path) -> str:
@@ -164,8 +166,6 @@ def test_the_checker_sees_a_circle_and_a_wrong_direction() -> None:
     assert not _allowed("rollout_buffer.delivery.a", "rollout_buffer.generation.b")
     assert _allowed("rollout_buffer.generation.b", "rollout_buffer.delivery.a")
     assert not _allowed("rollout_buffer.observability.metrics", "rollout_buffer.generation.runner")
-    assert _allowed("rollout_buffer.sim.server", "rollout_buffer.generation.tokenizer")
-    assert not _allowed("rollout_buffer.sim.server", "rollout_buffer.generation.engine")
     assert not _allowed("rollout_buffer.generation.runner", "rollout_buffer.tools.demo")
     assert not _allowed("rollout_buffer.generation.runner", "rollout_buffer.executors.ray_pool")
     assert _allowed("rollout_buffer.executors.ray_worker", "rollout_buffer.generation.trajectory")
@@ -204,10 +204,24 @@ def test_delivery_keeps_storage_by_concern() -> None:
 
 
 def test_no_module_of_the_service_outgrows_one_concern() -> None:
-    """A module over ~500 lines is doing more than one job (the simulated engine, a stand-in, excepted)."""
+    """A module over ~500 lines is doing more than one job; beside the service, 600 is the bound."""
     sizes = {m: len(p.read_text().splitlines()) for m, p in _modules(PACKAGE).items()}
-    large = {m: n for m, n in sizes.items() if n > 520 and _room(m) != "sim"}
-    assert large == {}, "split these by concern"
+    assert {m: n for m, n in sizes.items() if n > 520} == {}, "split these by concern"
+    beside = {m: len(p.read_text().splitlines())
+              for package in (SIMULATOR, *OUTSIDE, "bench") for m, p in _modules(package).items()}
+    assert {m: n for m, n in beside.items() if n > 600} == {}, "split these by concern"
+
+
+def test_the_simulator_stands_outside_the_service_and_uses_only_the_tokenizer() -> None:
+    assert not (ROOT / PACKAGE / "sim").exists()
+    graph = _graph(SIMULATOR)
+    assert len(graph) > 5, "the walk found the simulator's modules"
+    assert _cycles(internal(graph)) == []
+    used = {dst for targets in graph.values() for dst in targets if dst.split(".")[0] == PACKAGE}
+    assert used <= SIMULATOR_USES, f"the simulator imports {sorted(used - SIMULATOR_USES)} of the service"
+    service = _graph(PACKAGE)
+    assert not [(s, d) for s, targets in service.items() for d in targets if d.split(".")[0] == SIMULATOR], \
+        "the service (its CLI included) starts the simulator as a process, by module name"
 
 
 def test_the_core_never_imports_generators_or_the_adapter() -> None:

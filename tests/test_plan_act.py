@@ -25,8 +25,8 @@ from generators.plan_act_run import PlanActOptions
 from generators.search import exact_match, format_documents
 from generators.search_client import hit_documents
 from generators.tools.calculator import evaluate, format_value
-from rollout_buffer.sim.policy import reported_value
 from rollout_buffer.tools.demo import bundled_dataset
+from rollout_sim.policy import reported_value
 from slime_adapter import add_arguments, generate_rollout
 from slime_adapter.data_buffer import DataBuffer
 

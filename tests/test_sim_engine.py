@@ -19,9 +19,11 @@ import pytest
 from servers import free_port
 from sim_engine_process import SimEngineProcess, sim_engines
 
-from rollout_buffer.sim.engine import Sampling, SimConfig, SimEngine, token_logprob
-from rollout_buffer.sim.policy import Draw, scripted_reply
-from rollout_buffer.sim.server import build_parser
+from rollout_sim.contract import Sampling, SimConfig
+from rollout_sim.policy import Draw, scripted_reply
+from rollout_sim.replies import token_logprob
+from rollout_sim.server import build_parser
+from rollout_sim.turns import TurnPlanner
 
 RIGHT = Draw(correct=True, offset=1, invalid=False)
 SEARCH_INSTRUCTIONS = (
@@ -467,9 +469,8 @@ def test_real_sglang_router_in_front_of_two_sim_engines(
 def test_a_growing_conversation_is_planned_as_from_scratch(qwen_tokenizer: Any, qwen_tokenizer_path: str) -> None:
     # The engine decodes and keys a conversation's prompt from where its previous request left off; each turn
     # plans what an engine seeing the prompt for the first time plans, and a continued turn goes on with its reply.
-    def engine() -> SimEngine:
-        return SimEngine(SimConfig(tokenizer_path=qwen_tokenizer_path, correct_rate=1.0), qwen_tokenizer,
-                         qwen_tokenizer_path)
+    def engine() -> TurnPlanner:
+        return TurnPlanner(SimConfig(tokenizer_path=qwen_tokenizer_path, correct_rate=1.0), qwen_tokenizer)
 
     grown, sampling = engine(), Sampling(max_new_tokens=512)
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You compute. 日本語 ✓"},

@@ -24,9 +24,10 @@ import pytest
 import uvicorn
 from servers import free_port, stop_process
 
-import rollout_buffer.sim.engine as sim_engine_module
-from rollout_buffer.sim.engine import FAULT_KINDS, SimConfig, SimEngine
-from rollout_buffer.sim.server import build_parser, create_app
+import rollout_sim
+from rollout_sim.contract import FAULT_KINDS, SimConfig
+from rollout_sim.engine import SimEngine
+from rollout_sim.server import build_parser, create_app
 
 VERSIONS = ("0.5.15", "0.5.23")
 CONTEXT = 256
@@ -569,11 +570,11 @@ def test_unknown_sampling_params(sims: Callable[..., Sim], qwen_tokenizer: Any, 
             stream(sim, payload)
 
 
-# ------------------------------------------------------------------------------------- 7. the module docstring
+# ------------------------------------------------------------------------------------ 7. the package docstring
 
 
-def test_module_docstring_says_what_is_and_is_not_imitated() -> None:
-    doc = sim_engine_module.__doc__ or ""
+def test_the_docstring_says_what_is_and_is_not_imitated() -> None:
+    doc = rollout_sim.__doc__ or ""
     assert "Imitated" in doc and "Not imitated:" in doc
     for kind in FAULT_KINDS:
         assert f"`{kind}`" in doc, kind

@@ -9,7 +9,7 @@ from fractions import Fraction
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout_buffer.sim.policy import (
+from rollout_sim.policy import (
     Draw,
     answer_candidates,
     choose_policy,

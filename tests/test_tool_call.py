@@ -18,9 +18,9 @@ from servers import Server, free_port, running
 
 from generators.math import math_reward
 from generators.tools import ToolCall, parse_tool_calls
-from rollout_buffer.sim import tool_calls as sim_tool_calls
-from rollout_buffer.sim.policy import Draw, choose_policy, scripted_reply
 from rollout_buffer.tools.demo import bundled_dataset
+from rollout_sim import tool_calls as sim_tool_calls
+from rollout_sim.policy import Draw, choose_policy, scripted_reply
 from slime_adapter.loss_mask import LossMaskGenerator
 
 FIXTURES = Path(__file__).parent / "tool_fixtures.py"

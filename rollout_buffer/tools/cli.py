@@ -234,7 +234,7 @@ def serve(args: argparse.Namespace) -> None:
 
 # Subcommands that own their argument parsing: name → (module, help). Each module has `main(argv)`.
 DELEGATED: dict[str, tuple[str, str]] = {
-    "sim-engine": ("rollout_buffer.sim.server", "simulated SGLang engine for runs without a GPU"),
+    "sim-engine": ("rollout_sim.server", "simulated SGLang engine for runs without a GPU"),
     "retriever": ("generators.retriever", "Search-R1 retrieval server (BM25) over a JSONL corpus"),
     "status": ("rollout_buffer.tools.status", "print a running buffer's run, progress and counts"),
     "export": ("rollout_buffer.tools.export", "write stored trajectories as JSONL"),

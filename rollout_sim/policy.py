@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 
-from rollout_buffer.sim.judge import is_judge_prompt, judge_reply
-from rollout_buffer.sim.prefix_memo import PrefixMemo
-from rollout_buffer.sim.shell_agent import TOOL_RESPONSE, shell_reply, shell_tool
+from rollout_sim.judge import is_judge_prompt, judge_reply
+from rollout_sim.prefix_memo import PrefixMemo
+from rollout_sim.shell_agent import TOOL_RESPONSE, shell_reply, shell_tool
 
 _WRONG_OFFSETS = (-3, -2, -1, 1, 2, 3)
 _MAX_EXPR_CHARS = 200

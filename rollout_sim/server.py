@@ -1,6 +1,6 @@
 """The simulated engine's HTTP server and command line: SGLang's routes over one `SimEngine`.
 
-Run it with `rollout-buffer sim-engine --port P` (or `python -m rollout_buffer.sim.server`).
+Run it with `rollout-buffer sim-engine --port P` (or `python -m rollout_sim.server`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rollout_buffer.generation.tokenizer import bundled_tokenizer_path, keep_torch_out
-from rollout_buffer.sim.engine import (
+from rollout_sim import info
+from rollout_sim.chat import chat
+from rollout_sim.contract import (
     ALL_ERROR_KINDS,
     ERROR_KINDS,
     HEALTH_CHECK_TIMEOUT_S,
@@ -29,13 +31,10 @@ from rollout_buffer.sim.engine import (
     ChatRequest,
     GenerateRequest,
     SimConfig,
-    SimEngine,
-    SimStats,
-    error_response,
-    json_response,
-    openai_error,
 )
-from rollout_buffer.sim.tool_calls import TOOL_CALL_PARSERS
+from rollout_sim.engine import SimEngine, SimStats
+from rollout_sim.replies import error_response, json_response, openai_error
+from rollout_sim.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -114,9 +113,9 @@ def create_app(config: SimConfig) -> FastAPI:
         return body if isinstance(body, Response) else await engine.generate(body)
 
     @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
+    async def chat_completions(request: Request) -> Response:
         body = await _body(request, ChatRequest)
-        return body if isinstance(body, Response) else await engine.chat(body)
+        return body if isinstance(body, Response) else await chat(engine, body)
 
     @app.get("/health")
     @app.get("/health_generate")
@@ -126,12 +125,12 @@ def create_app(config: SimConfig) -> FastAPI:
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info() -> Response:
-        return json_response(engine.model_info())
+        return json_response(info.model_info(engine))
 
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info() -> Response:
-        return json_response(engine.server_info())
+        return json_response(info.server_info(engine))
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -199,7 +198,7 @@ def create_app(config: SimConfig) -> FastAPI:
 
     @app.get("/sim/stats")
     async def sim_stats() -> Response:
-        return json_response(engine.stats_json())
+        return json_response(info.stats_json(engine))
 
     @app.get("/sim/requests")
     async def sim_requests() -> Response:
@@ -209,10 +208,10 @@ def create_app(config: SimConfig) -> FastAPI:
     async def sim_faults(request: Request) -> Response:
         body = orjson.loads(await request.body() or b"{}")
         try:
-            engine.queue_faults(list(body.get("next", [])))
+            engine.faults.queue(list(body.get("next", [])))
         except ValueError as e:
             return error_response(400, str(e))
-        return json_response({"queued": engine.queued_faults()})
+        return json_response({"queued": engine.faults.queued()})
 
     return app
 
@@ -298,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of `rollout-buffer sim-engine` and `python -m rollout_buffer.sim.server`."""
+    """Entry point of `rollout-buffer sim-engine` and `python -m rollout_sim.server`."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keep_torch_out()
