@@ -91,7 +91,7 @@ def scratch_folder(prefix: str, parent: str | Path | None = None) -> Path:
         own = _scratch_owned.get(base)
         if own is None or not own[0].is_dir():  # the first call, or a cleaner of old files took it
             own = _scratch_owned[base] = _claim_scratch(base)
-            _remove_orphaned_scratch(base, own[0])
+            remove_orphaned_scratch(base, own[0])
     return Path(tempfile.mkdtemp(prefix=prefix, dir=own[0]))
 
 
@@ -108,9 +108,9 @@ def _claim_scratch(base: Path) -> tuple[Path, IO[bytes]]:
     return folder, lock
 
 
-def _remove_orphaned_scratch(base: Path, own: Path) -> None:
-    """Remove every `rb-scratch-*` folder under `base` whose owner is gone (its lock free). Folders of other users,
-    and folders still being claimed (no lock file yet), are left alone."""
+def remove_orphaned_scratch(base: Path, own: Path | None = None) -> None:
+    """Remove every `rb-scratch-*` folder under `base` (but `own`) whose owner is gone (its lock free). Folders of
+    other users, and folders still being claimed (no lock file yet), are left alone."""
     uid = os.geteuid()
     for folder in base.glob(f"{_SCRATCH_PREFIX}*"):
         if folder == own:

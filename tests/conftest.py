@@ -20,6 +20,10 @@ from servers import Server, free_port, running
 
 from rollout_buffer.generation.tokenizer import bundled_tokenizer_path
 
+# Each module's tier as a marker (tiers); the suite leaves no process and no scratch folder behind (leftovers);
+# fixtures several modules share, in one place.
+pytest_plugins = ["tiers", "leftovers", "agent_files", "environment_venvs", "ray_cluster"]
+
 SEARCH_CORPUS = Path(str(resources.files("generators") / "data" / "search_corpus.jsonl"))
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-def spans(mask: list[int], value: int) -> list[tuple[int, int]]:
+def spans(mask: list[int], value: int = 1) -> list[tuple[int, int]]:
     """[start, end) runs of `value` in `mask`."""
     out, start = [], None
     for i, m in enumerate([*mask, None]):

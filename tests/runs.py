@@ -1,10 +1,13 @@
-"""Driving a buffer's run in tests: wait for it to end, then drain every batch with acks."""
+"""Driving a buffer's run in tests: start a math run from rows written as JSONL, wait for it to end, then drain
+every batch with acks."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
+import orjson
 
 
 def wait_finished(url: str, *, headers: dict[str, str] | None = None, timeout_s: float = 60) -> dict:
@@ -38,3 +41,25 @@ def drain_batches(url: str, *, max_groups: int | None = None, wait_s: float = 0.
 def drain(url: str, *, headers: dict[str, str] | None = None, wait_s: float = 0.5) -> list[dict]:
     """Every ready record, acked."""
     return [r for batch in drain_batches(url, wait_s=wait_s, headers=headers) for r in batch]
+
+
+def math_rows(n: int) -> list[dict]:
+    return [{"instance_id": f"m{i}", "prompt": f"What is {i + 3} + {2 * i}?", "label": str(3 * i + 3)}
+            for i in range(n)]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_bytes(b"\n".join(orjson.dumps(r) for r in rows) + b"\n")
+    return path
+
+
+def start(url: str, engine: str | list[str], input_file: Path, tokenizer: str | None, **over) -> str:
+    payload = {
+        "task_type": "math", "input_file": str(input_file), "num_repeat_per_sample": 4, "num_epoch": 1,
+        "num_process": 16, "remote_engine_url": engine, "max_tokens": 256, "tokenizer_path": tokenizer,
+        "sampling_params": {"temperature": 1.0, "top_p": 1.0}, "backoff_s": 0.05,
+    }
+    payload.update(over)
+    resp = httpx.post(f"{url}/start_rollout", json=payload, timeout=30)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["run_id"]

@@ -25,10 +25,12 @@ def trusting_flags() -> list[str]:
     in the temporary folder and the repository, runs the test agents, environments and interpreters named there
     (and the system's programs), installs requirements, passes any variable, runs agents as nobody or root. Tests of
     the default policy start `serve` without them (`Server(..., trusting=False)`)."""
-    tmp = tempfile.gettempdir()
-    code = [tmp, str(ROOT), sys.prefix, "/usr/bin", "/usr/local/bin", "/bin"]
+    # The temporary folder, and pytest's where the suite gives it another (tests/leftovers.py).
+    tmp = list(dict.fromkeys([tempfile.gettempdir(), os.environ.get("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())]))
+    code = [*tmp, str(ROOT), sys.prefix, "/usr/bin", "/usr/local/bin", "/bin"]
     users = dict.fromkeys([default_agent_user(), "nobody", "root"])
-    return ["--data-root", tmp, "--data-root", str(ROOT), *[f for c in code for f in ("--allow-code", c)],
+    return [*[f for t in tmp for f in ("--data-root", t)], "--data-root", str(ROOT),
+            *[f for c in code for f in ("--allow-code", c)],
             "--allow-installs", "--allow-env", "*", *[f for u in users for f in ("--agent-user", u)]]
 
 

@@ -23,9 +23,9 @@ from typing import Any
 
 import httpx
 import pytest
-from masks import spans
 from runs import drain, wait_finished
 from servers import Server, free_port, running, sim_engine
+from sessions import assert_engine_continues
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD_SCRIPT = REPO / "docker" / "agent-sandbox" / "build.sh"
@@ -144,20 +144,6 @@ def stored(buffer: Server, run_id: str, instance: str) -> dict[str, Any]:
     return httpx.get(f"{buffer.url}/trajectories/{run_id}:{instance}:0:0", timeout=10, headers=AUTH).json()
 
 
-def assert_engine_tokens(engine: Server, rec: dict[str, Any]) -> None:
-    """Every trained span is the engine's own output for exactly the tokens before it: resent with the span's
-    first token, the simulated engine continues the reply it generated for that exact prefix (a new prefix
-    would get a new scripted reply), and it was sent a prompt of that length."""
-    prompts = {r["prompt_tokens"] for r in httpx.get(f"{engine.url}/sim/requests", timeout=10).json()}
-    tokens, mask = rec["tokens"], rec["loss_mask"]
-    assert len(mask) == len(tokens) and spans(mask, 1)
-    for begin, end in spans(mask, 1):
-        assert begin in prompts, "the engine was sent a prompt of this length"
-        again = httpx.post(f"{engine.url}/generate", timeout=30, json={
-            "input_ids": tokens[:begin + 1], "sampling_params": {"max_new_tokens": 4096}}).json()
-        assert again["output_ids"] == tokens[begin + 1:end]
-
-
 def test_agents_in_containers_reach_only_their_session_and_are_killed_at_the_time_limit(
         buffer: Server, engine: Server, inputs: Path, qwen_tokenizer_path: str, agent_image: str) -> None:
     items = [{"instance_id": "ok", "prompt": PROMPT, "label": "87"},
@@ -180,7 +166,7 @@ def test_agents_in_containers_reach_only_their_session_and_are_killed_at_the_tim
     ok, chatty = delivered["ok"], delivered["chatty"]
     assert ok["status"] == "completed" and ok["raw_reward"] == 1.0 and ok["extra_info"]["scorer"] == "math"
     assert ok["extra_info"]["branch_turns"] == 2 and ok["extra_info"]["tool_calls"] == 1
-    assert_engine_tokens(engine, ok)
+    assert_engine_continues(engine, ok)
     agent = ok["extra_info"]["agent"]
     report = json.loads(next(line for line in agent["stderr_tail"].splitlines() if line.startswith("REPORT "))[7:])
     assert agent["exit_code"] == 0 and agent["network"] == "none"

@@ -17,7 +17,7 @@ import openai
 import orjson
 import psutil
 import pytest
-from readable import readable_copies
+from agent_files import AGENTS, STDLIB_AGENT
 from runs import drain, wait_finished
 from servers import Server, free_port, running, sim_engine
 
@@ -25,8 +25,6 @@ from generators.agent.sandbox import namespaces_work
 from rollout_buffer.tools.demo import bundled_dataset
 
 REPO = Path(__file__).resolve().parents[1]
-AGENTS = REPO / "generators" / "data" / "agents"
-STDLIB_AGENT = REPO / "tests" / "agents" / "stdlib_agent.py"
 SECRET = "ROLLOUT_TEST_SECRET"
 TOKEN = "buffer-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -42,14 +40,6 @@ def engine(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_path: str) -
 def roots(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A data root for the tests' input files (the repository and the tokenizer are roots too)."""
     return tmp_path_factory.mktemp("agent-inputs")
-
-
-@pytest.fixture(scope="module")
-def stdlib_agent() -> Iterator[Path]:
-    """The test agent in a folder anyone may read: run as `nobody`, it cannot reach a checkout under a private
-    folder (a `mktemp -d` clone, /root) or pytest's own temporary folders (mode 0700)."""
-    with readable_copies([STDLIB_AGENT, STDLIB_AGENT.with_name("early_exit.sh")], "rb-test-agent-") as folder:
-        yield folder / STDLIB_AGENT.name
 
 
 @pytest.fixture(scope="module")

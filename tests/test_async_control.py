@@ -13,10 +13,9 @@ from typing import Any
 
 import httpx
 import pytest
-from runs import drain, wait_finished
+from runs import drain, math_rows, start, wait_finished, write_jsonl
 from servers import Server, free_port
 from servers import sim_engine as start_sim_engine
-from test_runner import math_rows, start, write_jsonl
 
 from rollout_buffer.delivery.versions import engine_version
 from rollout_buffer.tools import status as status_cli

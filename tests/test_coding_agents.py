@@ -24,9 +24,10 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from masks import spans
 from runs import drain, wait_finished
 from servers import Server, buffer_server, session_host, sim_engine
-from test_proxy import assert_engine_tokens, decode_tail, finish, open_session, record, spans, view
+from sessions import assert_engine_tokens, decode_tail, finish, open_session, record, view
 
 from generators.agent.sandbox import namespaces_work
 

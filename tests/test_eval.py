@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from runs import math_rows, start, write_jsonl
 from servers import Server, free_port
 from servers import sim_engine as start_sim_engine
-from test_runner import math_rows, start, write_jsonl
 
 from rollout_buffer.delivery.evals import pass_at_k
 from slime_adapter import add_arguments, generate_rollout

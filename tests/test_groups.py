@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from records import Hooks
 
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.buffer import RolloutBuffer
@@ -74,16 +74,6 @@ def test_episodes_normalize_as_units_with_role_weights() -> None:
     assert [r["reward"] for r in out.records] == pytest.approx([adv, adv / 2, adv / 2, -adv, -adv / 2])
 
 
-class _Hooks:
-    """A generator as delivery sees it: only its hooks."""
-
-    def __init__(self, **hooks: Callable[..., Any]):
-        self.hooks = hooks
-
-    def hook(self, name: str) -> Callable[..., Any] | None:
-        return self.hooks.get(name)
-
-
 def _record(uid: str, instance_id: str, reward: float) -> TrajectoryRecord:
     return TrajectoryRecord.model_validate({"uid": uid, "instance_id": instance_id, "reward": reward, "messages": [
         {"role": "user", "content": "q"}, {"role": "assistant", "content": f"answer {uid}"}]})
@@ -109,7 +99,7 @@ def test_group_hooks_run_outside_the_store_and_a_hanging_or_raising_hook_fails_o
         store = Store(config.db_path)
         await store.open()
         try:
-            buffer = RolloutBuffer(config, store, {"hooked": _Hooks(is_valid_group=hangs, transform_group=explodes)})
+            buffer = RolloutBuffer(config, store, {"hooked": Hooks(is_valid_group=hangs, transform_group=explodes)})
             run = await buffer.runs.get(await buffer.create_run({"task_type": "hooked"}, 2))
             assert run is not None
             slow = asyncio.create_task(buffer.write([_record("s1", "slow", 1.0), _record("s2", "slow", 0.0)], run))

@@ -260,3 +260,28 @@ def test_public_import_paths_keep_working(module: str, name: str) -> None:
     assert spec is not None
     assert callable(getattr(importlib.import_module(module), name))
 
+
+
+def test_test_modules_share_helpers_through_helper_modules_not_each_other() -> None:
+    tests = ROOT / "tests"
+    crossing = sorted((path.name, imported) for path in tests.glob("test_*.py")
+                      for imported in _imports(path.stem, path, set()) if imported.startswith("test_"))
+    assert crossing == [], "move what test modules share into a helper module (tests/*.py without test_)"
+
+
+# What a tier's modules may not import (tests/tiers.py): processes and servers are the system tier's.
+PROCESS_HELPERS = {"servers", "sim_engine_process", "demo_cli", "ops_helpers", "readable", "ray_cluster",
+                   "environment_venvs", "agent_files", "subprocess", "multiprocessing", "playwright", "ray", "psutil"}
+NOT_IN_TIER = {"unit": PROCESS_HELPERS | {"socket", "uvicorn"}, "service": PROCESS_HELPERS, "system": set()}
+
+
+def test_every_test_module_has_a_tier_and_imports_only_what_it_allows() -> None:
+    from tiers import SERVICE, UNIT, tier_of
+
+    tests = ROOT / "tests"
+    modules = {p.stem: p for p in tests.glob("test_*.py")}
+    assert (UNIT | SERVICE) <= set(modules), "the tiers name modules that exist"
+    wrong = sorted((name, tier_of(name), imported) for name, path in modules.items()
+                   for imported in {i.split(".")[0] for i in _imports(name, path, set())}
+                   if imported in NOT_IN_TIER[tier_of(name)])
+    assert wrong == [], "a module whose tests start processes or servers belongs to a slower tier (tests/tiers.py)"

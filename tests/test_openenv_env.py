@@ -21,22 +21,13 @@ import httpx
 import psutil
 import pytest
 import uvicorn
+from environment_venvs import OPENENV, OPENENV_ENVS
 from fastapi import FastAPI, WebSocket
+from masks import spans
 from readable import readable_copies
 from runs import drain, wait_finished
 from servers import Server, buffer_server, free_port, sim_engine, wait_http
-from test_agent_docker import assert_engine_tokens
-from test_proxy import decode_tail, spans
-
-from rollout_buffer.environments.venvs import venv_python
-
-OPENENV = "openenv==0.10.0"
-ENVS = Path(__file__).parent / "data" / "openenv_envs"
-
-
-@pytest.fixture(scope="module")
-def openenv_python() -> str:
-    return venv_python([OPENENV])
+from sessions import assert_engine_continues, decode_tail
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +51,7 @@ def env_server(openenv_python: str, tmp_path: Path) -> Iterator[str]:
     def start(script: str) -> str:
         nonlocal proc
         log = open(tmp_path / f"{script}.log", "wb")
-        proc = subprocess.Popen([openenv_python, str(ENVS / script), "--port", str(port)], stdout=log,
+        proc = subprocess.Popen([openenv_python, str(OPENENV_ENVS / script), "--port", str(port)], stdout=log,
                                 stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", 120, proc)
@@ -97,7 +88,7 @@ def test_a_multi_step_environment_started_by_the_buffer(openenv_python: str, buf
     # The servers' venv named by its requirements ({python} is its interpreter): made by the buffer the first time.
     answer = start(buffer, engine, qwen_tokenizer_path, openenv_servers=2, openenv_max_sessions=2,
                    openenv_requirements=[OPENENV],
-                   openenv_command=["{python}", str(ENVS / "arith_drill.py"), "--port", "{port}"])
+                   openenv_command=["{python}", str(OPENENV_ENVS / "arith_drill.py"), "--port", "{port}"])
     assert answer.status_code == 200, answer.text
     assert answer.json()["num_items"] == 2  # one row per openenv_resets entry
     status = wait_finished(buffer.url, timeout_s=300)
@@ -113,7 +104,7 @@ def test_a_multi_step_environment_started_by_the_buffer(openenv_python: str, buf
         assert len(trained) == 3  # one model turn a step; the environment's questions between them at loss 0
         for (_, end), (begin, _) in itertools.pairwise(trained):
             assert "What is" in decode_tail(rec["tokens"][end:begin])
-        assert_engine_tokens(engine, rec)
+        assert_engine_continues(engine, rec)
 
 
 def test_mcp_tools_of_a_running_server_are_offered_to_the_policy(buffer: Server, engine: Server,
@@ -130,7 +121,7 @@ def test_mcp_tools_of_a_running_server_are_offered_to_the_policy(buffer: Server,
         prompt = decode_tail(rec["tokens"][:trained[0]])
         assert '"name": "calculator"' in prompt  # the environment's MCP tool, offered as a function
         assert "<tool_call>" in decode_tail(rec["tokens"][trained[0]:trained[1]])
-        assert_engine_tokens(engine, rec)
+        assert_engine_continues(engine, rec)
 
 
 def test_a_server_that_dies_is_replaced_and_its_episode_retried(openenv_python: str, buffer: Server, engine: Server,
@@ -138,7 +129,7 @@ def test_a_server_that_dies_is_replaced_and_its_episode_retried(openenv_python: 
     flag = str(tmp_path / "crashed")
     answer = start(buffer, engine, qwen_tokenizer_path, openenv_resets=[{"seed": 3, "crash_flag": flag}],
                    num_repeat_per_sample=2,
-                   openenv_command=[openenv_python, str(ENVS / "arith_drill.py"), "--port", "{port}"])
+                   openenv_command=[openenv_python, str(OPENENV_ENVS / "arith_drill.py"), "--port", "{port}"])
     assert answer.status_code == 200, answer.text
     status = wait_finished(buffer.url, timeout_s=300)
     assert status["run"]["progress"]["statuses"] == {"completed": 2}, status["run"]["progress"]
@@ -151,7 +142,7 @@ def test_a_time_limit_is_recorded(openenv_python: str, buffer: Server, engine: S
                                   ) -> None:
     answer = start(buffer, engine, qwen_tokenizer_path, openenv_resets=[{"seed": 4, "sleep_s": 30}],
                    openenv_timeout_s=3,
-                   openenv_command=[openenv_python, str(ENVS / "arith_drill.py"), "--port", "{port}"])
+                   openenv_command=[openenv_python, str(OPENENV_ENVS / "arith_drill.py"), "--port", "{port}"])
     assert answer.status_code == 200, answer.text
     status = wait_finished(buffer.url, timeout_s=300)
     assert status["run"]["progress"]["failures"] == {"env_timeout": 1}, status["run"]["progress"]
@@ -200,7 +191,7 @@ def test_the_dashboard_shows_the_environments_metrics(buffer: Server, engine: Se
 def test_no_reward_and_a_malformed_one_are_recorded_failed(openenv_python: str, buffer: Server, engine: Server,
                                                            qwen_tokenizer_path: str) -> None:
     unscored = start(buffer, engine, qwen_tokenizer_path, openenv_resets=[{"seed": 5, "unscored": True}],
-                     openenv_command=[openenv_python, str(ENVS / "arith_drill.py"), "--port", "{port}"])
+                     openenv_command=[openenv_python, str(OPENENV_ENVS / "arith_drill.py"), "--port", "{port}"])
     assert unscored.status_code == 200, unscored.text
     status = wait_finished(buffer.url, timeout_s=300)
     assert status["run"]["progress"]["failures"] == {"env_reward": 1}, status["run"]["progress"]
@@ -248,11 +239,11 @@ def test_started_servers_run_as_the_user_the_run_names(openenv_python: str, buff
                                                         engine: Server, qwen_tokenizer_path: str) -> None:
     if os.geteuid() != 0:
         pytest.skip("switching users needs the buffer to run as root")
-    with readable_copies([ENVS / "arith_drill.py"], "rb-openenv-") as envs:
+    with readable_copies([OPENENV_ENVS / "arith_drill.py"], "rb-openenv-") as envs:
         server = [openenv_python, str(envs / "arith_drill.py")]
         run_as_nobody(buffer, engine, qwen_tokenizer_path, server)
     nobody = start(buffer, engine, qwen_tokenizer_path, openenv_user="no-such-user-rb",
-                   openenv_command=[openenv_python, str(ENVS / "arith_drill.py"), "--port", "{port}"])
+                   openenv_command=[openenv_python, str(OPENENV_ENVS / "arith_drill.py"), "--port", "{port}"])
     assert nobody.status_code == 403 and "openenv_user" in nobody.text and "--agent-user" in nobody.text, nobody.text
 
 
@@ -282,8 +273,8 @@ def test_a_server_starts_only_programs_its_operator_allowed(openenv_python: str,
     root.mkdir()
     with buffer_server(tmp_path, "--data-root", str(root), "--allow-code", str(root), trusting=False) as srv:
         outside = start(srv, engine, qwen_tokenizer_path,
-                        openenv_command=[openenv_python, str(ENVS / "arith_drill.py"), "--port", "{port}"])
+                        openenv_command=[openenv_python, str(OPENENV_ENVS / "arith_drill.py"), "--port", "{port}"])
         assert outside.status_code == 403 and "openenv_command" in outside.text and "--allow-code" in outside.text
         installing = start(srv, engine, qwen_tokenizer_path, openenv_requirements=[OPENENV],
-                           openenv_command=["{python}", str(ENVS / "arith_drill.py"), "--port", "{port}"])
+                           openenv_command=["{python}", str(OPENENV_ENVS / "arith_drill.py"), "--port", "{port}"])
         assert installing.status_code == 403 and "--allow-installs" in installing.text, installing.text

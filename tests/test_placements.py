@@ -19,7 +19,7 @@ import openai
 import orjson
 import pytest
 from servers import Server, free_port, free_ports, sim_engine
-from test_proxy import open_session
+from sessions import open_session
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 

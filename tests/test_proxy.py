@@ -17,20 +17,28 @@ import anthropic
 import httpx
 import openai
 import pytest
+from masks import spans
 from runs import drain
 from servers import Server, free_port, running, session_host, sim_engine
+from sessions import (
+    ANTHROPIC_TOOLS,
+    OPENAI_TOOLS,
+    PARALLEL_TASK,
+    RESULTS,
+    assert_engine_tokens,
+    decode_tail,
+    finish,
+    key_of,
+    open_session,
+    record,
+    tool_results,
+    view,
+)
 
 from rollout_buffer.generation.context import RolloutContext, RunResources
 from rollout_buffer.proxy.anthropic_messages import AnthropicMessagesAdapter
 from rollout_buffer.proxy.messages import WireError
 from rollout_buffer.proxy.session import ProxyOptions, Session
-
-PARALLEL_TASK = "Compute 12 * 7 + 3 and 45 - 6 in parallel, using the calculator."
-CALC_PARAMETERS = {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}
-OPENAI_TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
-                                                  "parameters": CALC_PARAMETERS}}]
-ANTHROPIC_TOOLS = [{"name": "calculator", "description": "Evaluate arithmetic.", "input_schema": CALC_PARAMETERS}]
-RESULTS = {"12 * 7 + 3": "87", "45 - 6": "39"}
 
 
 @pytest.fixture(scope="module")
@@ -45,70 +53,6 @@ def buffer(tmp_path_factory: pytest.TempPathFactory, engine: Server, qwen_tokeni
     with session_host(tmp_path_factory.mktemp("proxy-buffer"), engine.url, qwen_tokenizer_path,
                       num_repeat_per_sample=2, max_tokens=4096) as srv:
         yield srv
-
-
-def key_of(session: dict[str, Any]) -> dict[str, str]:
-    """The header proving a request may drive `session` (its key; a session's API always asks for it)."""
-    return {"authorization": f"Bearer {session['api_key']}"}
-
-
-def open_session(url: str, instance_id: str, **extra: Any) -> dict[str, Any]:
-    answer = httpx.post(f"{url}/sessions", json={"instance_id": instance_id, **extra}, timeout=60)
-    assert answer.status_code == 200, answer.text
-    return answer.json()
-
-
-def finish(url: str, session: dict[str, Any], reward: float) -> dict[str, Any]:
-    answer = httpx.post(f"{url}/sessions/{session['session_id']}/finish", json={"reward": reward}, timeout=60)
-    assert answer.status_code == 200, answer.text
-    return answer.json()
-
-
-def view(url: str, session: dict[str, Any]) -> dict[str, Any]:
-    return httpx.get(f"{url}/sessions/{session['session_id']}", timeout=10).json()
-
-
-def record(url: str, uid: str) -> dict[str, Any]:
-    answer = httpx.get(f"{url}/trajectories/{uid}", timeout=10)
-    assert answer.status_code == 200, answer.text
-    return answer.json()
-
-
-def tool_results(calls: Any) -> list[dict[str, Any]]:
-    """The calculator's answers to OpenAI tool calls."""
-    return [{"role": "tool", "tool_call_id": c.id, "content": RESULTS[json.loads(c.function.arguments)["expression"]]}
-            for c in calls]
-
-
-def decode_tail(ids: list[int]) -> str:
-    from rollout_buffer.generation.tokenizer import bundled_tokenizer_path, load_tokenizer
-
-    return load_tokenizer(bundled_tokenizer_path()).decode(ids)
-
-
-def spans(mask: list[int]) -> list[tuple[int, int]]:
-    """(start, end) of every run of 1s."""
-    out, start = [], None
-    for i, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            out.append((start, i))
-            start = None
-    return out
-
-
-def assert_engine_tokens(engine: Server, rec: dict[str, Any]) -> None:
-    """Every trained span of a record is exactly what the engine returns for the tokens before it, and the
-    engine was sent exactly those tokens (no re-rendering of earlier turns)."""
-    prompt_tokens = {r["prompt_tokens"] for r in httpx.get(f"{engine.url}/sim/requests", timeout=10).json()}
-    tokens, mask = rec["tokens"], rec["loss_mask"]
-    assert len(mask) == len(tokens) and rec["response_length"] == len(tokens) - next(i for i, m in enumerate(mask) if m)
-    for start, end in spans(mask):
-        assert start in prompt_tokens, "the engine was sent this exact prefix"
-        again = httpx.post(f"{engine.url}/generate", timeout=30, json={
-            "input_ids": tokens[:start], "sampling_params": {"max_new_tokens": 4096}}).json()
-        assert again["output_ids"] == tokens[start:end]
 
 
 # ------------------------------------------------------------------ OpenAI

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import re
+import shutil
 import signal
 import sqlite3
 import time
@@ -23,7 +25,7 @@ import orjson
 import psutil
 import pytest
 import ray
-from readable import readable_copies
+from ray_cluster import NAMESPACE, answering_right
 from runs import drain_batches, wait_finished
 from servers import Server, free_port
 from servers import sim_engine as start_sim_engine
@@ -31,7 +33,6 @@ from servers import sim_engine as start_sim_engine
 from generators.agent.sandbox import namespaces_work
 from rollout_buffer.config import ServerConfig
 
-NAMESPACE = "rollout_buffer"
 # The Ray buffer has a bearer token (from the environment, where it is no process's argument): its actors open
 # their agent sessions with it.
 TOKEN = "ray-buffer-token"
@@ -41,21 +42,8 @@ RUN_S = 180
 
 
 @pytest.fixture(scope="module")
-def ray_address() -> Iterator[str]:
-    # "local": a cluster of its own, never one another test (or a buffer's head) advertised in /tmp/ray.
-    info = ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE,
-                    _node_ip_address="127.0.0.1")  # tests reach servers on loopback only
-    try:
-        yield info.address_info["gcs_address"]
-    finally:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory, qwen_tokenizer_path: str) -> Iterator[Server]:
-    # Every answer right: replies depend on the prompt only, so two runs can be compared record by record.
-    with start_sim_engine(tmp_path_factory.mktemp("sim"), qwen_tokenizer_path, "--correct-rate", "1",
-                          "--latency-ms", "20") as srv:
+def engine(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_path: str) -> Iterator[Server]:
+    with answering_right(tmp_path_factory, qwen_tokenizer_path) as srv:
         yield srv
 
 
@@ -291,14 +279,6 @@ def test_staleness_admission_and_weight_update_aborts_behave_as_locally(tmp_path
 
 
 # ---- agent runs on Ray: the agent (callable or subprocess) in the actor, its session in the buffer's proxy -------
-TEST_AGENTS = Path(__file__).resolve().parent / "agents"
-
-
-@pytest.fixture(scope="module")
-def readable_agents() -> Iterator[Path]:
-    """The test agents in a folder anyone may read: subprocess agents run as `nobody` under root."""
-    with readable_copies(TEST_AGENTS.glob("*.py"), "rb-ray-agents-") as folder:
-        yield folder
 
 
 def start_agents(url: str, engine: str, input_file: Path, tokenizer: str, **over) -> httpx.Response:
@@ -664,3 +644,6 @@ def test_a_buffer_with_a_ray_of_its_own_stops_in_order_on_sigterm_to_its_process
             wait_gone(ray_procs)
         finally:
             srv.stop()
+            # The buffer keeps its Ray's logs for the operator; the test's are of no use once it passed.
+            for folder in re.findall(r"local Ray head \(pid \d+, logs in (\S+)\)", log + srv.log()):
+                shutil.rmtree(folder, ignore_errors=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,12 +15,13 @@ from pathlib import Path
 import httpx
 import pytest
 import ray
+from masks import spans
 from ray.cluster_utils import Cluster
+from ray_cluster import NAMESPACE, answering_right, buffer_on_ray, workers
+from ray_cluster import SESSION_WORKERS_AUTH as AUTH
 from runs import drain, wait_finished
 from servers import Server
-from test_proxy import assert_engine_tokens, spans
-from test_ray_executor import NAMESPACE, engine, readable_agents  # noqa: F401 (fixtures)
-from test_ray_session_workers import AUTH, buffer_on_ray, workers
+from sessions import assert_engine_tokens
 
 from generators.agent.sandbox import namespaces_work
 
@@ -39,10 +41,16 @@ def cluster() -> Iterator[dict[str, str]]:
         ray.shutdown()
         nodes.shutdown()
         # Its head advertised itself to every `ray.init()` on this machine: no longer.
-        advert = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        advert = Path(os.environ.get("RAY_TMPDIR", tempfile.gettempdir())) / "ray" / "ray_current_cluster"
         with contextlib.suppress(OSError):
             if advert.read_text().strip() == nodes.address:
                 advert.unlink()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_path: str) -> Iterator[Server]:
+    with answering_right(tmp_path_factory, qwen_tokenizer_path) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +60,8 @@ def buffer(tmp_path_factory: pytest.TempPathFactory, cluster: dict[str, str]) ->
 
 
 def test_sessions_go_to_the_worker_on_the_node_of_their_agent(
-        buffer: Server, cluster: dict[str, str], engine: Server, qwen_tokenizer_path: str,  # noqa: F811
-        readable_agents: Path, tmp_path: Path) -> None:  # noqa: F811
+        buffer: Server, cluster: dict[str, str], engine: Server, qwen_tokenizer_path: str,
+        readable_agents: Path, tmp_path: Path) -> None:
     placed = workers(buffer)
     assert all(w["up"] for w in placed) and sorted(w["node_id"] for w in placed) == sorted(
         [cluster["head"], cluster["b"]]), placed  # one worker on each node (the workers' actors are spread)

@@ -24,38 +24,26 @@ import openai
 import psutil
 import pytest
 import ray
+from agent_files import AGENTS
+from environment_venvs import OPENENV_ENVS, VERIFIERS_ENVS
+from masks import spans
+from ray_cluster import NAMESPACE, SESSION_WORKERS_TOKEN, answering_right, buffer_on_ray, workers
+from ray_cluster import SESSION_WORKERS_AUTH as AUTH
 from runs import drain, wait_finished
 from servers import Server, free_port, free_ports
-from test_agent_runs import AGENTS
-from test_openenv_env import ENVS as OPENENV_ENVS
-from test_openenv_env import openenv_python  # noqa: F401 (a fixture)
-from test_proxy import assert_engine_tokens, spans
-from test_ray_executor import NAMESPACE, engine, ray_address  # noqa: F401 (fixtures)
-from test_verifiers_env import ENVS as VERIFIERS_ENVS
-from test_verifiers_env import verifiers_python  # noqa: F401 (a fixture)
-
-TOKEN = "ray-workers-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-def buffer_on_ray(folder: Path, address: str) -> Server:
-    """`serve --executor ray --session-workers 2` joined to the Ray cluster at `address` (workers reserve no CPU)."""
-    port = free_port()
-    return Server(["serve", "--port", str(port), "--data-dir", str(folder / "data"), "--executor", "ray",
-                   "--ray-address", address, "--session-workers", "2", "--session-worker-cpus", "0",
-                   "--session-worker-port", str(free_ports(2))],
-                  "/healthz", port, folder / "buffer.log", env={"ROLLOUT_BUFFER_AUTH_TOKEN": TOKEN})
+from sessions import assert_engine_tokens
 
 
 @pytest.fixture(scope="module")
-def buffer(tmp_path_factory: pytest.TempPathFactory, ray_address: str) -> Iterator[Server]:  # noqa: F811
-    with buffer_on_ray(tmp_path_factory.mktemp("ray-workers"), ray_address).start(timeout_s=120) as srv:
+def engine(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_path: str) -> Iterator[Server]:
+    with answering_right(tmp_path_factory, qwen_tokenizer_path) as srv:
         yield srv
 
 
-def workers(srv: Server) -> list[dict[str, Any]]:
-    found: list[dict[str, Any]] = httpx.get(f"{srv.url}/status", headers=AUTH, timeout=10).json()["session_workers"]
-    return found
+@pytest.fixture(scope="module")
+def buffer(tmp_path_factory: pytest.TempPathFactory, ray_address: str) -> Iterator[Server]:
+    with buffer_on_ray(tmp_path_factory.mktemp("ray-workers"), ray_address).start(timeout_s=120) as srv:
+        yield srv
 
 
 def open_session(srv: Server, instance_id: str, **hints: str) -> dict[str, Any]:
@@ -87,7 +75,7 @@ def client(session: dict[str, Any], retries: int = 0) -> openai.OpenAI:
 
 
 def test_sessions_on_ray_workers_survive_a_killed_worker_and_report_a_lost_actor(
-        buffer: Server, engine: Server, qwen_tokenizer_path: str) -> None:  # noqa: F811
+        buffer: Server, engine: Server, qwen_tokenizer_path: str) -> None:
     started = httpx.post(f"{buffer.url}/start_rollout", headers=AUTH, timeout=60, json={
         "task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": qwen_tokenizer_path,
         "num_repeat_per_sample": 2, "max_tokens": 2048})
@@ -151,11 +139,11 @@ def test_sessions_on_ray_workers_survive_a_killed_worker_and_report_a_lost_actor
 def test_keys_and_tokens_are_in_no_workers_command_line(buffer: Server) -> None:
     for w in workers(buffer):
         cmdline = Path(f"/proc/{w['pid']}/cmdline").read_bytes().decode()
-        assert "session-worker" in cmdline and TOKEN not in cmdline and "SECRET" not in cmdline
+        assert "session-worker" in cmdline and SESSION_WORKERS_TOKEN not in cmdline and "SECRET" not in cmdline
 
 
 def test_an_agent_run_on_ray_actors_has_its_sessions_on_the_workers(
-        buffer: Server, engine: Server, qwen_tokenizer_path: str, tmp_path: Path) -> None:  # noqa: F811
+        buffer: Server, engine: Server, qwen_tokenizer_path: str, tmp_path: Path) -> None:
     """The trajectories run in the `ray` executor's actors; the sessions their agents talk to are on the session
     workers (the actors open, read and close them through the buffer)."""
     rows = tmp_path / "tasks.jsonl"
@@ -179,12 +167,12 @@ def test_an_agent_run_on_ray_actors_has_its_sessions_on_the_workers(
 
 
 def test_workers_the_cluster_cannot_place_are_a_clear_error_not_a_hang(
-        tmp_path: Path, ray_address: str, engine: Server, qwen_tokenizer_path: str) -> None:  # noqa: F811
+        tmp_path: Path, ray_address: str, engine: Server, qwen_tokenizer_path: str) -> None:
     port = free_port()
     srv = Server(["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--executor", "ray",
                   "--ray-address", ray_address, "--session-workers", "1", "--session-worker-cpus", "64",
                   "--session-worker-port", str(free_ports(1))],
-                 "/healthz", port, tmp_path / "buffer.log", env={"ROLLOUT_BUFFER_AUTH_TOKEN": TOKEN})
+                 "/healthz", port, tmp_path / "buffer.log", env={"ROLLOUT_BUFFER_AUTH_TOKEN": SESSION_WORKERS_TOKEN})
     with srv.start(timeout_s=120):
         assert [w["up"] for w in workers(srv)] == [False]
         assert "--session-worker-cpus 64: no node of the Ray cluster has that many CPUs" in srv.log()
@@ -219,7 +207,7 @@ def assert_ran_in_an_actor(buffer: Server, program: str, served: list[int]) -> N
 
 
 def test_an_environments_workers_run_in_the_ray_actors(
-        buffer: Server, engine: Server, qwen_tokenizer_path: str, verifiers_python: str) -> None:  # noqa: F811
+        buffer: Server, engine: Server, qwen_tokenizer_path: str, verifiers_python: str) -> None:
     """verifiers' tool-using environment with `--executor ray`: its worker processes run under the Ray actor that
     runs the episodes (not the buffer), the episodes' sessions on the session workers."""
     served = [w["served"] for w in workers(buffer)]
@@ -236,7 +224,7 @@ def test_an_environments_workers_run_in_the_ray_actors(
 
 
 def test_an_openenv_runs_servers_in_the_ray_actors(
-        buffer: Server, engine: Server, qwen_tokenizer_path: str, openenv_python: str) -> None:  # noqa: F811
+        buffer: Server, engine: Server, qwen_tokenizer_path: str, openenv_python: str) -> None:
     """OpenEnv with `--executor ray`: the servers `openenv_command` starts run under the actor that runs the
     episodes (not the buffer), the episodes' sessions on the session workers."""
     served = [w["served"] for w in workers(buffer)]

@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 import pytest
-from test_groups import _Hooks
+from records import Hooks, long_record
 
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.buffer import RolloutBuffer
@@ -27,15 +27,6 @@ from rollout_buffer.schemas import TrajectoryRecord
 from rollout_buffer.tools.export import export
 
 GROUP = 4
-
-
-def long_record(i: int, reward: float) -> dict[str, Any]:
-    """A token-mode record of 8 000 tokens (long enough to carry facts), its last message the answer."""
-    n = 8000
-    return {"uid": f"u{i}", "instance_id": "task", "reward": reward, "extra_info": {"epoch": 0, "repeat": i},
-            "messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"a{i}"}],
-            "tokens": [(7 * k + i) % 151000 for k in range(n)], "loss_mask": [0] * 1000 + [1] * 7000,
-            "rollout_log_probs": [-0.25 * (k % 5) for k in range(7000)], "response_length": 7000}
 
 
 def expected(records: list[dict[str, Any]], **hooks: Any) -> list[dict[str, Any]]:
@@ -63,7 +54,7 @@ def run_group(tmp_path: Path, before_last: str | None = None, hooks: dict[str, A
         store = Store(config.db_path)
         await store.open()
         try:
-            buffer = RolloutBuffer(config, store, {"hooked": _Hooks(**hooks or {})})
+            buffer = RolloutBuffer(config, store, {"hooked": Hooks(**hooks or {})})
             run = await buffer.runs.get(await buffer.create_run({"task_type": "hooked"}, GROUP))
             assert run is not None
             encoded = [EncodedRecord.of(TrajectoryRecord.model_validate(r)) for r in records]

@@ -16,9 +16,10 @@ import aiohttp
 import httpx
 import openai
 import pytest
+from masks import spans
 from runs import drain
 from servers import Server, session_host, sim_engine
-from test_proxy import RESULTS, assert_engine_tokens, finish, key_of, open_session, record, spans, view
+from sessions import RESULTS, assert_engine_tokens, finish, key_of, open_session, record, view
 
 CALC_PARAMETERS = {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}
 TOOLS: list[Any] = [{"type": "function", "name": "calculator", "description": "Evaluate arithmetic.",

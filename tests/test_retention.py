@@ -16,9 +16,8 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from records import Hooks, long_record
 from servers import Server, free_port
-from test_groups import _Hooks
-from test_record_layout import long_record
 
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.buffer import RolloutBuffer
@@ -55,7 +54,7 @@ def test_long_records_of_delivered_groups_are_cut_to_their_facts_once_old(tmp_pa
         store = Store(config.db_path)
         await store.open()
         try:
-            buffer = RolloutBuffer(config, store, {"hooked": _Hooks()})
+            buffer = RolloutBuffer(config, store, {"hooked": Hooks()})
             run = await buffer.runs.get(await buffer.create_run({"task_type": "hooked"}, GROUP))
             assert run is not None
 
@@ -135,7 +134,7 @@ def test_long_records_a_hook_rewrote_whole_are_pruned_as_the_hook_left_them(tmp_
         store = Store(config.db_path)
         await store.open()
         try:
-            buffer = RolloutBuffer(config, store, {"hooked": _Hooks(transform_group=tag)})
+            buffer = RolloutBuffer(config, store, {"hooked": Hooks(transform_group=tag)})
             run = await buffer.runs.get(await buffer.create_run({"task_type": "hooked"}, GROUP))
             assert run is not None
             await buffer.write_encoded(group("hooked", long=True), run)
@@ -164,7 +163,7 @@ def test_the_retention_loop_prunes_what_is_due_and_says_so(tmp_path: Path,
         await store.open()
         retention = Retention(store, after_s=0.0, every_s=0.05)
         try:
-            buffer = RolloutBuffer(config, store, {"hooked": _Hooks()})
+            buffer = RolloutBuffer(config, store, {"hooked": Hooks()})
             run = await buffer.runs.get(await buffer.create_run({"task_type": "hooked"}, GROUP))
             assert run is not None
             await buffer.write_encoded(group("delivered", long=True), run)

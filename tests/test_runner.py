@@ -8,9 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import orjson
 import pytest
-from runs import drain, wait_finished
+from runs import drain, math_rows, start, wait_finished, write_jsonl
 from servers import Server, free_port, running
 from servers import sim_engine as start_sim_engine
 
@@ -32,28 +31,6 @@ def buffer(tmp_path: Path, *extra: str) -> Server:
             "--generator-path", str(PLUGINS / "two_turn.py"), "--generator-path", str(PLUGINS / "flaky.py"),
             "--generator-path", str(PLUGINS / "slime_style.py"), "--generator-path", str(PLUGINS / "duo.py"), *extra]
     return Server(args, "/healthz", port, tmp_path / "buffer.log")
-
-
-def math_rows(n: int) -> list[dict]:
-    return [{"instance_id": f"m{i}", "prompt": f"What is {i + 3} + {2 * i}?", "label": str(3 * i + 3)}
-            for i in range(n)]
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_bytes(b"\n".join(orjson.dumps(r) for r in rows) + b"\n")
-    return path
-
-
-def start(url: str, engine: str | list[str], input_file: Path, tokenizer: str | None, **over) -> str:
-    payload = {
-        "task_type": "math", "input_file": str(input_file), "num_repeat_per_sample": 4, "num_epoch": 1,
-        "num_process": 16, "remote_engine_url": engine, "max_tokens": 256, "tokenizer_path": tokenizer,
-        "sampling_params": {"temperature": 1.0, "top_p": 1.0}, "backoff_s": 0.05,
-    }
-    payload.update(over)
-    resp = httpx.post(f"{url}/start_rollout", json=payload, timeout=30)
-    assert resp.status_code == 200, resp.text
-    return resp.json()["run_id"]
 
 
 def test_math_run_token_mode_delivers_every_group_once(tmp_path, sim_engine, qwen_tokenizer, qwen_tokenizer_path):

@@ -16,19 +16,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from masks import spans
 from runs import drain
 from servers import Server, free_port, sim_engine
-from test_proxy import (
-    OPENAI_TOOLS,
-    PARALLEL_TASK,
-    assert_engine_tokens,
-    finish,
-    open_session,
-    record,
-    spans,
-    tool_results,
-    view,
-)
+from sessions import OPENAI_TOOLS, PARALLEL_TASK, assert_engine_tokens, finish, open_session, record, tool_results, view
 
 from rollout_buffer.generation.context import RolloutContext, RunResources
 from rollout_buffer.generation.engine import EngineClient

@@ -27,10 +27,12 @@ import httpx
 import openai
 import psutil
 import pytest
+from agent_files import AGENTS
+from environment_venvs import VERIFIERS_ENVS
+from masks import spans
 from runs import drain, wait_finished
 from servers import Server, free_port, free_ports, sim_engine
-from test_agent_runs import AGENTS, stdlib_agent  # noqa: F401 (a fixture)
-from test_proxy import (
+from sessions import (
     ANTHROPIC_TOOLS,
     OPENAI_TOOLS,
     PARALLEL_TASK,
@@ -39,12 +41,9 @@ from test_proxy import (
     finish,
     open_session,
     record,
-    spans,
     tool_results,
     view,
 )
-from test_verifiers_env import ENVS as VERIFIERS_ENVS
-from test_verifiers_env import verifiers_python  # noqa: F401 (a fixture)
 
 from generators.agent.sandbox import namespaces_work
 from rollout_buffer.config import ServerConfig
@@ -457,7 +456,7 @@ def test_a_session_opened_while_the_workers_start_waits_for_one_unless_they_fail
 
 
 def test_agent_runs_open_their_sessions_on_the_workers(
-        buffer: Server, engine: Server, qwen_tokenizer_path: str, stdlib_agent: Path, tmp_path: Path  # noqa: F811
+        buffer: Server, engine: Server, qwen_tokenizer_path: str, stdlib_agent: Path, tmp_path: Path
 ) -> None:
     """An `agent_command` run (the sandboxed subprocess agent) and a callable agent's run: each trajectory's
     session on a worker, records stored by the runner with exact tokens, whole groups."""
@@ -543,7 +542,7 @@ def fetch(url: str, **body: Any) -> dict[str, Any]:
 
 
 def test_an_environments_episodes_run_through_sessions_on_the_workers(
-        buffer: Server, engine: Server, qwen_tokenizer_path: str, verifiers_python: str) -> None:  # noqa: F811
+        buffer: Server, engine: Server, qwen_tokenizer_path: str, verifiers_python: str) -> None:
     """verifiers' tool-using environment in its own venv: each episode's session on a worker, the harness's command
     output between the two model turns at loss 0, the engine's exact tokens."""
     served = [w["served"] for w in workers(buffer)]

@@ -20,22 +20,13 @@ from typing import Any
 import httpx
 import psutil
 import pytest
+from environment_venvs import VERIFIERS, VERIFIERS_ENVS
+from masks import spans
 from runs import drain, wait_finished
 from servers import Server, buffer_server, free_port, sim_engine
-from test_agent_docker import assert_engine_tokens
-from test_proxy import decode_tail, spans
+from sessions import assert_engine_continues, decode_tail
 
 from generators import verifiers_env
-from rollout_buffer.environments.venvs import venv_python
-
-VERIFIERS = "verifiers==0.4.0"
-ENVS = Path(__file__).parent / "data" / "verifiers_envs"
-
-
-@pytest.fixture(scope="module")
-def verifiers_python() -> str:
-    """The interpreter of a venv holding verifiers and uv (its harness programs run with uv)."""
-    return venv_python([VERIFIERS, "uv"])
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +47,13 @@ def start(buffer: Server, engine: Server, tokenizer: str, python: str | None, en
     interpreter = {"env_python": python} if python is not None else {}
     return httpx.post(f"{buffer.url}/start_rollout", timeout=600, json={
         "task_type": "verifiers", "remote_engine_url": engine.url, "tokenizer_path": tokenizer, **interpreter,
-        "env_id": env_id, "env_paths": [str(ENVS)], "num_repeat_per_sample": 2, "max_tokens": 4096, **options})
+        "env_id": env_id, "env_paths": [str(VERIFIERS_ENVS)], "num_repeat_per_sample": 2, "max_tokens": 4096,
+        **options})
 
 
 def direct_reward(python: str, module: str, task_cls: str, method: str, data: dict[str, Any], reply: str) -> float:
     """The environment's own reward function run directly (in its venv) on a final reply."""
-    script = (f"import asyncio, json, sys; sys.path.insert(0, {str(ENVS)!r}); import {module} as m\n"
+    script = (f"import asyncio, json, sys; sys.path.insert(0, {str(VERIFIERS_ENVS)!r}); import {module} as m\n"
               f"task = m.{task_cls}(m.{task_cls}.__orig_bases__[0].__args__[0](**json.loads(sys.argv[1])))\n"
               "class Trace: last_reply = sys.argv[2]\n"
               f"print(asyncio.run(task.{method}(Trace())))")
@@ -113,7 +105,7 @@ def test_a_judged_single_turn_environment_trains_from_its_own_dataset(verifiers_
         assert len(trained) == 1  # one model turn; the prompt (the environment's text) at loss 0
         assert f"What is {a} + {b}?" in decode_tail(rec["tokens"][:trained[0][0]])
         assert "tokenization_mismatch" not in rec["extra_info"]
-        assert_engine_tokens(engine, rec)
+        assert_engine_continues(engine, rec)
 
 
 def test_tool_using_environment_runs_commands_between_model_turns(verifiers_python: str, buffer: Server,
@@ -129,7 +121,7 @@ def test_tool_using_environment_runs_commands_between_model_turns(verifiers_pyth
         between = decode_tail(rec["tokens"][trained[0][1]:trained[1][0]])
         assert f"rb-marker-{n * 7}" in between and "<tool_response>" in between  # the harness ran it: loss 0
         assert rec["raw_reward"] == 1.0 == rec["extra_info"]["env"]["traces"][0]["reward"]
-        assert_engine_tokens(engine, rec)
+        assert_engine_continues(engine, rec)
 
 
 def test_a_crashed_worker_is_replaced_and_its_episodes_retried(verifiers_python: str, buffer: Server, engine: Server,
@@ -334,7 +326,7 @@ def test_a_listing_worker_no_run_adopts_is_stopped(verifiers_python: str, monkey
     # after the listing: the worker and its scratch folder go once the wait is over.
     monkeypatch.setattr(verifiers_env, "_PARK_S", 0.5)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    payload = {"env_python": verifiers_python, "env_id": "rb_arith", "env_paths": [str(ENVS)]}
+    payload = {"env_python": verifiers_python, "env_id": "rb_arith", "env_paths": [str(VERIFIERS_ENVS)]}
 
     def workers() -> set[int]:
         return {p.pid for p in psutil.Process().children(recursive=True)}
@@ -368,8 +360,9 @@ def test_a_listing_worker_waiting_for_its_run_leaves_no_folder_when_the_server_s
               "rows = asyncio.run(verifiers_env.default_input({'env_python': sys.argv[1], 'env_id': 'rb_arith', "
               "'env_paths': [sys.argv[2]]}, True)); "
               "print(len(rows), len(list(pathlib.Path(tempfile.gettempdir()).glob('rb-scratch-*/rb-env-*'))))")
-    done = subprocess.run([sys.executable, "-c", script, verifiers_python, str(ENVS)], capture_output=True, text=True,
-                          timeout=300, cwd=Path(__file__).parent.parent, env={**os.environ, "TMPDIR": str(scratch)})
+    done = subprocess.run([sys.executable, "-c", script, verifiers_python, str(VERIFIERS_ENVS)], capture_output=True,
+                          text=True, timeout=300, cwd=Path(__file__).parent.parent,
+                          env={**os.environ, "TMPDIR": str(scratch)})
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["3", "1"], "the listing's pool, with its folder, waited when the process ended"
     assert list(scratch.iterdir()) == []

@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 from servers import Server, free_port, free_ports, sim_engine
-from test_proxy import open_session
+from sessions import open_session
 
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.proxy import worker_run

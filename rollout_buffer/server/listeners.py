@@ -28,7 +28,7 @@ def agent_socket(stack: contextlib.ExitStack) -> tuple[Path, socket.socket] | No
     the server answers only session endpoints with their keys on it. None (logged) when it cannot be made.
 
     The folders of servers that died without closing theirs (SIGKILL, an OOM kill) are removed first."""
-    _remove_orphans(Path(tempfile.gettempdir()))
+    remove_orphaned_agent_folders(Path(tempfile.gettempdir()))
     try:
         folder = Path(tempfile.mkdtemp(prefix=f"{_FOLDER_PREFIX}{os.getpid()}-"))
         stack.callback(shutil.rmtree, folder, True)
@@ -43,7 +43,7 @@ def agent_socket(stack: contextlib.ExitStack) -> tuple[Path, socket.socket] | No
     return path, sock
 
 
-def _remove_orphans(temp: Path) -> None:
+def remove_orphaned_agent_folders(temp: Path) -> None:
     """Remove the agent-socket folders in `temp` whose server process is gone."""
     for folder in temp.glob(f"{_FOLDER_PREFIX}*-*"):
         pid = folder.name[len(_FOLDER_PREFIX):].split("-", 1)[0]
