@@ -106,6 +106,14 @@ def create_app(config: SimConfig) -> FastAPI:
     app.state.engine = engine
 
     app.add_middleware(_CountRequests, stats=engine.stats)
+    _generation_routes(app, engine)
+    _control_routes(app, engine)
+    _simulator_routes(app, engine)
+    return app
+
+
+def _generation_routes(app: FastAPI, engine: SimEngine) -> None:
+    """What clients generate and read with: `/generate`, chat completions, health, model and server info, load."""
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
@@ -135,12 +143,16 @@ def create_app(config: SimConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> Response:
         card = {"id": SIM_MODEL_NAME, "object": "model", "created": int(engine.started), "owned_by": "sglang",
-                "root": engine.tokenizer_path, "max_model_len": config.context_length}
+                "root": engine.tokenizer_path, "max_model_len": engine.config.context_length}
         return json_response({"object": "list", "data": [card]})
 
     @app.get("/get_load")
     async def get_load() -> Response:
         return json_response(engine.load())
+
+
+def _control_routes(app: FastAPI, engine: SimEngine) -> None:
+    """What a trainer drives the engine with: flush, abort, weight versions, pause and continue."""
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache(timeout_s: float = Query(0.0, ge=0.0, alias="timeout")) -> Response:
@@ -196,6 +208,10 @@ def create_app(config: SimConfig) -> FastAPI:
         logger.info("generation continued")
         return json_response({"message": "Generation continued successfully.", "status": "ok"})
 
+
+def _simulator_routes(app: FastAPI, engine: SimEngine) -> None:
+    """The simulator's own: its counters, its last requests, and faults queued for the next requests."""
+
     @app.get("/sim/stats")
     async def sim_stats() -> Response:
         return json_response(info.stats_json(engine))
@@ -212,8 +228,6 @@ def create_app(config: SimConfig) -> FastAPI:
         except ValueError as e:
             return error_response(400, str(e))
         return json_response({"queued": engine.faults.queued()})
-
-    return app
 
 
 def serve(config: SimConfig) -> None:
