@@ -11,6 +11,7 @@ counts as a failure too, and the folder is removed.
 
 from __future__ import annotations
 
+import getpass
 import os
 import shutil
 import signal
@@ -25,6 +26,8 @@ from rollout_buffer.processes import remove_orphaned_scratch
 from rollout_buffer.server.listeners import remove_orphaned_agent_folders
 
 MARK = "ROLLOUT_BUFFER_TEST_RUN"
+# Files a tool keeps in the temp dir by design: uv's lock files (`uv-<hash>.lock`), made when environments' venvs are.
+KEPT = ("uv-",)
 GRACE_S = 20.0
 _found: dict[str, list[str]] = {}
 
@@ -60,6 +63,8 @@ def pytest_configure(config: pytest.Config) -> None:
     os.chmod(run_folder, 0o1777)  # as /tmp: agents the suite runs as another user make their files there too
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", usual)
     os.environ.setdefault("RAY_TMPDIR", usual)  # Ray's own sessions stay where Ray keeps them
+    # torch's compile cache, shared by every run as it is outside the suite
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(usual, f"torchinductor_{getpass.getuser()}"))
     os.environ["TMPDIR"] = run_folder
     tempfile.tempdir = None  # this process takes the run's folder too
 
@@ -80,7 +85,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     run_folder = os.environ["TMPDIR"]
     remove_orphaned_scratch(Path(run_folder))
     remove_orphaned_agent_folders(Path(run_folder))
-    left = sorted(os.path.join(run_folder, name) for name in os.listdir(run_folder))
+    left = sorted(os.path.join(run_folder, name) for name in os.listdir(run_folder) if not name.startswith(KEPT))
     shutil.rmtree(run_folder, ignore_errors=True)
     _found.update(processes=[f"{pid}: {cmd}" for pid, cmd in sorted(alive.items())], folders=left)
     if alive or left:

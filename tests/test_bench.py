@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -17,9 +18,11 @@ NUMBER = r"(\d+(?:\.\d+)?)"
 
 
 def run_bench(module: str, *args: str, timeout_s: float = 240) -> str:
-    """Run `python -m bench.<module> args...` from the repository; its output, after checking it succeeded."""
-    done = subprocess.run([sys.executable, "-m", f"bench.{module}", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout_s, env={**os.environ, "COLUMNS": "200"})
+    """Run `python -m bench.<module> args...` from the repository; its output, after checking it succeeded. A bench
+    keeps its working folder for whoever ran it; the test's goes with the temporary folder it is given."""
+    with tempfile.TemporaryDirectory(prefix="bench-tmp-") as scratch:
+        done = subprocess.run([sys.executable, "-m", f"bench.{module}", *args], cwd=REPO, capture_output=True,
+                              text=True, timeout=timeout_s, env={**os.environ, "COLUMNS": "200", "TMPDIR": scratch})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 
