@@ -62,7 +62,6 @@ _AFFINITY_SIZE = 100_000
 # A router's queue timeout and rate limit: the request was fine, the engines were busy.
 _RETRYABLE_4XX = frozenset({408, 429})
 _T = TypeVar("_T")
-# Engine info (`probe_engine`): asked once per engine, again this long after it did not answer.
 
 
 class EngineClient:
