@@ -18,7 +18,7 @@ import orjson
 
 from bench.workload import MAX_TOKENS, SAMPLING, math_rows
 from generators.math import prompt_messages
-from rollout_buffer.generation.tokenizer import bundled_tokenizer_path, load_tokenizer
+from rollout_buffer.tokens.tokenizer import bundled_tokenizer_path, load_tokenizer
 
 
 def request_bodies(mode: str, n: int = 256) -> tuple[str, list[bytes]]:

@@ -26,7 +26,7 @@ import httptools
 import uvloop
 
 from bench.harness import REPO, Service, free_port
-from rollout_buffer.generation.http_pool import HttpPool
+from rollout_buffer.engine.http_pool import HttpPool
 
 _OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{\"ok\":true}"
 # What the proxy sends the sink, in pieces of this size (the ids' JSON is the buffer's already, in pieces too).

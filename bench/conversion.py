@@ -32,9 +32,9 @@ from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.buffer import RolloutBuffer
 from rollout_buffer.delivery.encoded import encode_record
 from rollout_buffer.delivery.store import Store
-from rollout_buffer.generation.tokenizer import bundled_tokenizer_path, load_tokenizer
 from rollout_buffer.schemas import TrajectoryRecord
 from rollout_buffer.server.bodies import json_response
+from rollout_buffer.tokens.tokenizer import bundled_tokenizer_path, load_tokenizer
 from slime_adapter.client import BufferClient, decode_json
 from slime_adapter.records import SampleBuilder
 

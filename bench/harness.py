@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from rollout_buffer.generation.tokenizer import bundled_tokenizer_path
+from rollout_buffer.tokens.tokenizer import bundled_tokenizer_path
 
 REPO = Path(__file__).resolve().parent.parent
 

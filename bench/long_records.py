@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from rollout_buffer.generation.conversation import Conversation
+from rollout_buffer.tokens.conversation import Conversation
 
 _WORDS = ("the", "sum", "of", "both", "terms", "gives", "so", "we", "check", "each", "step", "again", "then",
           "carry", "one", "to", "next", "column", "and", "result", "is", "equal", "twice", "value", "minus")

@@ -38,7 +38,7 @@ from rich.table import Table
 from bench.bytes_floor import bytes_floor
 from bench.forwarding_front import forwarding_front, through
 from bench.harness import REPO, Service, free_ports, rollout_buffer, sim_engine
-from rollout_buffer.generation.tokenizer import bundled_tokenizer_path, load_tokenizer
+from rollout_buffer.tokens.tokenizer import bundled_tokenizer_path, load_tokenizer
 
 console = Console(width=200)
 REPLY_TOKENS = 256

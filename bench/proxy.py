@@ -56,7 +56,7 @@ from bench import long_session, profiler, session_opens
 from bench.forwarding_front import forwarding_front, through
 from bench.harness import REPO, MachineCpu, Meter, Service, ThreadCpu, free_ports, rollout_buffer, sim_engine
 from rollout_buffer.delivery.store import STORE_THREAD
-from rollout_buffer.generation.tokenizer import bundled_tokenizer_path
+from rollout_buffer.tokens.tokenizer import bundled_tokenizer_path
 
 console = Console(width=200)
 TOOLS = [{"type": "function", "function": {

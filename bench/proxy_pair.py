@@ -4,14 +4,15 @@ per turn.
 This VM's speed drifts by ±20% between runs minutes apart, more than most changes to the proxy; two buffers
 measured over the same windows see the same drift. One simulated engine serves both; each buffer gets its own
 `--sessions` agents (the episodes of `bench.proxy`, started spread over one engine latency). The candidate differs
-by its source tree (`--candidate-src`, e.g. a `git worktree` of a branch) and/or its run options
-(`--candidate-option session_journal=false`); with `--workers N` each buffer serves its sessions from N session
+by its source tree (`--candidate-src`, e.g. a `git worktree` of a branch), its run options
+(`--candidate-option session_journal=false`) and/or its `serve` flags (`--candidate-flag=--no-shortcuts`); with `--workers N` each buffer serves its sessions from N session
 workers of its own, and the ratio is of the buffer processes alone (placing and storing, as `bench.proxy
 --workers` meters them). Each round prints both buffers' CPU per turn and the ratio; the last line is the mean
 ratio (candidate / baseline: below 1 is cheaper). Two copies of the same build gave ratios of 0.95–1.01 over four
 30 s rounds, with and without workers.
 
     python -m bench.proxy_pair --candidate-option session_journal=false
+    python -m bench.proxy_pair --candidate-flag=--no-shortcuts   # what the shortcuts buy (docs/benchmarks)
     python -m bench.proxy_pair --baseline-src ../base-worktree --rounds 4
     python -m bench.proxy_pair --baseline-src ../base-worktree --workers 1
 """
@@ -67,6 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--candidate-src", type=Path, default=REPO, help="source tree of the candidate buffer")
     parser.add_argument("--candidate-option", action="append", default=[], metavar="KEY=JSON",
                         help="a run option of the candidate's /start_rollout, e.g. session_journal=false")
+    parser.add_argument("--candidate-flag", action="append", default=[], metavar="FLAG",
+                        help="a `serve` flag of the candidate, e.g. --candidate-flag=--no-shortcuts")
     parser.add_argument("--sessions", type=int, default=128, help="agent sessions per buffer")
     parser.add_argument("--latency-ms", type=float, default=1000.0)
     parser.add_argument("--rounds", type=int, default=3)
@@ -87,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         for k in range(2)]
     with sim_engine(workdir, args.latency_ms) as engine, \
             rollout_buffer(workdir, args.baseline_src.resolve(), *extra[0]) as baseline, \
-            rollout_buffer(workdir, args.candidate_src.resolve(), *extra[1]) as candidate:
+            rollout_buffer(workdir, args.candidate_src.resolve(), *extra[1], *args.candidate_flag) as candidate:
         for buffer, options in ((baseline, {}), (candidate, candidate_options)):
             start_agent_run(buffer, engine, args.workers, **options)
         for r in range(args.rounds):

@@ -40,8 +40,8 @@ from rollout_buffer.delivery.buffer import RolloutBuffer
 from rollout_buffer.delivery.encoded import EncodedRecord
 from rollout_buffer.delivery.runs import StoredRun
 from rollout_buffer.delivery.store import Store
-from rollout_buffer.generation.tokenizer import bundled_tokenizer_path
 from rollout_buffer.schemas import TrajectoryRecord
+from rollout_buffer.tokens.tokenizer import bundled_tokenizer_path
 
 console = Console(width=160)
 GROUP = 8

@@ -29,8 +29,8 @@ from bench.store_write import GROUP, record
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.buffer import RolloutBuffer
 from rollout_buffer.delivery.store import Store
-from rollout_buffer.generation.tokenizer import bundled_tokenizer_path
 from rollout_buffer.schemas import TrajectoryRecord
+from rollout_buffer.tokens.tokenizer import bundled_tokenizer_path
 
 console = Console(width=160)
 WRITERS = 64

@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 
-from rollout_buffer.generation.tokenizer import bundled_tokenizer_path
+from rollout_buffer.tokens.tokenizer import bundled_tokenizer_path
 
 GROUP_SIZE = 8
 MAX_TOKENS = 256

@@ -6,6 +6,8 @@ the service, in one module. What is not here is the service's own and may change
 See the generators guide (docs/generators.md) for what each does.
 """
 
+from rollout_buffer.engine.client import EngineClient
+from rollout_buffer.engine.results import EngineError
 from rollout_buffer.environments.openenv_client import OpenEnvSession, StepResult, is_mcp
 from rollout_buffer.environments.openenv_servers import PORT_PLACEHOLDER, OpenEnvServer, ServerSpec
 from rollout_buffer.environments.pool import EnvError, ProcessPool
@@ -19,17 +21,15 @@ from rollout_buffer.environments.workers import (
     worker_script,
 )
 from rollout_buffer.generation.context import RolloutContext, RunResources
-from rollout_buffer.generation.conversation import Conversation
-from rollout_buffer.generation.engine import EngineClient
-from rollout_buffer.generation.engine_results import EngineError
-from rollout_buffer.generation.hermes import ToolCall, parse_tool_calls, tool_call
 from rollout_buffer.generation.inputs import existing_path, iter_json_objects
 from rollout_buffer.generation.options import RunOptions
-from rollout_buffer.generation.prompt_ids import INLINE_CHARS
 from rollout_buffer.generation.sessions import AgentSession
 from rollout_buffer.policy import Governed, Policy, PolicyRefused
 from rollout_buffer.processes import fate_shared, give_to, scratch_folder, user_ids
 from rollout_buffer.schemas import check_http_urls
+from rollout_buffer.tokens.conversation import Conversation
+from rollout_buffer.tokens.hermes import ToolCall, parse_tool_calls, tool_call
+from rollout_buffer.tokens.prompt_ids import INLINE_CHARS
 
 __all__ = [
     "INLINE_CHARS",

@@ -1,6 +1,6 @@
 """The simulated SGLang engine: SGLang's HTTP behaviour with scripted replies, for demos, tests and benchmarks
 without a GPU. It stands beside the service, which never imports it (the demo starts it as a process); of the service
-it uses only `rollout_buffer.generation.tokenizer`, the tokenizer the engine it imitates loads too.
+it uses only `rollout_buffer.tokens.tokenizer`, the tokenizer the engine it imitates loads too.
 
 Modules: `contract` (limits, sampling parameters, request bodies), `engine` (the scheduler and `/generate`), `chat`
 (`/v1/chat/completions`), `turns` (scripted replies and finish rules, `policy` choosing them), `detokenizer`,

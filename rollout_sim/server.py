@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from rollout_buffer.generation.tokenizer import bundled_tokenizer_path, keep_torch_out
+from rollout_buffer.tokens.tokenizer import bundled_tokenizer_path, keep_torch_out
 from rollout_sim import info
 from rollout_sim.chat import chat
 from rollout_sim.contract import (

@@ -18,7 +18,7 @@ os.environ.setdefault("ROLLOUT_BUFFER_ENV_VENVS", os.path.join(tempfile.gettempd
 
 from servers import Server, free_port, running
 
-from rollout_buffer.generation.tokenizer import bundled_tokenizer_path
+from rollout_buffer.tokens.tokenizer import bundled_tokenizer_path
 
 # Each module's tier as a marker (tiers); the suite leaves no process and no scratch folder behind (leftovers);
 # fixtures several modules share, in one place.

@@ -53,7 +53,7 @@ def tool_results(calls: Any) -> list[dict[str, Any]]:
 
 
 def decode_tail(ids: list[int]) -> str:
-    from rollout_buffer.generation.tokenizer import bundled_tokenizer_path, load_tokenizer
+    from rollout_buffer.tokens.tokenizer import bundled_tokenizer_path, load_tokenizer
 
     return load_tokenizer(bundled_tokenizer_path()).decode(ids)
 

@@ -124,7 +124,8 @@ def test_proxy_opens_measures_the_buffers_cpu_per_session_opened(tmp_path: Path)
 
 def test_proxy_pair_measures_two_buffers_over_the_same_windows(tmp_path: Path) -> None:
     out = run_bench("proxy_pair", "--sessions", "4", "--latency-ms", "20", "--warmup-s", "4", "--window-s", "1",
-                    "--rounds", "2", "--candidate-option", "session_journal=false", "--workdir", str(tmp_path))
+                    "--rounds", "2", "--candidate-option", "session_journal=false", "--candidate-flag=--no-shortcuts",
+                    "--workdir", str(tmp_path))
     line = summary_line(out)
     found = re.search(rf"proxy pair 4x2@20ms: candidate/baseline CPU per turn {NUMBER} \(rounds: {NUMBER}, {NUMBER}\)",
                       line)

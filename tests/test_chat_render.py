@@ -9,7 +9,7 @@ import gc
 import pytest
 from transformers import AutoTokenizer
 
-from rollout_buffer.generation.chat_render import ChatRenderer, _template_messages
+from rollout_buffer.tokens.chat_render import ChatRenderer, _template_messages
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a"]}}},

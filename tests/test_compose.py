@@ -20,7 +20,7 @@ import pytest
 import yaml
 from servers import free_port, running
 
-from rollout_buffer.generation.tokenizer import bundled_tokenizer_path
+from rollout_buffer.tokens.tokenizer import bundled_tokenizer_path
 from rollout_buffer.tools.cli import DELEGATED
 
 ROOT = Path(__file__).resolve().parent.parent

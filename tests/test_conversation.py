@@ -8,11 +8,11 @@ import os
 import orjson
 import pytest
 
-from rollout_buffer.generation.conversation import Conversation
-from rollout_buffer.generation.prompt_ids import encode
-from rollout_buffer.generation.sglang_wire import request_body
-from rollout_buffer.generation.tokenizer import end_of_turn_ids, load_tokenizer
+from rollout_buffer.engine.sglang_wire import request_body
 from rollout_buffer.schemas import TrajectoryRecord
+from rollout_buffer.tokens.conversation import Conversation
+from rollout_buffer.tokens.prompt_ids import encode
+from rollout_buffer.tokens.tokenizer import end_of_turn_ids, load_tokenizer
 
 PROMPT = [
     {"role": "system", "content": "You are a careful math assistant."},
@@ -427,7 +427,7 @@ def test_strict_check_agrees_with_encoding_the_whole_render(qwen_tokenizer, im_e
 
     encoded: list[str] = []
     real_encode = encode
-    monkeypatch.setattr("rollout_buffer.generation.conversation.encode",
+    monkeypatch.setattr("rollout_buffer.tokens.conversation.encode",
                         lambda t, text: encoded.append(text) or real_encode(t, text))
     verdicts = {}
     for name, conv in conversations.items():

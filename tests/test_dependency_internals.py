@@ -1,4 +1,4 @@
-"""The private internals of transformers and jinja2 the buffer relies on (`generation/dependency_internals.py`).
+"""The private internals of transformers and jinja2 the buffer relies on (`shortcuts/templates.py`).
 
 The `*_is_as_reviewed` tests fail, saying what to do, as soon as an installed transformers or jinja2 changes one
 of them. The `*_fallback*` tests force each fallback (the internal monkeypatched away or changed while the choice
@@ -21,15 +21,15 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from transformers import AutoTokenizer
 from transformers.utils import chat_template_utils as ctu
 
-from rollout_buffer.generation import dependency_internals as internals
-from rollout_buffer.generation.chat_render import ChatRenderer
-from rollout_buffer.generation.template_sandbox import speed_up_sandbox
+from rollout_buffer.shortcuts import templates as internals
+from rollout_buffer.tokens.chat_render import ChatRenderer
+from rollout_buffer.tokens.template_sandbox import speed_up_sandbox
 
 TRANSFORMERS = importlib.metadata.version("transformers")
 WHAT_TO_DO = (
     "The buffer now renders chat templates through their fallbacks (same text, slower). Read what transformers "
     f"{TRANSFORMERS} does instead (chat_template_utils.render_jinja_template, apply_chat_template), then adapt "
-    "rollout_buffer/generation/dependency_internals.py (its docstring lists each internal, why, and its fallback) "
+    "rollout_buffer/shortcuts/templates.py (its docstring lists each internal, why, and its fallback) "
     "and chat_render.py, or drop the internal there and here."
 )
 
@@ -171,7 +171,7 @@ def test_jinja_sandbox_code_is_as_reviewed():
         f"jinja2 {jinja2.__version__} changed {', '.join(unreviewed)}: the buffer now leaves transformers' sandbox "
         "as it is (same renders and refusals, slower). Read the new code: if the sandbox's decisions still depend "
         "on (type, attribute name) alone, add these fingerprints to _REVIEWED_SANDBOX_CODE in "
-        f"rollout_buffer/generation/dependency_internals.py: {unreviewed}; otherwise change _MemoizedSafety there "
+        f"rollout_buffer/shortcuts/templates.py: {unreviewed}; otherwise change _MemoizedSafety there "
         "first.")
     assert internals._sandbox_hooks_reviewed
 
@@ -186,7 +186,7 @@ def test_templates_consult_the_sandbox_hooks(qwen_tokenizer_path):
     tok.apply_chat_template(CONVERSATIONS[1], tools=TOOLS, tokenize=False)
     assert (str, "startswith") in memo._known or (str, "split") in memo._known, (
         f"jinja2 {jinja2.__version__}: the sandbox's getattr no longer asks environment.is_safe_attribute. Review "
-        "_MemoizedSafety in rollout_buffer/generation/dependency_internals.py.")
+        "_MemoizedSafety in rollout_buffer/shortcuts/templates.py.")
 
 
 def test_fingerprints_ignore_docstrings_comments_and_blank_lines_only(tmp_path):

@@ -14,11 +14,11 @@ from ops_helpers import math_rows, write_jsonl
 from servers import free_port, running
 from sim_engine_process import SimEngineProcess, sim_engines
 
+from rollout_buffer.engine.client import EngineClient
+from rollout_buffer.engine.limits import EngineLimits
+from rollout_buffer.engine.results import EngineError, GenerateResult
+from rollout_buffer.engine.sglang_wire import to_sglang_sampling_params
 from rollout_buffer.generation.context import RolloutContext, RunResources
-from rollout_buffer.generation.engine import EngineClient
-from rollout_buffer.generation.engine_limits import EngineLimits
-from rollout_buffer.generation.engine_results import EngineError, GenerateResult
-from rollout_buffer.generation.sglang_wire import to_sglang_sampling_params
 from rollout_sim.policy import Draw, scripted_reply
 from rollout_sim.replies import token_logprob
 

@@ -1,4 +1,4 @@
-"""Routes served ahead of FastAPI's router (`server.fast_routes`): the same middleware, in the same order, the same
+"""Routes served ahead of FastAPI's router (`shortcuts.fast_routes`): the same middleware, in the same order, the same
 exception handlers and the same request as FastAPI's own dispatch gives them. These tests also fail when
 Starlette's `user_middleware` or FastAPI's route objects change shape (the module reads both)."""
 
@@ -14,8 +14,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rollout_buffer.server.app import BufferApp
-from rollout_buffer.server.fast_routes import FastRoutes
 from rollout_buffer.server.guards import Guards
+from rollout_buffer.shortcuts.fast_routes import FastRoutes
 
 
 class Tagging:

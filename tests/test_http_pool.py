@@ -19,7 +19,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from rollout_buffer.generation.http_pool import HttpPool, TransportError
+from rollout_buffer.engine.http_pool import HttpPool, TransportError
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

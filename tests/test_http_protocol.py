@@ -1,4 +1,4 @@
-"""The buffer's HTTP protocol (`server.http_protocol`): a whole response leaves in one write to the socket, and
+"""The buffer's HTTP protocol (`shortcuts.http_protocol`): a whole response leaves in one write to the socket, and
 what HTTP needs still holds — keep-alive, streams chunk by chunk, `Connection: close` after the complete answer.
 
 Served by the installed uvicorn in a thread, driven over a raw socket: if uvicorn changes how it hands a response
@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from rollout_buffer.server.http_protocol import OneWriteHttpProtocol
+from rollout_buffer.shortcuts.http_protocol import OneWriteHttpProtocol
 
 WRITES: list[bytes] = []  # what the server wrote to its sockets, one item per write
 

@@ -27,12 +27,19 @@ ALLOWED: dict[str, set[str]] = {
     # Starting and ending child processes (environments, agents' commands, session workers): nothing of the service.
     "processes": set(),
     "observability": set(),
+    # Shortcuts around dependencies' public APIs: nothing of the service.
+    "shortcuts": set(),
     "delivery": {"policy", "config", "schemas", "observability"},
-    "generation": {"policy", "config", "schemas", "observability", "delivery"},
-    "proxy": {"policy", "config", "schemas", "observability", "delivery", "generation", "processes"},
+    # The SGLang engine client: nothing of runs, records or tokens.
+    "engine": {"policy", "observability"},
+    "tokens": {"observability", "delivery", "engine", "shortcuts"},
+    "generation": {"policy", "config", "schemas", "observability", "delivery", "engine", "tokens"},
+    "proxy": {"policy", "config", "schemas", "observability", "delivery", "engine", "tokens", "generation",
+              "processes", "shortcuts"},
     # Executors run trajectories elsewhere (Ray actors) with the generator API; the server picks one.
-    "executors": {"policy", "config", "schemas", "observability", "delivery", "generation"},
-    "server": {"policy", "config", "schemas", "observability", "delivery", "generation", "proxy", "executors"},
+    "executors": {"policy", "config", "schemas", "observability", "delivery", "engine", "tokens", "generation"},
+    "server": {"policy", "config", "schemas", "observability", "delivery", "engine", "tokens", "generation", "proxy",
+               "executors", "shortcuts"},
     # Environments in their own processes: the buffer's side knows nothing of the service.
     "environments": {"processes"},
 }
@@ -62,7 +69,7 @@ DELIVERY: dict[str, set[str]] = {
 OUTSIDE = ("generators", "slime_adapter", "rollout_sim")
 SIMULATOR = "rollout_sim"
 # What the simulator may take from the service: the bundled tokenizer, which the engine it imitates loads too.
-SIMULATOR_USES = {"rollout_buffer.generation.tokenizer"}
+SIMULATOR_USES = {"rollout_buffer.tokens.tokenizer"}
 
 
 def _module_name(path: Path) -> str:
@@ -247,7 +254,7 @@ def test_the_adapter_speaks_http_only_and_generators_use_the_generator_api() -> 
     ("module", "name"),
     [
         ("rollout_buffer.tools.demo", "bundled_dataset"),
-        ("rollout_buffer.generation.tokenizer", "bundled_tokenizer_path"),
+        ("rollout_buffer.tokens.tokenizer", "bundled_tokenizer_path"),
         ("rollout_buffer.generator_api", "RolloutContext"),
         ("rollout_buffer.generator_api", "Conversation"),
         ("rollout_buffer.generator_api", "EngineError"),

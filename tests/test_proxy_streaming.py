@@ -22,7 +22,7 @@ import pytest
 from servers import Server, free_port, running, sim_engine
 from tokenizers import Tokenizer
 
-from rollout_buffer.generation.engine import EngineClient
+from rollout_buffer.engine.client import EngineClient
 
 TOKEN_MS = "15"
 QUESTION = "What is 3 * 4?"
@@ -307,8 +307,8 @@ def test_a_template_that_opens_think_in_its_prompt_gives_the_reasoning_up_to_thi
     output holds only the reasoning's end tag, and what precedes it is still the reasoning, streamed or not."""
     from transformers import AutoTokenizer
 
-    from rollout_buffer.generation.conversation import Conversation
     from rollout_buffer.proxy.replies import ReplyParser
+    from rollout_buffer.tokens.conversation import Conversation
 
     tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_path)
     prompt = "{{- '<|im_start|>assistant\\n' }}"

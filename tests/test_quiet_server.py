@@ -1,4 +1,4 @@
-"""The server the buffer and its workers run (`server.quiet_server`, `server.http_protocol`): an idle server does
+"""The server the buffer and its workers run (`shortcuts.quiet_server`, `shortcuts.http_protocol`): an idle server does
 not wake, the `Date` header stays current all the same, and a stop asked for (a signal, or `should_exit` from
 another thread) is handled at once.
 
@@ -25,8 +25,8 @@ from starlette.routing import Route
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from rollout_buffer.server.http_protocol import OneWriteHttpProtocol
-from rollout_buffer.server.quiet_server import QuietServer
+from rollout_buffer.shortcuts.http_protocol import OneWriteHttpProtocol
+from rollout_buffer.shortcuts.quiet_server import QuietServer
 
 
 class Counted(QuietServer):
@@ -69,6 +69,9 @@ def test_uvicorn_still_has_what_quiet_server_replaces() -> None:
     assert list(inspect.signature(uvicorn.Server.on_tick).parameters) == ["self", "counter"]
     # Called as uvicorn's signal handler is; sse-starlette (imported by mcp) wraps it as (*args, **kwargs).
     inspect.signature(uvicorn.Server.handle_exit).bind(object(), signal.SIGTERM, None)
+    # SignalledServer (shortcuts off) notes its loop at start-up.
+    assert inspect.iscoroutinefunction(uvicorn.Server.startup)
+    inspect.signature(uvicorn.Server.startup).bind(object(), sockets=None)
     srv = QuietServer(uvicorn.Config(Starlette()))  # uvicorn sets `should_exit` in __init__: the property takes it
     assert srv.should_exit is False
     assert isinstance(ServerState().default_headers, list)

@@ -418,7 +418,7 @@ def test_sigterm_answers_open_long_polls_and_exits_within_its_bound(tmp_path: Pa
     import signal
     import threading
 
-    from rollout_buffer.server.quiet_server import SHUTDOWN_GRACE_S
+    from rollout_buffer.shortcuts.quiet_server import SHUTDOWN_GRACE_S
 
     port = free_port()
     srv = buffer(tmp_path, port, "--group-size", "2").start()

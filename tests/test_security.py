@@ -435,7 +435,7 @@ def test_a_routers_worker_list_leads_only_to_allowed_hosts(folder: Path) -> None
     import http.server
     import threading
 
-    from rollout_buffer.generation.engine_limits import probe_engine
+    from rollout_buffer.engine.limits import probe_engine
 
     hits: list[str] = []
 

@@ -21,8 +21,8 @@ from runs import drain
 from servers import Server, free_port, sim_engine
 from sessions import OPENAI_TOOLS, PARALLEL_TASK, assert_engine_tokens, finish, open_session, record, tool_results, view
 
+from rollout_buffer.engine.client import EngineClient
 from rollout_buffer.generation.context import RolloutContext, RunResources
-from rollout_buffer.generation.engine import EngineClient
 from rollout_buffer.proxy.journal import Journal, load_sessions, replay
 from rollout_buffer.proxy.messages import message_key, tools_key
 from rollout_buffer.proxy.openai_chat import OpenAIChatAdapter

@@ -25,10 +25,10 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from rollout_buffer.engine.client import EngineClient
+from rollout_buffer.engine.limits import EngineLimits, probe_engine
+from rollout_buffer.engine.results import EngineError, GenerateResult
 from rollout_buffer.generation.context import RolloutContext, RunResources
-from rollout_buffer.generation.engine import EngineClient
-from rollout_buffer.generation.engine_limits import EngineLimits, probe_engine
-from rollout_buffer.generation.engine_results import EngineError, GenerateResult
 from rollout_buffer.generation.options import check_engine_options
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang"

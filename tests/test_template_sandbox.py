@@ -7,8 +7,8 @@ from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from transformers import AutoTokenizer
 
-from rollout_buffer.generation.dependency_internals import _MemoizedSafety
-from rollout_buffer.generation.template_sandbox import speed_up_sandbox
+from rollout_buffer.shortcuts.templates import _MemoizedSafety
+from rollout_buffer.tokens.template_sandbox import speed_up_sandbox
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2 + 2?"}],

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from rollout_buffer.delivery.versions import ordered_versions
-from rollout_buffer.generation.conversation import Conversation
-from rollout_buffer.generation.engine import EngineClient
+from rollout_buffer.engine.client import EngineClient
+from rollout_buffer.engine.sglang_wire import GenerateDelta, to_sglang_sampling_params
 from rollout_buffer.generation.sessions import AgentSession, SessionHost
-from rollout_buffer.generation.sglang_wire import GenerateDelta, to_sglang_sampling_params
 from rollout_buffer.observability import metrics
+from rollout_buffer.tokens.conversation import Conversation
 
 T = TypeVar("T")
 

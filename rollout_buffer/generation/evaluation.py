@@ -21,15 +21,15 @@ from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.buffer import RolloutBuffer
 from rollout_buffer.delivery.encoded import encode_record
 from rollout_buffer.delivery.evals import EvalKey, EvalSample, EvalStore, EvalSummary
+from rollout_buffer.engine.client import EngineClient
 from rollout_buffer.generation.context import RolloutContext, RunResources
-from rollout_buffer.generation.engine import EngineClient
 from rollout_buffer.generation.inputs import LineIndex
 from rollout_buffer.generation.plugins import Generator
 from rollout_buffer.generation.resources import engine_options_of
 from rollout_buffer.generation.sessions import SessionHost
-from rollout_buffer.generation.tokenizer import load_tokenizer
 from rollout_buffer.generation.trajectory import failed_record, produce
 from rollout_buffer.schemas import StartEvalRequest, TrajectoryRecord
+from rollout_buffer.tokens.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 

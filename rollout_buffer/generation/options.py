@@ -9,9 +9,9 @@ from typing import Any, ClassVar, Self
 
 from pydantic import BaseModel, ConfigDict, NonNegativeFloat, PositiveInt, ValidationError
 
-from rollout_buffer.generation.engine_limits import probe_engine
-from rollout_buffer.generation.engine_outage import DEFAULT_OUTAGE_S
-from rollout_buffer.generation.sglang_wire import (
+from rollout_buffer.engine.limits import probe_engine
+from rollout_buffer.engine.outage import DEFAULT_OUTAGE_S
+from rollout_buffer.engine.sglang_wire import (
     ROUTER_DROPPED_CHAT_KEYS,
     ROUTER_DROPPED_SAMPLING_KEYS,
     ROUTER_MAX_CHAT_STOPS,

@@ -10,11 +10,11 @@ import asyncio
 import logging
 from typing import Any
 
+from rollout_buffer.engine.client import EngineClient
 from rollout_buffer.generation.context import RunResources
-from rollout_buffer.generation.engine import EngineClient
 from rollout_buffer.generation.sessions import SessionHost
-from rollout_buffer.generation.tokenizer import load_tokenizer
 from rollout_buffer.schemas import StartRolloutRequest
+from rollout_buffer.tokens.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 

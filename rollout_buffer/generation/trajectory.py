@@ -15,8 +15,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from rollout_buffer.engine.results import EngineError
 from rollout_buffer.generation.context import RolloutContext, stamp
-from rollout_buffer.generation.engine_results import EngineError
 from rollout_buffer.generation.plugins import Generator
 from rollout_buffer.observability import metrics
 from rollout_buffer.schemas import TrajectoryRecord

@@ -26,11 +26,11 @@ import orjson
 
 from rollout_buffer.delivery.store import StoreError
 from rollout_buffer.generation.context import RolloutContext
-from rollout_buffer.generation.conversation import Conversation, ConversationTail, TurnMark
 from rollout_buffer.proxy.messages import assistant_message, message_key, tool_call, tools_key
 from rollout_buffer.proxy.replies import Reply
 from rollout_buffer.proxy.session_files import SessionFiles
 from rollout_buffer.proxy.tree import Branch, ResponseRef, Route, SessionTree
+from rollout_buffer.tokens.conversation import Conversation, ConversationTail, TurnMark
 
 log = logging.getLogger(__name__)
 

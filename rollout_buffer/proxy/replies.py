@@ -19,8 +19,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_buffer.generation.hermes import parse_call_body
 from rollout_buffer.proxy.messages import assistant_message, tool_call
+from rollout_buffer.tokens.hermes import parse_call_body
 
 
 @dataclass(frozen=True)

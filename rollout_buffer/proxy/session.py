@@ -21,11 +21,10 @@ from jinja2 import TemplateError
 from pydantic import Field
 
 from rollout_buffer.delivery.store import StoreError
+from rollout_buffer.engine.results import EngineError
+from rollout_buffer.engine.sglang_wire import GenerateDelta
 from rollout_buffer.generation.context import RolloutContext, RunResources, stamp
-from rollout_buffer.generation.conversation import Conversation, TurnMark
-from rollout_buffer.generation.engine_results import EngineError
 from rollout_buffer.generation.options import RunOptions
-from rollout_buffer.generation.sglang_wire import GenerateDelta
 from rollout_buffer.observability import metrics
 from rollout_buffer.proxy.history import HistoryCache
 from rollout_buffer.proxy.journal import Journal
@@ -34,6 +33,7 @@ from rollout_buffer.proxy.replies import Reply, ReplyParser, ReplyPart
 from rollout_buffer.proxy.request_bodies import BodyCache
 from rollout_buffer.proxy.tree import Branch, ResponseRef, Route, SessionTree
 from rollout_buffer.schemas import TrajectoryRecord
+from rollout_buffer.tokens.conversation import Conversation, TurnMark
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_buffer.generation.conversation import Conversation, TurnMark
 from rollout_buffer.proxy.messages import MessageKey
+from rollout_buffer.tokens.conversation import Conversation, TurnMark
 
 
 @dataclass

@@ -31,7 +31,7 @@ from pydantic import ValidationError
 
 from rollout_buffer.config import AUTH_TOKEN_ENV, ServerConfig
 from rollout_buffer.delivery.encoded import decode_wire
-from rollout_buffer.generation.http_pool import HttpPool, TransportError
+from rollout_buffer.engine.http_pool import HttpPool, TransportError
 from rollout_buffer.generation.run_manager import RunManager
 from rollout_buffer.generation.runner import Run
 from rollout_buffer.generation.sessions import is_socket
@@ -45,6 +45,7 @@ from rollout_buffer.proxy.worker_ledger import PlacedSessions, WorkerSlot, Worke
 from rollout_buffer.proxy.worker_records import store, store_parts
 from rollout_buffer.proxy.worker_run import WORKER_SECRET_ENV, WORKER_SECRET_HEADER
 from rollout_buffer.proxy.worker_sessions import WorkerCallError, WorkerSession, WorkerUnavailable
+from rollout_buffer.shortcuts import switch as shortcuts
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +164,8 @@ class SessionWorkers:
                 "--max-body-bytes", str(self.config.max_body_bytes),
                 "--batch-ms", str(self.config.session_worker_batch_ms),
                 "--log-level", logging.getLevelName(logging.getLogger().level), "--access-log", logs.access_mode()]
-        hidden = {WORKER_SECRET_ENV: self.secret, **({AUTH_TOKEN_ENV: self.config.auth_token}
-                                                     if self.config.auth_token else {})}
+        hidden = {WORKER_SECRET_ENV: self.secret, **shortcuts.inherited(),
+                  **({AUTH_TOKEN_ENV: self.config.auth_token} if self.config.auth_token else {})}
         before = slot.public_url
         try:
             async with asyncio.timeout(START_TIMEOUT_S):

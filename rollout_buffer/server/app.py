@@ -36,7 +36,6 @@ from rollout_buffer.generation.plugins import Generator, discover
 from rollout_buffer.generation.run_health import RunHealthOptions
 from rollout_buffer.generation.run_manager import RunManager, reads_input
 from rollout_buffer.generation.run_policy import check_run
-from rollout_buffer.generation.tokenizer import hub_id_hint, load_tokenizer, looks_like_hub_id
 from rollout_buffer.observability import metrics
 from rollout_buffer.observability.logs import RefusalLog
 from rollout_buffer.policy import PolicyRefused
@@ -65,7 +64,6 @@ from rollout_buffer.server.bodies import (
     validated,
 )
 from rollout_buffer.server.catch_up import CatchUp
-from rollout_buffer.server.fast_routes import FastRoutes
 from rollout_buffer.server.guards import Guards
 from rollout_buffer.server.middleware import BodyLimitMiddleware, RequestGate
 from rollout_buffer.server.proxy_routes import SessionApi, mount_proxy
@@ -73,6 +71,9 @@ from rollout_buffer.server.ui_history import RunHistory
 from rollout_buffer.server.ui_routes import mount_ui
 from rollout_buffer.server.views import evals_view, run_control, run_view, status_view
 from rollout_buffer.server.worker_routes import mount_workers
+from rollout_buffer.shortcuts import switch as shortcuts
+from rollout_buffer.shortcuts.fast_routes import FastRoutes
+from rollout_buffer.tokens.tokenizer import hub_id_hint, load_tokenizer, looks_like_hub_id
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class BufferApp(FastAPI):
     def __init__(self, guards: Guards, fast: Iterable[tuple[str, str]] = (), **kwargs: Any):
         super().__init__(**kwargs)
         rest: ASGIApp = functools.partial(FastAPI.__call__, self)
-        if fast:
+        if fast and shortcuts.enabled():  # otherwise FastAPI's router serves them, as every other route
             rest = FastRoutes(rest, self, fast)
         self.front = SessionApi(rest, self.state, guards)
 

@@ -37,7 +37,6 @@ from rollout_buffer.config import AUTH_TOKEN_ENV, DEFAULT_MAX_BODY_BYTES, Server
 from rollout_buffer.delivery.encoded import EncodedRecord
 from rollout_buffer.delivery.store import StoreError
 from rollout_buffer.generation.resources import close_resources, run_resources
-from rollout_buffer.generation.tokenizer import keep_torch_out
 from rollout_buffer.observability.logs import ACCESS_LOG_MODES, setup_logging
 from rollout_buffer.proxy.journal import load_sessions
 from rollout_buffer.proxy.manager import SessionError, SessionManager
@@ -52,6 +51,7 @@ from rollout_buffer.server.guards import Guards, is_session_api
 from rollout_buffer.server.listeners import agent_socket, tcp_listener
 from rollout_buffer.server.middleware import BodyLimitMiddleware, RequestGate
 from rollout_buffer.server.proxy_routes import FINISH_BODY, restoring
+from rollout_buffer.tokens.tokenizer import keep_torch_out
 
 log = logging.getLogger(__name__)
 
@@ -345,7 +345,8 @@ def create_worker_app(config: ServerConfig, index: int, buffer_url: str, secret:
 
 def main(argv: list[str] | None = None) -> None:
     """`rollout-buffer session-worker`: started by `serve --session-workers`, not by hand."""
-    from rollout_buffer.server.quiet_server import serve
+    from rollout_buffer.shortcuts import switch as shortcuts
+    from rollout_buffer.shortcuts.quiet_server import serve
 
     p = argparse.ArgumentParser(prog="rollout-buffer session-worker", description=main.__doc__)
     p.add_argument("--index", type=int, required=True)
@@ -364,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     if not secret:
         p.error(f"{WORKER_SECRET_ENV} must hold the secret the buffer gave this worker")
     setup_logging(args.log_level, args.log_format, args.access_log)
+    shortcuts.announce(log)
     keep_torch_out()
     setproctitle.setproctitle(f"rollout-buffer session-worker {args.index} :{args.port}")
     gc.set_threshold(50_000, 20, 10)  # as `serve`: thousands of sessions' objects in flight

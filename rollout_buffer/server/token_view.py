@@ -6,7 +6,7 @@ from __future__ import annotations
 from itertools import accumulate
 from typing import Any
 
-from rollout_buffer.generation.tokenizer import load_tokenizer
+from rollout_buffer.tokens.tokenizer import load_tokenizer
 
 
 def token_view(record: dict[str, Any], tokenizer_path: str | None) -> dict[str, Any]:

@@ -25,10 +25,11 @@ from rollout_buffer.config import (
     version,
 )
 from rollout_buffer.delivery.store import StoreError, check_store
-from rollout_buffer.generation.tokenizer import bundled_tokenizer_path
 from rollout_buffer.observability.logs import ACCESS_LOG_MODES, setup_logging
 from rollout_buffer.policy import NETWORKS, Policy, policy_from_flags
 from rollout_buffer.server.listeners import agent_socket, tcp_listener
+from rollout_buffer.shortcuts import switch as shortcuts
+from rollout_buffer.tokens.tokenizer import bundled_tokenizer_path
 from rollout_buffer.tools import demo
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,32 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
                         "(reason hook_timeout) past it")
     p.add_argument("--generator-path", type=Path, action="append", default=[],
                    help="extra generator .py file or folder (repeatable)")
+    _policy_flags(p)
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="a name browsers may reach the server by (its Host header) besides loopback, --host and "
+                   "--public-url's (repeatable; with --auth-token, requests presenting it are taken by any name)")
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="serve a --host other than loopback without --auth-token (anyone who reaches the port may "
+                   "start runs and read every trajectory); refused without this flag")
+    p.add_argument("--max-db-mb", type=float, default=None,
+                   help="cap the store's size; writes past it answer 503 as on a full disk")
+    p.add_argument("--prune-delivered-after-h", type=float, default=None, metavar="HOURS",
+                   help="cut the long records (64 KiB and more: coding agents' trajectories) of groups every "
+                   "stream has delivered down to their facts once older than HOURS: the row, reward and last "
+                   "message stay, the tokens and log-probs go (default: keep everything)")
+    _scale_flags(p)
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    p.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one JSON object per line")
+    p.add_argument("--access-log", choices=ACCESS_LOG_MODES, default="info",
+                   help="one line per agent request to a session's API (session, protocol, route, status, new "
+                   "tokens, ms), logged at INFO, at DEBUG, or off (default: %(default)s)")
+    p.add_argument("--no-shortcuts", action="store_true",
+                   help="use only the public APIs of uvicorn, FastAPI, transformers and jinja2: same answers, more "
+                   "CPU (docs/development.md; also ROLLOUT_BUFFER_SHORTCUTS=off)")
+
+
+def _policy_flags(p: argparse.ArgumentParser) -> None:
+    """What clients may name (the policy)."""
     policy = p.add_argument_group(
         "what clients may name (docs/security.md)",
         "By default a client may read input files and tokenizers in the data dir and the bundled data only, and "
@@ -103,18 +130,10 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
                         "workers, retrieval and OpenEnv servers (repeatable; default: any host)")
     policy.add_argument("--policy", type=Path, default=None, metavar="FILE",
                         help="a YAML file stating all of the above (the flags add to it)")
-    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
-                   help="a name browsers may reach the server by (its Host header) besides loopback, --host and "
-                   "--public-url's (repeatable; with --auth-token, requests presenting it are taken by any name)")
-    p.add_argument("--insecure-no-auth", action="store_true",
-                   help="serve a --host other than loopback without --auth-token (anyone who reaches the port may "
-                   "start runs and read every trajectory); refused without this flag")
-    p.add_argument("--max-db-mb", type=float, default=None,
-                   help="cap the store's size; writes past it answer 503 as on a full disk")
-    p.add_argument("--prune-delivered-after-h", type=float, default=None, metavar="HOURS",
-                   help="cut the long records (64 KiB and more: coding agents' trajectories) of groups every "
-                   "stream has delivered down to their facts once older than HOURS: the row, reward and last "
-                   "message stay, the tokens and log-probs go (default: keep everything)")
+
+
+def _scale_flags(p: argparse.ArgumentParser) -> None:
+    """Where trajectories and agent sessions run: Ray, session workers."""
     p.add_argument("--executor", choices=EXECUTORS, default="local",
                    help="where trajectories run: asyncio tasks of this process, or a pool of Ray actors "
                    "(pip install 'rollout-buffer[ray]')")
@@ -138,11 +157,6 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
                    help="how long a session worker's finished records wait (in its outbox) for others before they go "
                    "to the buffer in one batch: the trainer sees them that much later (fewer, larger batches cost "
                    "the buffer less; default: %(default)s)")
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
-    p.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one JSON object per line")
-    p.add_argument("--access-log", choices=ACCESS_LOG_MODES, default="info",
-                   help="one line per agent request to a session's API (session, protocol, route, status, new "
-                   "tokens, ms), logged at INFO, at DEBUG, or off (default: %(default)s)")
 
 
 def _policy(args: argparse.Namespace) -> Policy:
@@ -195,7 +209,7 @@ def _config(args: argparse.Namespace) -> ServerConfig:
 def serve(args: argparse.Namespace) -> None:
     """Start uvicorn with the app built from the command-line options."""
     from rollout_buffer.server.app import create_app, stopping
-    from rollout_buffer.server.quiet_server import serve as serve_app
+    from rollout_buffer.shortcuts.quiet_server import serve as serve_app
 
     # One process holds thousands of trajectories in flight (messages, token lists). With the default
     # thresholds a collection runs every 700 container allocations and a full one every 70 000, each walking
@@ -205,6 +219,9 @@ def serve(args: argparse.Namespace) -> None:
     gc.set_threshold(50_000, 20, 10)
     if args.auth_token:
         _mask_in_command_line(args.auth_token)
+    if args.no_shortcuts:
+        shortcuts.switch_off()
+    shortcuts.announce(log)
 
     try:
         config = _config(args)

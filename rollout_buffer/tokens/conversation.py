@@ -37,11 +37,11 @@ from typing import Any, Literal
 
 import orjson
 
-from rollout_buffer.generation.chat_render import chat_renderer
-from rollout_buffer.generation.prompt_ids import BASE_HISTORY, PROMPT_CACHE_MAX_BYTES, encode, frame, light, prompt
-from rollout_buffer.generation.sglang_wire import EnginePrompt
-from rollout_buffer.generation.token_check import compare_text, compare_tokens
-from rollout_buffer.generation.token_sequence import TokenSequence
+from rollout_buffer.engine.sglang_wire import EnginePrompt
+from rollout_buffer.tokens.chat_render import chat_renderer
+from rollout_buffer.tokens.check import compare_text, compare_tokens
+from rollout_buffer.tokens.prompt_ids import BASE_HISTORY, PROMPT_CACHE_MAX_BYTES, encode, frame, light, prompt
+from rollout_buffer.tokens.sequence import TokenSequence
 
 SanityCheckMode = Literal["strict", "ignore_strippable", "disable"]
 

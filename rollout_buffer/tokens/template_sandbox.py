@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout_buffer.generation.dependency_internals import speed_up_template_sandbox
+from rollout_buffer.shortcuts.templates import speed_up_template_sandbox
 
 
 def speed_up_sandbox(tokenizer: Any) -> int:

@@ -29,9 +29,10 @@ from typing import Any, TypeVar
 
 import orjson
 
-from rollout_buffer.generation.engine_limits import PROBE_TIMEOUT_S, EngineLimits, KnownLimits, overflow
-from rollout_buffer.generation.engine_outage import DEFAULT_OUTAGE_S, OUTAGE_KINDS, Outage, OutageTooLong
-from rollout_buffer.generation.engine_results import (
+from rollout_buffer.engine.http_pool import HttpPool
+from rollout_buffer.engine.limits import PROBE_TIMEOUT_S, EngineLimits, KnownLimits, overflow
+from rollout_buffer.engine.outage import DEFAULT_OUTAGE_S, OUTAGE_KINDS, Outage, OutageTooLong
+from rollout_buffer.engine.results import (
     ChatResult,
     EngineError,
     EngineStats,
@@ -39,8 +40,7 @@ from rollout_buffer.generation.engine_results import (
     GenerationProgress,
     GenerationStream,
 )
-from rollout_buffer.generation.http_pool import HttpPool
-from rollout_buffer.generation.sglang_wire import (
+from rollout_buffer.engine.sglang_wire import (
     DONE,
     AttemptError,
     EnginePrompt,

@@ -1,5 +1,5 @@
-"""Every private internal of a dependency the buffer relies on, each checked before use, each with a fallback
-that stays correct.
+"""The private internals of transformers and jinja2 the buffer relies on, each checked before use, each with a
+fallback that stays correct (every fallback is taken while the shortcuts are switched off, `switch`).
 
 Nothing else in the buffer names a private attribute of transformers or jinja2 or replaces one of their
 methods: `chat_render` (direct renders of chat templates) and `template_sandbox` (memoized sandbox decisions)
@@ -50,12 +50,14 @@ from typing import Any, TypeGuard
 import jinja2
 from jinja2 import sandbox
 
+from rollout_buffer.shortcuts import switch
+
 log = logging.getLogger(__name__)
 
 # transformers' `_REASONING_FIELDS`: reasoning under one of these names is offered to the template under all.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
-_TO_REVIEW = "see rollout_buffer/generation/dependency_internals.py and tests/test_dependency_internals.py"
+_TO_REVIEW = "see rollout_buffer/shortcuts/templates.py and tests/test_dependency_internals.py"
 
 
 class NotPlainData(ValueError):
@@ -73,7 +75,11 @@ class TransformersInternals:
 
 
 def select_transformers_internals() -> TransformersInternals:
-    """Check transformers' internals (the installed version's) and choose, for each, it or its fallback."""
+    """Check transformers' internals (the installed version's) and choose, for each, it or its fallback (every
+    fallback while the shortcuts are switched off)."""
+    if not switch.enabled():
+        log.info("shortcuts are off (%s): chat templates render through apply_chat_template", switch.ENV)
+        return TransformersInternals(None, _plain_json_copy, False, ("all",))
     try:
         from transformers.utils import chat_template_utils as ctu
     except ImportError as e:
@@ -262,7 +268,7 @@ def speed_up_template_sandbox(source: str) -> bool:
     """Memoize the sandbox's attribute decisions in the environment transformers renders the template text
     `source` with. True when it changed that environment; False when it was already changed, or is not jinja's
     own `ImmutableSandboxedEnvironment`, or a fallback is in use (renders are then as they were, only slower)."""
-    if not _sandbox_hooks_reviewed:
+    if not _sandbox_hooks_reviewed or not switch.enabled():
         return False
     template = compiled_chat_template(source)
     env = getattr(template, "environment", None)

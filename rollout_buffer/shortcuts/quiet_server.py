@@ -10,7 +10,8 @@ which `serve` runs it with). uvicorn's other housekeeping (`limit_max_requests`,
 here.
 
 This module is the only one that relies on `uvicorn.Server`'s `main_loop`, `on_tick` and `should_exit`;
-`tests/test_quiet_server.py` fails if uvicorn changes them.
+`tests/test_quiet_server.py` fails if uvicorn changes them. With the shortcuts switched off (`switch`), `serve`
+runs uvicorn's own server and protocol (`SignalledServer`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from typing import Any
 
 import uvicorn
 
-from rollout_buffer.server.http_protocol import OneWriteHttpProtocol
+from rollout_buffer.shortcuts import switch
+from rollout_buffer.shortcuts.http_protocol import OneWriteHttpProtocol
 
 
 class QuietServer(uvicorn.Server):
@@ -72,8 +74,31 @@ def serve(app: Any, listeners: list[socket.socket], log_level: str, on_stop: Cal
     logging left to the process, no access log, idle connections kept 75 s, each response in one write).
     `on_stop` runs on the server's loop as the signal arrives; requests still open `SHUTDOWN_GRACE_S` later are
     cut off."""
-    server = QuietServer(uvicorn.Config(app, log_level=log_level, access_log=False, timeout_keep_alive=75,
-                                        log_config=None, http=OneWriteHttpProtocol,
-                                        timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+    shortcuts = switch.enabled()
+    config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_keep_alive=75, log_config=None,
+                            http=OneWriteHttpProtocol if shortcuts else "httptools",
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    server = QuietServer(config) if shortcuts else SignalledServer(config)
     server.on_stop = on_stop
     server.run(sockets=listeners)
+
+
+class SignalledServer(uvicorn.Server):
+    """uvicorn's own server (shortcuts off): its ticking main loop and protocol; `on_stop` runs on its loop when a
+    stop signal arrives (uvicorn's signal handler, `handle_exit`)."""
+
+    on_stop: Callable[[], None] | None = None
+    _loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's start-up, noting the loop `on_stop` will run on."""
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        """uvicorn's signal handler, then `on_stop` (once) on the server's loop."""
+        stopping = not self.should_exit
+        super().handle_exit(sig, frame)
+        if stopping and self.on_stop is not None and self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                self._loop.call_soon_threadsafe(self.on_stop)

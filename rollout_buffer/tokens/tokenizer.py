@@ -10,7 +10,7 @@ import sys
 import threading
 from typing import Any
 
-from rollout_buffer.generation.template_sandbox import speed_up_sandbox
+from rollout_buffer.tokens.template_sandbox import speed_up_sandbox
 
 # A user turn and an assistant reply: enough history for any chat template to render an assistant turn.
 _PROBE_REPLY = "rollout-buffer probe reply"

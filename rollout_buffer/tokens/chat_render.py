@@ -31,7 +31,7 @@ from typing import Any
 import jinja2
 import orjson
 
-from rollout_buffer.generation.dependency_internals import (
+from rollout_buffer.shortcuts.templates import (
     REASONING_FIELDS,
     NotPlainData,
     chat_template_for_direct_render,

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from rollout_buffer.generation.http_pool import Body
+from rollout_buffer.engine.http_pool import Body
 
 logger = logging.getLogger(__name__)
 

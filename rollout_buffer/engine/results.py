@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_buffer.generation.sglang_wire import Chunk, GenerateDelta
+from rollout_buffer.engine.sglang_wire import Chunk, GenerateDelta
 
 
 @dataclass

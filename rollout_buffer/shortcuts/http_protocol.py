@@ -7,7 +7,7 @@ segments the client wakes up for. `OneWritePerTick` holds what is written during
 hands it to the socket at the end of that pass, so a whole response costs one write. Nothing waits longer than
 the pass it was written in; a stream's chunks go out as they are sent.
 
-uvicorn renews the `Date` header of every response from its main loop, once a second; `server.quiet_server`'s
+uvicorn renews the `Date` header of every response from its main loop, once a second; `shortcuts.quiet_server`'s
 loop does not tick (an idle server wakes for nothing), so the first request of each second renews it here
 (`DateHeader`).
 

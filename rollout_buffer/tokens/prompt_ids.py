@@ -16,8 +16,8 @@ from typing import Any
 
 import orjson
 
-from rollout_buffer.generation.chat_render import chat_renderer
-from rollout_buffer.generation.tokenizer import end_of_turn_ids
+from rollout_buffer.tokens.chat_render import chat_renderer
+from rollout_buffer.tokens.tokenizer import end_of_turn_ids
 
 # Environment messages are rendered after this history, which has no assistant turn for a template to
 # rewrite; only the text past it is appended.
