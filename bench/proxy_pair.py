@@ -4,12 +4,12 @@ per turn.
 This VM's speed drifts by ±20% between runs minutes apart, more than most changes to the proxy; two buffers
 measured over the same windows see the same drift. One simulated engine serves both; each buffer gets its own
 `--sessions` agents (the episodes of `bench.proxy`, started spread over one engine latency). The candidate differs
-by its source tree (`--candidate-src`, e.g. a `git worktree` of a branch), its run options
-(`--candidate-option session_journal=false`) and/or its `serve` flags (`--candidate-flag=--no-shortcuts`); with `--workers N` each buffer serves its sessions from N session
-workers of its own, and the ratio is of the buffer processes alone (placing and storing, as `bench.proxy
---workers` meters them). Each round prints both buffers' CPU per turn and the ratio; the last line is the mean
-ratio (candidate / baseline: below 1 is cheaper). Two copies of the same build gave ratios of 0.95–1.01 over four
-30 s rounds, with and without workers.
+by its source tree (`--candidate-src`, e.g. a `git worktree` of a branch), its run options (`--candidate-option
+session_journal=false`) and/or its `serve` flags (`--candidate-flag=--no-shortcuts`); with `--workers N` each
+buffer serves its sessions from N session workers of its own, and the ratio is of the buffer processes alone
+(placing and storing, as `bench.proxy --workers` meters them). Each round prints both buffers' CPU per turn and the
+ratio; the last line is the mean ratio (candidate / baseline: below 1 is cheaper). Two copies of the same build
+gave ratios of 0.95–1.01 over four 30 s rounds, with and without workers.
 
     python -m bench.proxy_pair --candidate-option session_journal=false
     python -m bench.proxy_pair --candidate-flag=--no-shortcuts   # what the shortcuts buy (docs/benchmarks)

@@ -57,6 +57,13 @@ def wait_for(what: Callable[[], Any], timeout_s: float = 30, every_s: float = 0.
     raise TimeoutError(f"condition not met in {timeout_s}s")
 
 
+def settled(url: str) -> dict[str, Any]:
+    """Admission once it has decided on every change reported so far (instead of waiting a while to see that
+    nothing starts)."""
+    return wait_for(lambda: (lambda a: a if a.get("decided_at_change") is not None
+                             and a["decided_at_change"] >= a["ledger_changes"] else None)(admission(url)))
+
+
 def paused_with(url: str, ready: int, state: str = "paused_staleness") -> Callable[[], dict | None]:
     """A condition: admission is in `state` and `ready` groups are complete (nothing in flight)."""
 
@@ -102,15 +109,14 @@ def test_admission_pauses_and_resumes_with_exact_counts(tmp_path, engine, buffer
     s = wait_for(paused_with(buffer.url, ready=4))
     adm = s["control"]["admission"]
     assert (adm["started_groups"], adm["groups_ahead"], adm["capacity"]) == (4, 4, 0)
-    time.sleep(0.3)
+    settled(buffer.url)
     assert total_groups(buffer.url) == 4
 
     # The trainer takes a batch and trains on it with version 0: nothing more may start yet.
     data = fetch(buffer.url, max_groups=2, current_version=0)
     assert data["meta_info"]["num_groups"] == 2 and data["meta_info"]["admission_state"] == "paused_staleness"
     assert data["meta_info"]["trainer_version"] == 0 and data["meta_info"]["max_version_lag"] == 0
-    time.sleep(0.3)
-    assert admission(buffer.url)["started_groups"] == 4
+    assert settled(buffer.url)["started_groups"] == 4
     # A second batch without a new version: consumption alone counts one step, two more groups.
     fetch(buffer.url, max_groups=2, current_version=0)
     s = wait_for(paused_with(buffer.url, ready=2))
@@ -118,8 +124,7 @@ def test_admission_pauses_and_resumes_with_exact_counts(tmp_path, engine, buffer
 
     # A version the consumption already accounts for releases nothing; two versions more do.
     assert httpx.post(f"{buffer.url}/trainer_version", json={"current_version": 1}).json()["trainer_version"] == 1
-    time.sleep(0.3)
-    assert admission(buffer.url)["started_groups"] == 6
+    assert settled(buffer.url)["started_groups"] == 6
     httpx.post(f"{buffer.url}/trainer_version", json={"current_version": "3"}).raise_for_status()
     s = wait_for(paused_with(buffer.url, ready=6))
     adm = s["control"]["admission"]
@@ -139,7 +144,7 @@ def test_ready_cap_pauses_generation_until_the_trainer_takes_groups(tmp_path, en
     start(buffer.url, engine.url, inp, None, num_repeat_per_sample=2, max_ready_groups=3)
     s = wait_for(paused_with(buffer.url, ready=3, state="paused_cap"))
     assert (s["control"]["admission"]["started_groups"], s["control"]["admission"]["groups_ahead"]) == (3, 3)
-    time.sleep(0.3)
+    settled(buffer.url)
     assert total_groups(buffer.url) == 3
     fetch(buffer.url, max_groups=2)
     s = wait_for(paused_with(buffer.url, ready=3, state="paused_cap"))
@@ -272,7 +277,7 @@ def test_kill9_while_paused_resumes_in_the_same_state(tmp_path, engine) -> None:
         for key in ("state", "started_groups", "groups_ahead", "capacity"):
             assert after["admission"][key] == before["admission"][key], key
         assert (after["trainer_version"], after["base_version"]) == (4, 4)
-        time.sleep(0.3)
+        settled(srv.url)
         assert total_groups(srv.url) == 2
         fetch(srv.url, max_groups=2, current_version=5)  # the trainer moved on: generation resumes
         s = wait_for(paused_with(srv.url, ready=2))

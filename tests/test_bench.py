@@ -134,6 +134,14 @@ def test_proxy_pair_measures_two_buffers_over_the_same_windows(tmp_path: Path) -
     assert len(rounds) == 2 and all(float(r[0]) > 0 and float(r[2]) > 0 for r in rounds), out[-3000:]
 
 
+def test_idle_pair_meters_two_idle_buffers_over_the_same_windows(tmp_path: Path) -> None:
+    out = run_bench("idle_pair", "--rounds", "2", "--window-s", "0.5", "--settle-s", "0",
+                    "--candidate-flag=--no-shortcuts=quiet_server", "--workdir", str(tmp_path))
+    found = re.search(rf"idle pair: baseline {NUMBER} ms/s, candidate {NUMBER} ms/s over 2 x 0.5 s", summary_line(out))
+    assert found, out[-3000:]
+    assert len(re.findall(rf"round \d: baseline {NUMBER} ms/s \| candidate {NUMBER} ms/s", out)) == 2, out[-3000:]
+
+
 def test_ui_queries_times_every_dashboard_query() -> None:
     out = run_bench("ui_queries", "--records", "1024", "--repeat", "2")
     line = summary_line(out)

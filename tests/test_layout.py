@@ -219,6 +219,18 @@ def test_no_module_of_the_service_outgrows_one_concern() -> None:
     assert {m: n for m, n in beside.items() if n > 600} == {}, "split these by concern"
 
 
+def test_no_function_outgrows_one_screen() -> None:
+    """A function over 80 lines (a nest of closures, a handler doing three things) is split by concern."""
+    long = []
+    for package in (PACKAGE, *OUTSIDE, "bench"):
+        for module, path in _modules(package).items():
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno is not None:
+                    if node.end_lineno - node.lineno + 1 > 80:
+                        long.append(f"{module}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert long == [], "split these by concern"
+
+
 def test_the_simulator_stands_outside_the_service_and_uses_only_the_tokenizer() -> None:
     assert not (ROOT / PACKAGE / "sim").exists()
     graph = _graph(SIMULATOR)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -11,6 +12,7 @@ import httpx
 import pytest
 from servers import free_port, running
 
+from rollout_buffer.generation.hooks import HOOKS
 from rollout_buffer.generation.plugins import PluginError, discover
 
 PLUGINS = Path(__file__).parent / "plugins"
@@ -38,6 +40,34 @@ def test_a_generator_says_when_its_runs_stay_in_the_buffer_process(tmp_path: Pat
     agent = found["agent"]  # hosting harness sessions stays; running agents goes to the executor
     assert agent.needs_buffer_process({"task_type": "agent"})
     assert not agent.needs_buffer_process({"task_type": "agent", "agent_command": ["./run.sh"]})
+
+
+@pytest.mark.parametrize(("source", "reason"), [
+    ("async def is_valid_group(group):\n    return True\n", "is_valid_group must be a plain def"),
+    ("def default_input(payload, runs_here):\n    return []\n", "default_input must be async def"),
+    ("def check_payload(payload):\n    pass\n", "check_payload must take (payload, policy)"),
+    ("transform_group = 3\n", "transform_group must be a function"),
+    ("REQUIRED_FIELDS = 'prompt'\n", "REQUIRED_FIELDS must be tuple or list, not str"),
+    ("RUNS_IN_BUFFER = 'yes'\n", "RUNS_IN_BUFFER must be bool, not str"),
+], ids=["async hook called plainly", "plain hook awaited", "wrong arguments", "not a function", "fields a string",
+        "flag a string"])
+def test_a_hook_the_buffer_could_not_call_is_refused_at_discovery(tmp_path: Path, source: str, reason: str) -> None:
+    """Every hook and constant is declared in `generation/hooks.py`; a module defining one the buffer could not
+    call refuses to load, naming it, instead of failing a run later."""
+    module = tmp_path / "odd.py"
+    module.write_text("TASK_TYPE = 'odd'\nasync def run_rollout(item, ctx):\n    return []\n" + source)
+    with pytest.raises(PluginError, match=re.escape(f"odd.py: TASK_TYPE 'odd': {reason}")):
+        discover([module], include_entry_points=False)
+
+
+def test_the_service_asks_only_for_declared_hooks() -> None:
+    found = discover(include_entry_points=False)
+    with pytest.raises(KeyError, match="not a generator hook"):
+        found["math"].hook("is_valid_groups")
+    assert found["math"].hook("is_valid_group") is None and found["math"].required_fields == ("prompt", "label")
+    service = Path(__file__).resolve().parent.parent / "rollout_buffer"
+    asked = {m for path in service.rglob("*.py") for m in re.findall(r'\.hook\("(\w+)"\)', path.read_text())}
+    assert asked and asked <= set(HOOKS), asked - set(HOOKS)
 
 
 def test_directory_path_and_duplicate_names_both_files() -> None:

@@ -5,6 +5,8 @@ them (`rollout_buffer/shortcuts/`)."""
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -30,12 +32,28 @@ MESSAGES = [{"role": "system", "content": "You are careful."}, {"role": "user", 
 
 def test_the_switch_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(switch.ENV, raising=False)
-    assert switch.enabled() and switch.inherited() == {}
+    assert all(switch.enabled(name) for name in switch.NAMES) and switch.inherited() == {}
     for off in ("off", "OFF", "0", "false", "no"):
         monkeypatch.setenv(switch.ENV, off)
-        assert not switch.enabled() and switch.inherited() == {switch.ENV: "off"}
+        assert not any(switch.enabled(name) for name in switch.NAMES) and switch.inherited() == {switch.ENV: "off"}
     monkeypatch.setenv(switch.ENV, "on")
-    assert switch.enabled()
+    assert switch.enabled("templates")
+    monkeypatch.setenv(switch.ENV, "fast_routes, templates")  # only those
+    assert switch.switched_off() == ("templates", "fast_routes") and switch.enabled("http_protocol")
+    assert switch.inherited() == {switch.ENV: "templates,fast_routes"}
+    switch.switch_off(["quiet_server"])  # adds to what is off
+    assert switch.switched_off() == ("templates", "fast_routes", "quiet_server")
+    with pytest.raises(ValueError, match="no shortcut named templatez"):
+        switch.switch_off(["templatez"])
+    with pytest.raises(KeyError):
+        switch.enabled("templatez")
+
+
+def test_serve_refuses_a_shortcut_it_does_not_have(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "rollout_buffer", "serve", "--port", str(free_ports(1)),
+                           "--data-dir", str(tmp_path / "data"), "--no-shortcuts", "fast_route"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--no-shortcuts: no shortcut named fast_route" in done.stderr, done.stderr
 
 
 def test_switched_off_chat_templates_render_through_transformers_public_api(

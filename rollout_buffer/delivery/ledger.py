@@ -67,6 +67,7 @@ class RunLedger:
     dropped_at_completion: int = 0
     engine_version: int | None = None  # the newest weight version seen in the run's records
     ready_total: int = 0  # groups that completed ready (whatever became of them later)
+    changes: int = 0  # changes notified so far: what a decision taken on the ledger can say it saw
     _changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     @classmethod
@@ -84,6 +85,7 @@ class RunLedger:
 
     def notify(self) -> None:
         """Wake whoever waits for a change."""
+        self.changes += 1
         event, self._changed = self._changed, asyncio.Event()
         event.set()
 

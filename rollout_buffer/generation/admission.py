@@ -76,6 +76,9 @@ class AdmissionController:
         self.ledger = ledger
         self.started = started
         self.state: AdmissionState | None = None
+        # The ledger's change the last decision saw: once it reaches `ledger.changes`, admission has decided on
+        # everything that happened so far (what a test or an operator waits on instead of waiting a while).
+        self.decided_at_change: int | None = None
         self._persist = persist
 
     def steps(self) -> int:
@@ -119,8 +122,10 @@ class AdmissionController:
         """Wait until one more group may start, then count it as started."""
         while True:
             changed = self.ledger.changed()  # taken before evaluating, so no change slips in between
+            seen = self.ledger.changes
             state = self.evaluate()
             await self._enter(state)
+            self.decided_at_change = seen
             if state is AdmissionState.RUNNING:
                 self.started += 1
                 return
@@ -166,4 +171,6 @@ class AdmissionController:
             "groups_ahead": self.groups_ahead(),
             "capacity": self.capacity(),
             "trainer_steps": self.steps(),
+            "ledger_changes": self.ledger.changes,
+            "decided_at_change": self.decided_at_change,
         }

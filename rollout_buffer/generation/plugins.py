@@ -2,7 +2,8 @@
 
 A generator is a module with `TASK_TYPE` and `run_rollout`. The native form is
 `async def run_rollout(item, ctx)`; a sync `run_rollout(data)` is a slime-style generator that drives the
-whole rollout itself and posts records to `/buffer/write`.
+whole rollout itself and posts records to `/buffer/write`. Every other name a generator may define is declared in
+`hooks`, which discovery checks each module against.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from rollout_buffer.generation.hooks import HOOKS, problems
+from rollout_buffer.generation.inputs import RequiredField
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +51,21 @@ class Generator:
         """True when a run of the generator with this start payload must run its trajectories in the buffer
         process whatever the executor: its optional `runs_in_buffer(payload)` hook says so, else
         `RUNS_IN_BUFFER = True`."""
-        hook = getattr(self.module, "runs_in_buffer", None)
-        if callable(hook):
+        hook = self.hook("runs_in_buffer")
+        if hook is not None:
             return bool(hook(payload))
         return bool(getattr(self.module, "RUNS_IN_BUFFER", False))
 
+    @property
+    def required_fields(self) -> Sequence[RequiredField]:
+        """The fields every input line must have (`REQUIRED_FIELDS`; a tuple inside is a choice)."""
+        fields: Sequence[RequiredField] = getattr(self.module, "REQUIRED_FIELDS", ())
+        return fields
+
     def hook(self, name: str) -> Callable[..., Any] | None:
-        """An optional slime-named hook (`is_valid_group`, `transform_group`, `get_group_data_meta_info`)."""
+        """The generator's hook `name` (one of `hooks.HOOKS`), or None when it defines none."""
+        if name not in HOOKS:
+            raise KeyError(f"{name!r} is not a generator hook (rollout_buffer/generation/hooks.py)")
         fn = getattr(self.module, name, None)
         return fn if callable(fn) else None
 
@@ -122,6 +134,8 @@ def _add(found: dict[str, Generator], module: ModuleType, origin: str) -> None:
         raise PluginError(f"{origin}: TASK_TYPE must be a non-empty string")
     if not callable(getattr(module, "run_rollout", None)):
         raise PluginError(f"{origin}: TASK_TYPE {task_type!r} has no callable run_rollout")
+    if wrong := problems(module):
+        raise PluginError(f"{origin}: TASK_TYPE {task_type!r}: {'; '.join(wrong)}")
     if task_type in found:
         raise PluginError(
             f"TASK_TYPE {task_type!r} is defined twice: in {found[task_type].origin} and in {origin}"

@@ -74,11 +74,13 @@ def serve(app: Any, listeners: list[socket.socket], log_level: str, on_stop: Cal
     logging left to the process, no access log, idle connections kept 75 s, each response in one write).
     `on_stop` runs on the server's loop as the signal arrives; requests still open `SHUTDOWN_GRACE_S` later are
     cut off."""
-    shortcuts = switch.enabled()
+    one_write = switch.enabled("http_protocol")
     config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_keep_alive=75, log_config=None,
-                            http=OneWriteHttpProtocol if shortcuts else "httptools",
+                            http=OneWriteHttpProtocol if one_write else "httptools",
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
-    server = QuietServer(config) if shortcuts else SignalledServer(config)
+    # QuietServer does not tick: the Date header is renewed by OneWriteHttpProtocol, so it needs it.
+    quiet = one_write and switch.enabled("quiet_server")
+    server = QuietServer(config) if quiet else SignalledServer(config)
     server.on_stop = on_stop
     server.run(sockets=listeners)
 

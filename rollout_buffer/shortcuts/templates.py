@@ -77,8 +77,9 @@ class TransformersInternals:
 def select_transformers_internals() -> TransformersInternals:
     """Check transformers' internals (the installed version's) and choose, for each, it or its fallback (every
     fallback while the shortcuts are switched off)."""
-    if not switch.enabled():
-        log.info("shortcuts are off (%s): chat templates render through apply_chat_template", switch.ENV)
+    if not switch.enabled("templates"):
+        log.info("the templates shortcut is off (%s): chat templates render through apply_chat_template",
+                 switch.ENV)
         return TransformersInternals(None, _plain_json_copy, False, ("all",))
     try:
         from transformers.utils import chat_template_utils as ctu
@@ -268,7 +269,7 @@ def speed_up_template_sandbox(source: str) -> bool:
     """Memoize the sandbox's attribute decisions in the environment transformers renders the template text
     `source` with. True when it changed that environment; False when it was already changed, or is not jinja's
     own `ImmutableSandboxedEnvironment`, or a fallback is in use (renders are then as they were, only slower)."""
-    if not _sandbox_hooks_reviewed or not switch.enabled():
+    if not _sandbox_hooks_reviewed or not switch.enabled("templates"):
         return False
     template = compiled_chat_template(source)
     env = getattr(template, "environment", None)

@@ -90,9 +90,10 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--access-log", choices=ACCESS_LOG_MODES, default="info",
                    help="one line per agent request to a session's API (session, protocol, route, status, new "
                    "tokens, ms), logged at INFO, at DEBUG, or off (default: %(default)s)")
-    p.add_argument("--no-shortcuts", action="store_true",
+    p.add_argument("--no-shortcuts", nargs="?", const="all", default=None, metavar="NAMES",
                    help="use only the public APIs of uvicorn, FastAPI, transformers and jinja2: same answers, more "
-                   "CPU (docs/development.md; also ROLLOUT_BUFFER_SHORTCUTS=off)")
+                   f"CPU; or switch off only the shortcuts named ({','.join(shortcuts.NAMES)}; docs/development.md; "
+                   "also ROLLOUT_BUFFER_SHORTCUTS=off)")
 
 
 def _policy_flags(p: argparse.ArgumentParser) -> None:
@@ -219,8 +220,11 @@ def serve(args: argparse.Namespace) -> None:
     gc.set_threshold(50_000, 20, 10)
     if args.auth_token:
         _mask_in_command_line(args.auth_token)
-    if args.no_shortcuts:
-        shortcuts.switch_off()
+    if args.no_shortcuts is not None:
+        try:
+            shortcuts.switch_off(shortcuts.NAMES if args.no_shortcuts == "all" else args.no_shortcuts.split(","))
+        except ValueError as e:
+            _refuse_start(EXIT_CONFIG, f"--no-shortcuts: {e}")
     shortcuts.announce(log)
 
     try:
