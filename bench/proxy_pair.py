@@ -46,12 +46,13 @@ def _options(pairs: list[str]) -> dict[str, Any]:
 
 
 async def _round(engine: Service, buffers: list[Service], sessions: int, latency_s: float, warmup_s: float,
-                 window_s: float) -> list[tuple[float, float]]:
-    """(turns/s, buffer CPU ms per turn) of each buffer over one shared window."""
+                 window_s: float, children: bool = False) -> list[tuple[float, float]]:
+    """(turns/s, buffer CPU ms per turn) of each buffer (with its session workers: `children`) over one shared
+    window."""
     results: dict[int, tuple[int, float]] = {}
     cpu: dict[int, float] = {}
     with contextlib.ExitStack() as stack:
-        meters = [stack.enter_context(Meter(b.pid, children=False)) for b in buffers]
+        meters = [stack.enter_context(Meter(b.pid, children=children)) for b in buffers]
 
         async def drive(i: int) -> None:
             agents = Agents(sessions, 8, latency_s, "proxy", engine.url, buffers[i].url)
@@ -76,6 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window-s", type=float, default=30.0)
     parser.add_argument("--warmup-s", type=float, default=None, help="default: 3 engine latencies + 3 s")
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--count-workers", action="store_true",
+                        help="with --workers, meter each buffer with its session workers (the turns' own CPU)")
     parser.add_argument("--workers", type=int, default=0,
                         help="session workers of each buffer (0: the buffers serve the sessions themselves)")
     args = parser.parse_args(argv)
@@ -95,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
             start_agent_run(buffer, engine, args.workers, **options)
         for r in range(args.rounds):
             (base_rate, base_ms), (cand_rate, cand_ms) = asyncio.run(
-                _round(engine, [baseline, candidate], args.sessions, args.latency_ms / 1000, warmup, args.window_s))
+                _round(engine, [baseline, candidate], args.sessions, args.latency_ms / 1000, warmup, args.window_s,
+                       args.count_workers))
             if not base_rate or not cand_rate:
                 raise SystemExit(f"no turn finished within the {args.window_s:g} s window; give a longer --window-s")
             ratios.append(cand_ms / base_ms)

@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from rollout_buffer.proxy.session import Session
+from rollout_buffer.proxy.session import Session, SessionKind
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class Reaper:
         while True:
             now = time.monotonic()
             due = [s for s in self._sessions.values()
-                   if s.kind == "harness" and s.state == "open" and not s.generating
+                   if s.kind is SessionKind.HARNESS and s.state == "open" and not s.generating
                    and now - s.last_active >= s.options.session_ttl_s]
             for session in due:
                 try:
@@ -59,7 +59,7 @@ class Reaper:
                 except Exception:
                     log.exception("expiring session %s failed", session.session_id)
             waits = [s.last_active + s.options.session_ttl_s - time.monotonic()
-                     for s in self._sessions.values() if s.kind == "harness" and s.state == "open"]
+                     for s in self._sessions.values() if s.kind is SessionKind.HARNESS and s.state == "open"]
             self._wake.clear()
             timeout = max(min([_MAX_SLEEP_S, *waits]), 0.05)
             self._look_at = time.monotonic() + timeout

@@ -41,7 +41,7 @@ from rollout_buffer.proxy.expiry import Reaper
 from rollout_buffer.proxy.journal import Journal, StoredSession, idle_since, load_sessions, load_state, replay
 from rollout_buffer.proxy.messages import WireError
 from rollout_buffer.proxy.recovery import StoredSummary, record_failure, recovery_plan
-from rollout_buffer.proxy.session import HarnessRun, ProxyOptions, Session
+from rollout_buffer.proxy.session import HarnessRun, ProxyOptions, Session, SessionKind
 from rollout_buffer.proxy.session_files import SessionFiles
 from rollout_buffer.proxy.session_names import harness_uid, new_session_id, session_root
 from rollout_buffer.proxy.tree import ResponseRef, SessionTree
@@ -104,7 +104,7 @@ class SessionManager:
                 raise WorkerSessionError(str(e)) from None
             remote.agent_socket = await self.workers.socket_here(remote.agent_socket)
             return remote
-        return self._register(ctx, "generator", self.local_url, metadata or {}, run=None)
+        return self._register(ctx, SessionKind.GENERATOR, self.local_url, metadata or {}, run=None)
 
     async def place(self, run: Run, instance_id: str, metadata: dict[str, Any], public_url: Callable[[], str],
                     near: str | None = None) -> dict[str, Any]:
@@ -133,7 +133,7 @@ class SessionManager:
             self._repeats[(run.run_id, instance_id)] = repeat + 1
         session_id = session_id or new_session_id()
         ctx = RolloutContext(resources, instance_id, 0, repeat, harness_uid(run.run_id, instance_id, session_id))
-        session = self._register(ctx, "harness", public_url, metadata, run=run, session_id=session_id, api_key=api_key)
+        session = self._register(ctx, SessionKind.HARNESS, public_url, metadata, run, session_id, api_key)
         run.session_opened(session_id)
         if not session.options.session_journal:
             return session
@@ -169,7 +169,7 @@ class SessionManager:
                 raise SessionError(503, str(e)) from None
             self._for_actors[uid] = self._on_workers[remote.session_id] = remote
             return remote
-        session = self._register(ctx, "generator", public_url, metadata, run=None)
+        session = self._register(ctx, SessionKind.GENERATOR, public_url, metadata, run=None)
         self._for_actors[uid] = session
         return session
 
@@ -250,7 +250,7 @@ class SessionManager:
                                "capture exact tokens and need tokenizer_path")
         return resources
 
-    def _register(self, ctx: RolloutContext, kind: str, public_url: str, metadata: dict[str, Any],
+    def _register(self, ctx: RolloutContext, kind: SessionKind, public_url: str, metadata: dict[str, Any],
                   run: HarnessRun | None, session_id: str | None = None, api_key: str | None = None) -> Session:
         if ctx.tokenizer is None:
             raise SessionError(409, "agent sessions need token mode: the run has no tokenizer")
@@ -262,7 +262,7 @@ class SessionManager:
             agent_socket=str(self.config.agent_socket) if self.config.agent_socket else None,
             metadata=metadata, run=run, on_closed=self._forget)
         self.sessions[session_id] = session
-        if kind == "harness":
+        if kind is SessionKind.HARNESS:
             self.reaper.opened(session)
         log.debug("session %s opened (%s) for %s", session_id, kind, ctx.uid)
         return session
@@ -361,7 +361,7 @@ class SessionManager:
             raise SessionError(404, f"unknown session {session_id!r}")
         if session_id in self._handed:
             raise SessionError(409, f"session {session_id} is already finished")
-        if session.kind != "harness":
+        if session.kind is not SessionKind.HARNESS:
             raise SessionError(409, f"session {session_id} belongs to a generator, which closes it")
         return session
 
@@ -419,8 +419,8 @@ class SessionManager:
                 await self._discard(session, f"run {run_id} ended", 0.0)
             except Exception as e:  # the run is ending: keep closing the others
                 log.warning("discarding session %s of run %s failed: %s", session.session_id, run_id, e)
-        for session in [s for s in self.sessions.values() if s.kind == "harness" and s.ctx.run.run_id == run_id
-                        and s.session_id not in self._handed]:  # handed over: the buffer has its records
+        for session in [s for s in self.sessions.values() if s.kind is SessionKind.HARNESS and s.ctx.run.run_id ==
+                        run_id and s.session_id not in self._handed]:  # handed over: the buffer has its records
             if self._stopping:
                 await session.stop("stopped", 0)  # a turn in flight is cancelled: the client's retry reruns it
                 self.sessions.pop(session.session_id, None)
@@ -439,7 +439,7 @@ class SessionManager:
             return
         if self._for_actors.get(session.ctx.uid) is session:
             del self._for_actors[session.ctx.uid]
-        if session.kind == "harness" and session.run is not None and tell_run:
+        if session.kind is SessionKind.HARNESS and session.run is not None and tell_run:
             session.run.session_closed(session.session_id)
         metrics.PROXY_SESSIONS_CLOSED.labels(outcome).inc()
         self.closed[session.session_id] = {**session.view(), "state": session.state, "outcome": outcome}
@@ -488,7 +488,7 @@ class SessionManager:
         tree = SessionTree()
         responses: dict[str, ResponseRef] = {}
         last_at = replay(stored, ctx, tree, responses)
-        session = self._register(ctx, "harness", state["public_url"], state["metadata"], run=run,
+        session = self._register(ctx, SessionKind.HARNESS, state["public_url"], state["metadata"], run=run,
                                  session_id=stored.session_id, api_key=state["api_key"])
         session.tree, session.responses, session.created_at = tree, responses, state["created_at"]
         session.last_active = idle_since(last_at, state["created_at"])

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, ClassVar, Literal, Protocol
 
 from jinja2 import TemplateError
@@ -132,15 +133,21 @@ class _Pending:
     remainder: list[dict[str, Any]]
 
 
+class SessionKind(StrEnum):
+    """Who opened a session and who ends it."""
+
+    HARNESS = "harness"  # opened over HTTP (`POST /sessions`), finished by the harness or its TTL
+    GENERATOR = "generator"  # opened by a generator for one trajectory, closed by it
+
+
 @dataclass
 class Session:
-    """An open session; `kind` is `harness` (opened over HTTP, finished by the harness or its TTL) or
-    `generator` (opened by a generator for one trajectory, closed by it)."""
+    """An open session of one `kind`."""
 
     session_id: str
     api_key: str
     ctx: RolloutContext
-    kind: str
+    kind: SessionKind
     options: ProxyOptions
     base_url: str
     anthropic_base_url: str

@@ -38,7 +38,7 @@ from rollout_buffer.proxy.openai_responses import OpenAIResponsesAdapter
 from rollout_buffer.proxy.placements import Arrivals
 from rollout_buffer.proxy.replies import ReplyPart
 from rollout_buffer.proxy.request_bodies import BodyCache
-from rollout_buffer.proxy.session import Session, TurnRequest, TurnResult
+from rollout_buffer.proxy.session import Session, SessionKind, TurnRequest, TurnResult
 from rollout_buffer.schemas import (
     DiscardSessionRequest,
     FinishSessionRequest,
@@ -77,7 +77,7 @@ def mount_proxy(app: FastAPI) -> None:
                                             required=True))
     async def open_session(request: Request) -> Response:
         raw = parse_body(await request.body())
-        if isinstance(raw, dict) and raw.get("kind") == "generator":
+        if isinstance(raw, dict) and raw.get("kind") == SessionKind.GENERATOR:
             return await _open_for_actor(request, validated(OPEN_GENERATOR_BODY, raw))
         body = validated(OPEN_BODY, raw)
         run = _agent_run(request, body.run_id)
