@@ -12,18 +12,25 @@ import torch
 from transformers import AutoModelForCausalLM
 
 
+def load(model_dir: str) -> AutoModelForCausalLM:
+    """The checkpoint in float32, for inference."""
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
 @torch.no_grad()
+def distributions(model: AutoModelForCausalLM, tokens: list[int]) -> torch.Tensor:
+    """Log-softmax of the next token after each of tokens[:-1], from one teacher-forced forward."""
+    return torch.log_softmax(model(torch.tensor([tokens])).logits[0, :-1].float(), dim=-1)
+
+
 def logprobs(model: AutoModelForCausalLM, tokens: list[int]) -> list[float]:
-    """log p(tokens[i] | tokens[:i]) for i = 1 .. len(tokens) - 1, from one teacher-forced forward."""
-    ids = torch.tensor([tokens])
-    logits = model(ids).logits[0].float()
-    lp = torch.log_softmax(logits[:-1], dim=-1)
-    return lp.gather(1, ids[0, 1:, None])[:, 0].tolist()
+    """log p(tokens[i] | tokens[:i]) for i = 1 .. len(tokens) - 1."""
+    return distributions(model, tokens).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0].tolist()
 
 
 def main() -> None:
     request = json.load(sys.stdin)
-    model = AutoModelForCausalLM.from_pretrained(request["model"], dtype=torch.float32).eval()
+    model = load(request["model"])
     json.dump([logprobs(model, tokens) for tokens in request["sequences"]], sys.stdout)
 
 

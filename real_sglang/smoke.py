@@ -26,6 +26,13 @@ PY = sys.executable
 PROMPT_IDS = [9707, 11, 1879, 0, 576, 3974, 13876, 38835]  # "Hello, world! The quick brown fox" (Qwen3 tokenizer)
 
 
+def reference(forward, model_dir, output_ids):
+    """The output tokens' log-probs from a transformers float32 forward, and its greedy ids."""
+    tokens = PROMPT_IDS + list(output_ids)
+    dist = forward.distributions(forward.load(model_dir), tokens)[len(PROMPT_IDS) - 1:]
+    return dist.gather(1, forward.torch.tensor(output_ids)[:, None])[:, 0].tolist(), dist.argmax(-1).tolist()
+
+
 def free_port():
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -136,11 +143,11 @@ def main():
 
         # ---- transformers reference ----
         sys.path.insert(0, HERE)
-        import hf_ref
+        import forward_logprobs as forward
         t = time.time()
-        ref_lp, ref_argmax = hf_ref.output_logprobs(args.model_a, PROMPT_IDS, out["output_ids"])
+        ref_lp, ref_argmax = reference(forward, args.model_a, out["output_ids"])
         maxdiff = max(abs(a - b) for a, b in zip(eng_lp, ref_lp, strict=True))
-        summary["hf_ref_s"] = round(time.time() - t, 2)
+        summary["reference_s"] = round(time.time() - t, 2)
         summary["max_abs_logprob_diff"] = maxdiff
         summary["greedy_matches_hf_argmax"] = ref_argmax == out["output_ids"]
         print(f"[smoke] max |engine - transformers| log-prob = {maxdiff:.3e}; greedy==HF argmax: "
@@ -159,7 +166,7 @@ def main():
         v_after = out_b["meta_info"].get("weight_version")
         summary["weight_version"] = [v_before, v_after]
         assert v_after != v_before and v_after == "ckpt-b", (v_before, v_after)
-        ref_b, _ = hf_ref.output_logprobs(args.model_b, PROMPT_IDS, out_b["output_ids"])
+        ref_b, _ = reference(forward, args.model_b, out_b["output_ids"])
         maxdiff_b = max(abs(e[0] - b) for e, b in zip(out_b["meta_info"]["output_token_logprobs"], ref_b, strict=True))
         summary["max_abs_logprob_diff_after_update"] = maxdiff_b
         summary["outputs_changed_after_update"] = out_b["output_ids"] != out["output_ids"]

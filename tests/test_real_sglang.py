@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from runs import drain, math_rows, start, wait_finished, write_jsonl
-from servers import buffer_server, free_port
+from servers import buffer_server, free_port, stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = Path(os.environ.get("RB_REAL_SGLANG_HOME", Path.home() / ".cache" / "rollout-buffer" / "real-sglang"))
@@ -67,12 +66,7 @@ def engine(build: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[st
             time.sleep(1)
         yield url
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        stop_process(proc)
 
 
 def trainer_logprobs(build: Path, model: str, sequences: list[list[int]]) -> list[list[float]]:
