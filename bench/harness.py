@@ -106,6 +106,14 @@ class Service:
         self.stop()
 
 
+@dataclass(frozen=True)
+class Running:
+    """A server started by someone else (a real SGLang): where it answers, and its process for the CPU meter."""
+
+    url: str
+    pid: int
+
+
 def sim_engine(workdir: Path, latency_ms: float, seed: int = 0, *extra: str) -> Service:
     """`rollout-buffer sim-engine` with the bundled Qwen3 tokenizer, the given per-request latency and `extra`
     arguments."""

@@ -19,6 +19,10 @@ window after the first deliveries, so start-up is not counted.
     python -m bench.throughput            # the full matrix (about 25 minutes on 2 cores)
     python -m bench.throughput --quick    # the two target points and one middle point (about 5 minutes)
     python -m bench.throughput --latency-ms 20 --in-flight 128 --modes token --no-baseline --executors local,ray
+    python -m bench.throughput --engine-url http://127.0.0.1:30000 --engine-pid PID --in-flight 256 --modes token
+
+With `--engine-url` the engine is a real one started elsewhere (`real_sglang/gpu_check.sh` starts SGLang on a GPU):
+no latency is simulated (the table's latency column reads 0), and the ceiling is the bare client's rate.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -38,7 +43,17 @@ from rich.table import Table
 
 from bench import bare_client, profiler
 from bench.consumer import PollingConsumer
-from bench.harness import REPO, MachineCpu, Meter, Service, free_port, ray_actors_cpu_s, rollout_buffer, sim_engine
+from bench.harness import (
+    REPO,
+    MachineCpu,
+    Meter,
+    Running,
+    Service,
+    free_port,
+    ray_actors_cpu_s,
+    rollout_buffer,
+    sim_engine,
+)
 from bench.workload import GROUP_SIZE, start_payload, write_tasks
 
 log = logging.getLogger(__name__)
@@ -123,7 +138,7 @@ def _measure_window(seconds: float, meter: Meter, engine_meter: Meter, consumer:
                   engine_cores=engine_usage.cpu_s / window, machine_cores=busy)
 
 
-def measure_bare(engine: Service, latency_ms: float, in_flight: int, mode: str, timing: Timing) -> Result:
+def measure_bare(engine: Service | Running, latency_ms: float, in_flight: int, mode: str, timing: Timing) -> Result:
     """The bare client straight at the engine: the engine-side ceiling, with the engine's CPU."""
     machine = MachineCpu()
     with Meter(engine.pid) as engine_meter:
@@ -139,7 +154,7 @@ def measure_bare(engine: Service, latency_ms: float, in_flight: int, mode: str, 
                   machine_cores=busy)
 
 
-def measure_buffer(workdir: Path, engine: Service, latency_ms: float, in_flight: int, mode: str,
+def measure_buffer(workdir: Path, engine: Service | Running, latency_ms: float, in_flight: int, mode: str,
                    timing: Timing, expected_rate: float, profile: bool, sanity_check: str = "strict",
                    ray_address: str | None = None) -> Result:
     """The rollout buffer on the math task (on the Ray cluster at `ray_address` when given); samples/s at a
@@ -174,7 +189,7 @@ def measure_buffer(workdir: Path, engine: Service, latency_ms: float, in_flight:
     return result
 
 
-def measure_baseline(workdir: Path, engine: Service, latency_ms: float, in_flight: int, timing: Timing,
+def measure_baseline(workdir: Path, engine: Service | Running, latency_ms: float, in_flight: int, timing: Timing,
                      expected_rate: float) -> Result:
     """The process-per-trajectory baseline (chat mode), polled without long-poll."""
     tasks = write_tasks(workdir / f"tasks-baseline-{in_flight}.jsonl",
@@ -235,9 +250,11 @@ def _find(results: list[Result], latency_ms: float, in_flight: int, mode: str, s
 
 
 def ceiling_of(results: list[Result], latency_ms: float, in_flight: int, mode: str) -> float | None:
-    """The lower of in-flight ÷ latency and the bare client's rate at that point."""
-    bound = in_flight / (latency_ms / 1000)
+    """The lower of in-flight ÷ latency (a simulated latency) and the bare client's rate at that point."""
     bare = _find(results, latency_ms, in_flight, mode, "bare")
+    if not latency_ms:
+        return bare.rate if bare else None
+    bound = in_flight / (latency_ms / 1000)
     return min(bound, bare.rate) if bare else bound
 
 
@@ -260,11 +277,24 @@ def summary(results: list[Result]) -> str:
 
 
 def _points(args: argparse.Namespace) -> list[tuple[float, int]]:
+    if args.engine_url:
+        return [(0.0, n) for n in args.in_flight or [64, 256]]
     if args.quick and not (args.latency_ms or args.in_flight):
         return [(20.0, 128), (200.0, 256), (2000.0, 4096)]
     latencies = args.latency_ms or [20.0, 200.0, 2000.0]
     in_flight = args.in_flight or [64, 128, 256, 1024, 4096]
     return [(lat, n) for lat in latencies for n in in_flight]
+
+
+def _engines(args: argparse.Namespace, workdir: Path, points: list[tuple[float, int]]
+             ) -> Iterator[tuple[float, Service | Running]]:
+    """The engine of each latency measured: one simulated engine per latency, or the real one given."""
+    if args.engine_url:
+        yield 0.0, Running(args.engine_url.rstrip("/"), args.engine_pid)
+        return
+    for latency in sorted({lat for lat, _ in points}):
+        with sim_engine(workdir, latency) as engine:
+            yield latency, engine
 
 
 def _start_ray() -> str:
@@ -293,7 +323,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--executors", default="local", help="comma-separated: local, ray (a Ray cluster started here)")
     p.add_argument("--workdir", type=Path, default=None, help="keep logs and profiles here")
     p.add_argument("--window-s", type=float, default=None, help="measured window of every point (default: by point)")
+    p.add_argument("--engine-url", help="a real engine started elsewhere instead of the simulated one")
+    p.add_argument("--engine-pid", type=int, help="with --engine-url: its process, for the CPU meter")
     args = p.parse_args(argv)
+    if bool(args.engine_url) != bool(args.engine_pid):
+        p.error("--engine-url and --engine-pid go together")
     logging.basicConfig(level=logging.WARNING)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if args.profile and not profiler.available():
@@ -304,34 +338,33 @@ def main(argv: list[str] | None = None) -> None:
     points = _points(args)
     executors = [e.strip() for e in args.executors.split(",") if e.strip()]
     ray_address = _start_ray() if "ray" in executors else None
-    for latency in sorted({lat for lat, _ in points}):
-        with sim_engine(workdir, latency) as engine:
-            for lat, n in points:
-                if lat != latency:
-                    continue
-                timing = Timing.for_point(latency, n, args.quick)
-                if args.window_s is not None:
-                    timing = replace(timing, window_s=args.window_s)
-                for mode in modes:
-                    console.print(f"[dim]{latency:g} ms, {n} in flight, {mode}: bare client…[/]")
-                    results.append(measure_bare(engine, latency, n, mode, timing))
-                    time.sleep(latency / 1000 + 0.5)  # let the engine finish what was cut off
-                    expected = min(n / (latency / 1000), results[-1].rate)
-                    for executor in executors:
-                        console.print(f"[dim]{latency:g} ms, {n} in flight, {mode}: buffer ({executor})…[/]")
-                        results.append(measure_buffer(workdir, engine, latency, n, mode, timing, expected,
-                                                      args.profile, args.sanity_check,
-                                                      ray_address if executor == "ray" else None))
-                        time.sleep(latency / 1000 + 0.5)
-                if not args.no_baseline and "chat" in modes:
-                    if n > args.baseline_max_procs:
-                        results.append(Result(latency, n, "chat", "baseline", 0.0,
-                                              note=f"not run: {n} processes (> --baseline-max-procs)"))
-                        continue
-                    console.print(f"[dim]{latency:g} ms, {n} in flight: baseline ({n} processes)…[/]")
-                    expected = ceiling_of(results, latency, n, "chat") or n / (latency / 1000)
-                    results.append(measure_baseline(workdir, engine, latency, n, timing, expected))
+    for latency, engine in _engines(args, workdir, points):
+        for lat, n in points:
+            if lat != latency:
+                continue
+            timing = Timing.for_point(latency, n, args.quick)
+            if args.window_s is not None:
+                timing = replace(timing, window_s=args.window_s)
+            for mode in modes:
+                console.print(f"[dim]{latency:g} ms, {n} in flight, {mode}: bare client…[/]")
+                results.append(measure_bare(engine, latency, n, mode, timing))
+                time.sleep(latency / 1000 + 0.5)  # let the engine finish what was cut off
+                expected = min(n / (latency / 1000), results[-1].rate) if latency else results[-1].rate
+                for executor in executors:
+                    console.print(f"[dim]{latency:g} ms, {n} in flight, {mode}: buffer ({executor})…[/]")
+                    results.append(measure_buffer(workdir, engine, latency, n, mode, timing, expected,
+                                                  args.profile, args.sanity_check,
+                                                  ray_address if executor == "ray" else None))
                     time.sleep(latency / 1000 + 0.5)
+            if not args.no_baseline and "chat" in modes:
+                if n > args.baseline_max_procs:
+                    results.append(Result(latency, n, "chat", "baseline", 0.0,
+                                          note=f"not run: {n} processes (> --baseline-max-procs)"))
+                    continue
+                console.print(f"[dim]{latency:g} ms, {n} in flight: baseline ({n} processes)…[/]")
+                expected = ceiling_of(results, latency, n, "chat") or n / (latency / 1000 or 1)
+                results.append(measure_baseline(workdir, engine, latency, n, timing, expected))
+                time.sleep(latency / 1000 + 0.5)
     if ray_address is not None:
         import ray
 

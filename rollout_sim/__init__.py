@@ -43,10 +43,17 @@ Imitated (both releases unless said):
   `output_ids` = [last token] with cumulative log-probs, 0.5.23 the whole output unless incremental). One held
   in place (`in_place`) is answered when generation continues. Requests sent while paused wait before
   validation, and no abort reaches them.
+- Weight loads: `/update_weights_from_disk` loads nothing but answers as SGLang does: a `model_path` that is not a
+  folder fails (400, `success: false`); `abort_all_requests` aborts first; requests still in the scheduler (held
+  in place, or aborted and not answered yet) make the cache flush after the load fail (400, "Weights were updated,
+  but the cache was not flushed ...") and leave `weight_version` as it was; otherwise `weight_version`, when
+  given, becomes the version (200, "Succeeded to update model weights. Weight version updated to V.").
 - Weight versions: `meta_info.weight_version` is the server's version when the event is built (0.5.15: an
   answer built after a version bump carries the new one). 0.5.23 adds, in the last event,
   `meta_info.weight_versions` = `[{"version", "start", "end"}]` spans of output positions per version
-  (`utils/weight_versions.py`), and `weight_version` is then the last span's.
+  (`utils/weight_versions.py`), and `weight_version` is then the last span's. 0.5.23's `meta_info` also has,
+  as the real server sends them: `input_token_logprobs` (empty) and `output_token_logprobs_length` with
+  log-probs, `cached_tokens_details` (null without cached tokens, as the sim's always are) and `dp_rank` (null).
 - Endpoints: `/health` and `/health_generate` run a one-token generation and answer 200 once the engine has
   shown progress since the check began, 503 after `SGLANG_HEALTH_CHECK_TIMEOUT` (20) s without (a long
   pause); `/flush_cache` (GET or POST, `?timeout=`) answers 400 while requests are running or waiting (0.5.23:
@@ -54,7 +61,8 @@ Imitated (both releases unless said):
   0.5.23: no such route); `/model_info`, `/server_info` (`context_length` as for a server started with
   `--context-length`, `max_req_input_len`, `max_total_num_tokens`, `version`) with `get_` aliases, `/v1/models`
   (`max_model_len`), `/get_load`.
-  0.5.23's JSON contract refuses unknown or mistyped sampling params with 400 `{"error": "unknown field …"}`;
+  0.5.23's JSON contract refuses unknown or mistyped sampling params with 400 `{"error": "unknown field …"}`
+  and writes a refused number as Rust does (`got -1.`);
   0.5.15 fails them with a bare 500 (its `SamplingParams` raises TypeError).
 - `/v1/chat/completions` (not streamed): errors in OpenAI's shape `{"object": "error", "message", "type",
   "param", "code"}`, tool calls as SGLang's `--tool-call-parser` (`tool_calls`), `metadata.weight_version`
@@ -77,14 +85,19 @@ so it works behind a router):
 - `http_500`, `hang` (longer than any client timeout), `reset` (TCP reset), `truncated_json`: failures of the
   engine or the network, not SGLang answers. `--error-kinds` defaults to these four; the refusals are opt-in.
 
-Not imitated: batching, queueing and memory (every request runs at once; `max_running_requests`,
-`max_queued_requests` and the waiting timeout exist only as the `refuse_503` fault); the one extra token real
+Not imitated: the prefix cache (`cached_tokens` is 0); batching, queueing and memory (every request runs at
+once; `max_running_requests`, `max_queued_requests` and the waiting timeout exist only as the `refuse_503`
+fault); the one extra token real
 SGLang's last decode step appends to an aborted running request; input and top log-probs (only
 `output_token_logprobs`); `ignore_eos`, `min_new_tokens`, regex/grammar constraints and `n` > 1; SGLang's
 per-request timing fields beyond `e2e_latency`; the ≥ 1 s a healthy real `/health` takes (its first poll is
 after a second; the sim answers as soon as it sees progress); 0.5.23 dropped `/get_load` for `/v1/loads`, the
-sim serves `/get_load` in both; real SGLang does not check input ids against the vocabulary, the sim refuses
-them (400); streamed `/v1/chat/completions` (400).
+sim serves `/get_load` in both and not `/v1/loads` (tests count its requests with it); real SGLang does not
+check input ids against the vocabulary (on the CPU path an id past it ends the server), the sim refuses them
+(400), the buffer sends only ids its tokenizer made; `/get_model_info`'s `embedding` block; log-probs of a
+model (the sim's are scripted, not those of a distribution at the request's temperature); streamed
+`/v1/chat/completions` (400). `tests/test_real_sglang.py` sends the same requests to both and compares the
+answers' shapes.
 
 `GET /sim/stats` counts requests by endpoint; `GET /sim/requests` lists the last requests. An aborted turn can
 be resumed the way SGLang callers do it, by resending prompt + partial output: the engine remembers recent turns

@@ -105,7 +105,7 @@ class Sampling:
         p = {k: v for k, v in params.items() if v is not None}
         temperature, top_p = float(p.get("temperature", 1.0)), float(p.get("top_p", 1.0))
         if temperature < 0.0:
-            raise ValueError(f"temperature must be a non-negative finite number, got {temperature}.")
+            raise ValueError(f"temperature must be a non-negative finite number, got {_number(temperature)}.")
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
         if not 0.0 <= float(p.get("min_p", 0.0)) <= 1.0:
@@ -224,3 +224,7 @@ class Refused(Exception):
         self.message = message
         self.err_type = err_type
 
+
+def _number(value: float) -> str:
+    """A number as 0.5.23's validation writes it (Rust's float display: `-1`, not `-1.0`)."""
+    return str(int(value)) if value.is_integer() else repr(value)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections import Counter, deque
@@ -206,6 +207,27 @@ class SimEngine:
             if tokens:
                 req.version_events.append((self.weight_version, tokens))
         self.weight_version = version
+
+    def load_weights(self, model_path: str, version: str | None, abort_all: bool, flush: bool) -> dict[str, Any]:
+        """SGLang's `/update_weights_from_disk` answer (`weight_updater.py`, `tokenizer_manager.py`): a folder that
+        does not exist fails the load; requests still in the scheduler (held in place, or aborted and not yet
+        answered) make the cache flush after the load fail, and then the version is not updated either, though
+        real weights would have been swapped."""
+        if abort_all:
+            self.abort(None, abort_all=True)
+        if not os.path.isdir(model_path):
+            return {"success": False, "num_paused_requests": 0, "message": f"Failed to get weights iterator: "
+                    f"Invalid HF URI 'hf://{model_path}'. Repository id must be 'namespace/name', got "
+                    f"'{model_path.strip('/')}'. ."}
+        if flush and self.pending():
+            return {"success": False, "num_paused_requests": 0, "message": (
+                "Weights were updated, but the cache was not flushed because requests are still running or queued."
+                " Retract or finish them, then call /flush_cache.")}
+        message = "Succeeded to update model weights."
+        if version is not None:
+            self.set_weight_version(str(version))
+            message += f" Weight version updated to {version}."
+        return {"success": True, "message": message, "num_paused_requests": 0}
 
     async def pause(self, mode: str) -> int:
         """SGLang's `/pause_generation`: `abort` aborts every request in the scheduler (returning once they have
@@ -435,11 +457,17 @@ class SimEngine:
                 "weight_version": self.weight_version, "num_retractions": 0}
         if body.return_logprob:
             lps = [] if event.junk else self._logprobs(body, output[: event.tokens], first)
-            meta["output_token_logprobs"] = lps[before:] if incremental else lps
-        meta.update({"reasoning_tokens": 0, "completion_tokens": event.tokens, "cached_tokens": 0})
-        if finished:
             if self.v23:
-                meta.update(self._spans(req, event.tokens))
+                meta["input_token_logprobs"] = []  # none asked for (`logprob_start_len` -1)
+            meta["output_token_logprobs"] = lps[before:] if incremental else lps
+            if self.v23:
+                meta["output_token_logprobs_length"] = len(lps)
+        meta.update({"reasoning_tokens": 0, "completion_tokens": event.tokens, "cached_tokens": 0})
+        if finished and self.v23:
+            meta.update(self._spans(req, event.tokens))
+        if self.v23:
+            meta.update({"cached_tokens_details": None, "dp_rank": None})  # details only of cached tokens
+        if finished:
             meta["e2e_latency"] = time.time() - started
         if out.first:
             out.first = False

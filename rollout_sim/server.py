@@ -143,7 +143,7 @@ def _generation_routes(app: FastAPI, engine: SimEngine) -> None:
     @app.get("/v1/models")
     async def models() -> Response:
         card = {"id": SIM_MODEL_NAME, "object": "model", "created": int(engine.started), "owned_by": "sglang",
-                "root": engine.tokenizer_path, "max_model_len": engine.config.context_length}
+                "root": engine.tokenizer_path, "parent": None, "max_model_len": engine.config.context_length}
         return json_response({"object": "list", "data": [card]})
 
     @app.get("/get_load")
@@ -182,6 +182,19 @@ def _control_routes(app: FastAPI, engine: SimEngine) -> None:
         logger.info("weight version is now %s", engine.weight_version)
         return json_response({"success": True, "message": f"Weight version updated to {engine.weight_version}",
                               "new_version": engine.weight_version})
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> Response:
+        body = await _json(request)
+        if isinstance(body, Response):
+            return body
+        if not isinstance(body.get("model_path"), str):
+            return _invalid("model_path: Field required (a string)")
+        answer = engine.load_weights(body["model_path"], body.get("weight_version"),
+                                     abort_all=bool(body.get("abort_all_requests", False)),
+                                     flush=bool(body.get("flush_cache", True)))
+        logger.info("update_weights_from_disk: %s", answer["message"])
+        return json_response(answer, 200 if answer["success"] else 400)
 
     if not engine.v23:  # 0.5.15 answers 404 with a deprecation message; 0.5.23 has no such route
 

@@ -9,9 +9,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
@@ -85,6 +87,48 @@ def stop_process(proc: subprocess.Popen | None) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+class Router(NamedTuple):
+    """A running sglang-router: where it serves and where its Prometheus metrics are."""
+
+    url: str
+    metrics_url: str
+
+
+@contextlib.contextmanager
+def sglang_router(workers: list[str], log_path: Path, *extra: str, python: str = sys.executable,
+                  timeout_s: float = 30.0) -> Iterator[Router]:
+    """The real sglang-router (`python -m sglang_router.launch_router`, round robin, health checked every second) on
+    free loopback ports, once every worker is registered and healthy: the router answers healthy a moment before
+    its workers are registered, and its `/generate` fails until then."""
+    port, metrics_port = free_port(), free_port()
+    cmd = [python, "-m", "sglang_router.launch_router", "--worker-urls", *workers,
+           "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+           # Its own metrics port: the default one (29000) may be another router's.
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+           "--health-check-interval-secs", "1", "--worker-startup-check-interval", "1",
+           "--worker-startup-timeout-secs", str(int(timeout_s)), "--log-level", "warn", *extra]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    router = Router(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics")
+    try:
+        deadline = time.monotonic() + timeout_s
+        while router_health(router.url) != {w: True for w in workers}:
+            assert proc.poll() is None, log_path.read_text(errors="replace")
+            assert time.monotonic() < deadline, f"router not ready:\n{log_path.read_text(errors='replace')}"
+            time.sleep(0.1)
+        yield router
+    finally:
+        stop_process(proc)
+
+
+def router_health(router_url: str) -> dict[str, bool]:
+    """Each worker the router lists, and whether it counts it healthy ({} while it does not answer)."""
+    with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+        listed = httpx.get(router_url + "/workers", timeout=2).json()["workers"]
+        return {w["url"]: w["is_healthy"] for w in listed}
+    return {}
 
 
 class Server:
@@ -175,3 +219,26 @@ def session_host(log_dir: Path, engine_url: str, tokenizer: str, *extra: str, **
             "task_type": "agent", "remote_engine_url": engine_url, "tokenizer_path": tokenizer, **run})
         assert start.status_code == 200 and start.json()["num_items"] == 0, start.text
         yield srv
+
+
+def stopped_while_long_polling(srv: Server, also: Callable[[], object] | None = None, polls: int = 1
+                               ) -> tuple[httpx.Response, float]:
+    """SIGTERM `srv` while a client long-polls `/get_rollout_data` (and whatever `also` opens, `polls` in all);
+    the answer that client got and the seconds from the signal to the exit."""
+    answers: list[httpx.Response] = []
+    listening = threading.Thread(target=lambda: answers.append(httpx.post(
+        f"{srv.url}/get_rollout_data", json={"wait_s": 600, "lease_s": 60}, timeout=120)))
+    listening.start()
+    if also is not None:
+        also()
+    deadline = time.monotonic() + 30
+    while f"rollout_buffer_long_polls {polls:.1f}" not in httpx.get(f"{srv.url}/metrics").text:
+        assert time.monotonic() < deadline, f"{polls} long-polls wait"
+        time.sleep(0.05)
+    assert srv.proc is not None
+    stopped = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    listening.join(60)
+    assert answers, "the long-poll was answered"
+    srv.proc.wait(60)
+    return answers[0], time.monotonic() - stopped

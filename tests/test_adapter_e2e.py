@@ -249,7 +249,12 @@ def test_a_record_the_mask_generator_cannot_render_drops_its_group_not_the_call(
         wait_for_run(url, "external_writes")
         write(url, bad)
         write_group(url, qwen_tokenizer, "31", 2.0)
-        time.sleep(0.5)  # the call has fetched 30 and 31 and dropped 30: it waits for one more group
+        # The call has fetched 30 and 31 (and drops 30): then it waits for one more group.
+        deadline = time.monotonic() + 60
+        while (groups := httpx.get(f"{url}/status", timeout=10).json()["groups"]).get("ready", 0) \
+                or sum(groups.values()) < 2:
+            assert time.monotonic() < deadline, groups
+            time.sleep(0.05)
         write_group(url, qwen_tokenizer, "32", 3.0)
         batch = call.result(timeout=60)
     assert sorted(g[0].index for g in batch) == [31, 32], "the trainer still gets a full batch"

@@ -13,6 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from servers import free_port, running
+
 REPO = Path(__file__).resolve().parents[1]
 NUMBER = r"(\d+(?:\.\d+)?)"
 
@@ -44,6 +46,20 @@ def test_throughput_measures_buffer_bare_client_and_baseline(tmp_path: Path) -> 
     for system in ("bare", "buffer", "baseline"):
         assert re.search(rf"│ {system} +│ +\d+ ", out), f"no {system} row:\n{out[-3000:]}"
     assert list(tmp_path.glob("buffer-*.log"))
+
+
+def test_throughput_against_an_engine_started_elsewhere(tmp_path: Path, qwen_tokenizer_path: str) -> None:
+    """`--engine-url` (what real_sglang/gpu_check.sh runs on a GPU): no simulated latency, the bare client's rate
+    is the ceiling; here the engine started elsewhere is a simulator."""
+    port = free_port()
+    with running(["sim-engine", "--port", str(port), "--tokenizer", qwen_tokenizer_path, "--latency-ms", "20"],
+                 "/health", port, tmp_path / "engine.log") as engine:
+        out = run_bench("throughput", "--engine-url", engine.url, "--engine-pid", str(engine.proc.pid), "--in-flight",
+                        "16", "--modes", "token", "--no-baseline", "--window-s", "1", "--workdir", str(tmp_path))
+    found = re.search(rf"16@0ms/token {NUMBER}% {NUMBER}MB", summary_line(out))
+    assert found and float(found.group(1)) > 0, out[-3000:]
+    for system in ("bare", "buffer"):
+        assert re.search(rf"│ {system} +│ +\d+ ", out), f"no {system} row:\n{out[-3000:]}"
 
 
 def test_conversion_compares_exact_tokens_with_retokenizing() -> None:

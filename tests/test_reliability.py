@@ -22,7 +22,7 @@ import httpx
 import orjson
 import pytest
 from runs import wait_finished
-from servers import Server, free_port, running
+from servers import Server, free_port, running, stopped_while_long_polling
 
 LONG = os.environ.get("RB_LONG") == "1"
 
@@ -160,7 +160,10 @@ def test_hung_up_long_poll_takes_nothing(tmp_path: Path) -> None:
         # slime's original client (no lease) gives up on a long-poll; the group completing later must stay.
         _raw_post(port, "/get_rollout_data", b'{"wait_s": 3}')
         _group(srv.url, "late")
-        time.sleep(3.5)
+        deadline = time.monotonic() + 30  # the long-poll ends: its client gone, or its 3 s over
+        while "rollout_buffer_long_polls 0.0" not in httpx.get(f"{srv.url}/metrics").text:
+            assert time.monotonic() < deadline, "the long-poll ended"
+            time.sleep(0.05)
         out = httpx.post(f"{srv.url}/get_rollout_data", json={}).json()
         assert {r["instance_id"] for r in out["data"]["data"]} == {"late"}
 
@@ -416,31 +419,18 @@ def test_sigterm_answers_open_long_polls_and_exits_within_its_bound(tmp_path: Pa
     """A long-poll waits up to 10 minutes; a stop signal answers it (no batch) and the server exits in seconds,
     whether its client still listens or went away."""
     import signal
-    import threading
 
     from rollout_buffer.shortcuts.quiet_server import SHUTDOWN_GRACE_S
 
     port = free_port()
     srv = buffer(tmp_path, port, "--group-size", "2").start()
     try:
-        answers: list[httpx.Response] = []
-        listening = threading.Thread(target=lambda: answers.append(httpx.post(
-            f"{srv.url}/get_rollout_data", json={"wait_s": 600, "lease_s": 60}, timeout=120)))
-        listening.start()
-        _raw_post(port, "/get_rollout_data", b'{"wait_s": 600}')  # its client goes away
-        deadline = time.monotonic() + 30
-        while "rollout_buffer_long_polls 2.0" not in httpx.get(f"{srv.url}/metrics").text:
-            assert time.monotonic() < deadline, "both long-polls wait"
-            time.sleep(0.05)
-        assert srv.proc is not None
-        stopped = time.monotonic()
-        srv.proc.send_signal(signal.SIGTERM)
-        listening.join(60)
-        assert answers and answers[0].status_code == 200 and answers[0].json()["success"] is False, answers
-        srv.proc.wait(60)
-        took = time.monotonic() - stopped
+        answer, took = stopped_while_long_polling(
+            srv, also=lambda: _raw_post(port, "/get_rollout_data", b'{"wait_s": 600}'), polls=2)  # a client gone
+        assert answer.status_code == 200 and answer.json()["success"] is False, answer.text
         # uvicorn ends by raising the signal it caught again, after a clean shutdown.
-        assert srv.proc.returncode in (0, -signal.SIGTERM) and took < SHUTDOWN_GRACE_S + 20, (took, srv.log()[-2000:])
+        assert srv.proc is not None and srv.proc.returncode in (0, -signal.SIGTERM)
+        assert took < SHUTDOWN_GRACE_S + 20, (took, srv.log()[-2000:])
         assert "Application shutdown complete" in srv.log()
         assert "stopping: open long-polls answered" in srv.log()
     finally:

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +11,7 @@ import pytest
 from ops_helpers import math_rows, scrape, start_run, value, write_jsonl
 from prometheus_client.parser import text_string_to_metric_families
 from runs import drain, wait_finished
-from servers import Server, free_port, running, stop_process
+from servers import Server, free_port, running, sglang_router
 
 pytest.importorskip("sglang_router")
 
@@ -29,35 +26,6 @@ def engines(tmp_path_factory, qwen_tokenizer_path: str) -> Iterator[list[Server]
             args = ["sim-engine", "--port", str(port), "--tokenizer", qwen_tokenizer_path, "--latency-ms", "5"]
             servers.append(stack.enter_context(running(args, "/health", port, tmp / f"sim-{name}.log")))
         yield servers
-
-
-@contextlib.contextmanager
-def sglang_router(workers: list[str], log_path: Path) -> Iterator[tuple[str, str]]:
-    """`python -m sglang_router.launch_router` on free loopback ports; yields (router URL, metrics URL)."""
-    port, metrics_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *workers,
-           "--host", "127.0.0.1", "--port", str(port),
-           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-           "--policy", "round_robin",
-           "--health-check-interval-secs", "1", "--worker-startup-check-interval", "1",
-           "--worker-startup-timeout-secs", "30", "--log-level", "warn"]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, log_path.read_text(errors="replace")
-            with contextlib.suppress(httpx.HTTPError):
-                # /readiness is what the compose healthcheck probes: 200 once a worker is healthy.
-                ready = httpx.get(f"{url}/readiness", timeout=1)
-                if ready.status_code == 200 and ready.json().get("healthy_workers") == len(workers):
-                    break
-            assert time.monotonic() < deadline, f"router not ready:\n{log_path.read_text(errors='replace')}"
-            time.sleep(0.1)
-        yield url, f"http://127.0.0.1:{metrics_port}/metrics"
-    finally:
-        stop_process(proc)
 
 
 def generate_count(engine: Server) -> int:

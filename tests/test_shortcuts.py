@@ -4,11 +4,8 @@ them (`rollout_buffer/shortcuts/`)."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +14,7 @@ import httpx
 import openai
 import pytest
 from runs import drain
-from servers import Server, free_ports, session_host, sim_engine
+from servers import Server, free_ports, session_host, sim_engine, stopped_while_long_polling
 from sessions import OPENAI_TOOLS, PARALLEL_TASK, open_session, tool_results
 
 from rollout_buffer.shortcuts import switch
@@ -118,21 +115,8 @@ def test_switched_off_a_stop_signal_still_answers_open_long_polls_at_once(tmp_pa
     srv = Server(["serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), "--no-shortcuts"],
                  "/healthz", port, tmp_path / "buffer.log").start()
     try:
-        answers: list[httpx.Response] = []
-        listening = threading.Thread(target=lambda: answers.append(httpx.post(
-            f"{srv.url}/get_rollout_data", json={"wait_s": 600, "lease_s": 60}, timeout=120)))
-        listening.start()
-        deadline = time.monotonic() + 30
-        while "rollout_buffer_long_polls 1.0" not in httpx.get(f"{srv.url}/metrics").text:
-            assert time.monotonic() < deadline, "the long-poll waits"
-            time.sleep(0.05)
-        assert srv.proc is not None
-        stopped = time.monotonic()
-        srv.proc.send_signal(signal.SIGTERM)
-        listening.join(60)
-        assert answers and answers[0].json()["success"] is False, answers
-        srv.proc.wait(60)
-        assert time.monotonic() - stopped < SHUTDOWN_GRACE_S + 20
+        answer, took = stopped_while_long_polling(srv)
+        assert answer.json()["success"] is False and took < SHUTDOWN_GRACE_S + 20
         assert "stopping: open long-polls answered" in srv.log()
     finally:
         srv.stop()

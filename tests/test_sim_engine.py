@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +11,7 @@ from typing import Any
 import aiohttp
 import httpx
 import pytest
-from servers import free_port
+from servers import sglang_router
 from sim_engine_process import SimEngineProcess, sim_engines
 
 from rollout_sim.contract import Sampling, SimConfig
@@ -401,48 +396,6 @@ def test_a_thousand_concurrent_requests_overlap(
     assert slow.stats()["max_in_flight"] >= 100
 
 
-@contextlib.contextmanager
-def sglang_router(workers: list[str], log_path: Path) -> Iterator[str]:
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "sglang_router.launch_router",
-        "--worker-urls",
-        *workers,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--policy",
-        "round_robin",
-        # Its own metrics port: the default one (29000) may be another router's.
-        "--prometheus-host",
-        "127.0.0.1",
-        "--prometheus-port",
-        str(free_port()),
-    ]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log_path.read_text(errors="replace")
-            with contextlib.suppress(httpx.HTTPError):
-                listed = httpx.get(url + "/workers", timeout=1).json().get("workers", [])
-                if len([w for w in listed if w.get("is_healthy")]) == len(workers):
-                    break
-            time.sleep(0.1)
-        else:
-            raise TimeoutError(
-                f"router did not register the workers:\n{log_path.read_text(errors='replace')}"
-            )
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(10)
-
 
 def test_real_sglang_router_in_front_of_two_sim_engines(
     engines: dict[str, SimEngineProcess], qwen_tokenizer: Any, tmp_path: Path
@@ -451,7 +404,7 @@ def test_real_sglang_router_in_front_of_two_sim_engines(
     right, wrong = engines["right"], engines["wrong"]
     ids = prompt_ids(qwen_tokenizer, "What is 17 + 25?")
     before = right.generate_count(), wrong.generate_count()
-    with sglang_router([right.url, wrong.url], tmp_path / "router.log") as url:
+    with sglang_router([right.url, wrong.url], tmp_path / "router.log") as (url, _):
         bodies = [
             httpx.post(url + "/generate", json={"input_ids": ids, "return_logprob": True}, timeout=10).json()
             for _ in range(4)

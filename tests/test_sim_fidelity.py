@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,7 +20,7 @@ import httpx
 import orjson
 import pytest
 import uvicorn
-from servers import free_port, stop_process
+from servers import free_port, router_health, sglang_router
 
 import rollout_sim
 from rollout_sim.contract import FAULT_KINDS, SimConfig
@@ -553,6 +551,41 @@ def test_flush_cache_and_the_weight_version_endpoint(sims: Callable[..., Sim], q
     assert sim.get("/server_info").json()["version"] == {"0.5.15": "0.5.15.post1", "0.5.23": "0.5.23"}[version]
 
 
+def test_a_weight_load_answers_as_sglangs_and_fails_while_requests_are_held(
+        sims: Callable[..., Sim], qwen_tokenizer: Any, tmp_path: Path) -> None:
+    """/update_weights_from_disk as real SGLang 0.5.23 answered it on this CPU (tests/test_real_sglang.py): a
+    missing folder fails the load; with a request held by an in-place pause the cache flush after the load fails
+    and the version stays; once nothing is held the load succeeds and sets the version."""
+    sim = sims(token_latency_ms=40)
+    missing = sim.post("/update_weights_from_disk", {"model_path": "/nonexistent", "weight_version": "9"})
+    assert missing.status_code == 400 and missing.json()["success"] is False
+    assert missing.json()["message"].startswith("Failed to get weights iterator: ")
+    before = sim.engine.weight_version
+    ids = chat_ids(qwen_tokenizer, "What is 99 + 1?")
+
+    async def held() -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            task = asyncio.create_task(client.post(sim.url + "/generate", json={"input_ids": ids}))
+            await asyncio.to_thread(wait_until, lambda: sim.running() == 1)
+            await client.post(sim.url + "/pause_generation", json={"mode": "in_place"})
+            try:
+                r = await client.post(sim.url + "/update_weights_from_disk",
+                                      json={"model_path": str(tmp_path), "weight_version": "7"})
+                assert r.status_code == 400 and r.json()["success"] is False
+                assert r.json()["message"].startswith("Weights were updated, but the cache was not flushed")
+                assert sim.engine.weight_version == before
+            finally:
+                await client.post(sim.url + "/continue_generation", json={})
+            assert (await task).status_code == 200
+
+    asyncio.run(held())
+    loaded = sim.post("/update_weights_from_disk", {"model_path": str(tmp_path), "weight_version": "7"})
+    assert loaded.status_code == 200 and loaded.json() == {
+        "success": True, "message": "Succeeded to update model weights. Weight version updated to 7.",
+        "num_paused_requests": 0}
+    assert sim.get("/model_info").json()["weight_version"] == "7"
+
+
 @pytest.mark.parametrize("version", VERSIONS)
 def test_unknown_sampling_params(sims: Callable[..., Sim], qwen_tokenizer: Any, version: str) -> None:
     """0.5.23: http_server.generate_request's contract gate (entrypoints/api_contract.py) answers 400 with the
@@ -582,30 +615,8 @@ def test_the_docstring_says_what_is_and_is_not_imitated() -> None:
 
 # --------------------------------------------------------------------------------- the real router in front
 
-
-@contextlib.contextmanager
-def sglang_router(workers: list[str], log_path: Path) -> Iterator[str]:
-    """sglang-router (as tests/test_router.py launches it), checking health every second, one failure enough."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *workers,
-           "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
-           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-           "--health-check-interval-secs", "1", "--health-check-timeout-secs", "5",
-           "--health-failure-threshold", "1", "--health-success-threshold", "1", "--log-level", "warn"]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: proc.poll() is None and healthy(url) == {w: True for w in workers}, timeout_s=30)
-        yield url
-    finally:
-        stop_process(proc)
-
-
-def healthy(router: str) -> dict[str, bool]:
-    with contextlib.suppress(httpx.HTTPError, ValueError):
-        return {w["url"]: w["is_healthy"] for w in httpx.get(router + "/workers", timeout=2).json()["workers"]}
-    return {}
+# One failed health check takes a worker out, one good one brings it back.
+FAIL_FAST = ("--health-check-timeout-secs", "5", "--health-failure-threshold", "1", "--health-success-threshold", "1")
 
 
 def test_health_and_context_refusal_through_the_real_router(qwen_tokenizer_path: str, qwen_tokenizer: Any,
@@ -616,7 +627,7 @@ def test_health_and_context_refusal_through_the_real_router(qwen_tokenizer_path:
     configs = [SimConfig(port=free_port(), tokenizer_path=qwen_tokenizer_path, context_length=CONTEXT,
                          health_check_timeout_s=2.0, correct_rate=1.0) for _ in range(2)]
     with serve(configs[0]) as a, serve(configs[1]) as b, \
-            sglang_router([a.url, b.url], tmp_path / "router.log") as router:
+            sglang_router([a.url, b.url], tmp_path / "router.log", *FAIL_FAST) as (router, _):
         ids = chat_ids(qwen_tokenizer, "What is 17 + 25?")
         payload = {"input_ids": ids, "sampling_params": {"max_new_tokens": CONTEXT}}
         direct = a.post("/generate", payload)
@@ -629,7 +640,7 @@ def test_health_and_context_refusal_through_the_real_router(qwen_tokenizer_path:
         # A long pause: /health answers 503, the router takes the worker out, the other serves everything.
         a.post("/pause_generation", {"mode": "in_place"}).raise_for_status()
         try:
-            wait_until(lambda: healthy(router) == {a.url: False, b.url: True}, timeout_s=20)
+            wait_until(lambda: router_health(router) == {a.url: False, b.url: True}, timeout_s=20)
             before = a.engine.stats.by_endpoint["/generate"], b.engine.stats.by_endpoint["/generate"]
             for _ in range(4):
                 ok = httpx.post(router + "/generate", json={"input_ids": ids}, timeout=30)
@@ -638,4 +649,4 @@ def test_health_and_context_refusal_through_the_real_router(qwen_tokenizer_path:
             assert (after[0] - before[0], after[1] - before[1]) == (0, 4)
         finally:
             a.post("/continue_generation")
-        wait_until(lambda: healthy(router) == {a.url: True, b.url: True}, timeout_s=20)
+        wait_until(lambda: router_health(router) == {a.url: True, b.url: True}, timeout_s=20)
