@@ -145,6 +145,28 @@ def test_record_fields_fit_the_trajectory_record(qwen_tokenizer, im_end):
     assert record.tokens == conv.token_ids
 
 
+def test_tokens_after_a_weight_change_within_their_request_are_marked(qwen_tokenizer, im_end):
+    """An answer whose weights changed mid-request (SGLang's `weight_versions`, under an in-place pause): the
+    tokens after the change are marked, the marks stay through the next turn and go back with a cut; a fork's
+    spans are its own."""
+    conv = Conversation(PROMPT, qwen_tokenizer)
+    ids, lps = engine_output(qwen_tokenizer, TURN_2, im_end)
+    conv.add_assistant(ids, lps, TURN_2, weight_version="4", version_segments=[(3, "3"), (len(ids) - 3, "4")],
+                       mid_request=[1])
+    start = conv.prompt_length
+    assert conv.mid_request_spans() == [[start + 3, start + len(ids), "4"]]
+    mark = conv.mark()
+    conv.add_messages([FOLLOW_UP])
+    more, more_lps = engine_output(qwen_tokenizer, TURN_3, im_end)
+    conv.add_assistant(more, more_lps, TURN_3, weight_version="4")
+    assert conv.mid_request_spans() == [[start + 3, start + len(ids), "4"]], "a later turn of version 4 is apart"
+    assert [s[:3] for s in conv.version_spans][-1][2] == "4" and len(conv.version_spans) == 3
+    assert conv.record_fields(mask_offpolicy=True)["loss_mask"][start:start + 3] == [0, 0, 0]
+    assert conv.fork(mark).mid_request_spans() == []
+    conv.restore(mark)
+    assert conv.mid_request_spans() == [[start + 3, start + len(ids), "4"]]
+
+
 def test_missing_log_probs_are_left_out_not_faked(qwen_tokenizer, im_end):
     conv = Conversation(PROMPT, qwen_tokenizer)
     ids, _ = engine_output(qwen_tokenizer, TURN_2, im_end)

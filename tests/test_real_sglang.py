@@ -96,11 +96,11 @@ def engine_a(engine: str, build: Path) -> str:
     return engine
 
 
-def update_weights(engine: str, model: Path, version: str) -> None:
+def update_weights(engine: str, model: Path, version: str, pause: str = "abort", **load: Any) -> None:
     """What slime does around a weight update: pause (aborting in-flight requests), load, continue."""
-    httpx.post(f"{engine}/pause_generation", json={"mode": "abort"}, timeout=30).raise_for_status()
+    httpx.post(f"{engine}/pause_generation", json={"mode": pause}, timeout=30).raise_for_status()
     loaded = httpx.post(f"{engine}/update_weights_from_disk", timeout=60,
-                        json={"model_path": str(model), "weight_version": version})
+                        json={"model_path": str(model), "weight_version": version, **load})
     assert loaded.status_code == 200 and loaded.json()["success"], loaded.text
     httpx.post(f"{engine}/continue_generation", json={}, timeout=30).raise_for_status()
 
@@ -118,14 +118,17 @@ def trainer_logprobs(build: Path, model: str, sequences: list[list[int]], temper
     return result
 
 
-def trained_positions(record: dict[str, Any]) -> Iterator[tuple[int, float, str]]:
-    """(position in `tokens`, log-prob held, weight version) of each loss-1 token of a record."""
+def trained_positions(record: dict[str, Any], mid_request: bool = False) -> Iterator[tuple[int, float, str]]:
+    """(position in `tokens`, log-prob held, weight version) of each loss-1 token of a record: those generated over
+    a cache of their own weights, or (`mid_request`) those generated after the weights changed within their
+    request, over a cache of older ones (`extra_info.mid_request_update_spans`)."""
     prompt = len(record["tokens"]) - record["response_length"]
     response_mask = record["loss_mask"][-record["response_length"]:]  # `loss_mask` is as long as `tokens`
     spans = record["extra_info"]["weight_version_spans"]
+    marked = record["extra_info"].get("mid_request_update_spans", [])
     for k, (mask, logprob) in enumerate(zip(response_mask, record["rollout_log_probs"], strict=True)):
-        if mask:
-            position = prompt + k
+        position = prompt + k
+        if mask and any(start <= position < end for start, end, _ in marked) == mid_request:
             yield position, logprob, next(str(v) for start, end, v in spans if start <= position < end)
 
 
@@ -156,6 +159,19 @@ def shifted_difference(record: dict[str, Any], forward: list[float]) -> float:
     along, as a mistake of alignment would."""
     return max(abs(logprob - forward[position]) for position, logprob, _ in trained_positions(record)
                if position + 1 < len(record["tokens"]))
+
+
+def mid_generation(engine: str, requests: int) -> None:
+    """Wait until the engine runs `requests` requests and has generated some tokens of each (SGLang's own load
+    report), so that an update comes mid-trajectory."""
+    def load() -> dict[str, Any]:
+        found: dict[str, Any] = httpx.get(f"{engine}/v1/loads", timeout=10).json()["loads"][0]
+        return found
+
+    running = wait_until(lambda: (lambda now: now if now["num_running_reqs"] == requests else None)(load()), 300,
+                         f"{requests} requests never ran")
+    wait_until(lambda: load()["num_used_tokens"] >= running["num_used_tokens"] + 4 * requests, 300,
+               "the requests made no progress")
 
 
 def wait_until(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
@@ -275,11 +291,7 @@ def test_weights_updated_mid_run_then_a_staleness_bound(engine_a: str, router: s
     with buffer_server(tmp_path, "--data-root", str(build)) as buffer:
         start(buffer.url, router, write_jsonl(tmp_path / "math.jsonl", math_rows(4)), str(build / "models" / A),
               num_repeat_per_sample=2, num_process=8, max_tokens=64)
-        # Every request running and some tokens into each before the update (SGLang's own load report).
-        loads = wait_until(lambda: (lambda load: load if load["num_running_reqs"] == 8 else None)(
-            httpx.get(f"{engine_a}/v1/loads", timeout=10).json()["loads"][0]), 300, "8 requests never ran")
-        wait_until(lambda: httpx.get(f"{engine_a}/v1/loads", timeout=10).json()["loads"][0]["num_used_tokens"]
-                   >= loads["num_used_tokens"] + 8 * 4, 300, "the requests made no progress")
+        mid_generation(engine_a, requests=8)
         update_weights(engine_a, build / "models" / B, "1")
         status = wait_finished(buffer.url, timeout_s=600)
         assert status["run"]["progress"]["failed"] == 0, status
@@ -304,6 +316,30 @@ def test_weights_updated_mid_run_then_a_staleness_bound(engine_a: str, router: s
     assert len(regenerated) == 4
     assert {v for r in regenerated for *_, v in trained_positions(r)} == {"2"}
     assert_trainers_logprobs(build, regenerated)
+
+
+def test_an_update_within_a_request_is_marked_in_the_record(engine_a: str, build: Path, tmp_path: Path) -> None:
+    """The unsafe update: under an in-place pause (and `flush_cache: false`, without which SGLang refuses to load
+    while requests are held) the held requests go on with checkpoint B over the KV cache checkpoint A computed.
+    SGLang's answer then spans two versions within one request, and the record marks the tokens after the change
+    (`mid_request_update_spans`): their log-probs are no checkpoint's (B's forward over the same tokens is far
+    from them), while the tokens before them are A's exactly."""
+    with buffer_server(tmp_path, "--data-root", str(build)) as buffer:
+        start(buffer.url, engine_a, write_jsonl(tmp_path / "math.jsonl", math_rows(2)), str(build / "models" / A),
+              num_repeat_per_sample=2, num_process=4, max_tokens=64)
+        mid_generation(engine_a, requests=4)
+        update_weights(engine_a, build / "models" / B, "1", pause="in_place", flush_cache=False)
+        status = wait_finished(buffer.url, timeout_s=600)
+        assert status["run"]["progress"]["failed"] == 0, status
+        records = drain(buffer.url)
+    marked = [r for r in records if r["extra_info"].get("mid_request_update_spans")]
+    assert marked and all(r["extra_info"]["abort_resumes"] == 0 for r in records), "held, not aborted"
+    assert {v for r in marked for *_, v in r["extra_info"]["mid_request_update_spans"]} == {"1"}
+    assert_trainers_logprobs(build, records)  # every token but the marked ones
+    forward = trainer_logprobs(build, str(build / "models" / B), [r["tokens"] for r in marked])
+    for rec, logprobs in zip(marked, forward, strict=True):
+        gaps = [abs(logprob - logprobs[position - 1]) for position, logprob, _ in trained_positions(rec, True)]
+        assert max(gaps) > 1e-2, f"{rec['uid']}: B's forward gives the marked tokens' log-probs ({max(gaps)})"
 
 
 def shape(value: Any) -> Any:

@@ -172,6 +172,7 @@ def test_an_abort_by_a_weight_update_is_resumed_and_concatenated(replay: Replay)
     assert result.output_ids == ANSWER and result.text == "The answer is \\boxed{4}." and result.finish_reason == "stop"
     assert (result.resumed, result.attempts) == (1, 2)
     assert result.segments == [(3, "1"), (len(ANSWER) - 3, "2")] and result.weight_version == "2"
+    assert result.mid_request == [], "a resume is a new request: its prefix is computed again"
 
 
 def test_a_streamed_abort_in_the_waiting_queue_is_resumed_from_all_its_tokens(replay: Replay) -> None:
@@ -311,10 +312,12 @@ def test_weight_version_spans_become_per_token_versions(replay: Replay, qwen_tok
 
     result, record = run(replay, call)
     assert result.output_ids == ANSWER and result.weight_version == "4"
-    assert result.segments == [(4, "3"), (len(ANSWER) - 4, "4")]
+    assert result.segments == [(4, "3"), (len(ANSWER) - 4, "4")] and result.mid_request == [1]
     n = len(PROMPT)
     info = record["extra_info"]
     assert info["weight_version_spans"] == [[n, n + 4, "3"], [n + 4, n + len(ANSWER), "4"]]
+    # Version 4's tokens came within the same request, over the KV cache version 3 computed: the record says so.
+    assert info["mid_request_update_spans"] == [[n + 4, n + len(ANSWER), "4"]]
     assert (info["weight_version_min"], info["weight_version_max"]) == ("3", "4")
     assert record["weight_versions"] == ["3", "4"]
     # mask_offpolicy: the tokens of version 3 get loss 0, those of version 4 keep it.

@@ -32,6 +32,9 @@ class GenerateResult:
     # `weight_versions` when the answer has them (weights updated in place during the request); an abort resume
     # that crosses a weight update continues with another version than the part before it.
     segments: list[tuple[int, str | None]] = field(default_factory=list)
+    # Indices into `segments` of those generated after the weights changed within the same engine request (an
+    # update under an in-place pause): the request's earlier KV cache was computed by older weights.
+    mid_request: list[int] = field(default_factory=list)
     # The prompt fills the engine's context: no request was sent, nothing generated (`finish_reason` "length").
     context_full: bool = False
 
@@ -44,6 +47,7 @@ class GenerationProgress:
     log_probs: list[float] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)  # one per engine answer
     segments: list[tuple[int, str | None]] = field(default_factory=list)
+    mid_request: list[int] = field(default_factory=list)
     attempts: int = 0
     resumed: int = 0
     version: str | None = None
@@ -67,6 +71,7 @@ class GenerationProgress:
         spans = last.spans
         if spans is None or sum(n for n, _ in spans) != tokens:
             spans = [(tokens, last.weight_version)]
+        self.mid_request += range(len(self.segments) + 1, len(self.segments) + len(spans))
         self.segments += spans
         self.version = spans[-1][1] or self.version
         self.finish, self.refusal = last.finish_reason, last.refusal
@@ -75,7 +80,7 @@ class GenerationProgress:
         return GenerateResult(
             output_ids=self.out_ids, log_probs=self.log_probs, text="".join(self.texts), finish_reason=self.finish,
             weight_version=self.version, engine_url=self.url, attempts=self.attempts, resumed=self.resumed,
-            segments=self.segments, context_full=self.context_full,
+            segments=self.segments, mid_request=self.mid_request, context_full=self.context_full,
         )
 
 

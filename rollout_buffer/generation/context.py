@@ -131,7 +131,7 @@ class RolloutContext:
             await conv.aadd_assistant(
                 result.output_ids, result.log_probs if return_logprob else None, result.text,
                 weight_version=result.weight_version, finish_reason=result.finish_reason,
-                version_segments=result.segments,
+                version_segments=result.segments, mid_request=result.mid_request,
             )
             return result.finish_reason
         chat_params = {k: v for k, v in params.items() if k != "max_new_tokens"}
@@ -165,7 +165,8 @@ class RolloutContext:
 
         `extra_info` gets the oldest and newest weight version the conversation was generated with
         (`weight_version_min` / `weight_version_max`) and, in token mode, `weight_version_spans`:
-        `[start, end, version]` over positions of `tokens`.
+        `[start, end, version]` over positions of `tokens`, and `mid_request_update_spans`, those of them generated
+        after the weights changed within their engine request (over a KV cache of older weights), when any.
         """
         info: dict[str, Any] = {"finish_reason": finish_reason, **self.engine_stats, **extra_info}
         known = ordered_versions(conv.weight_versions)
@@ -180,7 +181,9 @@ class RolloutContext:
                 info["tokenization_mismatch"] = mismatch
                 metrics.TOKENIZATION_MISMATCHES.inc()
             fields = conv.record_fields(mask_offpolicy=self.run.mask_offpolicy)
-            info["weight_version_spans"] = [list(span) for span in conv.version_spans]
+            info["weight_version_spans"] = [span[:3] for span in conv.version_spans]
+            if mid_request := conv.mid_request_spans():
+                info["mid_request_update_spans"] = mid_request
         elif conv.tools:
             fields = {"tools": conv.tools}
         return {

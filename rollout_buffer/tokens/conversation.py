@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -207,6 +208,7 @@ class Conversation(TokenSequence):
         weight_version: str | None = None,
         finish_reason: str = "stop",
         version_segments: list[tuple[int, str | None]] | None = None,
+        mid_request: Collection[int] = (),
     ) -> None:
         """Append one engine turn: its own output ids (loss 1) and log-probs, and `text` as the message.
 
@@ -214,7 +216,8 @@ class Conversation(TokenSequence):
         `finish_reason` is the engine's ("stop", "length", "abort"): an output that neither ends with an
         end-of-turn token nor stopped cleanly truncates the conversation. `version_segments` lists
         (tokens, weight_version) of the answers the turn was generated in (abort resumes may cross a weight
-        update); without it the whole turn has `weight_version`.
+        update); without it the whole turn has `weight_version`. `mid_request` indexes the segments generated
+        after the weights changed within their engine request (`GenerateResult.mid_request`).
         """
         self._require_tokens()
         self._require_not_truncated()
@@ -222,7 +225,7 @@ class Conversation(TokenSequence):
             raise ValueError(f"{len(log_probs)} log-probs for {len(output_ids)} output ids")
         if not self._open:
             self._append(self._frame.generation_prompt_ids, 0)
-        self._add_version_spans(len(self.token_ids), len(output_ids), weight_version, version_segments)
+        self._add_version_spans(len(self.token_ids), len(output_ids), weight_version, version_segments, mid_request)
         if self._forked:
             self.prompt_length, self._forked = len(self.token_ids), False
         self._append(output_ids, 1, log_probs)
@@ -248,10 +251,11 @@ class Conversation(TokenSequence):
         weight_version: str | None = None,
         finish_reason: str = "stop",
         version_segments: list[tuple[int, str | None]] | None = None,
+        mid_request: Collection[int] = (),
     ) -> None:
         """`add_assistant` for async callers; it renders nothing, so it runs inline."""
-        self.add_assistant(output_ids, log_probs, text, weight_version=weight_version,
-                           finish_reason=finish_reason, version_segments=version_segments)
+        self.add_assistant(output_ids, log_probs, text, weight_version=weight_version, finish_reason=finish_reason,
+                           version_segments=version_segments, mid_request=mid_request)
 
     def response_tokens_used(self) -> int:
         """Tokens the response will hold once the next assistant turn starts (generation prompt counted)."""
@@ -331,7 +335,7 @@ class Conversation(TokenSequence):
             raise ValueError("the mark is past the end of this conversation")
         del self.messages[mark.messages:], self.weight_versions[mark.weight_versions:]
         self._truncate_to(mark.tokens)
-        self.version_spans = [[start, min(end, mark.tokens), v] for start, end, v in self.version_spans
+        self.version_spans = [[start, min(end, mark.tokens), *rest] for start, end, *rest in self.version_spans
                               if start < mark.tokens]
         self._assistant_turns = mark.assistant_turns
         self.finish_reason, self.truncated = mark.finish_reason, mark.truncated

@@ -8,6 +8,7 @@ template renders, engine turns, marks and forks); this holds the arrays and keep
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import orjson
@@ -15,6 +16,7 @@ import orjson
 from rollout_buffer.delivery.versions import mask_older_versions
 
 _JSON_PIECES = 32  # the ids' JSON is joined into one piece when it has more (a request writes each piece)
+MID_REQUEST = "mid_request"  # marks a version span generated after an in-place weight change (see version_spans)
 
 
 class TokenSequence:
@@ -26,7 +28,8 @@ class TokenSequence:
     loss_mask: list[int]
     log_probs: list[float]
     weight_versions: list[str]
-    # [start, end, weight_version] over token positions: which weights generated each stretch of output.
+    # [start, end, weight_version] over token positions: which weights generated each stretch of output; a fourth
+    # item, MID_REQUEST, on a stretch generated after the weights changed within its engine request.
     version_spans: list[list[Any]]
     prompt_length: int
     _log_probs_complete: bool  # every generated token came with its log-prob
@@ -59,7 +62,7 @@ class TokenSequence:
             return {}
         loss_mask = list(self.loss_mask)
         if mask_offpolicy:
-            mask_older_versions(loss_mask, ((start, end, v) for start, end, v in self.version_spans))
+            mask_older_versions(loss_mask, ((start, end, v) for start, end, v, *_ in self.version_spans))
         fields: dict[str, Any] = {
             "tokens": list(self.token_ids),
             "loss_mask": loss_mask,
@@ -82,21 +85,28 @@ class TokenSequence:
             self._json, self._json_count = [], 0
 
     def _add_version_spans(self, start: int, count: int, version: str | None,
-                           segments: list[tuple[int, str | None]] | None) -> None:
+                           segments: list[tuple[int, str | None]] | None, mid_request: Collection[int] = ()) -> None:
         if not segments or sum(n for n, _ in segments) != count:
-            segments = [(count, version)]
-        for n, v in segments:
+            segments, mid_request = [(count, version)], ()
+        for k, (n, v) in enumerate(segments):
             if n <= 0 and len(segments) > 1:
                 continue  # an answer without tokens (aborted at once) generated nothing with its weights
             self._note_version(v)
             if n <= 0:
                 continue
             last = self.version_spans[-1] if self.version_spans else None
-            if last is not None and last[1] == start and last[2] == v:
+            if k in mid_request:
+                self.version_spans.append([start, start + n, v, MID_REQUEST])
+            elif last is not None and last[1] == start and last[2] == v and len(last) == 3:
                 last[1] = start + n
             else:
                 self.version_spans.append([start, start + n, v])
             start += n
+
+    def mid_request_spans(self) -> list[list[Any]]:
+        """`[start, end, version]` of the stretches generated after the weights changed within their engine
+        request: the KV cache of the tokens before them came from older weights."""
+        return [span[:3] for span in self.version_spans if span[3:] == [MID_REQUEST]]
 
     def _note_version(self, version: str | None) -> None:
         if version is not None and version not in self.weight_versions:
