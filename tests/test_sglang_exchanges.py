@@ -1,10 +1,10 @@
 """The engine client against recorded SGLang exchanges (tests/fixtures/sglang/*.json).
 
 Each fixture is what a real SGLang engine (or sglang-router) answers, written from its sources, which its `source`
-field cites: the requests the client should send (`expect`: values by dotted path, null for "absent") and the
-answers, a JSON body or a list of server-sent events. A scripted server on 127.0.0.1 replays them in order, so
-these tests hold the client to SGLang's wire behaviour rather than to the simulator's; when SGLang changes, the
-fixture changes.
+field cites, or (`real_*.json`) recorded from real SGLang on this CPU by `real_sglang/record_exchanges.py`: the
+requests the client should send (`expect`: values by dotted path, null for "absent") and the answers, a JSON body
+or a list of server-sent events. A scripted server on 127.0.0.1 replays them in order, so these tests hold the
+client to SGLang's wire behaviour rather than to the simulator's; when SGLang changes, the fixture changes.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from rollout_buffer.engine.limits import EngineLimits, probe_engine
 from rollout_buffer.engine.results import EngineError, GenerateResult
 from rollout_buffer.generation.context import RolloutContext, RunResources
 from rollout_buffer.generation.options import check_engine_options
+from rollout_buffer.tokens.conversation import Conversation
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang"
 FAST = {"backoff_s": 0.01, "max_backoff_s": 0.05}
@@ -322,6 +323,53 @@ def test_weight_version_spans_become_per_token_versions(replay: Replay, qwen_tok
     assert record["weight_versions"] == ["3", "4"]
     # mask_offpolicy: the tokens of version 3 get loss 0, those of version 4 keep it.
     assert record["loss_mask"][n:n + len(ANSWER)] == [0] * 4 + [1] * (len(ANSWER) - 4)
+
+
+# ---- exchanges recorded from real SGLang (real_sglang/record_exchanges.py), not written from its sources
+
+
+def real_answer(name: str, k: int = 0) -> dict[str, Any]:
+    body: dict[str, Any] = fixture_value(name, "exchanges", k, "response", "body")
+    return body
+
+
+def test_real_a_stop_string_keeps_the_token_that_holds_it(replay: Replay, qwen_tokenizer: Any) -> None:
+    """Real SGLang ends the text before the stop string and keeps the token holding it: the turn is those tokens at
+    loss 1, closed by the template's end of turn at loss 0 (the engine never generated it)."""
+    replay.load("real_stop_string")
+    result = run(replay, lambda c: generate(c, {"max_new_tokens": 64, "temperature": 0, "stop": ["e"]}))
+    replay.check_requests()
+    answer = real_answer("real_stop_string")
+    assert result.output_ids == answer["output_ids"] and result.text == answer["text"] == "左右.s"
+    assert result.finish_reason == "stop" and qwen_tokenizer.decode(result.output_ids) == "左右.setter"
+    conv = Conversation([{"role": "user", "content": "What is 2 + 2?"}], qwen_tokenizer)
+    assert conv.generation_ids() == PROMPT
+    conv.add_assistant(result.output_ids, result.log_probs, result.text, finish_reason=result.finish_reason)
+    closing = qwen_tokenizer.encode("<|im_end|>\n", add_special_tokens=False)
+    assert conv.token_ids == PROMPT + result.output_ids + closing and not conv.truncated
+    assert conv.loss_mask[len(PROMPT):] == [1] * len(result.output_ids) + [0] * len(closing)
+
+
+def test_real_an_abort_resume_across_a_weight_update(replay: Replay) -> None:
+    """Aborted mid-answer by a pause, checkpoint B loaded, resumed from the partial output: the tokens concatenated,
+    each part with its version, and nothing marked as generated over an older cache (the resume is a new request)."""
+    replay.load("real_abort_resume")
+    result = run(replay, lambda c: generate(c, {"max_new_tokens": 160, "temperature": 0, "ignore_eos": True}))
+    replay.check_requests()  # the resume sent the prompt + the partial output, for the tokens left
+    first, second = real_answer("real_abort_resume", 0), real_answer("real_abort_resume", 1)
+    assert result.output_ids == first["output_ids"] + second["output_ids"] and len(result.output_ids) == 160
+    assert len(result.log_probs) == 160 and (result.resumed, result.finish_reason) == (1, "length")
+    assert result.segments == [(len(first["output_ids"]), "default"), (len(second["output_ids"]), "1")]
+    assert result.mid_request == [] and result.weight_version == "1"
+
+
+def test_real_an_update_under_an_in_place_pause_is_one_answer_of_two_versions(replay: Replay) -> None:
+    replay.load("real_in_place_update")
+    result = run(replay, lambda c: generate(c, {"max_new_tokens": 160, "temperature": 0, "ignore_eos": True}))
+    replay.check_requests()
+    spans = real_answer("real_in_place_update")["meta_info"]["weight_versions"]
+    assert [s["version"] for s in spans] == ["default", "1"] and result.resumed == 0
+    assert result.segments == [(s["end"] - s["start"], s["version"]) for s in spans] and result.mid_request == [1]
 
 
 def test_a_router_is_told_from_an_engine_and_its_worker_read(replay: Replay) -> None:
