@@ -273,16 +273,19 @@ def test_retry_limit_is_honoured_when_the_buffer_is_down(workdir: Path, qwen_tok
 
 
 def test_retries_wait_for_a_buffer_that_comes_up_late(
-    serve: Callable[..., Server], workdir: Path, qwen_tokenizer: Any, qwen_tokenizer_path: str
+    serve: Callable[..., Server], workdir: Path, qwen_tokenizer: Any, qwen_tokenizer_path: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     port = free_port()
     # 9 retries from 0.05 s doubling: about 25 s of patience, finite so a failure cannot hang the suite.
     args = slime_args(f"http://127.0.0.1:{port}", workdir, qwen_tokenizer_path,
                       "--fetch-trajectory-retry-times", "9", rollout_batch_size=1)
-    with ThreadPoolExecutor(1) as pool:
+    with caplog.at_level(logging.WARNING, logger="slime_adapter.client"), ThreadPoolExecutor(1) as pool:
         pending = pool.submit(generate_rollout, args, 0, DataBuffer(4))
-        time.sleep(0.5)
-        assert not pending.done()
+        deadline = time.monotonic() + 30
+        while "retry 2/9" not in caplog.text:  # it has failed twice and goes on
+            assert time.monotonic() < deadline and not pending.done(), caplog.text
+            time.sleep(0.02)
         url = serve(port=port).url
         wait_for_run(url, "external_writes")
         write_group(url, qwen_tokenizer, "30", 1.0)

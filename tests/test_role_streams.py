@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import logging
 import statistics
 import threading
 import time
@@ -283,7 +284,8 @@ def slime_args(url: str, engine: Server, input_file: Path, tokenizer: str, *flag
 
 
 def test_two_slime_adapters_train_one_role_each(tmp_path: Path, engines: tuple[Server, Server],
-                                                qwen_tokenizer_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                qwen_tokenizer_path: str, monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
     planner_engine, actor_engine = engines
     monkeypatch.setattr(run_control, "LEAD_POLL_S", 0.05)
     inp = write_rows(tmp_path / "in.jsonl", 4)
@@ -301,9 +303,13 @@ def test_two_slime_adapters_train_one_role_each(tmp_path: Path, engines: tuple[S
                 batches[role].append(generate_rollout(args, rollout_id, data_buffer))
 
         # The actor's trainer comes up first: it waits for the planner's to start the run.
-        actor = threading.Thread(target=train, args=("actor", actor_args))
-        actor.start()
-        time.sleep(0.3)
+        with caplog.at_level(logging.INFO, logger="slime_adapter.run_control"):
+            actor = threading.Thread(target=train, args=("actor", actor_args))
+            actor.start()
+            deadline = time.monotonic() + 60
+            while "actor trainer: waiting for the planner trainer to start the run" not in caplog.text:
+                assert time.monotonic() < deadline and actor.is_alive(), caplog.text
+                time.sleep(0.05)
         assert httpx.get(f"{srv.url}/status").json()["run"] is None
         train("planner", planner_args)
         actor.join(60)
