@@ -85,12 +85,17 @@ def _invalid(message: str) -> Response:
     return openai_error(400, message, "Bad Request")
 
 
-async def _json(request: Request) -> dict[str, Any] | Response:
+async def _json(request: Request, required: str | None = None) -> dict[str, Any] | Response:
+    """The request's JSON object, or the 400 for a body that is not one (or lacks the string field `required`)."""
     try:
         body = orjson.loads(await request.body() or b"{}")
     except orjson.JSONDecodeError as e:
         return _invalid(f"request body is not JSON: {e}")
-    return body if isinstance(body, dict) else _invalid("the request body must be a JSON object")
+    if not isinstance(body, dict):
+        return _invalid("the request body must be a JSON object")
+    if required is not None and not isinstance(body.get(required), str):
+        return _invalid(f"{required}: Field required (a string)")
+    return body
 
 
 def create_app(config: SimConfig) -> FastAPI:
@@ -170,11 +175,9 @@ def _control_routes(app: FastAPI, engine: SimEngine) -> None:
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> Response:
-        body = await _json(request)
+        body = await _json(request, required="new_version")
         if isinstance(body, Response):
             return body
-        if not isinstance(body.get("new_version"), str):
-            return _invalid("new_version: Field required (a string)")
         # UpdateWeightVersionReqInput.abort_all_requests defaults to true.
         if body.get("abort_all_requests", True):
             engine.abort(None, abort_all=True)
@@ -185,11 +188,9 @@ def _control_routes(app: FastAPI, engine: SimEngine) -> None:
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> Response:
-        body = await _json(request)
+        body = await _json(request, required="model_path")
         if isinstance(body, Response):
             return body
-        if not isinstance(body.get("model_path"), str):
-            return _invalid("model_path: Field required (a string)")
         answer = engine.load_weights(body["model_path"], body.get("weight_version"),
                                      abort_all=bool(body.get("abort_all_requests", False)),
                                      flush=bool(body.get("flush_cache", True)))
