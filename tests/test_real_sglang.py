@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,9 @@ from sessions import ANTHROPIC_TOOLS, OPENAI_TOOLS, finish, open_session, record
 
 from rollout_buffer.tokens.tokenizer import load_tokenizer
 
+# The first test builds the SGLang venv when it is not cached (5 minutes, more on a slow index) and starts SGLang;
+# the engine-restart test starts it again. Every wait inside is bounded on its own.
+pytestmark = pytest.mark.timeout(2400)
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = Path(os.environ.get("RB_REAL_SGLANG_HOME", Path.home() / ".cache" / "rollout-buffer" / "real-sglang"))
 TOLERANCE = 1e-4
@@ -49,11 +54,37 @@ def build() -> Path:
     return (BUILD / "current").resolve()
 
 
+@dataclass
+class RealEngine:
+    """The module's SGLang: where it serves, its log folder, and its process (another one once restarted)."""
+
+    port: int
+    folder: Path
+    proc: subprocess.Popen[bytes]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
 @pytest.fixture(scope="module")
-def engine(build: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def real_engine(build: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealEngine]:
     """Real SGLang serving checkpoint A on a free port, until the module's tests are done."""
-    port = free_port()
-    folder = tmp_path_factory.mktemp("real-sglang")
+    port, folder = free_port(), tmp_path_factory.mktemp("real-sglang")
+    running = RealEngine(port, folder, start_sglang(build, folder, port))
+    try:
+        yield running
+    finally:
+        stop_process(running.proc)
+
+
+@pytest.fixture(scope="module")
+def engine(real_engine: RealEngine) -> str:
+    return real_engine.url
+
+
+def start_sglang(build: Path, folder: Path, port: int) -> subprocess.Popen[bytes]:
+    """Real SGLang serving checkpoint A on `port`, its log and IPC sockets in `folder`, once it answers /health."""
     log = folder / "sglang.log"
     command = [str(build / "venv" / "bin" / "python"), "-m", "sglang.launch_server", "--model-path",
                str(build / "models" / A), "--device", "cpu", "--dtype", "float32",
@@ -62,22 +93,18 @@ def engine(build: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[st
     with open(log, "ab") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "2",
-                                     "TMPDIR": str(folder)})  # its IPC sockets, with its log
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + READY_S
-        while True:  # /health answers 503 until SGLang's own warm-up request is done
-            assert proc.poll() is None, f"SGLang exited with {proc.returncode}: {log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"SGLang not ready in {READY_S} s: {log.read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(1)
-        yield url
-    finally:
-        stop_process(proc)
+                                     "TMPDIR": str(folder)})
+    deadline = time.monotonic() + READY_S
+    while True:  # /health answers 503 until SGLang's own warm-up request is done
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_process(proc)
+            raise AssertionError(f"SGLang not ready (exit {proc.returncode}): {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
 
 
 @pytest.fixture(scope="module")
@@ -340,6 +367,48 @@ def test_an_update_within_a_request_is_marked_in_the_record(engine_a: str, build
     for rec, logprobs in zip(marked, forward, strict=True):
         gaps = [abs(logprob - logprobs[position - 1]) for position, logprob, _ in trained_positions(rec, True)]
         assert max(gaps) > 1e-2, f"{rec['uid']}: B's forward gives the marked tokens' log-probs ({max(gaps)})"
+
+
+def test_what_the_real_engine_refuses(engine_a: str, build: Path, tmp_path: Path) -> None:
+    """A token budget past the engine's context is refused at the start, naming the field; a sampling value the
+    engine refuses fails each trajectory at once with the engine's own reason, counted, not retried."""
+    model = str(build / "models" / A)
+    rows = write_jsonl(tmp_path / "math.jsonl", math_rows(2))
+    with buffer_server(tmp_path, "--data-root", str(build)) as buffer:
+        refused = httpx.post(f"{buffer.url}/start_rollout", timeout=60, json={
+            "task_type": "math", "input_file": str(rows), "remote_engine_url": engine_a, "tokenizer_path": model,
+            "max_tokens": 5000})
+        assert refused.status_code == 422 and "max_tokens" in refused.text and "4096" in refused.text, refused.text
+        run_id = start(buffer.url, engine_a, rows, model, num_repeat_per_sample=2, num_process=4, max_tokens=8,
+                       sampling_params={"temperature": 1.0, "min_p": 2.0})
+        status = wait_finished(buffer.url, timeout_s=300)
+        failed = httpx.get(f"{buffer.url}/ui/api/trajectories", params={"run_id": run_id, "status": "failed"},
+                           timeout=10).json()["items"]
+        errors = [record(buffer.url, item["uid"])["extra_info"]["error"] for item in failed]
+    progress = status["run"]["progress"]
+    assert (progress["total"], progress["failed"], progress["failures"]) == (4, 4, {"engine_http_4xx": 4}), progress
+    assert len(errors) == 4 and all("min_p must be in [0, 1], got 2.0" in error for error in errors), errors
+
+
+def test_an_engine_killed_mid_run_and_started_again_loses_nothing(real_engine: RealEngine, engine_a: str,
+                                                                  build: Path, tmp_path: Path) -> None:
+    """kill -9 of the real engine mid-run, started again on its port: the run waits out the outage, and every
+    record is delivered whole, with the trainer's log-probs."""
+    with buffer_server(tmp_path, "--data-root", str(build)) as buffer:
+        start(buffer.url, engine_a, write_jsonl(tmp_path / "math.jsonl", math_rows(4)), str(build / "models" / A),
+              num_repeat_per_sample=2, num_process=4, max_tokens=48, max_retries=1)
+        mid_generation(engine_a, requests=4)
+        os.killpg(real_engine.proc.pid, signal.SIGKILL)
+        real_engine.proc.wait(30)
+        wait_until(lambda: httpx.get(f"{buffer.url}/status", timeout=10).json()["run"]["progress"]
+                   .get("engine_outage"), 120, "the outage shows")
+        real_engine.proc = start_sglang(build, real_engine.folder, real_engine.port)
+        status = wait_finished(buffer.url, timeout_s=600)
+        records = drain(buffer.url)
+    progress = status["run"]["progress"]
+    assert progress["failed"] == 0 and progress["failures"] == {} and status["filtered"] == {}, progress
+    assert len(records) == 8 and {r["instance_id"] for r in records} == {f"m{i}" for i in range(4)}
+    assert_trainers_logprobs(build, records)
 
 
 def shape(value: Any) -> Any:
