@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 from ops_helpers import math_rows, write_jsonl
-from servers import free_port, running
+from servers import free_port, running, sglang_router
 from sim_engine_process import SimEngineProcess, sim_engines
 
 from rollout_buffer.engine.client import EngineClient
@@ -480,10 +480,10 @@ def test_a_weight_update_during_a_held_request_gives_per_token_versions(
 
 @pytest.fixture(scope="module")
 def routed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[SimEngineProcess]]]:
-    launch = pytest.importorskip("test_router").sglang_router  # skipped without sglang_router
+    pytest.importorskip("sglang_router")
     tmp = tmp_path_factory.mktemp("sim-routed")
     small = ["--correct-rate", "1.0", "--latency-ms", "5", "--context-length", str(CONTEXT)]
-    with sim_engines(tmp, small, small) as procs, launch([p.url for p in procs], tmp / "router.log") as (url, _):
+    with sim_engines(tmp, small, small) as procs, sglang_router([p.url for p in procs], tmp / "router.log") as (url, _):
         yield url, procs
 
 
