@@ -40,7 +40,7 @@ def start_engine(port: int, log: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(MODELS / "tiny-qwen3-a"),
                "--device", "cpu", "--dtype", "float32", "--attention-backend", "torch_native",
                "--disable-overlap-schedule", "--max-total-tokens", "8192", "--mem-fraction-static", "0.05",
-               "--host", "127.0.0.1", "--port", str(port)]
+               "--host", "127.0.0.1", "--port", str(port), "--sleep-on-idle"]
     out = open(log, "ab")
     proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1"})

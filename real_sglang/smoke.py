@@ -93,7 +93,7 @@ def main():
     cmd = [PY, "-m", "sglang.launch_server", "--model-path", args.model_a, "--device", "cpu",
            "--attention-backend", "torch_native", "--disable-overlap-schedule", "--dtype", "float32",
            "--max-total-tokens", "8192", "--mem-fraction-static", "0.05",
-           "--host", "127.0.0.1", "--port", str(port)]
+           "--host", "127.0.0.1", "--port", str(port), "--sleep-on-idle"]
     print("[smoke] launching:", "SGLANG_USE_CPU_ENGINE=1", " ".join(cmd), flush=True)
     print("[smoke] server log:", log_path, flush=True)
     t0 = time.time()

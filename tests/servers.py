@@ -98,10 +98,11 @@ class Router(NamedTuple):
 
 @contextlib.contextmanager
 def sglang_router(workers: list[str], log_path: Path, *extra: str, python: str = sys.executable,
-                  timeout_s: float = 30.0) -> Iterator[Router]:
+                  timeout_s: float = 180.0) -> Iterator[Router]:
     """The real sglang-router (`python -m sglang_router.launch_router`, round robin, health checked every second) on
     free loopback ports, once every worker is registered and healthy: the router answers healthy a moment before
-    its workers are registered, and its `/generate` fails until then."""
+    its workers are registered, and its `/generate` fails until then. `timeout_s` bounds a failure only: on two
+    loaded cores the router's start alone took 17 s, and real SGLang's `/health` generates a token."""
     port, metrics_port = free_port(), free_port()
     cmd = [python, "-m", "sglang_router.launch_router", "--worker-urls", *workers,
            "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
@@ -114,9 +115,10 @@ def sglang_router(workers: list[str], log_path: Path, *extra: str, python: str =
     router = Router(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics")
     try:
         deadline = time.monotonic() + timeout_s
-        while router_health(router.url) != {w: True for w in workers}:
+        while (seen := router_health(router.url)) != {w: True for w in workers}:
             assert proc.poll() is None, log_path.read_text(errors="replace")
-            assert time.monotonic() < deadline, f"router not ready:\n{log_path.read_text(errors='replace')}"
+            assert time.monotonic() < deadline, (f"router not ready within {timeout_s:g} s (its workers: {seen}):\n"
+                                                 f"{log_path.read_text(errors='replace')}")
             time.sleep(0.1)
         yield router
     finally:

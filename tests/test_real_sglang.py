@@ -89,7 +89,8 @@ def start_sglang(build: Path, folder: Path, port: int) -> subprocess.Popen[bytes
     command = [str(build / "venv" / "bin" / "python"), "-m", "sglang.launch_server", "--model-path",
                str(build / "models" / A), "--device", "cpu", "--dtype", "float32",
                "--attention-backend", "torch_native", "--disable-overlap-schedule", "--max-total-tokens", "8192",
-               "--mem-fraction-static", "0.05", "--host", "127.0.0.1", "--port", str(port)]
+               "--mem-fraction-static", "0.05", "--host", "127.0.0.1", "--port", str(port),
+               "--sleep-on-idle"]  # its scheduler otherwise spins a core between requests
     with open(log, "ab") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "2",
@@ -111,7 +112,9 @@ def start_sglang(build: Path, folder: Path, port: int) -> subprocess.Popen[bytes
 def router(build: Path, engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The real sglang-router (from the same venv) in front of the engine."""
     log = tmp_path_factory.mktemp("real-router") / "router.log"
-    with sglang_router([engine], log, python=str(build / "venv" / "bin" / "python")) as running:
+    # Real SGLang's /health generates a token: on loaded cores it can take longer than the router's 5 s default.
+    with sglang_router([engine], log, "--health-check-timeout-secs", "60",
+                       python=str(build / "venv" / "bin" / "python")) as running:
         yield running.url
 
 
