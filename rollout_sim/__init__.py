@@ -43,16 +43,20 @@ Imitated (both releases unless said):
   `output_ids` = [last token] with cumulative log-probs, 0.5.23 the whole output unless incremental). One held
   in place (`in_place`) is answered when generation continues. Requests sent while paused wait before
   validation, and no abort reaches them.
-- Weight loads: `/update_weights_from_disk` loads nothing but answers as SGLang does: a `model_path` that is not a
-  folder fails (400, `success: false`); `abort_all_requests` aborts first; requests still in the scheduler (held
-  in place, or aborted and not answered yet) make the cache flush after the load fail (400, "Weights were updated,
-  but the cache was not flushed ...") and leave `weight_version` as it was; otherwise `weight_version`, when
-  given, becomes the version (200, "Succeeded to update model weights. Weight version updated to V.").
+- Weight loads: `/update_weights_from_disk` loads nothing but answers as SGLang does, and from then on every
+  log-prob it answers is that of other weights (the checkpoint's path joins the hash each log-prob is drawn from),
+  also when the version is kept (a load without `weight_version`, or one whose cache flush failed). A `model_path`
+  that is not a folder fails (400, `success: false`); `abort_all_requests` aborts first; requests still in the
+  scheduler (held in place, or aborted and not answered yet) make the cache flush after the load fail (400,
+  "Weights were updated, but the cache was not flushed ...") and leave `weight_version` as it was; otherwise
+  `weight_version`, when given, becomes the version (200, "Succeeded to update model weights. Weight version
+  updated to V.").
 - Weight versions: `meta_info.weight_version` is the server's version when the event is built (0.5.15: an
   answer built after a version bump carries the new one). 0.5.23 adds, in the last event,
   `meta_info.weight_versions` = `[{"version", "start", "end"}]` spans of output positions per version
   (`utils/weight_versions.py`), and `weight_version` is then the last span's. 0.5.23's `meta_info` also has,
-  as the real server sends them: `input_token_logprobs` (empty) and `output_token_logprobs_length` with
+  as the real server sends them: `input_token_logprobs` (from `logprob_start_len`: empty unless it is given, the
+  first prompt token's log-prob None) and `output_token_logprobs_length` with
   log-probs, `cached_tokens_details` (null without cached tokens, as the sim's always are) and `dp_rank` (null).
 - Endpoints: `/health` and `/health_generate` run a one-token generation and answer 200 once the engine has
   shown progress since the check began, 503 after `SGLANG_HEALTH_CHECK_TIMEOUT` (20) s without (a long

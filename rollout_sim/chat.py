@@ -63,8 +63,9 @@ async def chat(engine: SimEngine, body: ChatRequest) -> Response:
     logprobs = None
     if body.logprobs:
         first = turn.first_position if turn else 0
-        logprobs = {"content": [{"token": engine.tokenizer.decode([t]), "logprob": token_logprob(t, first + i),
-                                 "top_logprobs": []} for i, t in enumerate(output)]}
+        logprobs = {"content": [{"token": engine.tokenizer.decode([t]),
+                                 "logprob": token_logprob(t, first + i, engine.weights), "top_logprobs": []}
+                                for i, t in enumerate(output)]}
     content, calls, finish = answer["text"], None, finish_reason["type"]
     matched = finish_reason.get("matched")
     if engine.config.tool_call_parser and body.tools and extra.get("tool_choice", "auto") != "none":

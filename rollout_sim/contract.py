@@ -185,6 +185,7 @@ class GenerateRequest(BaseModel):
     input_ids: list[int] | None = None
     sampling_params: dict[str, Any] = {}
     return_logprob: bool = False
+    logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
     rid: str | None = None
     stream: bool = False

@@ -41,10 +41,11 @@ from rollout_sim.prefix_memo import Hit
 from rollout_sim.replies import (
     error_response,
     finish_response,
+    input_logprob_rows,
     internal_server_error,
     json_response,
+    logprob_rows,
     openai_error,
-    token_logprob,
     weight_version_spans,
 )
 from rollout_sim.turns import Prefix, Turn, TurnPlanner
@@ -127,6 +128,7 @@ class SimEngine:
         self.tokenizer_path = tokenizer_path
         self.vocab_size = len(tokenizer)
         self.weight_version = config.weight_version
+        self.weights = ""  # the checkpoint loaded last ("": the one it started with); its log-probs depend on it
         self.max_req_len = config.context_length - 1
         self.max_req_input_len = self.max_req_len - RESERVED_INPUT_TOKENS
         self.stats = SimStats()
@@ -212,13 +214,14 @@ class SimEngine:
         """SGLang's `/update_weights_from_disk` answer (`weight_updater.py`, `tokenizer_manager.py`): a folder that
         does not exist fails the load; requests still in the scheduler (held in place, or aborted and not yet
         answered) make the cache flush after the load fail, and then the version is not updated either, though
-        real weights would have been swapped."""
+        the weights are swapped. A load changes the log-probs answered from then on (`weights`), version or not."""
         if abort_all:
             self.abort(None, abort_all=True)
         if not os.path.isdir(model_path):
             return {"success": False, "num_paused_requests": 0, "message": f"Failed to get weights iterator: "
                     f"Invalid HF URI 'hf://{model_path}'. Repository id must be 'namespace/name', got "
                     f"'{model_path.strip('/')}'. ."}
+        self.weights = model_path
         if flush and self.pending():
             return {"success": False, "num_paused_requests": 0, "message": (
                 "Weights were updated, but the cache was not flushed because requests are still running or queued."
@@ -457,8 +460,9 @@ class SimEngine:
                 "weight_version": self.weight_version, "num_retractions": 0}
         if body.return_logprob:
             lps = [] if event.junk else self._logprobs(body, output[: event.tokens], first)
-            if self.v23:
-                meta["input_token_logprobs"] = []  # none asked for (`logprob_start_len` -1)
+            if self.v23 or body.logprob_start_len >= 0:
+                meta["input_token_logprobs"] = [] if event.junk else input_logprob_rows(
+                    self.tokenizer, ids, body.logprob_start_len, self.weights, body.return_text_in_logprobs)
             meta["output_token_logprobs"] = lps[before:] if incremental else lps
             if self.v23:
                 meta["output_token_logprobs_length"] = len(lps)
@@ -484,8 +488,7 @@ class SimEngine:
         return {"weight_versions": spans, "weight_version": spans[-1]["version"]}
 
     def _logprobs(self, body: GenerateRequest, out: list[int], first: int) -> list[list[Any]]:
-        return [[token_logprob(t, first + i), t, self.tokenizer.decode([t]) if body.return_text_in_logprobs
-                 else None] for i, t in enumerate(out)]
+        return logprob_rows(self.tokenizer, out, first, self.weights, body.return_text_in_logprobs)
 
     def record(self, endpoint: str, rid: str, ids: list[int], sampling: Sampling | None, answer: dict[str, Any],
                 policy: str | None, fault: str | None) -> None:

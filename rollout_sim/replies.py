@@ -13,10 +13,28 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.types import Receive, Scope, Send
 
 
-def token_logprob(token_id: int, position: int) -> float:
-    """A deterministic negative log-prob for `token_id` at `position` of the assistant turn."""
-    h = zlib.crc32(f"{position}:{token_id}".encode())
+def token_logprob(token_id: int, position: int, weights: str = "") -> float:
+    """A deterministic negative log-prob for `token_id` at `position`, under the checkpoint `weights` loaded last
+    ("" for the one the engine started with)."""
+    h = zlib.crc32(f"{weights}{position}:{token_id}".encode())
     return -(0.01 + (h % 4000) / 1000.0)
+
+
+def logprob_rows(tokenizer: Any, ids: list[int], first: int, weights: str, with_text: bool) -> list[list[Any]]:
+    """SGLang's `[logprob, id, text]` rows for `ids` from position `first` on (text only `with_text`)."""
+    return [[token_logprob(t, first + i, weights), t, tokenizer.decode([t]) if with_text else None]
+            for i, t in enumerate(ids)]
+
+
+def input_logprob_rows(tokenizer: Any, ids: list[int], start: int, weights: str, with_text: bool
+                       ) -> list[list[Any]]:
+    """`input_token_logprobs`: the rows of the prompt's tokens from `start` on (-1: none), the first prompt token's
+    log-prob None, as SGLang has it."""
+    if start < 0 or not ids:
+        return []
+    rows = logprob_rows(tokenizer, ids, 0, weights, with_text)
+    rows[0][0] = None
+    return rows[start:]
 
 
 def json_response(body: Any, status: int = 200) -> Response:

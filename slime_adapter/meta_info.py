@@ -24,8 +24,10 @@ _AVERAGED = ("avg_reward", "avg_normalized_reward")
 # The version lag of the delivered data (averaged by samples under rollout/staleness/, its max the max).
 _LAG = "avg_version_lag"
 _MAX_LAG = "max_version_lag"
-# State at the time of the rollout's last fetch.
-_LATEST = ("trainer_version", "groups_ahead")
+# State at the time of the rollout's last fetch; the weight swaps the buffer saw the engines make under an unchanged
+# version (their tokens are credited to the wrong weights: docs/staleness.md).
+_SWAPS = "unversioned_weight_swaps"
+_LATEST = ("trainer_version", "groups_ahead", _SWAPS)
 _ADMISSION = "admission_state"
 _NOT_METRICS = frozenset(
     {"total_samples", "num_groups", "avg_group_size", "finished_groups", "finished_groups_count", "filtered_groups",
@@ -155,6 +157,10 @@ def log_raw_info(args: Any, all_meta_info: list[dict[str, Any]], rollout_id: int
     step = rollout_step(args, rollout_id)
     metrics[f"{PREFIX}step"] = step
     log.info("rollout %d buffer stats: %s", rollout_id, metrics)
+    if metrics.get(f"{PREFIX}staleness/{_SWAPS}"):
+        log.warning("rollout %d: the buffer saw %d weight updates the engines did not version (GET /status, "
+                    "control.weights): their tokens' weight versions are wrong", rollout_id,
+                    metrics[f"{PREFIX}staleness/{_SWAPS}"])
     try:
         _send_to_trackers(args, metrics, step)
     except Exception as e:  # a tracker outage must not stop training

@@ -97,6 +97,20 @@ def test_logged_to_logging_with_the_rollout_step(caplog: pytest.LogCaptureFixtur
     assert "rollout 12" in caplog.text and "rollout/no_filter/avg_reward" in caplog.text
 
 
+def test_weight_swaps_the_engines_did_not_version_are_logged_with_a_warning(caplog: pytest.LogCaptureFixture
+                                                                            ) -> None:
+    args = Namespace(use_wandb=False, use_tensorboard=False)
+    batches = [{"total_samples": 4, "unversioned_weight_swaps": 0}, {"total_samples": 4, "unversioned_weight_swaps": 2}]
+    with caplog.at_level(logging.WARNING, logger="slime_adapter.meta_info"):
+        metrics = log_raw_info(args, batches, rollout_id=3)
+    assert metrics["rollout/staleness/unversioned_weight_swaps"] == 2
+    assert "saw 2 weight updates the engines did not version" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="slime_adapter.meta_info"):
+        log_raw_info(args, batches[:1], rollout_id=4)
+    assert caplog.text == ""
+
+
 @pytest.fixture
 def fake_wandb(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """A stand-in `wandb` module (wandb is not installed here) recording what is logged."""

@@ -370,3 +370,31 @@ def test_slime_adapter_drives_a_bounded_run(tmp_path, engine, buffer, qwen_token
         "max_staleness": 1, "rollout_batch_size": 2, "current_version": 0}
     assert (s["control"]["trainer_version"], s["control"]["base_version"]) == (2, 0)
     assert "rollout/staleness/max_version_lag" in caplog.text and "rollout/staleness/admission_" in caplog.text
+
+
+def test_weights_swapped_under_an_unchanged_version_are_noticed(tmp_path, engine, buffer) -> None:
+    """A weight load that does not set a version (or whose cache flush failed) leaves the engine reporting the old
+    one: the run's weight watch sees the probe's log-probs move under it, and says so in /status and to the
+    trainer; a versioned update is not taken for one."""
+    inp = write_jsonl(tmp_path / "math.jsonl", math_rows(40))
+    base = {"task_type": "math", "input_file": str(inp), "remote_engine_url": engine.url}
+    for bad in ({"weight_probe_s": -1}, {"weight_probe_tolerance": 0}, {"weight_probe_s": "often"}):
+        r = httpx.post(f"{buffer.url}/start_rollout", json={**base, **bad})
+        assert r.status_code == 422 and next(iter(bad)) in r.json()["message"], (bad, r.text)
+    # Admission holds the run after its first groups: it stays running while the engine's weights change.
+    start(buffer.url, engine.url, inp, None, num_repeat_per_sample=2, max_staleness=0, rollout_batch_size=1,
+          current_version=0, weight_probe_s=0.2)
+    rounds = lambda: status(buffer.url)["control"].get("weights", {}).get("rounds", 0)  # noqa: E731
+    wait_for(lambda: rounds() >= 2)
+    for name, version in (("b", "77"), ("c", None)):
+        (tmp_path / name).mkdir()
+        load = {"model_path": str(tmp_path / name), **({"weight_version": version} if version else {})}
+        httpx.post(f"{engine.url}/update_weights_from_disk", json=load, timeout=10).raise_for_status()
+        seen = rounds()
+        weights = wait_for(lambda: (lambda w: w if w["rounds"] > seen + 1 else None)(  # noqa: B023
+            status(buffer.url)["control"]["weights"]))
+        assert weights["unversioned_swaps"] == (0 if version else 1), weights
+    [swap] = weights["swaps"]
+    assert swap["engine"] == engine.url and swap["version"] == "77" and swap["moved"] > weights["tolerance"]
+    assert "its weights changed while it kept reporting version 77" in buffer.log()
+    assert fetch(buffer.url, max_groups=1)["meta_info"]["unversioned_weight_swaps"] == 1

@@ -31,6 +31,7 @@ from runs import drain, math_rows, start, wait_finished, write_jsonl
 from servers import buffer_server, free_port, session_host, sglang_router, sim_engine, stop_process
 from sessions import ANTHROPIC_TOOLS, OPENAI_TOOLS, finish, open_session, record
 
+from rollout_buffer.engine.weight_watch import probe_body
 from rollout_buffer.tokens.tokenizer import load_tokenizer
 
 # The first test builds the SGLang venv when it is not cached (5 minutes, more on a slow index) and starts SGLang;
@@ -372,6 +373,33 @@ def test_an_update_within_a_request_is_marked_in_the_record(engine_a: str, build
         assert max(gaps) > 1e-2, f"{rec['uid']}: B's forward gives the marked tokens' log-probs ({max(gaps)})"
 
 
+def test_weights_swapped_without_a_version_are_noticed(engine_a: str, build: Path, tmp_path: Path) -> None:
+    """`/update_weights_from_disk` without `weight_version` swaps the real engine's weights and keeps its version:
+    the run's weight watch sees its probe's log-probs move under the same version. The versioned load back to A
+    after it (a new version) is not taken for one."""
+    with buffer_server(tmp_path, "--data-root", str(build)) as buffer:
+        started = httpx.post(f"{buffer.url}/start_rollout", timeout=60, json={  # an agent run holds its engine
+            "task_type": "agent", "remote_engine_url": engine_a, "tokenizer_path": str(build / "models" / A),
+            "weight_probe_s": 0.5})
+        assert started.status_code == 200, started.text
+
+        def weights(after: int) -> dict[str, Any] | None:
+            found = httpx.get(f"{buffer.url}/status", timeout=10).json()["control"].get("weights") or {}
+            return found if found.get("rounds", 0) > after else None
+
+        before = wait_until(lambda: weights(1), 300, "the engine was not probed")
+        assert before["engines"][engine_a] == {"version": "default", "probes": before["rounds"], "spread": 0.0}
+        loaded = httpx.post(f"{engine_a}/update_weights_from_disk", timeout=60,
+                            json={"model_path": str(build / "models" / B)})
+        assert loaded.json()["success"], loaded.text
+        after = wait_until(lambda: weights(before["rounds"] + 1), 300, "the engine was not probed again")
+        update_weights(engine_a, build / "models" / A, "9")  # the next test's `engine_a` calls it "default" again
+        back = wait_until(lambda: weights(after["rounds"] + 1), 300, "the engine was not probed again")
+    assert after["unversioned_swaps"] == 1 and after["swaps"][0]["version"] == "default"
+    assert after["swaps"][0]["moved"] > 1.0, after  # another checkpoint: far beyond the tolerance
+    assert back["unversioned_swaps"] == 1  # the versioned update back is not a swap
+
+
 def test_what_the_real_engine_refuses(engine_a: str, build: Path, tmp_path: Path) -> None:
     """A token budget past the engine's context is refused at the start, naming the field; a sampling value the
     engine refuses fails each trajectory at once with the engine's own reason, counted, not retried."""
@@ -466,6 +494,13 @@ def test_the_simulator_answers_as_real_sglang_does(engine_a: str, build: Path, t
         assert answer(engine_a, "/flush_cache", {})[0] == 200
         real, simulated = answer(engine_a, "/generate", greedy), answer(sim.url, "/generate", greedy)
         assert (real[0], shape(real[1])) == (simulated[0], shape(simulated[1]))
+        assert answer(engine_a, "/flush_cache", {})[0] == 200
+        # The weight watch's probe: text in, the prompt's log-probs out, the first token's None.
+        real, simulated = answer(engine_a, "/generate", probe_body()), answer(sim.url, "/generate", probe_body())
+        assert (real[0], shape(real[1])) == (simulated[0], shape(simulated[1]))
+        for body in (real[1], simulated[1]):
+            rows = body["meta_info"]["input_token_logprobs"]
+            assert len(rows) == body["meta_info"]["prompt_tokens"] and rows[0][0] is None and rows[1][0] < 0
         assert answer(engine_a, "/flush_cache", {})[0] == 200
         real_events, sim_events = events(engine_a, greedy), events(sim.url, greedy)
         assert [shape(e) for e in real_events] == [shape(e) for e in sim_events]

@@ -14,7 +14,7 @@ UNIT = frozenset({
     "test_record_encoding", "test_record_layout", "test_request_bodies", "test_session_files", "test_sim_policy",
     "test_store_batches", "test_template_sandbox", "test_tools", "test_versions",
 })
-SERVICE = frozenset({"test_fast_routes", "test_http_protocol", "test_sglang_exchanges"})
+SERVICE = frozenset({"test_fast_routes", "test_http_protocol", "test_sglang_exchanges", "test_weight_watch"})
 TIERS = ("unit", "service", "system")
 
 

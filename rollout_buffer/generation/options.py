@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, ClassVar, Self
 
-from pydantic import BaseModel, ConfigDict, NonNegativeFloat, PositiveInt, ValidationError
+from pydantic import BaseModel, ConfigDict, NonNegativeFloat, PositiveFloat, PositiveInt, ValidationError
 
 from rollout_buffer.engine.limits import probe_engine
 from rollout_buffer.engine.outage import DEFAULT_OUTAGE_S
@@ -71,13 +71,19 @@ def run_option_defaults() -> dict[str, Any]:
 
 
 class EngineOptions(RunOptions):
-    """The engine client's run option checked here: `context_length` overrides what the engines report."""
+    """The run's engine options checked here: `context_length` overrides what the engines report; how long a run
+    waits for engines that stopped answering; how it watches for weight swaps they do not report."""
 
     error_prefix: ClassVar[str] = "engine options"
 
     context_length: PositiveInt | None = None
     # How long a run waits for engines that stopped answering before it fails (0: trajectories fail instead).
     engine_outage_s: NonNegativeFloat = DEFAULT_OUTAGE_S
+    # Every this many seconds the engines are probed for weights swapped under an unchanged version, the first
+    # probe one interval after the start (0: not watched; `engine.weight_watch`).
+    weight_probe_s: NonNegativeFloat = 60.0
+    # How far the probe's log-probs may move under one version before that counts as a swap.
+    weight_probe_tolerance: PositiveFloat = 0.05
 
 
 async def check_engine_options(payload: dict[str, Any]) -> list[str]:

@@ -154,6 +154,11 @@ class RunManager:
         run = self.current
         return None if run is None or run.admission is None else {"run_id": run.run_id, **run.admission.snapshot()}
 
+    def weights(self) -> dict[str, Any] | None:
+        """What the current run's weight watch saw (None when it has none: `engine.weight_watch`)."""
+        run = self.current
+        return None if run is None or run.weights is None else {"run_id": run.run_id, **run.weights.snapshot()}
+
     async def _stop_current(self) -> None:
         if self.current is not None:
             log.info("replacing run %s", self.current.run_id)

@@ -14,12 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import random
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +27,14 @@ from rollout_buffer.delivery.encoded import EncodedRecord, RecordError
 from rollout_buffer.delivery.runs import StoredRun, StoredWork
 from rollout_buffer.delivery.store import StoreError
 from rollout_buffer.delivery.streams import StaleGroup
+from rollout_buffer.engine.weight_watch import WeightWatch
 from rollout_buffer.generation.admission import AdmissionController, AdmissionPolicy
 from rollout_buffer.generation.context import RolloutContext, RunResources
 from rollout_buffer.generation.executor import Executor, LocalExecutor
 from rollout_buffer.generation.inputs import LineIndex
+from rollout_buffer.generation.options import EngineOptions
 from rollout_buffer.generation.plugins import Generator
+from rollout_buffer.generation.progress import Progress
 from rollout_buffer.generation.resources import close_resources, engine_options, run_resources
 from rollout_buffer.generation.run_health import FailureWatch, RunCannotWork, RunHealthOptions
 from rollout_buffer.generation.sessions import SessionHost
@@ -42,67 +43,6 @@ from rollout_buffer.observability import metrics
 from rollout_buffer.schemas import StartRolloutRequest, TrajectoryRecord
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Progress:
-    """Live counts of one run, shown in /status and the log."""
-
-    run_id: str
-    total: int
-    started_at: float = field(default_factory=time.time)
-    done: int = 0
-    failed: int = 0
-    in_flight: int = 0
-    skipped: int = 0
-    requeued: int = 0  # trajectories sent back to the queue after their aborts
-    regenerated: int = 0  # stale groups generated again
-    statuses: Counter[str] = field(default_factory=Counter)
-    failures: Counter[str] = field(default_factory=Counter)
-    state: str = "running"
-    error: str | None = None  # why the run failed
-    ended_at: float | None = None  # freezes the rate once the run ends
-    # Sum and count of each numeric `extra_info.metrics` value the run's records carry (an environment's reward
-    # functions and metrics): their means are shown.
-    metric_sums: dict[str, list[float]] = field(default_factory=dict)
-    # Raw rewards of the trajectories that did not fail, summed: the dashboard charts their mean per interval.
-    reward_sum: float = 0.0
-    rewarded: int = 0
-
-    def note_metrics(self, metrics: Any) -> None:
-        """Add a record's `extra_info.metrics` (name → number) to the run's means."""
-        if not isinstance(metrics, dict):
-            return
-        for name, value in metrics.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                acc = self.metric_sums.setdefault(str(name), [0.0, 0])
-                acc[0] += value
-                acc[1] += 1
-
-    def snapshot(self) -> dict[str, Any]:
-        """JSON-ready view, with the rate in trajectories per second."""
-        end = self.ended_at if self.ended_at is not None else time.time()
-        elapsed = max(end - self.started_at, 1e-9)
-        return {
-            "run_id": self.run_id,
-            "state": self.state,
-            "error": self.error,
-            "total": self.total,
-            "done": self.done,
-            "failed": self.failed,
-            "in_flight": self.in_flight,
-            "skipped": self.skipped,
-            "requeued": self.requeued,
-            "regenerated": self.regenerated,
-            "rate": self.done / elapsed,
-            "elapsed_s": elapsed,
-            "statuses": dict(self.statuses),
-            "failures": dict(self.failures),
-            "metrics": {name: {"mean": total / n, "n": int(n)}
-                        for name, (total, n) in sorted(self.metric_sums.items())},
-            "reward_sum": self.reward_sum,
-            "rewarded": self.rewarded,
-        }
 
 
 def uid_for(run_id: str, instance_id: str, epoch: int, repeat: int, part: int = 0) -> str:
@@ -137,6 +77,8 @@ class Run:
         self.admission: AdmissionController | None = None
         # What trajectories (and agent sessions) of the run share; set once the tokenizer has loaded.
         self.resources: RunResources | None = None
+        # Watches the engines for weight swaps they do not report, once the run generates (`engine.weight_watch`).
+        self.weights: WeightWatch | None = None
         self.ready = asyncio.Event()
         self._run_row: StoredRun | None = None
         # Stale groups to generate again: (instance_id, epoch, part), while the run accepts them.
@@ -260,6 +202,11 @@ class Run:
         self.ready.set()
         if self.sessions is not None:
             await self.sessions.start_run(self.run_id)
+        options = EngineOptions.from_run(self.req.model_dump())
+        if options.weight_probe_s > 0:
+            self.weights = WeightWatch(resources.engine.urls, options.weight_probe_s, options.weight_probe_tolerance,
+                                       resources.engine.engine_hosts)
+        watching = asyncio.create_task(self.weights.run()) if self.weights is not None else None
         try:
             if self.input_path is None:
                 log.info("run %s: no input file; holding the engine and tokenizer for agent sessions", self.run_id)
@@ -274,6 +221,8 @@ class Run:
                 finally:
                     await self.executor.end_run(self.run_id)
         finally:
+            if watching is not None:
+                watching.cancel()
             if self.sessions is not None:
                 await self.sessions.end_run(self.run_id)
             await close_resources(resources)

@@ -77,6 +77,8 @@ async def get_rollout_data(request: Request) -> Response:
                              stream=req.agent_id or DEFAULT_STREAM, run_id=req.run_id)
     if d.meta_info and (admission := runs.admission()) is not None:
         d.meta_info |= {"admission_state": admission["state"], "groups_ahead": admission["groups_ahead"]}
+    if d.meta_info and (weights := runs.weights()) is not None:
+        d.meta_info["unversioned_weight_swaps"] = weights["unversioned_swaps"]
     message = f"{d.meta_info['num_groups']} groups" if d.success else "no complete group is ready"
     if not d.success and (run := await buffer.runs.get(req.run_id) if req.run_id else await buffer.runs.latest()
                           ) is not None and run.state == "failed":

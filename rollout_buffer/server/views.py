@@ -26,6 +26,9 @@ async def run_control(app: Starlette, run: dict[str, Any] | None) -> dict[str, A
     live = runs.admission()
     if live is not None and live["run_id"] == run["run_id"]:
         control["admission"] = {k: v for k, v in live.items() if k != "run_id"}
+    weights = runs.weights()
+    if weights is not None and weights["run_id"] == run["run_id"]:
+        control["weights"] = {k: v for k, v in weights.items() if k != "run_id"}
     if run.get("state") != "running" and control.get("admission"):
         control["admission"] = {**control["admission"], "state": "ended"}
     return control
