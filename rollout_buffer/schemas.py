@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import difflib
 import math
 from typing import Annotated, Any, Literal
 
+import numpy as np
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -100,6 +103,37 @@ def _engine_urls(value: str | list[str] | None) -> str | list[str] | None:
 EngineUrls = Annotated[str | list[str] | None, AfterValidator(_engine_urls)]
 
 
+def _int32_bytes(value: Any) -> Any:
+    # Side data arrives as SGLang encodes it (base64 of little-endian int32), as lists of ints (nested: rows of
+    # routed experts), or as the bytes a conversation keeps.
+    if isinstance(value, bytes | bytearray | memoryview):
+        data = bytes(value)
+    elif isinstance(value, str):
+        try:
+            data = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise ValueError(f"must be base64 of little-endian int32 ({e})") from None
+    elif isinstance(value, list):
+        try:
+            wide = np.asarray(value)
+        except ValueError:
+            raise ValueError("must be a list of integers (rows of equal length)") from None
+        if wide.size and (wide.dtype.kind not in "iu" or wide.min() < -(2**31) or wide.max() >= 2**31):
+            raise ValueError("must hold int32 values")
+        data = wide.astype("<i4").tobytes()
+    else:
+        raise ValueError("must be base64 of little-endian int32 or a list of integers")
+    if len(data) % 4:
+        raise ValueError(f"{len(data)} bytes are not whole int32 values")
+    return data
+
+
+# Per-token side data (routed experts, top-p kept ids): little-endian int32 bytes, base64 on the wire.
+Int32Bytes = Annotated[bytes, BeforeValidator(_int32_bytes),
+                       WithJsonSchema({"type": "string", "contentEncoding": "base64",
+                                       "description": "little-endian int32 values (or a list of integers)"})]
+
+
 class TrajectoryRecord(BaseModel):
     """One finished trajectory, as `/buffer/write` takes it and `/get_rollout_data` returns it.
 
@@ -109,7 +143,7 @@ class TrajectoryRecord(BaseModel):
 
     # Not strict itself: generators' own records (numpy numbers, tuples) are validated with it too. A record sent
     # over HTTP is validated strictly (`server.bodies.validated`).
-    model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [{
+    model_config = ConfigDict(extra="allow", ser_json_bytes="base64", json_schema_extra={"examples": [{
         "uid": "run-1:q7:0:0", "instance_id": "q7", "reward": 1.0, "extra_info": {"epoch": 0},
         "messages": [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"}],
     }]})
@@ -126,6 +160,15 @@ class TrajectoryRecord(BaseModel):
     rollout_log_probs: list[float] | None = None
     response_length: int | None = None
     weight_versions: list[str] | None = None
+    # The trajectory every record of it names: a session's branches, an episode's agents (slime's `rollout_id`).
+    rollout_id: str | None = None
+    # What the trainer replays (docs/consistency.md): a teacher's log-prob of each response token; the experts each
+    # token but the last was routed to (`len(tokens) - 1` rows); the ids top-p kept for each response token
+    # (`rollout_top_p_token_offsets`: response_length + 1 of them into `rollout_top_p_token_ids`).
+    teacher_log_probs: list[float] | None = None
+    rollout_routed_experts: Int32Bytes | None = None
+    rollout_top_p_token_ids: Int32Bytes | None = None
+    rollout_top_p_token_offsets: Int32Bytes | None = None
 
     @field_validator("reward", "raw_reward")
     @classmethod
@@ -141,7 +184,29 @@ class TrajectoryRecord(BaseModel):
         if self.rollout_log_probs is not None and self.response_length is not None:
             if len(self.rollout_log_probs) != self.response_length:
                 raise ValueError("rollout_log_probs must have response_length entries")
+        if self.teacher_log_probs is not None and self.response_length is not None:
+            if len(self.teacher_log_probs) != self.response_length:
+                raise ValueError("teacher_log_probs must have response_length entries")
+        self._side_data_aligns()
         return self
+
+    def _side_data_aligns(self) -> None:
+        rows = None if self.tokens is None else max(0, len(self.tokens) - 1)
+        experts = self.rollout_routed_experts
+        if experts is not None and rows is not None and (len(experts) % (4 * rows) if rows else len(experts)):
+            raise ValueError(f"rollout_routed_experts: {len(experts) // 4} values are not rows for the {rows} "
+                             "tokens before the last")
+        ids, offsets = self.rollout_top_p_token_ids, self.rollout_top_p_token_offsets
+        if (ids is None) != (offsets is None):
+            raise ValueError("rollout_top_p_token_ids and rollout_top_p_token_offsets come together")
+        if ids is not None and offsets is not None:
+            ends = np.frombuffer(offsets, dtype="<i4")
+            if self.response_length is not None and len(ends) != self.response_length + 1:
+                raise ValueError(f"rollout_top_p_token_offsets: {len(ends)} for response_length "
+                                 f"{self.response_length} (it needs response_length + 1)")
+            if not len(ends) or ends[0] != 0 or ends[-1] != len(ids) // 4 or np.any(np.diff(ends) < 0):
+                raise ValueError("rollout_top_p_token_offsets: must go from 0 up to the count of "
+                                 "rollout_top_p_token_ids, never back")
 
     @property
     def epoch(self) -> int:

@@ -91,8 +91,8 @@ so it works behind a router):
 
 Not imitated: the prefix cache (`cached_tokens` is 0); batching, queueing and memory (every request runs at
 once; `max_running_requests`, `max_queued_requests` and the waiting timeout exist only as the `refuse_503`
-fault); the one extra token real
-SGLang's last decode step appends to an aborted running request; top log-probs (`top_logprobs_num`); `ignore_eos`, `min_new_tokens`, regex/grammar constraints and `n` > 1; SGLang's
+fault); the one extra token real SGLang's last decode step appends to an aborted running request; top
+log-probs (`top_logprobs_num`); `ignore_eos`, `min_new_tokens`, regex/grammar constraints and `n` > 1; SGLang's
 per-request timing fields beyond `e2e_latency`; the ≥ 1 s a healthy real `/health` takes (its first poll is
 after a second; the sim answers as soon as it sees progress); 0.5.23 dropped `/get_load` for `/v1/loads`, the
 sim serves `/get_load` in both and not `/v1/loads` (tests count its requests with it); real SGLang does not

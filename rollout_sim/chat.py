@@ -13,8 +13,9 @@ from starlette.responses import Response
 
 from rollout_sim.contract import CHAT_SAMPLING_KEYS, SIM_MODEL_NAME, ChatRequest, GenerateRequest, Refused
 from rollout_sim.detokenizer import Detokenizer
-from rollout_sim.engine import Output, SimEngine
+from rollout_sim.engine import SimEngine
 from rollout_sim.replies import finish_response, openai_error, token_logprob
+from rollout_sim.requests import Output
 from rollout_sim.tool_calls import normalize_history, parse_tool_calls
 from rollout_sim.turns import Turn
 

@@ -82,6 +82,12 @@ class SimConfig:
     stream_interval: int = 1
     incremental_streaming_output: bool = False
     health_check_timeout_s: float = HEALTH_CHECK_TIMEOUT_S
+    # An MoE model's routing, returned with SGLang's --enable-return-routed-experts; top-p replay (`replay`).
+    enable_return_routed_experts: bool = False
+    moe_layers: int = 0
+    moe_top_k: int = 2
+    moe_experts: int = 64
+    top_p_replay: bool = False
 
 
 @dataclass(frozen=True)
@@ -186,6 +192,8 @@ class GenerateRequest(BaseModel):
     sampling_params: dict[str, Any] = {}
     return_logprob: bool = False
     logprob_start_len: int = -1
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
     return_text_in_logprobs: bool = False
     rid: str | None = None
     stream: bool = False

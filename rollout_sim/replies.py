@@ -28,13 +28,13 @@ def logprob_rows(tokenizer: Any, ids: list[int], first: int, weights: str, with_
 
 def input_logprob_rows(tokenizer: Any, ids: list[int], start: int, weights: str, with_text: bool
                        ) -> list[list[Any]]:
-    """`input_token_logprobs`: the rows of the prompt's tokens from `start` on (-1: none), the first prompt token's
-    log-prob None, as SGLang has it."""
-    if start < 0 or not ids:
+    """`input_token_logprobs`: the rows of the prompt's tokens from `start` on (-1: none), the first one's log-prob
+    None whatever `start` is, as SGLang has it."""
+    if not 0 <= start < len(ids):
         return []
-    rows = logprob_rows(tokenizer, ids, 0, weights, with_text)
+    rows = logprob_rows(tokenizer, ids[start:], start, weights, with_text)
     rows[0][0] = None
-    return rows[start:]
+    return rows
 
 
 def json_response(body: Any, status: int = 200) -> Response:

@@ -32,8 +32,9 @@ from rollout_sim.contract import (
     GenerateRequest,
     SimConfig,
 )
-from rollout_sim.engine import SimEngine, SimStats
+from rollout_sim.engine import SimEngine
 from rollout_sim.replies import error_response, json_response, openai_error
+from rollout_sim.requests import SimStats
 from rollout_sim.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
@@ -321,6 +322,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="answer hermes tool calls as OpenAI message.tool_calls in /v1/chat/completions, as "
                    "SGLang's flag of the same name does (qwen: Qwen 2.5 / Qwen3)")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="SGLang's flag: answer return_routed_experts with the MoE model's routing (--moe-layers)")
+    p.add_argument("--moe-layers", type=int, default=0, help="MoE layers of the simulated model (0: dense)")
+    p.add_argument("--moe-top-k", type=_positive_int, default=2, help="experts each token is routed to per layer")
+    p.add_argument("--moe-experts", type=_positive_int, default=64, help="experts per MoE layer")
+    p.add_argument("--top-p-replay", action="store_true",
+                   help="answer custom_params.return_top_p_token_ids with the ids top-p kept, as slime expects")
     return p
 
 

@@ -52,7 +52,8 @@ DELIVERY: dict[str, set[str]] = {
     "groups": set(),
     "versions": set(),
     "runs": {"store"},
-    "record_layout": set(),
+    "side_data": set(),
+    "record_layout": {"side_data"},
     "streams": {"store", "groups", "versions", "record_layout"},
     "records": {"store", "groups", "streams", "versions", "record_layout"},
     "reads": {"store", "streams"},
@@ -61,7 +62,7 @@ DELIVERY: dict[str, set[str]] = {
     "queries": {"record_layout"},
     "ledger": {"streams", "versions"},
     # A record as the store takes it, made where it is built.
-    "encoded": {"records", "streams", "versions", "record_layout"},
+    "encoded": {"records", "streams", "versions", "record_layout", "side_data"},
     "buffer": {"store", "groups", "versions", "runs", "streams", "records", "reads", "evals", "ledger", "encoded"},
 }
 # The core never names the packages that sit beside it: generators are found by discovery, the slime adapter

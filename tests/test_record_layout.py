@@ -39,7 +39,7 @@ def stored(db: Path) -> tuple[dict[str, bytes], dict[str, bytes]]:
     """Each record's JSON as stored, and as read (with what its group decided)."""
     with sqlite3.connect(db) as conn:
         rows = conn.execute(f"SELECT t.uid, {REWARDED_SQL} FROM trajectories t {REWARDS_JOIN_SQL}").fetchall()
-    return {uid: blob for uid, blob, _, _ in rows}, {uid: with_rewards(*rest) for uid, *rest in rows}
+    return {uid: blob for uid, blob, *_ in rows}, {uid: with_rewards(*rest) for uid, *rest in rows}
 
 
 def run_group(tmp_path: Path, before_last: str | None = None, hooks: dict[str, Any] | None = None

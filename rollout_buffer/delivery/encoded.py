@@ -4,6 +4,7 @@ without validating or encoding them again (for a long trajectory that is most of
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -13,9 +14,12 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from rollout_buffer.delivery.record_layout import record_facts, rewards_first
 from rollout_buffer.delivery.records import NewRecord
+from rollout_buffer.delivery.side_data import SIDE_FIELDS, packed
 from rollout_buffer.delivery.streams import role_of
 from rollout_buffer.delivery.versions import version_range
 from rollout_buffer.schemas import TrajectoryRecord, TrajectoryStatus
+
+_SIDE = set(SIDE_FIELDS)
 
 
 class RecordError(ValueError):
@@ -25,17 +29,25 @@ class RecordError(ValueError):
 def _stored_form(record: TrajectoryRecord) -> dict[str, Any]:
     """The record's fields as stored (`record_layout.rewards_first`).
 
-    Log-probs are kept at float32 precision, in their shortest float32 form: SGLang computes them in
+    Log-probs (the engine's, a teacher's) are kept at float32 precision, in their shortest float32 form: SGLang
+    computes them in
     float32 and slime trains on float32 tensors, and the float64 digits beyond that are nearly half of the
     JSON of a long trajectory (which every consumer then has to parse).
     """
     try:
-        data = record.model_dump(mode="json")
+        data = record.model_dump(mode="json", exclude=_SIDE)  # its side data goes beside the JSON (`side_data`)
     except ValueError as e:  # pydantic's serializer stops at a depth JSON consumers would choke on too
         raise RecordError(_too_deep(record, e)) from None
-    if data.get("rollout_log_probs"):
-        data["rollout_log_probs"] = np.asarray(data["rollout_log_probs"], dtype=np.float32)
+    if data.get("teacher_log_probs") is None:  # a run that asks for none stores nothing of them
+        data.pop("teacher_log_probs", None)
+    for name in ("rollout_log_probs", "teacher_log_probs"):
+        if data.get(name):
+            data[name] = np.asarray(data[name], dtype=np.float32)
     return rewards_first(data)
+
+
+def _side(record: TrajectoryRecord) -> bytes | None:
+    return packed({name: getattr(record, name) for name in SIDE_FIELDS})
 
 
 def _dumps(record: TrajectoryRecord, data: dict[str, Any]) -> bytes:
@@ -95,7 +107,8 @@ class EncodedRecord:
         blob = _dumps(record, data)
         row = NewRecord(record.uid, record.instance_id, record.epoch, record.status, blob,
                         episode=info.get("episode_id"), agent_id=role_of({"extra_info": info}), reward=record.reward,
-                        facts=orjson.dumps(record_facts(data)) if len(blob) >= FACTS_FROM_BYTES else None)
+                        facts=orjson.dumps(record_facts(data)) if len(blob) >= FACTS_FROM_BYTES else None,
+                        side=_side(record))
         metrics = info.get("metrics")
         failure = ((str(info.get("error_kind") or "failed"), str(info.get("error") or ""))
                    if record.status == "failed" else None)
@@ -107,7 +120,8 @@ class EncodedRecord:
         r = self.row
         return {"uid": r.uid, "instance_id": r.instance_id, "epoch": r.epoch, "status": r.status,
                 "episode": r.episode, "agent_id": r.agent_id, "reward": r.reward, "versions": self.versions,
-                "metrics": self.metrics, "record": r.blob.decode(), "facts": (r.facts or b"").decode()}
+                "metrics": self.metrics, "record": r.blob.decode(), "facts": (r.facts or b"").decode(),
+                "side": None if r.side is None else base64.b64encode(r.side).decode()}
 
 
 class _Wire(BaseModel):
@@ -124,6 +138,7 @@ class _Wire(BaseModel):
     metrics: dict[str, Any] | None
     record: str
     facts: str = ""  # a short record has none (and a parcel an outbox kept from before facts)
+    side: str | None = None  # its side data, base64
 
 
 _WIRE: TypeAdapter[list[_Wire]] = TypeAdapter(list[_Wire])
@@ -133,6 +148,7 @@ def decode_wire(items: Any) -> list[EncodedRecord]:
     """Encoded records from their `wire()` form; pydantic's ValidationError names a malformed field. The record's
     JSON itself is not parsed again: the process that encoded it validated it (a session worker of this buffer)."""
     return [EncodedRecord(NewRecord(w.uid, w.instance_id, w.epoch, w.status, w.record.encode(), episode=w.episode,
-                                    agent_id=w.agent_id, reward=w.reward, facts=w.facts.encode() or None),
+                                    agent_id=w.agent_id, reward=w.reward, facts=w.facts.encode() or None,
+                                    side=None if w.side is None else base64.b64decode(w.side)),
                           (w.versions[0], w.versions[1]) if w.versions else None, w.metrics)
             for w in _WIRE.validate_python(items)]

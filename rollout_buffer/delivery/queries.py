@@ -150,8 +150,8 @@ class Reader:
                 "LEFT JOIN runs r ON r.run_id=t.run_id WHERE t.uid=?", (uid,)).fetchone()
             if row is None:
                 return None
-            blob, cut, head, run_id, instance_id, epoch, part, state, reason, config, pruned_at = row
-            return {"record": orjson.loads(with_rewards(blob, cut, head)), "pruned_at": pruned_at,
+            blob, cut, head, side, run_id, instance_id, epoch, part, state, reason, config, pruned_at = row
+            return {"record": orjson.loads(with_rewards(blob, cut, head, side)), "pruned_at": pruned_at,
                     "group": {"run_id": run_id, "instance_id": instance_id, "epoch": epoch, "part": part,
                               "state": state, "reason": reason},
                     "tokenizer_path": orjson.loads(config).get("tokenizer_path") if config else None}

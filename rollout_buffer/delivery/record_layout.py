@@ -14,8 +14,10 @@ from typing import Any
 
 import orjson
 
+from rollout_buffer.delivery.side_data import spliced
+
 # The fields the built-in group policy never reads (of the messages it reads the last: `groups.has_response`).
-_HEAVY = ("messages", "tokens", "loss_mask", "rollout_log_probs")
+_HEAVY = ("messages", "tokens", "loss_mask", "rollout_log_probs", "teacher_log_probs")
 
 
 def rewards_first(data: dict[str, Any]) -> dict[str, Any]:
@@ -39,13 +41,14 @@ def record_facts(data: dict[str, Any]) -> dict[str, Any]:
     return facts
 
 
-# Reading a record: its JSON and what its group decided (NULLs when its JSON holds that already), from
-# `trajectories t` joined with `record_rewards w`; `with_rewards` puts them together.
-REWARDED_SQL = "t.record, w.cut, w.head"
+# Reading a record: its JSON, what its group decided (NULLs when its JSON holds that already) and its side data,
+# from `trajectories t` joined with `record_rewards w`; `with_rewards` puts them together.
+REWARDED_SQL = "t.record, w.cut, w.head, t.side"
 REWARDS_JOIN_SQL = "LEFT JOIN record_rewards w ON w.uid = t.uid"
 
 
-def with_rewards(blob: bytes, cut: int | None, head: bytes | None) -> bytes:
+def with_rewards(blob: bytes, cut: int | None, head: bytes | None, side: bytes | None = None) -> bytes:
     """A stored record's JSON as its group left it: its first `cut` bytes replaced by `head` when its group
-    completed from its facts (`REWARDED_SQL`), else as stored."""
-    return blob if head is None or cut is None else head + memoryview(blob)[cut:]
+    completed from its facts (`REWARDED_SQL`), else as stored; with its side data (`side_data`) in it."""
+    record = blob if head is None or cut is None else head + memoryview(blob)[cut:]
+    return spliced(record, side)

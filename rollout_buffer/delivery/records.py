@@ -51,6 +51,7 @@ class NewRecord:
     agent_id: str | None = None  # the record's role (`extra_info.agent_id`): its delivery stream
     reward: float | None = None  # as the generator scored it (before group normalization)
     facts: bytes | None = None  # what the built-in group policy reads of it, as JSON (`record_layout.record_facts`)
+    side: bytes | None = None  # its per-token side data (`side_data`)
 
 
 @dataclass
@@ -119,8 +120,8 @@ def _write(conn: sqlite3.Connection, run_id: str, group_size: int, items: list[N
         ).fetchone() is None
         cur = conn.execute(
             "INSERT OR IGNORE INTO trajectories(uid, run_id, instance_id, epoch, part, status, episode, created_at, "
-            "record, agent_id, reward, facts) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-            (item.uid, *key, item.status, episode, now, blob, item.agent_id, item.reward, item_facts),
+            "record, agent_id, reward, facts, side) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (item.uid, *key, item.status, episode, now, blob, item.agent_id, item.reward, item_facts, item.side),
         )
         if cur.rowcount == 0:
             result.duplicate_at.append(i)
@@ -282,9 +283,9 @@ class Records:
                                "WHERE t.uid=?", (uid,)).fetchone()
             if row is None:
                 return None
-            record: Record = orjson.loads(with_rewards(*row[:3]))
-            if row[3] is not None:  # cut down to its facts (`retention`)
-                record["pruned_at"] = row[3]
+            record: Record = orjson.loads(with_rewards(*row[:4]))
+            if row[4] is not None:  # cut down to its facts (`retention`)
+                record["pruned_at"] = row[4]
             return record
 
         return await self.store.call(op)

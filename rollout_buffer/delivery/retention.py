@@ -1,13 +1,13 @@
-"""Keeping the store's size bounded (`serve --prune-delivered-after-h H`): a long record (`FACTS_FROM_BYTES` of
-JSON or more: a coding agent's trajectory is megabytes) whose group every stream has delivered (or dropped) is
-cut down to its facts (`record_layout`) once it is older than H hours: its token lists, log-probs and all but its
-last message go, and its row stays, with its reward, status and summary (so a resumed run still knows it, and
-the dashboard's lists, charts and group views are unchanged). Reading it answers what is left, with `pruned_at`;
-`rollout-buffer export` leaves it out and counts it. A long record carries its facts; one a group hook rewrote
-whole does not, and is parsed for them here.
+"""Keeping the store's size bounded (`serve --prune-delivered-after-h H`): a long record (`FACTS_FROM_BYTES` of JSON or
+more: a coding agent's trajectory is megabytes), or one with side data (routed experts), whose group every stream
+has delivered (or dropped) is cut down to its facts (`record_layout`) once it is older than H hours: its token
+lists, log-probs and all but its last message go, and its row stays, with its reward, status and summary (so a
+resumed run still knows it, and the dashboard's lists, charts and group views are unchanged). Reading it answers
+what is left, with `pruned_at`; `rollout-buffer export` leaves it out and counts it. A long record carries its
+facts; one a group hook rewrote whole does not, and is parsed for them here.
 
-Without the option nothing is ever pruned. Short records are kept whole: a few KB each, they are not what fills
-a disk. SQLite reuses the pages pruning frees; the file itself does not shrink (`VACUUM` it offline for that).
+Without the option nothing is ever pruned. Short records are kept whole: a few KB each, they are not what fills a
+disk. SQLite reuses the pages pruning frees; the file itself does not shrink (`VACUUM` it offline for that).
 """
 
 from __future__ import annotations
@@ -29,29 +29,36 @@ log = logging.getLogger(__name__)
 PRUNE_EVERY_S = 60.0
 _BATCH = 8  # records per transaction: each frees megabytes of pages, and the store thread serves delivery too
 
-# A long record of a group no stream is still to deliver (every stream's row delivered or filtered; a group
-# filtered before it was ready has none). The length's bound is the partial index's, as the planner needs it.
-_PRUNABLE = f"""
-SELECT t.rowid, t.facts IS NULL FROM trajectories t INDEXED BY trajectories_prunable
+# A long record, or one with side data (`side_data`), of a group no stream is still to deliver (every stream's
+# row delivered or filtered; a group filtered before it was ready has none). The conditions are the partial
+# indexes', as the planner needs them.
+_DELIVERED = """
 JOIN groups g ON g.run_id=t.run_id AND g.instance_id=t.instance_id AND g.epoch=t.epoch AND g.part=t.part
-WHERE t.pruned_at IS NULL AND length(t.record) >= {FACTS_FROM_BYTES} AND t.created_at < ?
+WHERE t.pruned_at IS NULL AND {long} AND t.created_at < ?
 AND g.state IN ('ready', 'filtered')
 AND NOT EXISTS (SELECT 1 FROM stream_groups s WHERE s.run_id=t.run_id AND s.instance_id=t.instance_id
                 AND s.epoch=t.epoch AND s.part=t.part AND s.state IN ('ready', 'leased'))
 LIMIT ?
 """
+_PRUNABLE = (f"SELECT t.rowid, t.facts IS NULL FROM trajectories t INDEXED BY trajectories_prunable "
+             f"{_DELIVERED.format(long=f'length(t.record) >= {FACTS_FROM_BYTES}')}")
+_PRUNABLE_SIDE = (f"SELECT t.rowid, t.facts IS NULL FROM trajectories t INDEXED BY trajectories_prunable_side "
+                  f"{_DELIVERED.format(long='t.side IS NOT NULL')}")
 
 
 def prune_delivered(conn: sqlite3.Connection, before: float, limit: int = _BATCH) -> int:
     """Cut down to their facts up to `limit` long records of delivered groups stored before `before` (a time);
     how many were."""
     now, rows = time.time(), conn.execute(_PRUNABLE, (before, limit)).fetchall()
+    if len(rows) < limit:
+        rows += [r for r in conn.execute(_PRUNABLE_SIDE, (before, limit - len(rows))) if r not in rows]
     for rowid, rewritten in rows:
         if rewritten:  # written whole by a group hook: its facts are made from it (it holds its rewards)
             (whole,) = conn.execute("SELECT record FROM trajectories WHERE rowid=?", (rowid,)).fetchone()
             facts = orjson.dumps(record_facts(rewards_first(orjson.loads(whole))))
             conn.execute("UPDATE trajectories SET facts=? WHERE rowid=?", (facts, rowid))
-        conn.execute("UPDATE trajectories SET record=facts, facts=NULL, pruned_at=? WHERE rowid=?", (now, rowid))
+        conn.execute("UPDATE trajectories SET record=facts, facts=NULL, side=NULL, pruned_at=? WHERE rowid=?",
+                     (now, rowid))
     return len(rows)
 
 

@@ -194,6 +194,13 @@ ALTER TABLE trajectories ADD COLUMN pruned_at REAL;
 CREATE INDEX trajectories_prunable ON trajectories(created_at) WHERE pruned_at IS NULL AND length(record) >= 65536;
 """
 
+# A record's per-token side data (`side_data`: routed experts, top-p kept ids) as bytes beside its JSON; those
+# with some are kept to retention too, however short their JSON.
+_SIDE = """
+ALTER TABLE trajectories ADD COLUMN side BLOB;
+CREATE INDEX trajectories_prunable_side ON trajectories(created_at) WHERE pruned_at IS NULL AND side IS NOT NULL;
+"""
+
 Migration = Callable[[sqlite3.Connection], None]
 
 
@@ -218,7 +225,7 @@ def _statements(sql: str) -> list[str]:
 
 # Migration k (1-based) brings a store at version k-1 to version k. Append only: a released store may be at any.
 MIGRATIONS: tuple[Migration, ...] = (_script(_RELEASE_0_1), _script(_STREAMS), _script(_FACTS),
-                                   _script(_PRUNED))
+                                   _script(_PRUNED), _script(_SIDE))
 VERSION = len(MIGRATIONS)
 
 

@@ -247,8 +247,8 @@ def _take(conn: sqlite3.Connection, stream: str, max_groups: int | None, lease_s
             stored = conn.execute(
                 f"SELECT {REWARDED_SQL}, coalesce(w.summary, t.summary) FROM trajectories t {REWARDS_JOIN_SQL} "
                 f"WHERE {_KEY} {of_role}ORDER BY t.rowid", (*key, *role_args)).fetchall()
-            batch.groups.append([StoredRecord.of(with_rewards(blob, cut, head), summary)
-                                 for blob, cut, head, summary in stored])
+            batch.groups.append([StoredRecord.of(with_rewards(blob, cut, head, side), summary)
+                                 for blob, cut, head, side, summary in stored])
             batch.run_ids.append(group_run)
             batch.versions.append(version_min)
     batch.next_lease_expiry = conn.execute(

@@ -10,10 +10,8 @@ prompt plus `max_new_tokens` over the context length, so each request's `max_new
 which fail or are retried rather than resumed; 0.5.23 reports which weights made which output tokens
 (`meta_info.weight_versions`), kept per token in `GenerateResult.segments`.
 
-Requests go through `http_pool.HttpPool` (keep-alive HTTP/1.1 parsed by httptools), not httpx or aiohttp:
-httpcore's pool scans every connection for every request (several milliseconds of CPU per request at a thousand
-in flight), and aiohttp's client costs about four times this one's CPU per request; the buffer must not
-become the bottleneck.
+Requests go through `http_pool.HttpPool` (which says why it is not httpx's or aiohttp's). What a generation asks
+beside tokens (routed experts, top-p kept ids) is `replay`'s.
 """
 
 from __future__ import annotations
@@ -32,6 +30,7 @@ import orjson
 from rollout_buffer.engine.http_pool import HttpPool
 from rollout_buffer.engine.limits import PROBE_TIMEOUT_S, EngineLimits, KnownLimits, overflow
 from rollout_buffer.engine.outage import DEFAULT_OUTAGE_S, OUTAGE_KINDS, Outage, OutageTooLong
+from rollout_buffer.engine.replay import NO_REPLAY, ReplayAsk, ReplayError, ReplayParts, top_p_params
 from rollout_buffer.engine.results import (
     ChatResult,
     EngineError,
@@ -50,9 +49,9 @@ from rollout_buffer.engine.sglang_wire import (
     error_text,
     event_body,
     parse_generate,
+    parse_prompt_log_probs,
     request_body,
     to_sglang_sampling_params,
-    tool_calls,
 )
 from rollout_buffer.observability import metrics
 
@@ -315,20 +314,23 @@ class EngineClient:
     # ------------------------------------------------------------ public API
 
     async def generate(self, input_ids: list[int] | EnginePrompt, sampling_params: dict[str, Any], *, session_id: str,
-                       return_logprob: bool = True) -> GenerateResult:
+                       return_logprob: bool = True, replay: ReplayAsk = NO_REPLAY) -> GenerateResult:
         """Token-in-token-out generation; an aborted generation is resumed from its partial output.
 
         A resume resends `input_ids + output so far` with `max_new_tokens` reduced by what was generated,
         at most `max_abort_resumes` times; output ids and log-probs are concatenated. If the engine still
-        aborts, the result says `finish_reason="abort"`.
+        aborts, the result says `finish_reason="abort"`. `replay` asks for routed experts and top-p ids too
+        (`engine.replay`); an answer without what it asked, or with it malformed, fails the generation
+        (`EngineError` kind `replay_missing`, `bad_replay`).
         """
         progress = GenerationProgress()
-        async for _ in self._generation(input_ids, sampling_params, session_id, return_logprob, progress, False):
+        async for _ in self._generation(input_ids, sampling_params, session_id, return_logprob, progress, False,
+                                        replay):
             pass
         return progress.result()
 
     def generate_stream(self, input_ids: list[int] | EnginePrompt, sampling_params: dict[str, Any], *, session_id: str,
-                        return_logprob: bool = True) -> GenerationStream:
+                        return_logprob: bool = True, replay: ReplayAsk = NO_REPLAY) -> GenerationStream:
         """`generate` streamed: iterate the result for the tokens as the engine produces them (`GenerateDelta`),
         then read `.result`, the same `GenerateResult` as `generate`'s.
 
@@ -337,11 +339,11 @@ class EngineClient:
         Leaving the iteration early (`aclose`) closes the engine request, which the engine then aborts.
         """
         progress = GenerationProgress()
-        deltas = self._generation(input_ids, sampling_params, session_id, return_logprob, progress, True)
+        deltas = self._generation(input_ids, sampling_params, session_id, return_logprob, progress, True, replay)
         return GenerationStream(deltas, progress)
 
     async def _generation(self, input_ids: list[int] | EnginePrompt, sampling_params: dict[str, Any], session_id: str,
-                          return_logprob: bool, progress: GenerationProgress, stream: bool
+                          return_logprob: bool, progress: GenerationProgress, stream: bool, replay: ReplayAsk
                           ) -> AsyncGenerator[GenerateDelta, None]:
         """The engine requests of one generation, abort resumes included; streamed ones yield their deltas.
 
@@ -351,6 +353,10 @@ class EngineClient:
         backoff) from the output so far; a plain abort (a weight update) is resumed.
         """
         params = to_sglang_sampling_params(sampling_params)
+        if replay.top_p:
+            params = top_p_params(params)
+        if replay:
+            progress.replay = ReplayParts(routed_width=replay.routed_width, top_p=replay.top_p)
         budget = params.get("max_new_tokens")
         stop = params.get("stop") or []
         stops = [stop] if isinstance(stop, str) else list(stop)
@@ -374,6 +380,8 @@ class EngineClient:
             ids: Any = (input_ids.payload(progress.out_ids) if isinstance(input_ids, EnginePrompt)
                         else [*input_ids, *progress.out_ids])
             payload = {"input_ids": ids, "sampling_params": params, "return_logprob": return_logprob}
+            if progress.replay is not None:
+                payload.update(progress.replay.request_fields(replay))
             try:
                 if stream:
                     payload["stream"] = True
@@ -393,23 +401,10 @@ class EngineClient:
                     raise
                 fitted = True
                 continue
+            if progress.refusal is None and progress.replay is not None:
+                self._take_replay(replay, progress, prompt_length)
             if progress.refusal is not None:
-                status, message = progress.refusal
-                progress.refusal = None
-                kind = "http_5xx" if status >= 500 else "http_4xx" if status in _RETRYABLE_4XX else "refused"
-                self._count_error(AttemptError(kind, message, status))
-                if kind == "refused" and not fitted and self._limits.fit(progress.url, message, prompt_length, want):
-                    fitted = True
-                    continue
-                if kind == "refused" or refusals >= self.max_retries:
-                    raise EngineError(kind, progress.url, progress.attempts, message, status)
-                refusals += 1
-                self.stats.retries += 1
-                metrics.ENGINE_RETRIES.inc()
-                delay = self._backoff(refusals - 1)
-                logger.info("engine %s/generate refused (%d: %s); retry %d/%d in %.2fs", progress.url, status,
-                            message, refusals, self.max_retries, delay)
-                await asyncio.sleep(delay)
+                fitted, refusals = await self._refused(progress, prompt_length, want, fitted, refusals)
                 continue
             if progress.finish != "abort" or progress.resumed >= self.max_abort_resumes:
                 break
@@ -420,6 +415,56 @@ class EngineClient:
         metrics.TOKENS_GENERATED.inc(len(progress.out_ids))
         if progress.finish == "abort":
             self.stats.aborted_results += 1
+
+    async def _refused(self, progress: GenerationProgress, prompt_length: int, want: int | None, fitted: bool,
+                       refusals: int) -> tuple[bool, int]:
+        """The refusal abort of the answer just read: a context refusal fitted to once (then `fitted`), a retryable
+        one tried again after a backoff (one more of `refusals`); EngineError when it fails for good."""
+        assert progress.refusal is not None
+        status, message = progress.refusal
+        progress.refusal = None
+        kind = "http_5xx" if status >= 500 else "http_4xx" if status in _RETRYABLE_4XX else "refused"
+        self._count_error(AttemptError(kind, message, status))
+        if kind == "refused" and not fitted and self._limits.fit(progress.url, message, prompt_length, want):
+            return True, refusals
+        if kind == "refused" or refusals >= self.max_retries:
+            raise EngineError(kind, progress.url, progress.attempts, message, status)
+        self.stats.retries += 1
+        metrics.ENGINE_RETRIES.inc()
+        delay = self._backoff(refusals)
+        logger.info("engine %s/generate refused (%d: %s); retry %d/%d in %.2fs", progress.url, status,
+                    message, refusals + 1, self.max_retries, delay)
+        await asyncio.sleep(delay)
+        return fitted, refusals + 1
+
+    async def prompt_log_probs(self, input_ids: list[int], count: int, temperature: float, *, session_id: str
+                               ) -> list[float]:
+        """The log-probs of the last `count` of `input_ids`, each given those before it, at `temperature`: one
+        prefill, nothing generated (a teacher's log-probs of a response, as slime's on-policy distillation asks
+        them). Retried like any request; EngineError when it fails for good."""
+        if count <= 0:
+            return []
+        if count >= len(input_ids):
+            raise ValueError(f"{count} log-probs asked of {len(input_ids)} tokens: the first one has none")
+        # SGLang gives the first position of the range it is asked no log-prob: one more is asked, and dropped.
+        payload = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 0, "temperature": temperature},
+                   "return_logprob": True, "logprob_start_len": len(input_ids) - count - 1}
+        values, _, _ = await self._post("/generate", payload, session_id, lambda b: parse_prompt_log_probs(b, count))
+        return values
+
+    def _take_replay(self, replay: ReplayAsk, progress: GenerationProgress, prompt_length: int) -> None:
+        """The replay data of the answer just read (`engine.replay`); EngineError when it lacks or garbles it."""
+        assert progress.replay is not None
+        last = progress.last
+        try:
+            progress.replay.add(replay, None if last is None else (last.replay or {}), prompt_length,
+                                progress.last_tokens, "abort" if last is None else last.finish_reason, progress.url)
+        except ReplayError as e:
+            version = self._limits.known(progress.url).version
+            kind = "replay_missing" if e.missing else "bad_replay"
+            self._count_error(AttemptError(kind, str(e)))
+            raise EngineError(kind, progress.url, progress.attempts,
+                              f"{e} (the engine reports SGLang {version or 'of an unknown version'})") from None
 
     async def chat(self, messages: list[dict[str, Any]], sampling_params: dict[str, Any], *, session_id: str,
                    tools: list[dict[str, Any]] | None = None) -> ChatResult:
@@ -432,24 +477,8 @@ class EngineClient:
         payload: dict[str, Any] = {"model": "default", **chat_params(sampling_params), "messages": messages}
         if tools:
             payload["tools"] = tools
-
-        def check(body: Any) -> ChatResult:
-            try:
-                choice = body["choices"][0]
-                message = choice["message"]
-                text = message.get("content") or ""
-                finish = str(choice.get("finish_reason") or "stop")
-                calls = tool_calls(message.get("tool_calls"))
-                version = (body.get("metadata") or {}).get("weight_version")
-            except (KeyError, TypeError, IndexError, AttributeError, ValueError) as e:
-                raise AttemptError("bad_response", f"unexpected chat response: {e}") from None
-            return ChatResult(text=text, finish_reason="stop" if finish == "tool_calls" else finish, engine_url="",
-                              attempts=0, raw=body, tool_calls=calls,
-                              reasoning_content=message.get("reasoning_content") or None,
-                              weight_version=None if version is None else str(version))
-
         try:
-            result, url, attempts = await self._post("/v1/chat/completions", payload, session_id, check)
+            result, url, attempts = await self._post("/v1/chat/completions", payload, session_id, ChatResult.of)
         except EngineError as e:
             seen = overflow(e.reason, 0) if e.status == 400 else None
             if seen is None:
@@ -465,7 +494,7 @@ class EngineClient:
             self.stats.clamped += 1
             payload.pop("max_completion_tokens", None)
             payload["max_tokens"] = room
-            result, url, attempts = await self._post("/v1/chat/completions", payload, session_id, check)
+            result, url, attempts = await self._post("/v1/chat/completions", payload, session_id, ChatResult.of)
             attempts += e.attempts
         result.engine_url, result.attempts = url, attempts
         metrics.TOKENS_GENERATED.inc(metrics.chat_tokens(result.raw))

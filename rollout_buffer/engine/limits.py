@@ -41,6 +41,7 @@ class EngineLimits:
     context_length: int | None = None
     max_input_tokens: int | None = None
     router: bool = False
+    version: str | None = None  # the SGLang release it reports
 
     def room(self, prompt_tokens: int) -> int | None:
         """Output tokens that fit after a prompt of `prompt_tokens`; None when the context length is unknown."""
@@ -74,7 +75,9 @@ async def _engine_limits(http: httpx.AsyncClient, url: str, info: Any) -> Engine
     cards = models.get("data") if isinstance(models, dict) else None
     card = cards[0] if isinstance(cards, list) and cards and isinstance(cards[0], dict) else {}
     context = _positive(card.get("max_model_len")) or _positive(info.get("context_length"))
-    return EngineLimits(context, _positive(info.get("max_req_input_len")))
+    version = info.get("version")
+    return EngineLimits(context, _positive(info.get("max_req_input_len")),
+                        version=version if isinstance(version, str) else None)
 
 
 async def probe_engine(url: str, timeout_s: float = PROBE_TIMEOUT_S, hosts: Sequence[str] = ()

@@ -13,7 +13,8 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_buffer.engine.sglang_wire import Chunk, GenerateDelta
+from rollout_buffer.engine.replay import ReplayParts
+from rollout_buffer.engine.sglang_wire import AttemptError, Chunk, GenerateDelta, tool_calls
 
 
 @dataclass
@@ -37,6 +38,8 @@ class GenerateResult:
     mid_request: list[int] = field(default_factory=list)
     # The prompt fills the engine's context: no request was sent, nothing generated (`finish_reason` "length").
     context_full: bool = False
+    # What the generation asked beside tokens (routed experts, top-p ids), when it asked (`engine.replay`).
+    replay: ReplayParts | None = None
 
 
 @dataclass
@@ -55,6 +58,10 @@ class GenerationProgress:
     finish: str = ""
     refusal: tuple[int, str] | None = None  # the last answer's refusal abort: (status_code, message)
     context_full: bool = False
+    replay: ReplayParts | None = None
+    # The last answer: its tokens and its last event (None: a stream broken after some tokens).
+    last_tokens: int = 0
+    last: Chunk | None = None
 
     def add(self, delta: GenerateDelta) -> None:
         self.out_ids += delta.output_ids
@@ -64,6 +71,7 @@ class GenerationProgress:
         """One engine answer is over: `tokens` output ids (already added), its whole text, and its last event
         (None: a stream broken after some tokens, ended as an abort to resume)."""
         self.texts.append(text)
+        self.last_tokens, self.last = tokens, last
         if last is None:
             self.segments.append((tokens, self.version))
             self.finish, self.refusal = "abort", None
@@ -81,6 +89,7 @@ class GenerationProgress:
             output_ids=self.out_ids, log_probs=self.log_probs, text="".join(self.texts), finish_reason=self.finish,
             weight_version=self.version, engine_url=self.url, attempts=self.attempts, resumed=self.resumed,
             segments=self.segments, mid_request=self.mid_request, context_full=self.context_full,
+            replay=self.replay,
         )
 
 
@@ -133,6 +142,23 @@ class ChatResult:
     weight_version: str | None = None  # SGLang's `metadata.weight_version`, when the answer has it
     # The prompt fills the engine's context (SGLang refused it): nothing generated, `finish_reason` "length".
     context_full: bool = False
+
+    @classmethod
+    def of(cls, body: Any) -> ChatResult:
+        """A chat answer read (its URL and attempts the client's to fill); `AttemptError("bad_response")` when it
+        is not that shape."""
+        try:
+            choice = body["choices"][0]
+            message = choice["message"]
+            text = message.get("content") or ""
+            finish = str(choice.get("finish_reason") or "stop")
+            calls = tool_calls(message.get("tool_calls"))
+            version = (body.get("metadata") or {}).get("weight_version")
+        except (KeyError, TypeError, IndexError, AttributeError, ValueError) as e:
+            raise AttemptError("bad_response", f"unexpected chat response: {e}") from None
+        return cls(text=text, finish_reason="stop" if finish == "tool_calls" else finish, engine_url="", attempts=0,
+                   raw=body, tool_calls=calls, reasoning_content=message.get("reasoning_content") or None,
+                   weight_version=None if version is None else str(version))
 
 
 class EngineError(Exception):

@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 
 from rollout_buffer.engine.http_pool import Body
+from rollout_buffer.engine.replay import META_KEYS as REPLAY_META_KEYS
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +168,8 @@ class Chunk:
     weight_version: str | None
     spans: list[tuple[int, str | None]] | None = None  # SGLang 0.5.23's weight_versions: (tokens, version) in order
     refusal: tuple[int, str] | None = None  # an abort with a status_code: (status_code, message)
+    # The answer's replay fields (routed experts, top-p ids: `engine.replay`), as sent, when it has any.
+    replay: dict[str, Any] | None = None
 
 
 @dataclass
@@ -286,9 +289,22 @@ def parse_generate(body: Any, want_logprobs: bool, partial: bool = False) -> Chu
         spans = meta.get("weight_versions")
         if spans:
             spans = [(int(s["end"]) - int(s["start"]), str(s["version"])) for s in spans]
-        return Chunk(ids, log_probs, str(body.get("text") or ""), kind, version, spans or None, refusal)
+        replay = {k: meta[k] for k in REPLAY_META_KEYS if k in meta} or None
+        return Chunk(ids, log_probs, str(body.get("text") or ""), kind, version, spans or None, refusal, replay)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
         raise AttemptError("bad_response", f"unexpected /generate response: {e}") from None
+
+
+def parse_prompt_log_probs(body: Any, count: int) -> list[float]:
+    """The last `count` prompt log-probs of a `/generate` answer asked them (`logprob_start_len` one before them:
+    the first row of the range has none); `AttemptError("bad_response")` when it is not that shape."""
+    try:
+        values = [float(row[0]) for row in body["meta_info"]["input_token_logprobs"][1:]]
+    except (KeyError, TypeError, IndexError, ValueError) as e:
+        raise AttemptError("bad_response", f"unexpected prompt log-probs: {e}") from None
+    if len(values) != count:
+        raise AttemptError("bad_response", f"{len(values)} prompt log-probs for {count} tokens")
+    return values
 
 
 def tool_calls(calls: Any) -> list[dict[str, Any]] | None:

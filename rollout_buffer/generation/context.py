@@ -10,8 +10,10 @@ from typing import Any, TypeVar
 
 from rollout_buffer.delivery.versions import ordered_versions
 from rollout_buffer.engine.client import EngineClient
+from rollout_buffer.engine.replay import NO_REPLAY
 from rollout_buffer.engine.sglang_wire import GenerateDelta, to_sglang_sampling_params
 from rollout_buffer.generation.sessions import AgentSession, SessionHost
+from rollout_buffer.generation.trainer_signals import TrainerSignals
 from rollout_buffer.observability import metrics
 from rollout_buffer.tokens.conversation import Conversation
 
@@ -40,6 +42,8 @@ class RunResources:
     shared: dict[str, Any] = field(default_factory=dict)
     # The agent proxy's sessions, when the server has the proxy.
     sessions: SessionHost | None = None
+    # What the run's trainer replays beside the tokens (routed experts, top-p kept ids, teacher log-probs).
+    signals: TrainerSignals | None = None
     _building: dict[str, asyncio.Lock] = field(default_factory=dict, repr=False)
 
     async def once(self, key: str, build: Callable[[], Awaitable[T]]) -> T:
@@ -115,10 +119,13 @@ class RolloutContext:
             if budget is not None and budget <= 0:
                 return "length"
             ids, engine_params = conv.engine_prompt(), to_sglang_sampling_params(params, budget)
+            replay = self.run.signals.ask(conv) if self.run.signals is not None else NO_REPLAY
             if on_delta is None:
-                result = await engine.generate(ids, engine_params, session_id=session, return_logprob=return_logprob)
+                result = await engine.generate(ids, engine_params, session_id=session, return_logprob=return_logprob,
+                                               replay=replay)
             else:
-                stream = engine.generate_stream(ids, engine_params, session_id=session, return_logprob=return_logprob)
+                stream = engine.generate_stream(ids, engine_params, session_id=session, return_logprob=return_logprob,
+                                                replay=replay)
                 try:
                     async for delta in stream:
                         on_delta(delta)
@@ -131,7 +138,8 @@ class RolloutContext:
             await conv.aadd_assistant(
                 result.output_ids, result.log_probs if return_logprob else None, result.text,
                 weight_version=result.weight_version, finish_reason=result.finish_reason,
-                version_segments=result.segments, mid_request=result.mid_request,
+                version_segments=result.segments, mid_request=result.mid_request, replay=result.replay,
+                resumed=result.resumed,
             )
             return result.finish_reason
         chat_params = {k: v for k, v in params.items() if k != "max_new_tokens"}
@@ -168,7 +176,9 @@ class RolloutContext:
         `[start, end, version]` over positions of `tokens`, and `mid_request_update_spans`, those of them generated
         after the weights changed within their engine request (over a KV cache of older weights), when any.
         """
-        info: dict[str, Any] = {"finish_reason": finish_reason, **self.engine_stats, **extra_info}
+        # Its own conversation's turns and resumes (a session's branch: its own, not the session's).
+        info: dict[str, Any] = {"finish_reason": finish_reason, **self.engine_stats, "turns": conv.assistant_turns,
+                                "abort_resumes": conv.abort_resumes, **extra_info}
         known = ordered_versions(conv.weight_versions)
         if known:
             info["weight_version_min"], info["weight_version_max"] = known[0][1], known[-1][1]
@@ -180,7 +190,8 @@ class RolloutContext:
             if mismatch is not None:
                 info["tokenization_mismatch"] = mismatch
                 metrics.TOKENIZATION_MISMATCHES.inc()
-            fields = conv.record_fields(mask_offpolicy=self.run.mask_offpolicy)
+            signals = {} if self.run.signals is None else await self.run.signals.complete(conv, self.engine, self.uid)
+            fields = {**conv.record_fields(mask_offpolicy=self.run.mask_offpolicy), **signals}
             info["weight_version_spans"] = [span[:3] for span in conv.version_spans]
             if mid_request := conv.mid_request_spans():
                 info["mid_request_update_spans"] = mid_request
@@ -206,4 +217,6 @@ def stamp(record: dict[str, Any], ctx: RolloutContext, index: int | None = None)
     if index is not None:  # one of several records of a multi-agent episode
         info.setdefault("episode_id", ctx.uid)
     uid = ctx.uid if index is None else f"{ctx.uid}-{index}"
-    return {**record, "uid": record.get("uid") or uid, "instance_id": ctx.instance_id, "extra_info": info}
+    # Every record of one trajectory (a session's branches, an episode's agents) names it: a trainer counts it once.
+    return {**record, "uid": record.get("uid") or uid, "instance_id": ctx.instance_id, "extra_info": info,
+            "rollout_id": record.get("rollout_id") or ctx.uid}

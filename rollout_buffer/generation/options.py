@@ -1,13 +1,22 @@
 """The base of run options read from a run's `/start_rollout` payload (generators' options, agent sessions'):
-typed fields, bad values reported as one ValueError naming them; and the checks of a run's engine options
-against what its engines report, made before the run starts."""
+typed fields, bad values reported as one ValueError naming them; the service's own (the engines', the trainer
+signals' asked of them); and the checks of these against what the engines report, made before the run starts."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, ClassVar, Self
+from typing import Annotated, Any, ClassVar, Self
 
-from pydantic import BaseModel, ConfigDict, NonNegativeFloat, PositiveFloat, PositiveInt, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+)
 
 from rollout_buffer.engine.limits import probe_engine
 from rollout_buffer.engine.outage import DEFAULT_OUTAGE_S
@@ -16,6 +25,8 @@ from rollout_buffer.engine.sglang_wire import (
     ROUTER_DROPPED_SAMPLING_KEYS,
     ROUTER_MAX_CHAT_STOPS,
 )
+from rollout_buffer.policy import Governed
+from rollout_buffer.schemas import check_http_urls
 
 # /start_rollout waits this long for the engines' answers; one that is slower is not judged there.
 _START_PROBE_TIMEOUT_S = 3.0
@@ -86,6 +97,36 @@ class EngineOptions(RunOptions):
     weight_probe_tolerance: PositiveFloat = 0.05
 
 
+class SignalOptions(RunOptions):
+    """The run options asking for trainer signals."""
+
+    error_prefix: ClassVar[str] = "trainer signal options"
+
+    return_routed_experts: bool = Field(default=False, description="MoE routing replay: each token's experts")
+    top_p_replay: bool | None = Field(default=None, description="the ids top-p kept (default: when top_p < 1)")
+    teacher_engine_url: Annotated[str | list[str] | None, Governed("urls")] = Field(
+        default=None, description="an SGLang engine (or several) serving the teacher, for its log-probs")
+
+    @field_validator("teacher_engine_url")
+    @classmethod
+    def _urls(cls, value: str | list[str] | None) -> str | list[str] | None:
+        check_http_urls(value, "teacher engine URL")
+        return value
+
+    def top_p(self, sampling_params: dict[str, Any]) -> bool:
+        """Whether a run with these sampling params asks for top-p kept ids."""
+        if self.top_p_replay is not None:
+            return self.top_p_replay
+        top_p = sampling_params.get("top_p")
+        return isinstance(top_p, int | float) and not isinstance(top_p, bool) and top_p < 1.0
+
+    def asked(self, sampling_params: dict[str, Any]) -> list[str]:
+        """The options of these that ask for something."""
+        return [name for name, on in (("return_routed_experts", self.return_routed_experts),
+                                      ("top_p_replay", self.top_p(sampling_params)),
+                                      ("teacher_engine_url", self.teacher_engine_url is not None)) if on]
+
+
 async def check_engine_options(payload: dict[str, Any]) -> list[str]:
     """ValueError naming what a run asks that its engines cannot serve, before the run starts; the warnings to
     give with the start (engines that do not answer: slime starts them first, so the run starts all the same).
@@ -112,9 +153,10 @@ async def check_engine_options(payload: dict[str, Any]) -> list[str]:
             if isinstance(value, int) and value > context:
                 whose = "the run's context_length" if options.context_length else "the engine's context length"
                 raise ValueError(f"{name}: {value} tokens cannot fit {whose} ({context} tokens, prompt included)")
+    chat = not payload.get("tokenizer_path") or payload.get("engine_mode") == "chat"
+    check_signals(payload, params, chat, any(f.router for f in found))
     if not any(f.router for f in found):
         return warnings
-    chat = not payload.get("tokenizer_path") or payload.get("engine_mode") == "chat"
     dropped = sorted((ROUTER_DROPPED_CHAT_KEYS if chat else ROUTER_DROPPED_SAMPLING_KEYS) & params.keys())
     if dropped:
         endpoint = "/v1/chat/completions" if chat else "/generate"
@@ -125,3 +167,17 @@ async def check_engine_options(payload: dict[str, Any]) -> list[str]:
         raise ValueError(f"sampling_params.stop: remote_engine_url is an sglang-router, whose chat requests take "
                          f"at most {ROUTER_MAX_CHAT_STOPS} stop strings ({len(stop)} given)")
     return warnings
+
+
+def check_signals(payload: dict[str, Any], params: dict[str, Any], chat: bool, router: bool) -> None:
+    """ValueError naming the trainer signal a run asks (`generation.trainer_signals`) that it cannot get: each needs
+    exact tokens, and sglang-router drops what asks for routed experts and top-p kept ids."""
+    asked = SignalOptions.from_run(payload).asked(params)
+    if asked and chat:
+        raise ValueError(f"{asked[0]}: needs the run's exact tokens: give tokenizer_path (not engine_mode chat)")
+    dropped = [name for name in asked if name != "teacher_engine_url"]
+    if dropped and router:
+        field = {"return_routed_experts": "return_routed_experts and routed_experts_start_len",
+                 "top_p_replay": "sampling_params.custom_params"}[dropped[0]]
+        raise ValueError(f"{dropped[0]}: remote_engine_url is an sglang-router, whose /generate drops {field} "
+                         "without a word; give the engines' own URLs")

@@ -12,7 +12,9 @@ from typing import Any
 
 from rollout_buffer.engine.client import EngineClient
 from rollout_buffer.generation.context import RunResources
+from rollout_buffer.generation.options import SignalOptions
 from rollout_buffer.generation.sessions import SessionHost
+from rollout_buffer.generation.trainer_signals import TrainerSignals
 from rollout_buffer.schemas import StartRolloutRequest
 from rollout_buffer.tokens.tokenizer import load_tokenizer
 
@@ -26,11 +28,12 @@ async def run_resources(run_id: str, req: StartRolloutRequest, sessions: Session
     """The run's shared resources: its tokenizer (loaded in a worker thread), a new engine client, its settings."""
     tokenizer = await load_run_tokenizer(run_id, req)
     extra = req.model_extra or {}
+    engine = EngineClient(req.engine_urls(), **engine_options(req))
     return RunResources(
         run_id=run_id,
         task_type=req.task_type,
         config=req.model_dump(mode="json"),
-        engine=EngineClient(req.engine_urls(), **engine_options(req)),
+        engine=engine,
         tokenizer=tokenizer,
         sampling_params=sampling_params(req),
         max_tokens=req.max_tokens or req.sampling_params.get("max_tokens"),
@@ -38,7 +41,18 @@ async def run_resources(run_id: str, req: StartRolloutRequest, sessions: Session
         chat_template_kwargs=extra.get("chat_template_kwargs"),
         mask_offpolicy=req.mask_offpolicy_in_partial_rollout,
         sessions=sessions,
+        signals=trainer_signals(req, engine) if tokenizer is not None else None,
     )
+
+
+def trainer_signals(req: StartRolloutRequest, engine: EngineClient) -> TrainerSignals | None:
+    """What the run's trainer replays beside the tokens, when it asks for any (`generation.trainer_signals`)."""
+    options = SignalOptions.from_run(req.model_dump())
+    if not options.asked(sampling_params(req)):
+        return None
+    urls = options.teacher_engine_url
+    teacher = engine.sibling([urls] if isinstance(urls, str) else urls) if urls else None
+    return TrainerSignals(options, sampling_params(req), teacher)
 
 
 async def load_run_tokenizer(run_id: str, req: StartRolloutRequest) -> Any | None:
@@ -73,6 +87,8 @@ async def close_resources(resources: RunResources) -> None:
             except Exception as e:  # the run is over; a failed close must not mark it failed
                 log.warning("closing the run's %s failed: %s", key, e)
     await resources.engine.aclose()
+    if resources.signals is not None and resources.signals.teacher is not None:
+        await resources.signals.teacher.aclose()
 
 
 def sampling_params(req: StartRolloutRequest) -> dict[str, Any]:

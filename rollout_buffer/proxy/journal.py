@@ -15,6 +15,7 @@ counters. A turn in flight at a crash was never written: the client's retry runs
 
 from __future__ import annotations
 
+import base64
 import logging
 import struct
 import time
@@ -30,7 +31,8 @@ from rollout_buffer.proxy.messages import assistant_message, message_key, tool_c
 from rollout_buffer.proxy.replies import Reply
 from rollout_buffer.proxy.session_files import SessionFiles
 from rollout_buffer.proxy.tree import Branch, ResponseRef, Route, SessionTree
-from rollout_buffer.tokens.conversation import Conversation, ConversationTail, TurnMark
+from rollout_buffer.tokens.conversation import Conversation
+from rollout_buffer.tokens.marks import ConversationTail, TurnMark
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +101,7 @@ class Journal:
             "messages": tail.new_messages, "versions": tail.weight_versions, "spans": tail.version_spans,
             "prompt_length": tail.prompt_length,
             "mark": [m.messages, m.tokens, m.weight_versions, m.assistant_turns, m.finish_reason, m.truncated,
-                     m.log_probs_complete],
+                     m.log_probs_complete, m.abort_resumes],
             "reply": [reply.text, [[c.name, c.arguments] for c in reply.calls]],
             "tool_calls": len(reply.calls), "ill_formed": int(reply.ill_formed), "protocol": protocol,
             "at": branch.updated_at, "lane": branch.lane,
@@ -107,6 +109,8 @@ class Journal:
         if response is not None:
             response_id, ref = response
             meta["response"] = [response_id, ref.instructions, sorted(ref.call_ids)]
+        if tail.top_p is not None:  # the kept ids of its tokens: where each token's end, and the ids (int32)
+            meta["top_p"] = [tail.top_p[0], base64.b64encode(tail.top_p[1]).decode()]
         parts = (orjson.dumps(meta), array(_IDS, tail.token_ids).tobytes(), bytes(tail.loss_mask),
                  array(_FLOATS, tail.log_probs).tobytes())
         return self._append_turn(parts)
@@ -174,8 +178,10 @@ def replay(stored: StoredSession, ctx: RolloutContext, tree: SessionTree, respon
         floats.frombytes(log_probs)
         mark = TurnMark(*meta["mark"])
         messages_at, tokens_at, versions_at = meta["from"]
+        top_p = meta.get("top_p")
         tail = ConversationTail(messages_at, tokens_at, versions_at, meta["messages"], tokens.tolist(), list(mask),
-                                floats.tolist(), meta["versions"], meta["spans"], meta["prompt_length"], mark)
+                                floats.tolist(), meta["versions"], meta["spans"], meta["prompt_length"], mark,
+                                None if top_p is None else (top_p[0], base64.b64decode(top_p[1])))
         branch = _branch_for(meta, tail, ctx, tree)
         branch.keys.extend(message_key(m) for m in tail.new_messages[:-1])
         branch.messages.extend(tail.new_messages[:-1])

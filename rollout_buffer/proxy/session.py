@@ -34,7 +34,8 @@ from rollout_buffer.proxy.replies import Reply, ReplyParser, ReplyPart
 from rollout_buffer.proxy.request_bodies import BodyCache
 from rollout_buffer.proxy.tree import Branch, ResponseRef, Route, SessionTree
 from rollout_buffer.schemas import TrajectoryRecord
-from rollout_buffer.tokens.conversation import Conversation, TurnMark
+from rollout_buffer.tokens.conversation import Conversation
+from rollout_buffer.tokens.marks import TurnMark
 
 log = logging.getLogger(__name__)
 

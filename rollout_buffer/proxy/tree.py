@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_buffer.proxy.messages import MessageKey
-from rollout_buffer.tokens.conversation import Conversation, TurnMark
+from rollout_buffer.tokens.conversation import Conversation
+from rollout_buffer.tokens.marks import TurnMark
 
 
 @dataclass

@@ -33,14 +33,15 @@ import asyncio
 import copy
 import functools
 from collections.abc import Collection
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
 
+from rollout_buffer.engine.replay import ReplayParts
 from rollout_buffer.engine.sglang_wire import EnginePrompt
 from rollout_buffer.tokens.chat_render import chat_renderer
 from rollout_buffer.tokens.check import compare_text, compare_tokens
+from rollout_buffer.tokens.marks import ConversationTail, TurnMark
 from rollout_buffer.tokens.prompt_ids import BASE_HISTORY, PROMPT_CACHE_MAX_BYTES, encode, frame, light, prompt
 from rollout_buffer.tokens.sequence import TokenSequence
 
@@ -48,39 +49,6 @@ SanityCheckMode = Literal["strict", "ignore_strippable", "disable"]
 
 # Finish reasons that leave the assistant turn unfinished.
 _CUT = frozenset({"length", "abort"})
-
-
-@dataclass(frozen=True)
-class TurnMark:
-    """Where a conversation stood right after one of its assistant turns (`Conversation.mark`)."""
-
-    messages: int
-    tokens: int
-    weight_versions: int
-    assistant_turns: int
-    finish_reason: str | None
-    truncated: bool
-    log_probs_complete: bool
-
-
-@dataclass(frozen=True)
-class ConversationTail:
-    """What a conversation gained after a point (`Conversation.tail`): the new messages, tokens with their loss
-    mask and log-probs, new weight versions, the version spans ending past the point, and the state it ended in
-    (prompt length, the mark of its last assistant turn). `messages`, `tokens`, `versions`: the point, as
-    counts."""
-
-    messages: int
-    tokens: int
-    versions: int
-    new_messages: list[dict[str, Any]]
-    token_ids: list[int]
-    loss_mask: list[int]
-    log_probs: list[float]
-    weight_versions: list[str]
-    version_spans: list[list[Any]]
-    prompt_length: int
-    mark: TurnMark
 
 
 class Conversation(TokenSequence):
@@ -131,6 +99,8 @@ class Conversation(TokenSequence):
         self._tokenizer = tokenizer
         self._options = dict(chat_template_kwargs or {})
         self._log_probs_complete = True
+        self.routed, self.routed_width, self.top_p_offsets, self.top_p_ids = None, None, None, None
+        self.abort_resumes = 0  # over its turns: a record's own count, whatever other branches did
         self._open = False  # token_ids ends with the generation prompt
         self._forked = False  # a fork before its first own turn: the prompt extends to that turn
         self._assistant_turns = 0
@@ -209,6 +179,8 @@ class Conversation(TokenSequence):
         finish_reason: str = "stop",
         version_segments: list[tuple[int, str | None]] | None = None,
         mid_request: Collection[int] = (),
+        replay: ReplayParts | None = None,
+        resumed: int = 0,
     ) -> None:
         """Append one engine turn: its own output ids (loss 1) and log-probs, and `text` as the message.
 
@@ -217,7 +189,8 @@ class Conversation(TokenSequence):
         end-of-turn token nor stopped cleanly truncates the conversation. `version_segments` lists
         (tokens, weight_version) of the answers the turn was generated in (abort resumes may cross a weight
         update); without it the whole turn has `weight_version`. `mid_request` indexes the segments generated
-        after the weights changed within their engine request (`GenerateResult.mid_request`).
+        after the weights changed within their engine request (`GenerateResult.mid_request`). `replay`: what the
+        turn's answers brought beside the tokens (routed experts, top-p kept ids); `resumed`: its abort resumes.
         """
         self._require_tokens()
         self._require_not_truncated()
@@ -229,6 +202,9 @@ class Conversation(TokenSequence):
         if self._forked:
             self.prompt_length, self._forked = len(self.token_ids), False
         self._append(output_ids, 1, log_probs)
+        if replay is not None:
+            self._add_replay(replay, len(output_ids))
+        self.abort_resumes += resumed
         if log_probs is None and output_ids:
             self._log_probs_complete = False
         if output_ids and output_ids[-1] in self._frame.end_of_turn:
@@ -252,10 +228,13 @@ class Conversation(TokenSequence):
         finish_reason: str = "stop",
         version_segments: list[tuple[int, str | None]] | None = None,
         mid_request: Collection[int] = (),
+        replay: ReplayParts | None = None,
+        resumed: int = 0,
     ) -> None:
         """`add_assistant` for async callers; it renders nothing, so it runs inline."""
         self.add_assistant(output_ids, log_probs, text, weight_version=weight_version, finish_reason=finish_reason,
-                           version_segments=version_segments, mid_request=mid_request)
+                           version_segments=version_segments, mid_request=mid_request, replay=replay,
+                           resumed=resumed)
 
     def response_tokens_used(self) -> int:
         """Tokens the response will hold once the next assistant turn starts (generation prompt counted)."""
@@ -326,7 +305,12 @@ class Conversation(TokenSequence):
         if self._assistant_turns == 0 or self._env_messages_start != len(self.messages):
             raise RuntimeError("a mark is taken right after an assistant turn")
         return TurnMark(len(self.messages), len(self.token_ids), len(self.weight_versions), self._assistant_turns,
-                        self.finish_reason, self.truncated, self._log_probs_complete)
+                        self.finish_reason, self.truncated, self._log_probs_complete, self.abort_resumes)
+
+    @property
+    def assistant_turns(self) -> int:
+        """The conversation's assistant turns (those before a fork included)."""
+        return self._assistant_turns
 
     def restore(self, mark: TurnMark) -> None:
         """Undo everything appended after `mark` (taken on this conversation)."""
@@ -337,7 +321,7 @@ class Conversation(TokenSequence):
         self._truncate_to(mark.tokens)
         self.version_spans = [[start, min(end, mark.tokens), *rest] for start, end, *rest in self.version_spans
                               if start < mark.tokens]
-        self._assistant_turns = mark.assistant_turns
+        self._assistant_turns, self.abort_resumes = mark.assistant_turns, mark.abort_resumes
         self.finish_reason, self.truncated = mark.finish_reason, mark.truncated
         self._log_probs_complete = mark.log_probs_complete
         self._open = False
@@ -360,7 +344,8 @@ class Conversation(TokenSequence):
         other.version_spans = []  # like its weight versions: its own output's (copy.copy would share the list)
         other.prompt_length = mark.tokens
         other.finish_reason, other.truncated, other._log_probs_complete = mark.finish_reason, False, True
-        other._assistant_turns = mark.assistant_turns
+        other._assistant_turns, other.abort_resumes = mark.assistant_turns, mark.abort_resumes
+        other._copy_replay(self, mark.tokens)  # its own copies (`copy.copy` would share them)
         other._open, other._forked = False, True
         other._env_messages_start, other._env_tokens_start, other._env_text = mark.messages, mark.tokens, ""
         return other
@@ -371,7 +356,7 @@ class Conversation(TokenSequence):
         return ConversationTail(
             messages, tokens, versions, self.messages[messages:], self.token_ids[tokens:], self.loss_mask[tokens:],
             self.log_probs[tokens:], self.weight_versions[versions:], self._spans_past(tokens), self.prompt_length,
-            self.mark())
+            self.mark(), self._top_p_past(tokens))
 
     def extend_tail(self, tail: ConversationTail) -> None:
         """Append a `tail` (of a conversation that stood where this one stands): this one then equals it."""
@@ -385,6 +370,7 @@ class Conversation(TokenSequence):
                 tail.versions + len(tail.weight_versions)) or not (
                 len(tail.token_ids) == len(tail.loss_mask) == len(tail.log_probs)):
             raise ValueError("the tail is inconsistent with its own end")
+        self._extend_top_p(tail.top_p, len(tail.token_ids))
         self.messages.extend(tail.new_messages)
         self.token_ids.extend(tail.token_ids)
         self.loss_mask.extend(tail.loss_mask)
@@ -393,7 +379,7 @@ class Conversation(TokenSequence):
         self.version_spans = [*(s for s in self.version_spans if s[1] <= tail.tokens),
                               *(list(s) for s in tail.version_spans)]
         self.prompt_length = tail.prompt_length
-        self._assistant_turns = mark.assistant_turns
+        self._assistant_turns, self.abort_resumes = mark.assistant_turns, mark.abort_resumes
         self.finish_reason, self.truncated = mark.finish_reason, mark.truncated
         self._log_probs_complete = mark.log_probs_complete
         self._open = self._forked = False

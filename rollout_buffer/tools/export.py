@@ -126,8 +126,8 @@ def iter_records(conn: sqlite3.Connection, run_id: str | None, delivered_only: b
     else:
         sql = (f"SELECT {REWARDED_SQL}, t.agent_id, t.pruned_at FROM trajectories t {REWARDS_JOIN_SQL} "
                f"WHERE {' AND '.join(['1', *where])} ORDER BY t.rowid")
-    for blob, cut, head, agent, pruned_at in conn.execute(sql, args):
-        yield (bytes(with_rewards(blob, cut, head)) if pruned_at is None else None), agent
+    for blob, cut, head, side, agent, pruned_at in conn.execute(sql, args):
+        yield (bytes(with_rewards(blob, cut, head, side)) if pruned_at is None else None), agent
 
 
 def export(data_dir: Path, out: BinaryIO, run: str | None = None, delivered_only: bool = True,
