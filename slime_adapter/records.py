@@ -8,10 +8,14 @@ did.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
 import logging
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from slime_adapter.loss_mask import MultiTurnLossMaskGenerator, get_response_lengths, unrenderable_reason
 from slime_adapter.sample import Sample, sample_fields, status_member
@@ -84,12 +88,55 @@ def _exact_tokens(record: Record) -> tuple[list[int], int, list[int]]:
     return tokens, length, response_mask
 
 
-class SampleBuilder:
-    """Builds samples; creates the loss mask generator only when a messages-only record needs it."""
+def _int32(record: Record, name: str) -> np.ndarray | None:
+    value = record.get(name)
+    if value is None:
+        return None
+    try:
+        return np.frombuffer(base64.b64decode(value, validate=True), dtype="<i4")
+    except (binascii.Error, ValueError, TypeError) as e:
+        raise RecordError(f"record {record.get('uid')}: {name} is not base64 of int32 ({e})") from None
 
-    def __init__(self, tokenizer_loader: Callable[[], Any], loss_mask_type: str):
+
+def trainer_signals(record: Record, tokens: list[int], response_length: int,
+                    moe_shape: tuple[int, int] | None) -> dict[str, Any]:
+    """The sample fields of what the trainer replays (routed experts, top-p kept ids, teacher log-probs), as slime
+    holds them: routed experts `[len(tokens) - 1, layers, top_k]` (`[rows, values]` without `moe_shape`), top-p
+    offsets `response_length + 1` into the kept ids; RecordError when they do not fit the sample's tokens."""
+    uid = record.get("uid")
+    fields: dict[str, Any] = {}
+    experts = _int32(record, "rollout_routed_experts")
+    if experts is not None:
+        rows = max(0, len(tokens) - 1)
+        width = experts.size // rows if rows and experts.size % rows == 0 else None
+        if width is None or (moe_shape is not None and width != moe_shape[0] * moe_shape[1]):
+            raise RecordError(f"record {uid}: rollout_routed_experts: {experts.size} values for {rows} rows of "
+                              f"{'x'.join(map(str, moe_shape)) if moe_shape else 'any'} values")
+        fields["rollout_routed_experts"] = experts.reshape(rows, *(moe_shape or (width,)))
+    ids, offsets = _int32(record, "rollout_top_p_token_ids"), _int32(record, "rollout_top_p_token_offsets")
+    if (ids is None) != (offsets is None) or (offsets is not None and (
+            len(offsets) != response_length + 1 or offsets[-1] != (0 if ids is None else len(ids)))):
+        raise RecordError(f"record {uid}: rollout_top_p_token_offsets do not fit {response_length} response tokens "
+                          "and the kept ids")
+    if ids is not None:
+        fields["rollout_top_p_token_ids"], fields["rollout_top_p_token_offsets"] = ids, offsets
+    teacher = record.get("teacher_log_probs")
+    if teacher is not None:
+        if len(teacher) != response_length:
+            raise RecordError(f"record {uid}: {len(teacher)} teacher_log_probs for {response_length} tokens")
+        fields["teacher_log_probs"] = list(teacher)
+    return fields
+
+
+class SampleBuilder:
+    """Builds samples; creates the loss mask generator only when a messages-only record needs it. `moe_shape`:
+    slime's (`--num-layers`, `--moe-router-topk`), which routed experts are shaped by."""
+
+    def __init__(self, tokenizer_loader: Callable[[], Any], loss_mask_type: str,
+                 moe_shape: tuple[int, int] | None = None):
         self._tokenizer_loader = tokenizer_loader
         self.loss_mask_type = loss_mask_type
+        self.moe_shape = moe_shape
         self._generator: Any = None
 
     def _masked_tokens(self, record: Record) -> tuple[list[int], int, list[int]]:
@@ -132,7 +179,10 @@ class SampleBuilder:
             "loss_mask": loss_mask,
             "rollout_log_probs": log_probs if log_probs is None or isinstance(log_probs, list) else list(log_probs),
             "status": sample_status(record),
-            "metadata": {**extra_info, "raw_reward": record["reward"] if raw_reward is None else raw_reward},
+            # `rollout_id`: which trajectory it is of; `take_batch` numbers them for slime's `Sample.rollout_id`.
+            "metadata": {**extra_info, "raw_reward": record["reward"] if raw_reward is None else raw_reward,
+                         "rollout_id": record.get("rollout_id") or uid},
+            **trainer_signals(record, tokens, length, self.moe_shape),
         }
         if record.get("weight_versions"):
             fields["weight_versions"] = list(record["weight_versions"])

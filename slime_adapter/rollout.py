@@ -199,11 +199,21 @@ def take_batch(data_buffer: Any, batch_size: int) -> list[SampleGroup]:
     # Never ask for more than the data buffer holds: slime's would top up with unanswered dataset prompts.
     num_regular = min(batch_size - len(irregular), data_buffer.get_buffer_length())
     batch = (data_buffer.get_samples(num_regular) if num_regular > 0 else []) + irregular
+    rollouts: dict[Any, int] = {}  # the samples of one trajectory (a session's branches) share slime's rollout_id
     for group_index, group in enumerate(batch):
         for sample in group:
             if hasattr(sample, "group_index"):
                 sample.group_index = group_index
+            if hasattr(sample, "rollout_id"):
+                sample.rollout_id = rollouts.setdefault((sample.metadata or {}).get("rollout_id", id(sample)),
+                                                        len(rollouts))
     return batch
+
+
+def moe_shape(args: Any) -> tuple[int, int] | None:
+    """slime's MoE shape (`--num-layers`, `--moe-router-topk`) that routed experts are replayed in, when set."""
+    layers, top_k = getattr(args, "num_layers", None), getattr(args, "moe_router_topk", None)
+    return (int(layers), int(top_k)) if layers and top_k else None
 
 
 def generate_rollout(
@@ -223,7 +233,7 @@ def generate_rollout(
             raise RolloutBufferError("a record without exact tokens needs --hf-checkpoint for its tokenizer")
         return load_tokenizer(tokenizer_path)
 
-    builder = SampleBuilder(tokenizer, settings.loss_mask_type)
+    builder = SampleBuilder(tokenizer, settings.loss_mask_type, moe_shape(args))
     version = trainer_version(args, rollout_id)
     note_training_rollout(settings.buffer_url, rollout_id)
     with BufferClient(settings.buffer_url, settings.token, settings.retry) as client:

@@ -82,12 +82,24 @@ def start_payload(args: Any, settings: AdapterSettings, skip_instance_ids: list[
         "regenerate_stale": settings.regenerate_stale or None,
         "mask_offpolicy_in_partial_rollout": settings.mask_offpolicy or None,
         "current_version": current_version,
+        # What slime's trainer replays (top-p kept ids follow --rollout-top-p < 1, as slime asks them).
+        "return_routed_experts": bool(getattr(args, "use_rollout_routing_replay", False)) or None,
+        "teacher_engine_url": teacher_engine_url(args),
     }
     if settings.role is not None:
         # Two models: each role's turns go to its own engines (this trainer's router for its own role).
         payload[f"{settings.role}_engine_url"] = payload["remote_engine_url"]
         payload.update({f"{role}_engine_url": url for role, url in settings.role_engine_urls})
     return {k: v for k, v in payload.items() if v is not None}
+
+
+def teacher_engine_url(args: Any) -> str | None:
+    """The teacher engine of slime's on-policy distillation on SGLang (`--use-opd --opd-type sglang`): its
+    `--rm-url` (slime posts the teacher's prefill to it), without the `/generate` slime's URL names."""
+    if not getattr(args, "use_opd", False) or getattr(args, "opd_type", None) != "sglang":
+        return None
+    url = getattr(args, "rm_url", None)
+    return str(url).rstrip("/").removesuffix("/generate") if url else None
 
 
 def _same_file(a: Any, b: Any) -> bool:

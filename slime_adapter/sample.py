@@ -30,6 +30,11 @@ class StandaloneSample:
     loss_mask: list[int] | None = None
     weight_versions: list[str] = field(default_factory=list)
     rollout_log_probs: list[float] | None = None
+    rollout_id: int | None = None
+    rollout_top_p_token_ids: Any = None
+    rollout_top_p_token_offsets: Any = None
+    rollout_routed_experts: Any = None
+    teacher_log_probs: list[float] | None = None
     remove_sample: bool = False
     status: Status = Status.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import os
 
+import numpy as np
 import orjson
 import pytest
 
+from rollout_buffer.engine.replay import ReplayParts
 from rollout_buffer.engine.sglang_wire import request_body
 from rollout_buffer.schemas import TrajectoryRecord
 from rollout_buffer.tokens.conversation import Conversation
@@ -535,3 +537,58 @@ def test_the_engine_payload_of_the_ids_is_their_json_as_the_conversation_grows_a
         conv.add_assistant(ids, lps, TURN_3)
         conv.add_messages([{"role": "user", "content": f"Step {step}."}])
         sent(conv, ids[:2] if step % 7 == 0 else None)
+
+
+def replayed(conv: Conversation, output: list[int], width: int = 4) -> ReplayParts:
+    """What an engine answer asked for routed experts (from the rows `conv` holds) and top-p ids brings for a turn
+    of `output` after `conv`'s generation prompt: row i is [i, i, ...], token t kept [t, t + 1]."""
+    start, end = conv.routed_rows, conv.generation_length() + len(output) - 1
+    kept = [[t, t + 1] for t in output]
+    return ReplayParts(bytearray(np.repeat(np.arange(start, end), width).astype("<i4").tobytes()), end - start,
+                       width, True, bytearray(np.asarray([i for k in kept for i in k], "<i4").tobytes()),
+                       bytearray(np.cumsum([0, *map(len, kept)]).astype("<i4").tobytes()))
+
+
+def test_replayed_rows_and_kept_ids_stay_aligned_with_the_tokens(qwen_tokenizer, im_end):
+    """Routed-expert rows follow the positions (a turn's answer brings those before it, the closing after the last
+    turn is asked apart), kept ids go to the engine's tokens only; a restore cuts both back, a fork copies what it
+    shares, and a conversation rebuilt from its tail keeps the kept ids."""
+    conv = Conversation(PROMPT, qwen_tokenizer)
+    for text, then in ((TURN_1, [TOOL_RESULT]), (TURN_2, [FOLLOW_UP])):
+        ids, lps = engine_output(qwen_tokenizer, text, im_end)
+        conv.add_assistant(ids, lps, text, replay=replayed(conv, ids), resumed=1)
+        conv.add_messages(then)
+    ids, lps = engine_output(qwen_tokenizer, TURN_3, im_end)
+    conv.add_assistant(ids, lps, TURN_3, replay=replayed(conv, ids))
+    assert conv.routed_rows == len(conv.token_ids) - 2  # the closing "\n" after <|im_end|>: no turn answered it
+    conv.extend_routed(ReplayParts(bytearray(np.repeat([conv.routed_rows], 4).astype("<i4").tobytes()), 1, 4))
+    fields = conv.record_fields()
+    rows = np.frombuffer(fields["rollout_routed_experts"], "<i4").reshape(-1, 4)
+    assert rows.shape[0] == len(conv.token_ids) - 1 and rows[:, 0].tolist() == list(range(rows.shape[0]))
+    offsets = np.frombuffer(fields["rollout_top_p_token_offsets"], "<i4").tolist()
+    kept = np.frombuffer(fields["rollout_top_p_token_ids"], "<i4").tolist()
+    assert len(offsets) == fields["response_length"] + 1
+    for k in range(fields["response_length"]):
+        position = conv.prompt_length + k
+        want = [conv.token_ids[position], conv.token_ids[position] + 1] if conv.loss_mask[position] else []
+        assert kept[offsets[k]:offsets[k + 1]] == want
+    TrajectoryRecord.model_validate({"uid": "u", "instance_id": "i", "messages": conv.messages, "reward": 0.0,
+                                     **fields})
+    assert conv.assistant_turns == 3 and conv.abort_resumes == 2
+
+    rebuilt = Conversation.restored(conv.tail(0, 0, 0), qwen_tokenizer)
+    assert rebuilt.record_fields()["rollout_top_p_token_ids"] == fields["rollout_top_p_token_ids"]
+    assert rebuilt.abort_resumes == 2 and rebuilt.routed_rows == 0  # rows are asked for again from 0
+    fork = conv.fork(conv.mark())
+    assert fork.routed_rows == len(conv.token_ids) - 1 and fork.top_p_offsets == conv.top_p_offsets
+    fork.routed[:4] = b"\xff" * 4
+    assert conv.routed[:4] != b"\xff" * 4  # its own copy
+    conv_two = Conversation(PROMPT, qwen_tokenizer)
+    ids, lps = engine_output(qwen_tokenizer, TURN_1, im_end)
+    conv_two.add_assistant(ids, lps, TURN_1, replay=replayed(conv_two, ids))
+    first = conv_two.mark()
+    conv_two.add_messages([TOOL_RESULT])
+    ids, lps = engine_output(qwen_tokenizer, TURN_2, im_end)
+    conv_two.add_assistant(ids, lps, TURN_2, replay=replayed(conv_two, ids))
+    conv_two.restore(first)
+    assert conv_two.routed_rows <= first.tokens and len(conv_two.top_p_offsets) == first.tokens + 1

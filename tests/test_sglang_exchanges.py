@@ -10,6 +10,7 @@ client to SGLang's wire behaviour rather than to the simulator's; when SGLang ch
 from __future__ import annotations
 
 import asyncio
+import base64
 import socket
 import threading
 import time
@@ -17,6 +18,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 import pytest
 import uvicorn
@@ -27,6 +29,7 @@ from starlette.routing import Route
 
 from rollout_buffer.engine.client import EngineClient
 from rollout_buffer.engine.limits import EngineLimits, probe_engine
+from rollout_buffer.engine.replay import ReplayAsk
 from rollout_buffer.engine.results import EngineError, GenerateResult
 from rollout_buffer.generation.context import RolloutContext, RunResources
 from rollout_buffer.generation.options import check_engine_options
@@ -420,3 +423,43 @@ def context(client: EngineClient, tokenizer: Any, mask_offpolicy: bool = False) 
     run_resources = RunResources(run_id="r", task_type="math", config={}, engine=client, tokenizer=tokenizer,
                                  sampling_params={"max_tokens": 16}, max_tokens=None, mask_offpolicy=mask_offpolicy)
     return RolloutContext(run_resources, "i", 0, 0, "uid")
+
+
+def int32s(b64: str) -> list[int]:
+    return np.frombuffer(base64.b64decode(b64), dtype="<i4").tolist()
+
+
+def test_routed_experts_and_top_p_ids_are_joined_over_an_abort_resume(replay: Replay) -> None:
+    """Each request asks for the rows from those it holds; an aborted first answer's rows are dropped (nothing tells
+    their width yet) and its resume asks for them again. Kept ids are joined as slime joins them, whichever key
+    names them."""
+    fixture = replay.load("replay_abort_resume")
+    ask = ReplayAsk(routed_from=0, top_p=True)
+    result = run(replay, lambda c: c.generate(PROMPT, {"max_new_tokens": 64}, session_id="s", replay=ask))
+    replay.check_requests()
+    answers = [e["response"]["body"] for e in fixture["exchanges"]]
+    assert result.resumed == 1 and result.output_ids == [t for a in answers for t in a["output_ids"]]
+    assert result.replay is not None and result.replay.routed_width == 4
+    rows = int32s(answers[1]["meta_info"]["routed_experts"])
+    assert np.frombuffer(result.replay.routed, dtype="<i4").tolist() == rows
+    assert result.replay.routed_rows == len(PROMPT) + len(result.output_ids) - 1
+    first, second = (a["meta_info"] for a in answers)
+    kept = int32s(first["top_p_token_ids"]) + int32s(second["top_p_kept_token_ids"])
+    assert np.frombuffer(result.replay.top_p_ids, dtype="<i4").tolist() == kept
+    offsets = np.frombuffer(result.replay.top_p_offsets, dtype="<i4").tolist()
+    assert len(offsets) == len(result.output_ids) + 1 and offsets[-1] == len(kept)
+
+
+@pytest.mark.parametrize(("fixture", "kind", "reason"), [
+    ("replay_missing", "replay_missing", "return_routed_experts: engine"),
+    ("replay_not_base64", "bad_replay", "routed_experts: not base64"),
+    ("replay_wrong_rows", "bad_replay", "24 rows expected"),
+])
+def test_routed_experts_missing_or_malformed_fail_the_generation(replay: Replay, fixture: str, kind: str,
+                                                                 reason: str) -> None:
+    replay.load(fixture)
+    with pytest.raises(EngineError) as failed:
+        run(replay, lambda c: c.generate(PROMPT, {"max_new_tokens": 64}, session_id="s",
+                                         replay=ReplayAsk(routed_from=0)))
+    assert failed.value.kind == kind and reason in failed.value.reason, failed.value.reason
+    assert "SGLang 0.5.23" in failed.value.reason  # the engine's own release, asked of it

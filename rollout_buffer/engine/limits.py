@@ -110,6 +110,22 @@ async def probe_engine(url: str, timeout_s: float = PROBE_TIMEOUT_S, hosts: Sequ
         return EngineLimits(router=True)
 
 
+async def router_workers(url: str, timeout_s: float = PROBE_TIMEOUT_S, hosts: Sequence[str] = ()) -> list[str] | None:
+    """The workers of the sglang-router at `url` on an allowed host (`hosts` empty: any); None when `url` does not
+    answer as a router."""
+    url = url.rstrip("/")
+    async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as http:
+        try:
+            info = await _get_json(http, f"{url}/get_server_info")
+            if not (isinstance(info, dict) and "router_manager" in info):
+                return None
+            listed = await _get_json(http, f"{url}/workers")
+            workers = [str(w["url"]).rstrip("/") for w in listed["workers"]]
+        except (httpx.HTTPError, KeyError, TypeError):
+            return None
+    return [w for w in workers if host_allowed(urlsplit(w).hostname or "", hosts)]
+
+
 def overflow(reason: str, prompt_tokens: int) -> EngineLimits | None:
     """The limits SGLang's context refusal `reason` tells of, for a prompt of `prompt_tokens`; None for another
     refusal, or one whose numbers do not say the request overflows. The context length learnt is net of the tokens

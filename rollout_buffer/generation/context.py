@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 from rollout_buffer.delivery.versions import ordered_versions
 from rollout_buffer.engine.client import EngineClient
+from rollout_buffer.engine.outage import Outage
 from rollout_buffer.engine.replay import NO_REPLAY
 from rollout_buffer.engine.sglang_wire import GenerateDelta, to_sglang_sampling_params
 from rollout_buffer.generation.sessions import AgentSession, SessionHost
@@ -45,6 +46,11 @@ class RunResources:
     # What the run's trainer replays beside the tokens (routed experts, top-p kept ids, teacher log-probs).
     signals: TrainerSignals | None = None
     _building: dict[str, asyncio.Lock] = field(default_factory=dict, repr=False)
+
+    def outages(self) -> list[Outage]:
+        """The outages of the run's engines: the policy engine's, and the teacher's when the run has one."""
+        teacher = self.signals.teacher if self.signals is not None else None
+        return [self.engine.outage, *([teacher.outage] if teacher is not None else [])]
 
     async def once(self, key: str, build: Callable[[], Awaitable[T]]) -> T:
         """`shared[key]`, made by `build()` the first time it is asked for: trajectories that arrive together

@@ -18,7 +18,7 @@ from pydantic import (
     field_validator,
 )
 
-from rollout_buffer.engine.limits import probe_engine
+from rollout_buffer.engine.limits import probe_engine, router_workers
 from rollout_buffer.engine.outage import DEFAULT_OUTAGE_S
 from rollout_buffer.engine.sglang_wire import (
     ROUTER_DROPPED_CHAT_KEYS,
@@ -167,6 +167,22 @@ async def check_engine_options(payload: dict[str, Any]) -> list[str]:
         raise ValueError(f"sampling_params.stop: remote_engine_url is an sglang-router, whose chat requests take "
                          f"at most {ROUTER_MAX_CHAT_STOPS} stop strings ({len(stop)} given)")
     return warnings
+
+
+async def engines_for_signals(payload: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """`payload` with an sglang-router's URL replaced by its workers' when the run asks for routed experts or
+    top-p kept ids (the router's `/generate` drops what asks for them), and the warning saying so."""
+    url = payload.get("remote_engine_url")
+    asked = [n for n in SignalOptions.from_run(payload).asked(payload.get("sampling_params") or {})
+             if n != "teacher_engine_url"]
+    if not asked or not isinstance(url, str):
+        return payload, []
+    workers = await router_workers(url, _START_PROBE_TIMEOUT_S, payload.get("engine_hosts") or ())
+    if not workers:
+        return payload, []
+    return {**payload, "remote_engine_url": workers}, [
+        f"{asked[0]}: remote_engine_url is an sglang-router, whose /generate drops what asks for it; the run "
+        f"generates on its workers directly ({', '.join(workers)})"]
 
 
 def check_signals(payload: dict[str, Any], params: dict[str, Any], chat: bool, router: bool) -> None:

@@ -146,7 +146,8 @@ class RunManager:
         if run is None:
             return None
         snapshot = run.progress.snapshot()
-        outage = run.resources.engine.outage.snapshot() if run.resources is not None else None
+        outages = run.resources.outages() if run.resources is not None else []
+        outage = next((o for o in (o.snapshot() for o in outages) if o), None)
         return {**snapshot, "engine_outage": outage} if outage else snapshot
 
     def admission(self) -> dict[str, Any] | None:

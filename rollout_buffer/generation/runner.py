@@ -330,7 +330,8 @@ class Run:
                 self.progress.skipped += 1
                 continue
             await self.starting.wait()
-            await resources.engine.outage.wait_clear()  # no new trajectory while the engines are down
+            for outage in resources.outages():  # no new trajectory while an engine (a teacher's too) is down
+                await outage.wait_clear()
             await self._slots.acquire()
             t = asyncio.create_task(self._one(item, RolloutContext(resources, iid, epoch, repeat, uid)))
             self._tasks.add(t)

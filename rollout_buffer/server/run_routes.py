@@ -16,7 +16,7 @@ from pydantic import TypeAdapter
 from rollout_buffer.config import ServerConfig
 from rollout_buffer.generation.evaluation import EvalManager, eval_config
 from rollout_buffer.generation.inputs import InputFileError, resolve_input_path, validate_file, write_default_input
-from rollout_buffer.generation.options import check_engine_options, run_option_defaults
+from rollout_buffer.generation.options import check_engine_options, engines_for_signals, run_option_defaults
 from rollout_buffer.generation.plugins import Generator
 from rollout_buffer.generation.run_health import RunHealthOptions
 from rollout_buffer.generation.run_manager import RunManager, reads_input
@@ -66,8 +66,10 @@ async def start_rollout(request: Request) -> Response:
                              "server's URL, a list of them, or an sglang-router's)")
         await runs.executor.check_options(payload)
         RunHealthOptions.from_run(payload)
-        # The engines' context length, keys a router would drop; engines that do not answer (yet).
-        engine_warnings = await check_engine_options(payload)
+        # Routed experts and top-p kept ids are asked of a router's workers; the engines' context length, keys a
+        # router would drop; engines that do not answer (yet).
+        payload, signal_warnings = await engines_for_signals(payload)
+        engine_warnings = [*signal_warnings, *await check_engine_options(payload)]
     except ValueError as e:  # InputFileError included
         raise HTTPException(422, str(e)) from None
     # A run that only hosts sessions groups them like /buffer/write records unless told otherwise.
