@@ -93,7 +93,8 @@ def _int32(record: Record, name: str) -> np.ndarray | None:
     if value is None:
         return None
     try:
-        return np.frombuffer(base64.b64decode(value, validate=True), dtype="<i4")
+        # Writable: slime's trainer turns them into tensors it may write to.
+        return np.frombuffer(bytearray(base64.b64decode(value, validate=True)), dtype="<i4")
     except (binascii.Error, ValueError, TypeError) as e:
         raise RecordError(f"record {record.get('uid')}: {name} is not base64 of int32 ({e})") from None
 

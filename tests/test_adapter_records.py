@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
+import numpy as np
 import pytest
 
 from slime_adapter.loss_mask import LossMaskGenerator
@@ -54,7 +56,9 @@ def test_exact_token_record_is_used_as_is(qwen_tokenizer: Any) -> None:
     assert sample.weight_versions == ["3", "4"]
     assert sample.index == 7 and sample.prompt == "run:7:0:1"
     assert sample.reward == 0.5
-    assert sample.metadata == {"finish_reason": "stop", "epoch": 0, "agent_id": "solver", "raw_reward": 1.0}
+    # `rollout_id`: the trajectory's (the record's own uid when it names none), numbered for slime by `take_batch`.
+    assert sample.metadata == {"finish_reason": "stop", "epoch": 0, "agent_id": "solver", "raw_reward": 1.0,
+                               "rollout_id": "run:7:0:1"}
     assert sample.status == Sample.Status.COMPLETED
 
 
@@ -91,7 +95,7 @@ def test_messages_only_record_goes_through_the_mask_generator(qwen_tokenizer: An
         "<think>\nsmall sum\n</think>\n\n4<|im_end|>\n"
     )
     assert sample.index == "math-3"  # not numeric: kept as the string
-    assert sample.metadata == {"raw_reward": 1.0}  # raw_reward defaults to the reward
+    assert sample.metadata == {"raw_reward": 1.0, "rollout_id": "u1"}  # raw_reward defaults to the reward
     assert sample.response == MESSAGES[-1]["content"]
 
 
@@ -162,3 +166,25 @@ def test_tool_messages_answering_hermes_or_structured_calls_render(qwen_tokenize
                     {"role": "tool", "content": "2"}, {"role": "assistant", "content": "3"}]
         rec = {"uid": "u", "instance_id": "1", "messages": messages, "reward": 0.0, "extra_info": {}}
         assert builder(qwen_tokenizer).build(rec).response_length > 0
+
+
+def b64(values: list[int]) -> str:
+    return base64.b64encode(np.asarray(values, dtype="<i4").tobytes()).decode()
+
+
+def test_replayed_side_data_becomes_slimes_sample_fields(qwen_tokenizer: Any) -> None:
+    rec = token_record(qwen_tokenizer)
+    rows, response = len(rec["tokens"]) - 1, rec["response_length"]
+    rec |= {"rollout_routed_experts": b64(list(range(rows * 6))), "teacher_log_probs": [-1.0] * response,
+            "rollout_top_p_token_ids": b64(list(range(response))), "rollout_top_p_token_offsets": b64(
+                list(range(response + 1))), "rollout_id": "run:7:0"}
+    sample = SampleBuilder(lambda: qwen_tokenizer, "qwen3", moe_shape=(3, 2)).build(rec)
+    assert sample.rollout_routed_experts.shape == (rows, 3, 2) and sample.rollout_routed_experts.flags.writeable
+    assert sample.rollout_top_p_token_offsets.tolist() == list(range(response + 1))
+    assert sample.teacher_log_probs == [-1.0] * response and sample.metadata["rollout_id"] == "run:7:0"
+    for bad, reason in (({"rollout_routed_experts": b64(list(range(rows * 5)))}, "rollout_routed_experts"),
+                        ({"rollout_routed_experts": "???"}, "not base64"),
+                        ({"rollout_top_p_token_offsets": b64([0, 1])}, "rollout_top_p_token_offsets"),
+                        ({"teacher_log_probs": [-1.0]}, "teacher_log_probs")):
+        with pytest.raises(RecordError, match=reason):
+            SampleBuilder(lambda: qwen_tokenizer, "qwen3", moe_shape=(3, 2)).build({**rec, **bad})

@@ -60,6 +60,20 @@ def test_staleness_flags_and_the_trainers_version_go_into_the_payload() -> None:
             ["--rollout-buffer-url", "http://b", "--rollout-max-staleness", "-1"]))
 
 
+def test_slimes_replay_and_distillation_flags_ask_the_run_for_them() -> None:
+    """--use-rollout-routing-replay asks for routed experts; on-policy distillation on SGLang (--use-opd
+    --opd-type sglang) names its teacher by --rm-url, which slime posts the teacher's prefill to; top-p kept ids
+    follow --rollout-top-p below 1, as slime asks them."""
+    a = args(use_rollout_routing_replay=True, use_opd=True, opd_type="sglang", rm_url="http://teacher:30001/generate",
+             rollout_top_p=0.9)
+    payload = start_payload(a, AdapterSettings.from_args(a), [])
+    assert (payload["return_routed_experts"], payload["teacher_engine_url"]) == (True, "http://teacher:30001")
+    assert payload["sampling_params"]["top_p"] == 0.9 and "top_p_replay" not in payload
+    plain = start_payload(args(use_opd=True, opd_type="megatron", rm_url="http://rm"), AdapterSettings.from_args(a),
+                          [])
+    assert not {"return_routed_experts", "teacher_engine_url"} & set(plain)
+
+
 @pytest.mark.parametrize(("interval", "versions"), [(1, [0, 1, 2, 3, 4]), (2, [0, 1, 1, 2, 2])])
 def test_trainer_version_is_the_weight_version_slime_pushed_when_it_asks(interval: int, versions: list[int]) -> None:
     # train_async.py: the initial push is version 1; rollout R is asked for while 1 + (R - 1) // k is on the engines.
