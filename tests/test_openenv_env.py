@@ -25,6 +25,7 @@ from environment_venvs import OPENENV, OPENENV_ENVS
 from fastapi import FastAPI, WebSocket
 from masks import spans
 from readable import readable_copies
+from replay_checks import MOE, assert_replayed
 from runs import drain, wait_finished
 from servers import Server, buffer_server, free_port, sim_engine, wait_http
 from sessions import assert_engine_continues, decode_tail
@@ -32,7 +33,7 @@ from sessions import assert_engine_continues, decode_tail
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_path: str) -> Iterator[Server]:
-    with sim_engine(tmp_path_factory.mktemp("openenv-sim"), qwen_tokenizer_path) as srv:
+    with sim_engine(tmp_path_factory.mktemp("openenv-sim"), qwen_tokenizer_path, *MOE) as srv:
         yield srv
 
 
@@ -84,9 +85,12 @@ def replayed_rewards(python: str, url: str, reset: dict[str, Any], actions: list
 
 
 def test_a_multi_step_environment_started_by_the_buffer(openenv_python: str, buffer: Server, engine: Server,
-                                                        qwen_tokenizer_path: str, env_server: Any) -> None:
+                                                        qwen_tokenizer_path: str, env_server: Any,
+                                                        qwen_tokenizer: Any) -> None:
     # The servers' venv named by its requirements ({python} is its interpreter): made by the buffer the first time.
+    # Its episodes' records carry the MoE routing of each token, as every record of a run asking for it.
     answer = start(buffer, engine, qwen_tokenizer_path, openenv_servers=2, openenv_max_sessions=2,
+                   return_routed_experts=True,
                    openenv_requirements=[OPENENV],
                    openenv_command=["{python}", str(OPENENV_ENVS / "arith_drill.py"), "--port", "{port}"])
     assert answer.status_code == 200, answer.text
@@ -105,6 +109,7 @@ def test_a_multi_step_environment_started_by_the_buffer(openenv_python: str, buf
         for (_, end), (begin, _) in itertools.pairwise(trained):
             assert "What is" in decode_tail(rec["tokens"][end:begin])
         assert_engine_continues(engine, rec)
+        assert_replayed(rec, len(qwen_tokenizer), teacher=False, top_p=False)
 
 
 def test_mcp_tools_of_a_running_server_are_offered_to_the_policy(buffer: Server, engine: Server,

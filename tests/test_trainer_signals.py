@@ -8,7 +8,6 @@ nothing of them; an engine that does not return what was asked, or a teacher tha
 
 from __future__ import annotations
 
-import base64
 import time
 from argparse import Namespace
 from collections.abc import Iterator
@@ -17,21 +16,17 @@ from typing import Any
 
 import anthropic
 import httpx
-import numpy as np
 import openai
 import pytest
+from replay_checks import LAYERS, MOE, TOP_K, assert_replayed
 from runs import drain, math_rows, start, wait_finished, write_jsonl
 from servers import Server, buffer_server, free_port, running, session_host, sglang_router, sim_engine
 from sessions import finish, open_session, record
 from slime_src import needs_slime_src, slime_on_path
 
-from rollout_sim.replay import kept_ids, routed_row
-from rollout_sim.replies import token_logprob
 from slime_adapter.records import SampleBuilder
 from slime_adapter.rollout import take_batch
 
-LAYERS, TOP_K, EXPERTS = 3, 2, 64
-MOE = ("--enable-return-routed-experts", "--moe-layers", str(LAYERS), "--moe-top-k", str(TOP_K), "--top-p-replay")
 SIGNALS = {"return_routed_experts": True, "sampling_params": {"temperature": 1.0, "top_p": 0.9}}
 SIDE = ("rollout_routed_experts", "rollout_top_p_token_ids", "rollout_top_p_token_offsets", "teacher_log_probs")
 
@@ -47,30 +42,6 @@ def moe_engine(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_path: st
 def teacher(tmp_path_factory: pytest.TempPathFactory, qwen_tokenizer_path: str) -> Iterator[Server]:
     with sim_engine(tmp_path_factory.mktemp("teacher"), qwen_tokenizer_path) as srv:
         yield srv
-
-
-def int32s(value: str) -> np.ndarray:
-    return np.frombuffer(base64.b64decode(value), dtype="<i4")
-
-
-def assert_replayed(rec: dict[str, Any], vocab: int, teacher: bool = True) -> None:
-    """Every routed-expert row and kept id of `rec` is the engine's for its own token and position, and its
-    teacher log-probs the teacher's, as slime aligns them: rows for all tokens but the last, kept ids per response
-    token (none for those the engine did not sample), teacher log-probs per response token."""
-    tokens, response = rec["tokens"], rec["response_length"]
-    rows = int32s(rec["rollout_routed_experts"]).reshape(-1, LAYERS * TOP_K)
-    assert rows.shape[0] == len(tokens) - 1
-    assert rows.tolist() == [routed_row(i, tokens[i], LAYERS, TOP_K, EXPERTS) for i in range(len(tokens) - 1)]
-    offsets, ids = int32s(rec["rollout_top_p_token_offsets"]), int32s(rec["rollout_top_p_token_ids"]).tolist()
-    prompt = len(tokens) - response
-    assert len(offsets) == response + 1 and offsets[-1] == len(ids)
-    for k in range(response):
-        position = prompt + k
-        sampled = kept_ids(position, tokens[position], vocab) if rec["loss_mask"][position] else []
-        assert ids[offsets[k]:offsets[k + 1]] == sampled, f"{rec['uid']}: position {position}"
-    if teacher:
-        want = [token_logprob(tokens[prompt + k], prompt + k) for k in range(response)]
-        assert rec["teacher_log_probs"] == pytest.approx(want, abs=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +63,13 @@ def test_a_native_run_carries_every_signal_token_by_token(tmp_path: Path, moe_en
         assert rec["rollout_id"] == rec["uid"] and rec["extra_info"]["turns"] == 1
 
 
+@pytest.mark.parametrize("where", [[], ["--session-workers", "1"]], ids=["in the buffer", "on a session worker"])
 def test_the_session_endpoints_ask_for_them_on_every_turn(tmp_path: Path, moe_engine: Server, teacher: Server,
-                                                          qwen_tokenizer_path: str, vocab: int) -> None:
+                                                          qwen_tokenizer_path: str, vocab: int, where: list[str]
+                                                          ) -> None:
     """The official clients over several turns each (one of them streamed): every turn asks for the rows after
-    those its branch holds, and the finished records hold them all."""
-    with session_host(tmp_path, moe_engine.url, qwen_tokenizer_path, teacher_engine_url=teacher.url,
+    those its branch holds, and the finished records hold them all, also those a session worker hands over."""
+    with session_host(tmp_path, moe_engine.url, qwen_tokenizer_path, *where, teacher_engine_url=teacher.url,
                       **SIGNALS) as buffer:
         uids = [chat_turns(buffer.url), responses_turns(buffer.url), anthropic_turns(buffer.url)]
         records = [record(buffer.url, uid) for group in uids for uid in group]
