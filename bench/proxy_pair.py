@@ -15,6 +15,8 @@ gave ratios of 0.95–1.01 over four 30 s rounds, with and without workers.
     python -m bench.proxy_pair --candidate-flag=--no-shortcuts   # what the shortcuts buy (docs/benchmarks)
     python -m bench.proxy_pair --baseline-src ../base-worktree --rounds 4
     python -m bench.proxy_pair --baseline-src ../base-worktree --workers 1
+    python -m bench.proxy_pair --engine-flag=--enable-return-routed-experts --engine-flag=--moe-layers=48 \
+        --engine-flag=--moe-top-k=8 --candidate-option return_routed_experts=true   # what routing replay costs
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="a run option of the candidate's /start_rollout, e.g. session_journal=false")
     parser.add_argument("--candidate-flag", action="append", default=[], metavar="FLAG",
                         help="a `serve` flag of the candidate, e.g. --candidate-flag=--no-shortcuts")
+    parser.add_argument("--engine-flag", action="append", default=[], metavar="FLAG",
+                        help="a flag of the simulated engine, e.g. --engine-flag=--enable-return-routed-experts")
     parser.add_argument("--sessions", type=int, default=128, help="agent sessions per buffer")
     parser.add_argument("--latency-ms", type=float, default=1000.0)
     parser.add_argument("--rounds", type=int, default=3)
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     extra = [[], []] if not args.workers else [
         ["--session-workers", str(args.workers), "--session-worker-port", str(ports + k * args.workers)]
         for k in range(2)]
-    with sim_engine(workdir, args.latency_ms) as engine, \
+    with sim_engine(workdir, args.latency_ms, 0, *args.engine_flag) as engine, \
             rollout_buffer(workdir, args.baseline_src.resolve(), *extra[0]) as baseline, \
             rollout_buffer(workdir, args.candidate_src.resolve(), *extra[1], *args.candidate_flag) as candidate:
         for buffer, options in ((baseline, {}), (candidate, candidate_options)):

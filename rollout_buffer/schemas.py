@@ -106,7 +106,9 @@ EngineUrls = Annotated[str | list[str] | None, AfterValidator(_engine_urls)]
 def _int32_bytes(value: Any) -> Any:
     # Side data arrives as SGLang encodes it (base64 of little-endian int32), as lists of ints (nested: rows of
     # routed experts), or as the bytes a conversation keeps.
-    if isinstance(value, bytes | bytearray | memoryview):
+    if isinstance(value, bytes):
+        data = value
+    elif isinstance(value, bytearray | memoryview):
         data = bytes(value)
     elif isinstance(value, str):
         try:

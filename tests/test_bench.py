@@ -172,3 +172,12 @@ def test_engine_restart_measures_the_losses_before_and_after_outages() -> None:
     after = re.search(r"wait \(after\): (\d+) failed, (\d+) dropped, (\d+)/8 delivered", line)
     assert re.search(r"fail \(before\): \d+ failed, \d+ dropped, \d+/8 delivered", line) and after, line
     assert after.groups() == ("0", "0", "8"), line
+
+
+def test_replay_cost_measures_routing_replays_bytes_and_cpu(tmp_path: Path) -> None:
+    out = run_bench("replay_cost", "--tokens", "512", "--layers", "4", "--top-k", "2", "--items", "2", "--rounds", "1",
+                    "--workdir", str(tmp_path))
+    line = summary_line(out)
+    found = re.search(rf"side data {NUMBER}x the raw int32 size.*CPU per sample, routing \(4x2\) and top-p replay "
+                      rf"on / off: {NUMBER}", line)
+    assert found and float(found.group(1)) < 1.1 and float(found.group(2)) > 0, line

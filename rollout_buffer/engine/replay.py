@@ -145,7 +145,7 @@ class ReplayParts:
             raise ReplayError(f"routed_experts: {rows} rows of {width} values for positions {start} to "
                               f"{prompt_tokens + tokens - 1}, which need {expected}")
         self.routed_width = width
-        self.routed += values.tobytes()
+        self.routed += values.data  # appended from the decoded bytes, not copied first
         self.routed_rows += rows
 
     def _add_top_p(self, meta: dict[str, Any], tokens: int, aborted: bool, engine: str) -> None:

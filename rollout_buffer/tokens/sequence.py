@@ -83,8 +83,8 @@ class TokenSequence:
         if self._log_probs_complete:
             fields["rollout_log_probs"] = self.log_probs[self.prompt_length:]
         if self.routed is not None and self.routed_width:
-            fields["rollout_routed_experts"] = bytes(self.routed[:max(0, len(self.token_ids) - 1)
-                                                                 * self.routed_width * 4])
+            rows = max(0, len(self.token_ids) - 1)
+            fields["rollout_routed_experts"] = bytes(memoryview(self.routed)[:rows * self.routed_width * 4])
         if self.top_p_offsets is not None and self.top_p_ids is not None:
             offsets = self.top_p_offsets[self.prompt_length:]
             fields["rollout_top_p_token_ids"] = bytes(self.top_p_ids[offsets[0] * 4:offsets[-1] * 4])
