@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import base64
 import binascii
 import difflib
 import math
 from typing import Annotated, Any, Literal
 
 import numpy as np
+import pybase64
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -112,7 +112,7 @@ def _int32_bytes(value: Any) -> Any:
         data = bytes(value)
     elif isinstance(value, str):
         try:
-            data = base64.b64decode(value, validate=True)
+            data = pybase64.b64decode(value, validate=True)
         except (binascii.Error, ValueError) as e:
             raise ValueError(f"must be base64 of little-endian int32 ({e})") from None
     elif isinstance(value, list):

@@ -4,7 +4,8 @@ it uses only `rollout_buffer.tokens.tokenizer`, the tokenizer the engine it imit
 
 Modules: `contract` (limits, sampling parameters, request bodies), `engine` (the scheduler and `/generate`), `chat`
 (`/v1/chat/completions`), `turns` (scripted replies and finish rules, `policy` choosing them), `detokenizer`,
-`replies` (answers in SGLang's shapes), `faults`, `info` (`/model_info`, `/server_info`, `/sim/stats`), `server`
+`replies` (answers in SGLang's shapes), `replay` (routed experts, top-p kept ids), `requests` (what the scheduler
+holds of a request), `faults`, `info` (`/model_info`, `/server_info`, `/sim/stats`), `server`
 (routes and command line), `tool_calls` (SGLang's `--tool-call-parser`).
 
 Token-in-token-out like the real server: the prompt ids are decoded with the real tokenizer, a scripted reply
@@ -58,6 +59,10 @@ Imitated (both releases unless said):
   as the real server sends them: `input_token_logprobs` (from `logprob_start_len`: empty unless it is given, the
   first prompt token's log-prob None) and `output_token_logprobs_length` with
   log-probs, `cached_tokens_details` (null without cached tokens, as the sim's always are) and `dp_rank` (null).
+- Replay (`replay`): with `--enable-return-routed-experts` and `--moe-layers`, `return_routed_experts` from
+  `routed_experts_start_len` (SGLang 0.5.23's rows `[start, prompt + output - 1)`, base64 of int32, in a finished
+  answer, an aborted running request's included; a start outside the prompt refused as a 400 abort); with
+  `--top-p-replay`, the kept ids slime reads for `custom_params.return_top_p_token_ids`.
 - Endpoints: `/health` and `/health_generate` run a one-token generation and answer 200 once the engine has
   shown progress since the check began, 503 after `SGLANG_HEALTH_CHECK_TIMEOUT` (20) s without (a long
   pause); `/flush_cache` (GET or POST, `?timeout=`) answers 400 while requests are running or waiting (0.5.23:

@@ -8,7 +8,6 @@ did.
 
 from __future__ import annotations
 
-import base64
 import binascii
 import functools
 import logging
@@ -16,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import pybase64
 
 from slime_adapter.loss_mask import MultiTurnLossMaskGenerator, get_response_lengths, unrenderable_reason
 from slime_adapter.sample import Sample, sample_fields, status_member
@@ -94,7 +94,7 @@ def _int32(record: Record, name: str) -> np.ndarray | None:
         return None
     try:
         # Writable: slime's trainer turns them into tensors it may write to.
-        return np.frombuffer(bytearray(base64.b64decode(value, validate=True)), dtype="<i4")
+        return np.frombuffer(bytearray(pybase64.b64decode(value, validate=True)), dtype="<i4")
     except (binascii.Error, ValueError, TypeError) as e:
         raise RecordError(f"record {record.get('uid')}: {name} is not base64 of int32 ({e})") from None
 

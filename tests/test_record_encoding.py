@@ -3,6 +3,7 @@ session worker encoded crossing to the buffer as stored."""
 
 from __future__ import annotations
 
+import base64
 import gc
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from rollout_buffer.delivery.encoded import EncodedRecord, decode_wire, encode_record
+from rollout_buffer.delivery.side_data import packed, spliced, unpacked
 from rollout_buffer.schemas import TrajectoryRecord
 from slime_adapter.client import decode_json
 
@@ -72,3 +74,33 @@ def test_a_record_encoded_by_a_worker_reaches_the_store_as_it_was_encoded() -> N
     sent = orjson.loads(orjson.dumps(encoded.wire()))
     kept = {k: v for k, v in sent.items() if k != "facts"}  # in an outbox since before facts were kept
     assert decode_wire([kept]) == [encoded]  # a record this short carries none
+
+
+@pytest.mark.parametrize(("values", "bytes_a_value"), [
+    ([0, 5, 127, 255], 1),  # expert ids
+    ([0, 300, 65535], 2),
+    ([0, 151_935, 2**31 - 1], 4),  # token ids
+    ([-1, 4], 4),
+    ([], 4),
+])
+def test_side_data_is_stored_narrow_and_read_back_as_int32(values: list[int], bytes_a_value: int) -> None:
+    data = np.asarray(values, dtype="<i4").tobytes()
+    blob = packed({"rollout_routed_experts": data, "rollout_top_p_token_ids": None})
+    assert blob is not None and len(blob) <= 5 + 10 + len(values) * bytes_a_value
+    assert unpacked(blob) == {"rollout_routed_experts": data}
+    assert packed({}) is None
+
+
+def test_a_records_side_data_goes_beside_its_json_and_comes_back_in_it_as_base64() -> None:
+    rows = list(range(3 * 4))  # 3 rows (4 tokens) of 4 values
+    rec = TrajectoryRecord.model_validate({**_record([-0.5, -0.25]).model_dump(), "rollout_routed_experts": rows,
+                                           "rollout_id": "traj"})
+    encoded = EncodedRecord.of(rec)
+    assert b"rollout_routed_experts" not in encoded.row.blob and encoded.row.side is not None
+    read = orjson.loads(spliced(encoded.row.blob, encoded.row.side))
+    assert np.frombuffer(base64.b64decode(read["rollout_routed_experts"]), "<i4").tolist() == rows
+    assert read["rollout_id"] == "traj" and "teacher_log_probs" not in read
+    [crossed] = decode_wire(orjson.loads(orjson.dumps([encoded.wire()])))
+    assert crossed.row.side == encoded.row.side
+    with pytest.raises(ValidationError, match="rollout_routed_experts"):
+        TrajectoryRecord.model_validate({**rec.model_dump(), "rollout_routed_experts": rows[:-1]})

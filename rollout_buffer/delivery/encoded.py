@@ -4,12 +4,12 @@ without validating or encoding them again (for a long trajectory that is most of
 
 from __future__ import annotations
 
-import base64
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 import numpy as np
 import orjson
+import pybase64
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from rollout_buffer.delivery.record_layout import record_facts, rewards_first
@@ -121,7 +121,7 @@ class EncodedRecord:
         return {"uid": r.uid, "instance_id": r.instance_id, "epoch": r.epoch, "status": r.status,
                 "episode": r.episode, "agent_id": r.agent_id, "reward": r.reward, "versions": self.versions,
                 "metrics": self.metrics, "record": r.blob.decode(), "facts": (r.facts or b"").decode(),
-                "side": None if r.side is None else base64.b64encode(r.side).decode()}
+                "side": None if r.side is None else pybase64.b64encode(r.side).decode()}
 
 
 class _Wire(BaseModel):
@@ -149,6 +149,6 @@ def decode_wire(items: Any) -> list[EncodedRecord]:
     JSON itself is not parsed again: the process that encoded it validated it (a session worker of this buffer)."""
     return [EncodedRecord(NewRecord(w.uid, w.instance_id, w.epoch, w.status, w.record.encode(), episode=w.episode,
                                     agent_id=w.agent_id, reward=w.reward, facts=w.facts.encode() or None,
-                                    side=None if w.side is None else base64.b64decode(w.side)),
+                                    side=None if w.side is None else pybase64.b64decode(w.side)),
                           (w.versions[0], w.versions[1]) if w.versions else None, w.metrics)
             for w in _WIRE.validate_python(items)]

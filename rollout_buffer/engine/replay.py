@@ -18,12 +18,12 @@ base64 or lists; the ids kept for output token i are `ids[offsets[i]:offsets[i +
 
 from __future__ import annotations
 
-import base64
 import binascii
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pybase64
 
 TOP_P_IDS_KEYS = ("top_p_token_ids", "top_p_kept_token_ids")
 TOP_P_OFFSETS_KEYS = ("top_p_token_offsets", "top_p_kept_token_offsets")
@@ -63,7 +63,7 @@ def int32s(value: Any, name: str) -> np.ndarray:
     """A flat little-endian int32 array from an answer's field: base64 of one, or a (nested) list of ints."""
     if isinstance(value, str):
         try:
-            raw = base64.b64decode(value, validate=True)
+            raw = pybase64.b64decode(value, validate=True)
         except (binascii.Error, ValueError) as e:
             raise ReplayError(f"{name}: not base64 ({e})") from None
         if len(raw) % 4:

@@ -15,7 +15,6 @@ counters. A turn in flight at a crash was never written: the client's retry runs
 
 from __future__ import annotations
 
-import base64
 import logging
 import struct
 import time
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import orjson
+import pybase64
 
 from rollout_buffer.delivery.store import StoreError
 from rollout_buffer.generation.context import RolloutContext
@@ -110,7 +110,7 @@ class Journal:
             response_id, ref = response
             meta["response"] = [response_id, ref.instructions, sorted(ref.call_ids)]
         if tail.top_p is not None:  # the kept ids of its tokens: where each token's end, and the ids (int32)
-            meta["top_p"] = [tail.top_p[0], base64.b64encode(tail.top_p[1]).decode()]
+            meta["top_p"] = [tail.top_p[0], pybase64.b64encode(tail.top_p[1]).decode()]
         parts = (orjson.dumps(meta), array(_IDS, tail.token_ids).tobytes(), bytes(tail.loss_mask),
                  array(_FLOATS, tail.log_probs).tobytes())
         return self._append_turn(parts)
@@ -181,7 +181,7 @@ def replay(stored: StoredSession, ctx: RolloutContext, tree: SessionTree, respon
         top_p = meta.get("top_p")
         tail = ConversationTail(messages_at, tokens_at, versions_at, meta["messages"], tokens.tolist(), list(mask),
                                 floats.tolist(), meta["versions"], meta["spans"], meta["prompt_length"], mark,
-                                None if top_p is None else (top_p[0], base64.b64decode(top_p[1])))
+                                None if top_p is None else (top_p[0], pybase64.b64decode(top_p[1])))
         branch = _branch_for(meta, tail, ctx, tree)
         branch.keys.extend(message_key(m) for m in tail.new_messages[:-1])
         branch.messages.extend(tail.new_messages[:-1])
