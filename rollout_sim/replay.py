@@ -41,13 +41,18 @@ class ReplayConfig:
     top_p: bool = False
 
 
+def routed_rows(positions: np.ndarray, tokens: np.ndarray, layers: int, top_k: int, experts: int,
+                weights: str = "") -> np.ndarray:
+    """The experts (`[rows, layers, top_k]`, distinct within a layer) each token at its position is routed to."""
+    salt = zlib.crc32(weights.encode())
+    first = (positions.astype(np.int64)[:, None] * 2_654_435_761 + tokens.astype(np.int64)[:, None] * 40_503
+             + np.arange(layers)[None, :] * 97 + salt) % experts
+    return (first[:, :, None] + np.arange(top_k)[None, None, :]) % experts
+
+
 def routed_row(position: int, token: int, layers: int, top_k: int, experts: int, weights: str = "") -> list[int]:
-    """The experts (`layers` × `top_k`, distinct within a layer) the token at `position` is routed to."""
-    row = []
-    for layer in range(layers):
-        first = zlib.crc32(f"{weights}route:{position}:{token}:{layer}".encode()) % experts
-        row += [(first + k) % experts for k in range(top_k)]
-    return row
+    """The experts (`layers` × `top_k`) the token at `position` is routed to, flat."""
+    return routed_rows(np.array([position]), np.array([token]), layers, top_k, experts, weights).reshape(-1).tolist()
 
 
 def kept_ids(position: int, token: int, vocab: int, weights: str = "") -> list[int]:
@@ -77,10 +82,10 @@ def replay_fields(config: ReplayConfig, body: Any, prompt: list[int], output: li
     """The replay fields of a finished answer to `body` (a `GenerateRequest`) over `prompt` and `output`."""
     meta: dict[str, Any] = {}
     if body.return_routed_experts and config.enabled and config.layers:
-        sequence = [*prompt, *output]
-        rows = [routed_row(i, sequence[i], config.layers, config.top_k, config.experts, weights)
-                for i in range(body.routed_experts_start_len, len(sequence) - 1)]
-        meta["routed_experts"] = _b64([v for row in rows for v in row])
+        sequence = np.asarray([*prompt, *output])
+        positions = np.arange(body.routed_experts_start_len, len(sequence) - 1)
+        rows = routed_rows(positions, sequence[positions], config.layers, config.top_k, config.experts, weights)
+        meta["routed_experts"] = base64.b64encode(rows.astype(_INT32).tobytes()).decode()
     custom = body.sampling_params.get("custom_params")
     if config.top_p and isinstance(custom, dict) and custom.get("return_top_p_token_ids"):
         kept = [kept_ids(len(prompt) + k, t, vocab, weights) for k, t in enumerate(output)]
