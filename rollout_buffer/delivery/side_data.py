@@ -41,9 +41,9 @@ def packed(fields: dict[str, bytes]) -> bytes | None:
                      *(part for i, width, data in present for part in (_FIELD.pack(i, width, len(data)), data))])
 
 
-def unpacked(side: bytes) -> dict[str, bytes]:
-    """The fields of a `packed` blob, by name, as little-endian int32 bytes. ValueError for a blob it did not
-    make."""
+def unpacked(side: bytes) -> dict[str, memoryview]:
+    """The fields of a `packed` blob, by name, as little-endian int32 (views, copied only to widen them). ValueError
+    for a blob it did not make."""
     view = memoryview(side)
     magic, count = _HEAD.unpack_from(view)
     if magic != _MAGIC:
@@ -53,8 +53,8 @@ def unpacked(side: bytes) -> dict[str, bytes]:
         index, width, length = _FIELD.unpack_from(view, at)
         at += _FIELD.size
         data = view[at:at + length]
-        out[SIDE_FIELDS[index]] = (bytes(data) if width == 4
-                                   else np.frombuffer(data, dtype=_NARROW[width]).astype(_INT32).tobytes())
+        out[SIDE_FIELDS[index]] = (data if width == 4
+                                   else np.frombuffer(data, dtype=_NARROW[width]).astype(_INT32).data.cast("B"))
         at += length
     return out
 
@@ -63,6 +63,8 @@ def spliced(record: bytes, side: bytes | None) -> bytes:
     """A record's JSON (an object) with its side data in it, each field base64 of its int32 bytes."""
     if side is None:
         return record
-    fields = b"".join(b',"' + name.encode() + b'":"' + pybase64.b64encode(data) + b'"'
-                      for name, data in unpacked(side).items())
-    return b"".join((memoryview(record)[:-1], fields, b"}"))
+    parts: list[bytes | memoryview] = [memoryview(record)[:-1]]
+    for name, data in unpacked(side).items():  # joined once: each field is megabytes
+        parts += [b',"', name.encode(), b'":"', pybase64.b64encode(data), b'"']
+    parts.append(b"}")
+    return b"".join(parts)

@@ -14,6 +14,7 @@ from typing import Any
 
 from rollout_buffer.engine.client import EngineClient
 from rollout_buffer.engine.replay import ReplayAsk
+from rollout_buffer.engine.sglang_wire import EnginePrompt
 from rollout_buffer.generation.options import SignalOptions
 from rollout_buffer.tokens.conversation import Conversation
 
@@ -37,7 +38,9 @@ class TrainerSignals:
         return the record fields of its teacher log-probs. EngineError when an engine fails."""
         tokens = conv.token_ids
         if self.routed and conv.routed_rows < len(tokens) - 1:
-            result = await engine.generate(list(tokens), {"max_new_tokens": 0, "temperature": 0.0},
+            # The conversation's ids as the engine got them, their JSON written as it grew: not serialized again.
+            prompt = EnginePrompt(len(tokens), conv.ids_json())
+            result = await engine.generate(prompt, {"max_new_tokens": 0, "temperature": 0.0},
                                            session_id=session_id, return_logprob=False,
                                            replay=ReplayAsk(routed_from=conv.routed_rows,
                                                             routed_width=conv.routed_width))
