@@ -47,6 +47,8 @@ class ServerConfig:
     group_size: int = DEFAULT_GROUP_SIZE
     auth_token: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # The image store, when it is not under the data dir (a session worker keeps its images in its buffer's).
+    images_dir: Path | None = None
     generator_paths: tuple[Path, ...] = ()
     # What clients may name: files to read, code to run, children's environment, sandbox, hosts to reach.
     policy: Policy = field(default_factory=Policy)
@@ -142,6 +144,12 @@ class ServerConfig:
     def db_path(self) -> Path:
         """The SQLite file under the data dir."""
         return self.data_dir / "buffer.sqlite"
+
+    @property
+    def image_dir(self) -> Path:
+        """Where the images records name are kept: the buffer's data dir's `images/` (a session worker's is its
+        buffer's, `images_dir`)."""
+        return self.images_dir or self.data_dir / "images"
 
     @classmethod
     def with_env(cls, **kwargs: object) -> ServerConfig:

@@ -136,6 +136,17 @@ Int32Bytes = Annotated[bytes, BeforeValidator(_int32_bytes),
                                        "description": "little-endian int32 values (or a list of integers)"})]
 
 
+class ImageRef(BaseModel):
+    """An image a record's tokens hold (`GET /images/{sha256}` serves it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    media_type: Annotated[str, Field(pattern=r"^image/[a-z0-9.+-]+$")]
+    width: Annotated[int, Field(ge=1)]
+    height: Annotated[int, Field(ge=1)]
+
+
 class TrajectoryRecord(BaseModel):
     """One finished trajectory, as `/buffer/write` takes it and `/get_rollout_data` returns it.
 
@@ -168,6 +179,8 @@ class TrajectoryRecord(BaseModel):
     # token but the last was routed to (`len(tokens) - 1` rows); the ids top-p kept for each response token
     # (`rollout_top_p_token_offsets`: response_length + 1 of them into `rollout_top_p_token_ids`).
     teacher_log_probs: list[float] | None = None
+    # The images its tokens hold, in the order of their placeholders; its messages' image parts name them by hash.
+    images: list[ImageRef] | None = None
     rollout_routed_experts: Int32Bytes | None = None
     rollout_top_p_token_ids: Int32Bytes | None = None
     rollout_top_p_token_offsets: Int32Bytes | None = None

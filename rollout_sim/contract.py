@@ -194,6 +194,7 @@ class GenerateRequest(BaseModel):
     logprob_start_len: int = -1
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    image_data: list[str] | str | None = None
     return_text_in_logprobs: bool = False
     rid: str | None = None
     stream: bool = False

@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 from starlette.responses import Response, StreamingResponse
 
+from rollout_buffer.media.vision import VisionProcessor
 from rollout_sim.contract import (
     CONTRACT_KEYS,
     FLUSH_OK,
@@ -36,6 +37,7 @@ from rollout_sim.contract import (
 )
 from rollout_sim.detokenizer import Detokenizer
 from rollout_sim.faults import Faults
+from rollout_sim.images import placeholder_refusal, seen
 from rollout_sim.prefix_memo import Hit
 from rollout_sim.replay import ReplayConfig, replay_fields, start_refusal
 from rollout_sim.replies import (
@@ -68,6 +70,7 @@ class SimEngine:
         self.vocab_size = len(tokenizer)
         self.weight_version = config.weight_version
         self.weights = ""  # the checkpoint loaded last ("": the one it started with); its log-probs depend on it
+        self.vision = VisionProcessor.of(tokenizer_path, tokenizer)  # a Qwen-VL checkpoint's, when it has one
         self.replay = ReplayConfig(config.enable_return_routed_experts, config.moe_layers, config.moe_top_k,
                                    config.moe_experts, config.top_p_replay)
         self.max_req_len = config.context_length - 1
@@ -311,10 +314,10 @@ class SimEngine:
         return False
 
     async def run(self, rid: str, ids: list[int], sampling: Sampling, known: Hit[Prefix] | None,
-                   fault: str | None, stream: bool, refusal: str | None = None
+                   fault: str | None, stream: bool, refusal: str | None = None, note: str | None = None
                    ) -> AsyncGenerator[tuple[Event, Turn | None, Request | None]]:
         """The scheduler's answers for one admitted request, in order; the last carries the finish. `refusal`: the
-        scheduler's reason to refuse it (its request's own fields)."""
+        scheduler's reason to refuse it (its request's own fields); `note`: what the model saw in its images."""
         if fault == "refuse_503":
             yield Event(0, {"type": "abort", "status_code": 503, "message": QUEUE_FULL}, queued_abort=True), \
                 None, None
@@ -325,7 +328,7 @@ class SimEngine:
             yield Event(1, finish, junk=True), None, None
             return
         max_new = self._max_new(len(ids), sampling)
-        turn = await asyncio.to_thread(self.turns.plan_turn, ids, sampling, max_new, known)
+        turn = await asyncio.to_thread(self.turns.plan_turn, ids, sampling, max_new, known, note)
         n = len(turn.output_ids)
         req = Request(rid=rid, stream=stream, n=n, keep=n // 2 if fault == "abort" else n,
                        total_s=self.generation_s(n))
@@ -471,6 +474,7 @@ class SimEngine:
         try:
             ids = await self._prompt_ids(body)
             sampling, known = await self.admit(ids, body.sampling_params)
+            note = await self._looked_at(body, ids)
         except Refused as e:
             return error_response(e.status, e.message)
         except TypeError:
@@ -479,7 +483,7 @@ class SimEngine:
         out = Output(Detokenizer(self.tokenizer, ids, sampling.skip_special_tokens, sampling.no_stop_trim))
         answer: dict[str, Any] = {}
         policy = None
-        async for event, turn, req in self.run(rid, ids, sampling, known, fault, False, _refusal(body, ids)):
+        async for event, turn, req in self.run(rid, ids, sampling, known, fault, False, _refusal(body, ids), note):
             answer = self.answer(body, rid, ids, sampling, event, turn, req, out, started)
             policy = turn.policy if turn else None
         self.record("/generate", rid, ids, sampling, answer, policy, fault)
@@ -490,6 +494,21 @@ class SimEngine:
         if isinstance(status, int) and status >= 400:
             return openai_error(status, finish["message"], str(status))
         return finish_response(answer, fault)
+
+    async def _looked_at(self, body: GenerateRequest, ids: list[int]) -> str | None:
+        """The colour of the request's last image (`images`), None without images; Refused (400) as SGLang refuses
+        images that do not load or placeholders that do not fit them."""
+        urls = [body.image_data] if isinstance(body.image_data, str) else body.image_data or []
+        if not urls:
+            return None
+        try:
+            looked = await asyncio.to_thread(lambda: [seen(u) for u in urls])
+        except ValueError as e:
+            raise Refused(400, str(e)) from None
+        refusal = placeholder_refusal(ids, looked, self.vision)
+        if refusal is not None:
+            raise Refused(400, refusal)
+        return looked[-1].colour
 
     async def _prompt_ids(self, body: GenerateRequest) -> list[int]:
         if body.input_ids is not None:
@@ -504,6 +523,7 @@ class SimEngine:
         try:
             ids = await self._prompt_ids(body)
             sampling, known = await self.admit(ids, body.sampling_params)
+            note = await self._looked_at(body, ids)
         except Refused as e:
             error = {"message": e.message, "type": "invalid_request_error", "code": 400, "retryable": False}
             yield b"data: " + orjson.dumps({"error": error}) + b"\n\n"
@@ -512,7 +532,7 @@ class SimEngine:
         except TypeError as e:  # 0.5.15: the exception escapes the stream; the connection breaks
             raise RuntimeError("SGLang 0.5.15 fails an unexpected sampling parameter") from e
         out = Output(Detokenizer(self.tokenizer, ids, sampling.skip_special_tokens, sampling.no_stop_trim))
-        steps = self.run(rid, ids, sampling, known, fault, True, _refusal(body, ids))
+        steps = self.run(rid, ids, sampling, known, fault, True, _refusal(body, ids), note)
         last: tuple[dict[str, Any], Request | None, Turn | None] | None = None
         answered = False
         try:

@@ -121,17 +121,20 @@ class TurnPlanner:
                     return k, s
         return None
 
-    def plan_turn(self, ids: list[int], sampling: Sampling, max_new: int, prefix: Hit[Prefix] | None) -> Turn:
+    def plan_turn(self, ids: list[int], sampling: Sampling, max_new: int, prefix: Hit[Prefix] | None,
+                  note: str | None = None) -> Turn:
         """Choose (or continue) the scripted reply for `ids` and apply the finish rules in the scheduler's order
         (`Req.update_finish_state`): at each token, length, then stop strings, then stop ids and end of turn.
-        `prefix`: the remembered prefix of `ids` (`self.prefixes.find`, looked up at admission)."""
+        `prefix`: the remembered prefix of `ids` (`self.prefixes.find`, looked up at admission); `note`: the colour
+        of the request's last image, which the reply names."""
         context, partial = self._split_turn(ids)
         key = self._digest(context, prefix)
         full = self._recall(key, partial) if partial else None
         policy = "continue"
         if full is None:
             draw = make_draw(self._policy_rng, self.config.correct_rate, self.config.invalid_rate)
-            policy, reply = scripted_reply(self.prompt_text(ids, prefix), draw)
+            policy, reply = (("vision", f"The image is {note}.") if note is not None
+                             else scripted_reply(self.prompt_text(ids, prefix), draw))
             full = partial + self.tokenizer.encode(reply, add_special_tokens=False) + [self.eos_id]
             self._remember(key, full)
         out = full[len(partial) :]

@@ -161,6 +161,25 @@ class BufferClient:
         body = {"batch_id": batch_id, **_given(agent_id=agent_id)}
         return int(self._call("POST", "/ack", body).get("acked_groups", 0))
 
+    def image(self, sha256: str) -> bytes:
+        """`GET /images/{sha256}`: the bytes of an image a record names (retried like every call)."""
+        failures = 0
+        while True:
+            try:
+                response = self._http.get(f"/images/{sha256}")
+                if response.status_code < 500:
+                    if response.status_code >= 400:
+                        raise RolloutBufferError(f"GET /images/{sha256} refused with HTTP {response.status_code}: "
+                                                 f"{response.text[:200]}")
+                    return response.content
+                error = f"HTTP {response.status_code}"
+            except httpx.TransportError as e:
+                error = f"{type(e).__name__}: {e}"
+            failures += 1
+            if self.retry.gives_up(failures):
+                raise RolloutBufferUnavailable(f"GET /images/{sha256} failed {failures} times: {error}")
+            time.sleep(self.retry.delay(failures))
+
     def _call(
         self, method: str, path: str, body: dict[str, Any] | None = None, read_timeout: float | None = None
     ) -> dict[str, Any]:

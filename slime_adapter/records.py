@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import binascii
 import functools
+import io
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,6 +37,25 @@ def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+
+
+@functools.cache
+def load_image_processor(path: str | None) -> Any | None:
+    """The image processor of the checkpoint at `path` (its `preprocessor_config.json`), loaded once per process;
+    None when it has none."""
+    if not path or not (Path(path) / "preprocessor_config.json").is_file():
+        return None
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(path, trust_remote_code=True)
+
+
+def open_image(data: bytes) -> Any:
+    """An image's bytes as the PIL image slime's `multimodal_inputs` holds (RGB, as slime sends images)."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        return image.convert("RGB")
 
 
 def sample_index(instance_id: Any) -> int | str:
@@ -129,16 +150,42 @@ def trainer_signals(record: Record, tokens: list[int], response_length: int,
     return fields
 
 
+def multimodal(record: Record, image: Callable[[str], Any], processor: Any | None) -> dict[str, Any]:
+    """The sample fields of a record's images, as slime holds them: `multimodal_inputs` (`{"images": [PIL
+    images]}`, in the order of their placeholders) and, with the checkpoint's image processor, its outputs for
+    them (`multimodal_train_inputs`: `pixel_values`, `image_grid_thw`), which slime's trainer feeds the model."""
+    refs = record.get("images") or []
+    if not refs:
+        return {}
+    images = [image(str(ref["sha256"])) for ref in refs]
+    fields: dict[str, Any] = {"multimodal_inputs": {"images": images}}
+    if processor is not None:
+        fields["multimodal_train_inputs"] = dict(processor(images=images, return_tensors="pt"))
+    return fields
+
+
 class SampleBuilder:
     """Builds samples; creates the loss mask generator only when a messages-only record needs it. `moe_shape`:
-    slime's (`--num-layers`, `--moe-router-topk`), which routed experts are shaped by."""
+    slime's (`--num-layers`, `--moe-router-topk`), which routed experts are shaped by; `image`: a record's image
+    by its hash (a PIL image), and `image_processor` the checkpoint's, for records that hold images."""
 
     def __init__(self, tokenizer_loader: Callable[[], Any], loss_mask_type: str,
-                 moe_shape: tuple[int, int] | None = None):
+                 moe_shape: tuple[int, int] | None = None, image: Callable[[str], Any] | None = None,
+                 image_processor: Callable[[], Any] | None = None):
         self._tokenizer_loader = tokenizer_loader
         self.loss_mask_type = loss_mask_type
         self.moe_shape = moe_shape
+        self._image = image
+        self._image_processor = image_processor
         self._generator: Any = None
+
+    def _multimodal(self, record: Record) -> dict[str, Any]:
+        if not record.get("images"):
+            return {}
+        if self._image is None:
+            raise RecordError(f"record {record.get('uid')}: it holds images, and the adapter has no buffer to "
+                              "fetch them from")
+        return multimodal(record, self._image, self._image_processor() if self._image_processor else None)
 
     def _masked_tokens(self, record: Record) -> tuple[list[int], int, list[int]]:
         uid = record.get("uid")
@@ -184,6 +231,7 @@ class SampleBuilder:
             "metadata": {**extra_info, "raw_reward": record["reward"] if raw_reward is None else raw_reward,
                          "rollout_id": record.get("rollout_id") or uid},
             **trainer_signals(record, tokens, length, self.moe_shape),
+            **self._multimodal(record),
         }
         if record.get("weight_versions"):
             fields["weight_versions"] = list(record["weight_versions"])

@@ -32,7 +32,7 @@ from slime_adapter.evaluation import note_training_rollout, run_eval
 from slime_adapter.flags import AdapterSettings
 from slime_adapter.groups import RecordGroup, newest_first, split_groups
 from slime_adapter.meta_info import log_raw_info
-from slime_adapter.records import RecordError, SampleBuilder, load_tokenizer
+from slime_adapter.records import RecordError, SampleBuilder, load_image_processor, load_tokenizer, open_image
 from slime_adapter.run_control import ensure_rollout_started, trainer_version
 
 log = logging.getLogger(__name__)
@@ -233,10 +233,12 @@ def generate_rollout(
             raise RolloutBufferError("a record without exact tokens needs --hf-checkpoint for its tokenizer")
         return load_tokenizer(tokenizer_path)
 
-    builder = SampleBuilder(tokenizer, settings.loss_mask_type, moe_shape(args))
     version = trainer_version(args, rollout_id)
     note_training_rollout(settings.buffer_url, rollout_id)
     with BufferClient(settings.buffer_url, settings.token, settings.retry) as client:
+        builder = SampleBuilder(tokenizer, settings.loss_mask_type, moe_shape(args),
+                                image=lambda sha: open_image(client.image(sha)),
+                                image_processor=lambda: load_image_processor(tokenizer_path))
         ensure_rollout_started(client, args, settings, data_buffer.get_metadata(), version)
         collector = GroupCollector(client, settings, builder, data_buffer, n, rollout_id, version)
         collector.fill(batch_size)

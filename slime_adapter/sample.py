@@ -31,6 +31,8 @@ class StandaloneSample:
     weight_versions: list[str] = field(default_factory=list)
     rollout_log_probs: list[float] | None = None
     rollout_id: int | None = None
+    multimodal_inputs: dict[str, Any] | None = None
+    multimodal_train_inputs: dict[str, Any] | None = None
     rollout_top_p_token_ids: Any = None
     rollout_top_p_token_offsets: Any = None
     rollout_routed_experts: Any = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 UNIT = frozenset({
+    "test_vision",
     "test_adapter_flags", "test_adapter_loss_mask", "test_adapter_meta_info", "test_adapter_records",
     "test_adapter_run_control", "test_adapter_selection", "test_chat_render", "test_conversation",
     "test_dependency_internals", "test_groups", "test_history_cache", "test_layout", "test_math_reward",

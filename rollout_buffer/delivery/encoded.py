@@ -38,8 +38,9 @@ def _stored_form(record: TrajectoryRecord) -> dict[str, Any]:
         data = record.model_dump(mode="json", exclude=_SIDE)  # its side data goes beside the JSON (`side_data`)
     except ValueError as e:  # pydantic's serializer stops at a depth JSON consumers would choke on too
         raise RecordError(_too_deep(record, e)) from None
-    if data.get("teacher_log_probs") is None:  # a run that asks for none stores nothing of them
-        data.pop("teacher_log_probs", None)
+    for name in ("teacher_log_probs", "images"):  # a run that has none stores nothing of them
+        if data.get(name) is None:
+            data.pop(name, None)
     for name in ("rollout_log_probs", "teacher_log_probs"):
         if data.get(name):
             data[name] = np.asarray(data[name], dtype=np.float32)

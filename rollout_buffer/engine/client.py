@@ -314,23 +314,26 @@ class EngineClient:
     # ------------------------------------------------------------ public API
 
     async def generate(self, input_ids: list[int] | EnginePrompt, sampling_params: dict[str, Any], *, session_id: str,
-                       return_logprob: bool = True, replay: ReplayAsk = NO_REPLAY) -> GenerateResult:
+                       return_logprob: bool = True, replay: ReplayAsk = NO_REPLAY,
+                       image_data: list[str] | None = None) -> GenerateResult:
         """Token-in-token-out generation; an aborted generation is resumed from its partial output.
 
         A resume resends `input_ids + output so far` with `max_new_tokens` reduced by what was generated,
         at most `max_abort_resumes` times; output ids and log-probs are concatenated. If the engine still
         aborts, the result says `finish_reason="abort"`. `replay` asks for routed experts and top-p ids too
         (`engine.replay`); an answer without what it asked, or with it malformed, fails the generation
-        (`EngineError` kind `replay_missing`, `bad_replay`).
+        (`EngineError` kind `replay_missing`, `bad_replay`). `image_data`: the images the prompt's placeholders
+        stand for, in order (data URLs), sent with every request of the generation.
         """
         progress = GenerationProgress()
         async for _ in self._generation(input_ids, sampling_params, session_id, return_logprob, progress, False,
-                                        replay):
+                                        replay, image_data):
             pass
         return progress.result()
 
     def generate_stream(self, input_ids: list[int] | EnginePrompt, sampling_params: dict[str, Any], *, session_id: str,
-                        return_logprob: bool = True, replay: ReplayAsk = NO_REPLAY) -> GenerationStream:
+                        return_logprob: bool = True, replay: ReplayAsk = NO_REPLAY,
+                        image_data: list[str] | None = None) -> GenerationStream:
         """`generate` streamed: iterate the result for the tokens as the engine produces them (`GenerateDelta`),
         then read `.result`, the same `GenerateResult` as `generate`'s.
 
@@ -339,12 +342,13 @@ class EngineClient:
         Leaving the iteration early (`aclose`) closes the engine request, which the engine then aborts.
         """
         progress = GenerationProgress()
-        deltas = self._generation(input_ids, sampling_params, session_id, return_logprob, progress, True, replay)
+        deltas = self._generation(input_ids, sampling_params, session_id, return_logprob, progress, True, replay,
+                                  image_data)
         return GenerationStream(deltas, progress)
 
     async def _generation(self, input_ids: list[int] | EnginePrompt, sampling_params: dict[str, Any], session_id: str,
-                          return_logprob: bool, progress: GenerationProgress, stream: bool, replay: ReplayAsk
-                          ) -> AsyncGenerator[GenerateDelta, None]:
+                          return_logprob: bool, progress: GenerationProgress, stream: bool, replay: ReplayAsk,
+                          image_data: list[str] | None = None) -> AsyncGenerator[GenerateDelta, None]:
         """The engine requests of one generation, abort resumes included; streamed ones yield their deltas.
 
         Each request's `max_new_tokens` is cut to what fits the engine's context; a prompt that fills it is not
@@ -380,6 +384,8 @@ class EngineClient:
             ids: Any = (input_ids.payload(progress.out_ids) if isinstance(input_ids, EnginePrompt)
                         else [*input_ids, *progress.out_ids])
             payload = {"input_ids": ids, "sampling_params": params, "return_logprob": return_logprob}
+            if image_data:
+                payload["image_data"] = image_data
             if progress.replay is not None:
                 payload.update(progress.replay.request_fields(replay))
             try:

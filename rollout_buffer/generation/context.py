@@ -15,6 +15,7 @@ from rollout_buffer.engine.replay import NO_REPLAY
 from rollout_buffer.engine.sglang_wire import GenerateDelta, to_sglang_sampling_params
 from rollout_buffer.generation.sessions import AgentSession, SessionHost
 from rollout_buffer.generation.trainer_signals import TrainerSignals
+from rollout_buffer.media.run_images import RunImages
 from rollout_buffer.observability import metrics
 from rollout_buffer.tokens.conversation import Conversation
 
@@ -45,6 +46,8 @@ class RunResources:
     sessions: SessionHost | None = None
     # What the run's trainer replays beside the tokens (routed experts, top-p kept ids, teacher log-probs).
     signals: TrainerSignals | None = None
+    # The images its trajectories saw (None: the run takes none).
+    images: RunImages | None = None
     _building: dict[str, asyncio.Lock] = field(default_factory=dict, repr=False)
 
     def outages(self) -> list[Outage]:
@@ -92,14 +95,18 @@ class RolloutContext:
                            tokenizer: Any | None = None) -> Conversation:
         """A conversation in token mode when the run has a tokenizer, chat mode otherwise.
 
-        The prompt is rendered and tokenized in a worker thread.
+        The prompt is rendered and tokenized in a worker thread. An image part (`{"type": "image", "image": ...}`:
+        bytes, a data URL or base64) is stored and named by its hash; the checkpoint's processor gives it its tokens.
         """
+        if self.run.images is not None:
+            messages = await self.run.images.canonical(messages)
         return await Conversation.acreate(
             messages,
             tokenizer if tokenizer is not None else self.run.tokenizer,
             tools=tools,
             sanity_check=self.run.sanity_check,  # type: ignore[arg-type]
             chat_template_kwargs=self.run.chat_template_kwargs,
+            images=self.run.images,
         )
 
     async def generate(self, conv: Conversation, engine: EngineClient | None = None, session: str | None = None,
@@ -126,12 +133,13 @@ class RolloutContext:
                 return "length"
             ids, engine_params = conv.engine_prompt(), to_sglang_sampling_params(params, budget)
             replay = self.run.signals.ask(conv) if self.run.signals is not None else NO_REPLAY
+            images = await self.run.images.data_urls(conv.image_shas) if conv.images and self.run.images else None
             if on_delta is None:
                 result = await engine.generate(ids, engine_params, session_id=session, return_logprob=return_logprob,
-                                               replay=replay)
+                                               replay=replay, image_data=images)
             else:
                 stream = engine.generate_stream(ids, engine_params, session_id=session, return_logprob=return_logprob,
-                                                replay=replay)
+                                                replay=replay, image_data=images)
                 try:
                     async for delta in stream:
                         on_delta(delta)

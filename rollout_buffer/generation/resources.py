@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Any
 
 from rollout_buffer.engine.client import EngineClient
@@ -15,6 +16,9 @@ from rollout_buffer.generation.context import RunResources
 from rollout_buffer.generation.options import SignalOptions
 from rollout_buffer.generation.sessions import SessionHost
 from rollout_buffer.generation.trainer_signals import TrainerSignals
+from rollout_buffer.media.image_store import ImageStore
+from rollout_buffer.media.run_images import RunImages
+from rollout_buffer.media.vision import VisionProcessor
 from rollout_buffer.schemas import StartRolloutRequest
 from rollout_buffer.tokens.tokenizer import load_tokenizer
 
@@ -24,8 +28,10 @@ _ENGINE_OPTIONS = ("timeout_s", "max_retries", "backoff_s", "max_abort_resumes",
                    "engine_outage_s")
 
 
-async def run_resources(run_id: str, req: StartRolloutRequest, sessions: SessionHost | None = None) -> RunResources:
-    """The run's shared resources: its tokenizer (loaded in a worker thread), a new engine client, its settings."""
+async def run_resources(run_id: str, req: StartRolloutRequest, sessions: SessionHost | None = None,
+                        images_root: Path | None = None) -> RunResources:
+    """The run's shared resources: its tokenizer (loaded in a worker thread), a new engine client, its settings,
+    and its images, kept under `images_root` (None: the run takes none)."""
     tokenizer = await load_run_tokenizer(run_id, req)
     extra = req.model_extra or {}
     engine = EngineClient(req.engine_urls(), **engine_options(req))
@@ -42,7 +48,18 @@ async def run_resources(run_id: str, req: StartRolloutRequest, sessions: Session
         mask_offpolicy=req.mask_offpolicy_in_partial_rollout,
         sessions=sessions,
         signals=trainer_signals(req, engine) if tokenizer is not None else None,
+        images=await run_images(req, tokenizer, images_root),
     )
+
+
+async def run_images(req: StartRolloutRequest, tokenizer: Any | None, root: Path | None) -> RunImages | None:
+    """The run's images, kept under `root`, read with its checkpoint's image processor when it has one
+    (`media.vision`); None without a store or a tokenizer."""
+    if root is None or tokenizer is None or not req.tokenizer_path:
+        return None
+    vision = await asyncio.to_thread(VisionProcessor.of, req.tokenizer_path, tokenizer)
+    limit = (req.model_extra or {}).get("max_image_bytes")
+    return RunImages(ImageStore(root), vision, *([int(limit)] if limit else []))
 
 
 def trainer_signals(req: StartRolloutRequest, engine: EngineClient) -> TrainerSignals | None:

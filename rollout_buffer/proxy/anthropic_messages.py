@@ -26,6 +26,7 @@ from rollout_buffer.proxy.messages import (
     WireError,
     arguments_of,
     assistant_message,
+    content_of,
     documented_messages,
     function_tool,
     text_of,
@@ -205,7 +206,7 @@ def _messages(m: Any, i: int) -> list[dict[str, Any]]:
         raise WireError("invalid_request", f"{where}: a message must be an object", where)
     role, content = m.get("role"), m.get("content")
     if role == "system":
-        return [{"role": "system", "content": text_of(content, f"{where}.content")}]
+        return [{"role": "system", "content": content_of(content, f"{where}.content")}]
     if role not in ("user", "assistant"):
         raise WireError("invalid_request", f"{where}.role: must be user, assistant or system, not {role!r}",
                         f"{where}.role")
@@ -228,13 +229,13 @@ def _messages(m: Any, i: int) -> list[dict[str, Any]]:
     for j, block in enumerate(blocks):
         if isinstance(block, dict) and block.get("type") == "tool_result":
             if pending:
-                out.append({"role": "user", "content": text_of(pending, f"{where}.content")})
+                out.append({"role": "user", "content": content_of(pending, f"{where}.content")})
                 pending = []
-            out.append({"role": "tool", "content": text_of(block.get("content"), f"{where}.content[{j}].content")})
+            out.append({"role": "tool", "content": content_of(block.get("content"), f"{where}.content[{j}].content")})
         else:
             pending.append(block)
     if pending or not out:
-        out.append({"role": "user", "content": text_of(pending, f"{where}.content")})
+        out.append({"role": "user", "content": content_of(pending, f"{where}.content")})
     return out
 
 

@@ -109,6 +109,8 @@ class Journal:
         if response is not None:
             response_id, ref = response
             meta["response"] = [response_id, ref.instructions, sorted(ref.call_ids)]
+        if tail.images:  # the images its tokens hold, by position (their bytes are in the run's image store)
+            meta["images"] = tail.images
         if tail.top_p is not None:  # the kept ids of its tokens: where each token's end, and the ids (int32)
             meta["top_p"] = [tail.top_p[0], pybase64.b64encode(tail.top_p[1]).decode()]
         parts = (orjson.dumps(meta), array(_IDS, tail.token_ids).tobytes(), bytes(tail.loss_mask),
@@ -181,7 +183,8 @@ def replay(stored: StoredSession, ctx: RolloutContext, tree: SessionTree, respon
         top_p = meta.get("top_p")
         tail = ConversationTail(messages_at, tokens_at, versions_at, meta["messages"], tokens.tolist(), list(mask),
                                 floats.tolist(), meta["versions"], meta["spans"], meta["prompt_length"], mark,
-                                None if top_p is None else (top_p[0], pybase64.b64decode(top_p[1])))
+                                None if top_p is None else (top_p[0], pybase64.b64decode(top_p[1])),
+                                [(int(at), str(sha)) for at, sha in meta.get("images", [])])
         branch = _branch_for(meta, tail, ctx, tree)
         branch.keys.extend(message_key(m) for m in tail.new_messages[:-1])
         branch.messages.extend(tail.new_messages[:-1])
@@ -223,7 +226,7 @@ def _branch_for(meta: dict[str, Any], tail: ConversationTail, ctx: RolloutContex
     else:
         conv = Conversation.restored(tail, ctx.tokenizer, tools=meta["tools"],
                                      sanity_check=ctx.run.sanity_check,  # type: ignore[arg-type]
-                                     chat_template_kwargs=ctx.run.chat_template_kwargs)
+                                     chat_template_kwargs=ctx.run.chat_template_kwargs, images=ctx.run.images)
         branch = Branch(conv, [], tools_key(meta["tools"]), parent=meta["parent"], shared_messages=meta["shared"])
     branch.id = meta["branch"]
     tree.adopt(branch)

@@ -14,11 +14,14 @@ field), so a history the client echoes back in either style continues the sessio
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Any
 
 import orjson
 from pydantic import WithJsonSchema
+
+from rollout_buffer.media.images import IMAGE_REF, data_url_bytes, decoded_base64
 
 # Kinds of refusal → HTTP status; the adapters map the kind onto their protocol's error types.
 ERROR_STATUS = {
@@ -71,6 +74,77 @@ def documented_messages(roles: list[str], *blocks: dict[str, Any]) -> WithJsonSc
     content = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": parts}}, {"type": "null"}]}
     message = {"type": "object", "required": ["role"], "properties": {"role": {"enum": roles}, "content": content}}
     return WithJsonSchema({"type": "array", "minItems": 1, "items": message})
+
+
+def content_of(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content as the chat template takes it: its text (`text_of`) when it holds no image, else its
+    parts in order, text and images. An image part is named by the SHA-256 of its bytes, which it holds for the
+    session to take (`PENDING_IMAGE`: checked, stored, the key dropped); WireError naming the part for one that is
+    not base64 or names a remote URL."""
+    if not isinstance(content, list) or not any(_image_kind(p) for p in content):
+        return text_of(content, where)
+    parts: list[dict[str, Any]] = []
+    for i, part in enumerate(content):
+        at = f"{where}[{i}]"
+        if _image_kind(part):
+            parts.append(_image(part, at))
+        elif text := text_of([part], at):
+            parts.append({"type": "text", "text": text})
+    return parts
+
+
+# The key of a content part holding an image's bytes and where they came from (`content_of`), until the session
+# takes it.
+PENDING_IMAGE = "pending"
+
+
+def _image_kind(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") in _IMAGE_PARTS
+
+
+def _image(part: dict[str, Any], where: str) -> dict[str, Any]:
+    """An image part of any protocol (OpenAI's `image_url`, the Responses API's `input_image`, Anthropic's
+    `image` with a base64 or URL source, a canonical `image`) as a canonical part holding its bytes."""
+    source = part.get("source")
+    if isinstance(source, dict):  # Anthropic
+        if source.get("type") == "base64":
+            data = source.get("data")
+            if not isinstance(data, str):
+                raise WireError("invalid_request", f"{where}.source.data must be base64", f"{where}.source.data")
+            return _held(data, None, where)
+        url = source.get("url")
+    elif part.get("type") == "image" and isinstance(part.get("image"), str):  # canonical: a hash or the data
+        value = part["image"]
+        if value.startswith(IMAGE_REF):
+            return {"type": "image", "image": value}
+        url = value
+    else:
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str):
+        raise WireError("invalid_request", f"{where}: an image part needs a data URL or base64 data", where)
+    if url.startswith("data:"):
+        return _held(None, url, where)
+    raise WireError("invalid_request", f"{where}: a remote image URL ({url[:80]}); this server fetches no images: "
+                    "send the image itself, as a data URL or base64", where)
+
+
+def _held(data: str | None, url: str | None, where: str) -> dict[str, Any]:
+    try:
+        raw = decoded_base64(data) if data is not None else data_url_bytes(url or "")
+    except ValueError as e:
+        raise WireError("invalid_request", f"{where}: {e}", where) from None
+    assert raw is not None
+    sha = hashlib.sha256(raw).hexdigest()
+    return {"type": "image", "image": IMAGE_REF + sha, PENDING_IMAGE: (raw, where)}
+
+
+def content_key(content: str | list[dict[str, Any]]) -> Any:
+    """What must be equal for two contents to be the same: the text without surrounding whitespace, or each
+    part's text or image hash in order."""
+    if isinstance(content, str):
+        return content.strip()
+    return tuple(p["image"] if p["type"] == "image" else p["text"].strip() for p in content)
 
 
 def text_of(content: Any, where: str) -> str:
@@ -170,7 +244,7 @@ def message_key(message: dict[str, Any]) -> MessageKey:
     """What must be equal for two messages to be the same turn (see the module docstring)."""
     role = message["role"]
     if role != "assistant":
-        return (role, message["content"].strip())
+        return (role, content_key(message["content"]))
     calls = tuple(
         (c["function"]["name"], _arguments_key(c["function"]["arguments"])) for c in message.get("tool_calls") or ()
     )

@@ -24,6 +24,7 @@ from rollout_buffer.proxy.messages import (
     WireError,
     arguments_of,
     assistant_message,
+    content_of,
     documented_messages,
     function_tool,
     text_of,
@@ -175,13 +176,14 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     if not isinstance(m, dict):
         raise WireError("invalid_request", f"{where}: a message must be an object", where)
     role = m.get("role")
-    content = text_of(m.get("content"), f"{where}.content")
     if role in ("system", "developer"):
-        return {"role": "system", "content": content}
+        return {"role": "system", "content": content_of(m.get("content"), f"{where}.content")}
     if role in ("user", "tool", "function"):
-        return {"role": "user" if role == "user" else "tool", "content": content}
+        return {"role": "user" if role == "user" else "tool", "content": content_of(m.get("content"),
+                                                                                    f"{where}.content")}
     if role != "assistant":
         raise WireError("invalid_request", f"{where}.role: unknown role {role!r}", f"{where}.role")
+    content = text_of(m.get("content"), f"{where}.content")
     calls = m.get("tool_calls") or []
     if not isinstance(calls, list):
         raise WireError("invalid_request", f"{where}.tool_calls must be a list", f"{where}.tool_calls")

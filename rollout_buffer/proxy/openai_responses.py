@@ -37,6 +37,7 @@ from rollout_buffer.proxy.messages import (
     WireError,
     arguments_of,
     assistant_message,
+    content_of,
     function_tool,
     merge_assistant_runs,
     text_of,
@@ -298,7 +299,7 @@ def _input_item(item: Any, i: int, calls: dict[str, None], unanswered: list[tupl
                 raise WireError("invalid_request", f"{where}.call_id: no tool call {call_id!r} in this input or the "
                                 "previous response to answer", f"{where}.call_id")
             unanswered.append((call_id, f"{where}.call_id"))
-        return [{"role": "tool", "content": text_of(item.get("output"), f"{where}.output")}]
+        return [{"role": "tool", "content": content_of(item.get("output"), f"{where}.output")}]
     if kind == "reasoning":
         return []
     raise WireError("invalid_request", f"{where}.type: unsupported input item type {kind!r} (message, "
@@ -308,13 +309,11 @@ def _input_item(item: Any, i: int, calls: dict[str, None], unanswered: list[tupl
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     role = item.get("role")
-    content = text_of(item.get("content"), f"{where}.content")
-    if role in ("system", "developer"):
-        return {"role": "system", "content": content}
-    if role == "user":
-        return {"role": "user", "content": content}
+    if role in ("system", "developer", "user"):
+        return {"role": "user" if role == "user" else "system",
+                "content": content_of(item.get("content"), f"{where}.content")}
     if role == "assistant":
-        return assistant_message(content, [])
+        return assistant_message(text_of(item.get("content"), f"{where}.content"), [])
     raise WireError("invalid_request", f"{where}.role: unknown role {role!r}", f"{where}.role")
 
 

@@ -32,6 +32,7 @@ from rollout_buffer.proxy.journal import Journal
 from rollout_buffer.proxy.messages import MessageKey, WireError, message_key, tools_key
 from rollout_buffer.proxy.replies import Reply, ReplyParser, ReplyPart
 from rollout_buffer.proxy.request_bodies import BodyCache
+from rollout_buffer.proxy.session_images import take_images
 from rollout_buffer.proxy.tree import Branch, ResponseRef, Route, SessionTree
 from rollout_buffer.schemas import TrajectoryRecord
 from rollout_buffer.tokens.conversation import Conversation
@@ -164,6 +165,7 @@ class Session:
     history: HistoryCache = field(default_factory=HistoryCache)
     bodies: BodyCache = field(default_factory=BodyCache)
     state: str = "open"
+    images_omitted: int = 0  # images the run's checkpoint cannot read, sent as a placeholder
     created_at: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.monotonic)
     _tasks: set[asyncio.Task[TurnResult]] = field(default_factory=set)
@@ -204,6 +206,7 @@ class Session:
             raise WireError("not_found", f"session {self.session_id} is {self.state}")
 
     async def _turn(self, req: TurnRequest, sink: PartSink | None) -> TurnResult:
+        self.images_omitted += await take_images(req.messages, self.ctx.run.images)
         keys = req.keys if req.keys is not None else [message_key(m) for m in req.messages]
         tkey = tools_key(req.tools)
         route = self.tree.route(keys, tkey, req.lane)
@@ -392,6 +395,7 @@ class Session:
 
     async def count_tokens(self, req: TurnRequest) -> int:
         """Tokens of the request's prompt as the chat template renders it (nothing is generated or kept)."""
+        await take_images(req.messages, self.ctx.run.images)
         conv = await _rendered(self.ctx.conversation(req.messages, tools=req.tools), req)
         return len(conv.token_ids)
 
@@ -447,6 +451,8 @@ class Session:
             }
             if b.lane is not None:
                 info["lane"] = b.lane
+            if self.images_omitted:
+                info["images_omitted"] = self.images_omitted
             if self.metadata:
                 info.setdefault("metadata", self.metadata)
             record = await self.ctx.trajectory(b.conv, reward, b.conv.finish_reason or "stop", **info)

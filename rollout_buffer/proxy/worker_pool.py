@@ -161,6 +161,7 @@ class SessionWorkers:
         folder = self.config.data_dir / "session-workers" / str(slot.index)
         await asyncio.to_thread(folder.mkdir, parents=True, exist_ok=True)
         args = ["--index", str(slot.index), "--data-dir", str(folder), "--buffer-url", self.launcher.buffer_url,
+                "--images-dir", str(self.config.image_dir.resolve()),
                 "--max-body-bytes", str(self.config.max_body_bytes),
                 "--batch-ms", str(self.config.session_worker_batch_ms),
                 "--log-level", logging.getLevelName(logging.getLogger().level), "--access-log", logs.access_mode()]

@@ -1,8 +1,10 @@
 """slime's delivery protocol: `/buffer/write`, `/get_rollout_data` (whole groups, long-poll, lease/ack), `/ack`,
-`/trainer_version`; and what was stored, for inspection: `/trajectories/{uid}`, `/groups`."""
+`/trainer_version`; and what was stored, for inspection: `/trajectories/{uid}`, `/images/{sha256}` (the images records
+name), `/groups`."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Literal
 
 import orjson
@@ -10,9 +12,11 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import Response
 from pydantic import TypeAdapter
 
+from rollout_buffer.config import ServerConfig
 from rollout_buffer.delivery.buffer import RolloutBuffer
 from rollout_buffer.delivery.streams import DEFAULT_STREAM
 from rollout_buffer.generation.run_manager import RunManager
+from rollout_buffer.media.image_store import ImageStore
 from rollout_buffer.schemas import AckRequest, GetRolloutDataRequest, TrainerVersionRequest, TrajectoryRecord
 from rollout_buffer.server.bodies import component, documented_body, json_response, parse_body, validated
 
@@ -119,6 +123,21 @@ async def trajectory(uid: str, request: Request) -> Response:
     if rec is None:
         raise HTTPException(404, f"uid: no trajectory {uid!r}")
     return json_response(rec)
+
+
+@router.get("/images/{sha256}", summary="An image a record names, by its SHA-256",
+            responses={200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}}}})
+async def image(sha256: str, request: Request) -> Response:
+    config: ServerConfig = request.app.state.config
+    try:
+        found = await asyncio.to_thread(ImageStore(config.image_dir).get, sha256)
+    except ValueError as e:
+        raise HTTPException(422, f"sha256: {e}") from None
+    if found is None:
+        raise HTTPException(404, f"sha256: no image {sha256}")
+    # Immutable: its name is its content's hash.
+    return Response(found.data, media_type=found.media_type,
+                    headers={"cache-control": "private, max-age=31536000, immutable"})
 
 
 @router.get("/groups", summary="Groups by state, newest first (inspection)")

@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--data-dir", type=Path, required=True, help="this worker's folder (its sessions' journals)")
     p.add_argument("--buffer-url", required=True, help="where the buffer takes this worker's records")
+    p.add_argument("--images-dir", type=Path, default=None, help="the buffer's image store (on this machine)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument("--batch-ms", type=float, default=ServerConfig.session_worker_batch_ms,
                    help="how long finished records wait for others before they go to the buffer")
@@ -140,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
         if sandboxes is not None:
             listeners.append(sandboxes[1])
         token = os.environ.pop(AUTH_TOKEN_ENV, None) or None
-        config = ServerConfig(host=args.host, port=args.port, data_dir=args.data_dir, auth_token=token,
+        config = ServerConfig(host=args.host, port=args.port, data_dir=args.data_dir, images_dir=args.images_dir,
+                              auth_token=token,
                               max_body_bytes=args.max_body_bytes, session_worker_batch_ms=args.batch_ms,
                               agent_socket=sandboxes[0] if sandboxes is not None else None)
         app = create_worker_app(config, args.index, args.buffer_url, secret)

@@ -39,8 +39,10 @@ import orjson
 
 from rollout_buffer.engine.replay import ReplayParts
 from rollout_buffer.engine.sglang_wire import EnginePrompt
+from rollout_buffer.media.run_images import RunImages
 from rollout_buffer.tokens.chat_render import chat_renderer
 from rollout_buffer.tokens.check import compare_text, compare_tokens
+from rollout_buffer.tokens.image_tokens import with_images
 from rollout_buffer.tokens.marks import ConversationTail, TurnMark
 from rollout_buffer.tokens.prompt_ids import BASE_HISTORY, PROMPT_CACHE_MAX_BYTES, encode, frame, light, prompt
 from rollout_buffer.tokens.sequence import TokenSequence
@@ -74,16 +76,17 @@ class Conversation(TokenSequence):
         tools: list[dict[str, Any]] | None = None,
         sanity_check: SanityCheckMode = "strict",
         chat_template_kwargs: dict[str, Any] | None = None,
+        images: RunImages | None = None,
     ) -> None:
         if not messages:
             raise ValueError("a conversation starts with at least one message")
-        self._setup(tokenizer, tools, sanity_check, chat_template_kwargs)
+        self._setup(tokenizer, tools, sanity_check, chat_template_kwargs, images)
         self.messages = list(messages)
         if self.token_mode:
             self._render_prompt(self.messages)
 
     def _setup(self, tokenizer: Any, tools: list[dict[str, Any]] | None, sanity_check: SanityCheckMode,
-               chat_template_kwargs: dict[str, Any] | None) -> None:
+               chat_template_kwargs: dict[str, Any] | None, images: RunImages | None = None) -> None:
         if sanity_check not in ("strict", "ignore_strippable", "disable"):
             raise ValueError(f"sanity_check must be strict, ignore_strippable or disable: {sanity_check!r}")
         self.messages = []
@@ -100,6 +103,7 @@ class Conversation(TokenSequence):
         self._options = dict(chat_template_kwargs or {})
         self._log_probs_complete = True
         self.routed, self.routed_width, self.top_p_offsets, self.top_p_ids = None, None, None, None
+        self.images, self._run_images = [], images
         self.abort_resumes = 0  # over its turns: a record's own count, whatever other branches did
         self._open = False  # token_ids ends with the generation prompt
         self._forked = False  # a fork before its first own turn: the prompt extends to that turn
@@ -117,12 +121,13 @@ class Conversation(TokenSequence):
 
     @classmethod
     def restored(cls, tail: ConversationTail, tokenizer: Any, *, tools: list[dict[str, Any]] | None = None,
-                 sanity_check: SanityCheckMode = "strict", chat_template_kwargs: dict[str, Any] | None = None
-                 ) -> Conversation:
+                 sanity_check: SanityCheckMode = "strict", chat_template_kwargs: dict[str, Any] | None = None,
+                 images: RunImages | None = None) -> Conversation:
         """A token-mode conversation rebuilt from the `tail` of one taken from its start (a persisted agent
-        session after a restart): the same tokens, masks, log-probs and messages; nothing is rendered again."""
+        session after a restart): the same tokens, masks, log-probs, images and messages; nothing is rendered
+        again."""
         conv = cls.__new__(cls)
-        conv._setup(tokenizer, tools, sanity_check, chat_template_kwargs)
+        conv._setup(tokenizer, tools, sanity_check, chat_template_kwargs, images)
         conv.extend_tail(tail)
         return conv
 
@@ -135,10 +140,12 @@ class Conversation(TokenSequence):
         tools: list[dict[str, Any]] | None = None,
         sanity_check: SanityCheckMode = "strict",
         chat_template_kwargs: dict[str, Any] | None = None,
+        images: RunImages | None = None,
     ) -> Conversation:
         """`Conversation(...)` with the prompt rendered and tokenized in a thread (inline when small)."""
         kwargs: dict[str, Any] = {
             "tools": tools, "sanity_check": sanity_check, "chat_template_kwargs": chat_template_kwargs,
+            "images": images,
         }
         if tokenizer is None or light(messages, tools):
             return cls(messages, tokenizer, **kwargs)
@@ -356,7 +363,7 @@ class Conversation(TokenSequence):
         return ConversationTail(
             messages, tokens, versions, self.messages[messages:], self.token_ids[tokens:], self.loss_mask[tokens:],
             self.log_probs[tokens:], self.weight_versions[versions:], self._spans_past(tokens), self.prompt_length,
-            self.mark(), self._top_p_past(tokens))
+            self.mark(), self._top_p_past(tokens), [(at, sha) for at, sha in self.images if at >= tokens])
 
     def extend_tail(self, tail: ConversationTail) -> None:
         """Append a `tail` (of a conversation that stood where this one stands): this one then equals it."""
@@ -371,6 +378,7 @@ class Conversation(TokenSequence):
                 len(tail.token_ids) == len(tail.loss_mask) == len(tail.log_probs)):
             raise ValueError("the tail is inconsistent with its own end")
         self._extend_top_p(tail.top_p, len(tail.token_ids))
+        self.images += [(at, sha) for at, sha in tail.images]
         self.messages.extend(tail.new_messages)
         self.token_ids.extend(tail.token_ids)
         self.loss_mask.extend(tail.loss_mask)
@@ -421,11 +429,23 @@ class Conversation(TokenSequence):
 
     def _expected_ids(self, expected: str) -> list[int]:
         """`encode(expected)`, reusing the prompt's ids up to its last restart token when `expected` starts
-        with them (the full render of a conversation usually does): same ids, a fraction of the work."""
+        with them (the full render of a conversation usually does): same ids, a fraction of the work; each image's
+        placeholder expanded as in the sequence."""
         head = self._prompt_head
         if head is not None and expected.startswith(head[0]):
-            return [*head[1], *self._encode(expected[len(head[0]):])]
-        return self._encode(expected)
+            ids = [*head[1], *self._encode(expected[len(head[0]):])]
+        else:
+            ids = self._encode(expected)
+        return list(with_images(self._run_images, ids, self.messages)[0])
+
+    def _with_images(self, ids: list[int] | tuple[int, ...], messages: list[dict[str, Any]], at: int
+                     ) -> list[int] | tuple[int, ...]:
+        """`ids`, rendered from `messages` to be appended at position `at`, with their images' placeholders
+        expanded (`image_tokens`); the images are noted at their positions."""
+        ids, found = with_images(self._run_images, ids, messages)
+        self.images += [(at + k, sha) for k, sha in found]
+        return ids
+
 
     def _render_prompt(self, messages: list[dict[str, Any]]) -> None:
         try:
@@ -444,8 +464,8 @@ class Conversation(TokenSequence):
             raise ValueError(f"chat template renders nothing for roles {[m.get('role') for m in messages]}")
         self.messages = messages
         self._truncate_to(0)
-        self._append(ids, 0)
-        self.prompt_length = len(ids)
+        self._append(self._with_images(ids, messages, 0), 0)
+        self.prompt_length = len(self.token_ids)
         self._prompt_head = head
         self._env_text = text
         self._open = True
@@ -462,9 +482,9 @@ class Conversation(TokenSequence):
         delta = rendered[len(self._frame.base_text):]
         if delta == self._env_text:
             raise ValueError(f"chat template renders nothing for roles {[m.get('role') for m in new]}")
-        ids = self._encode(delta)
-        self.messages.extend(new)
         self._truncate_to(self._env_tokens_start)
+        ids = self._with_images(self._encode(delta), run, self._env_tokens_start)
+        self.messages.extend(new)
         self._append(ids, 0)
         self._env_text = delta
         self._open = False

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -42,3 +42,5 @@ class ConversationTail:
     # The top-p kept ids of the new tokens, when the conversation keeps them: per new token where its ids end
     # (counted from the point's), and the ids (int32 bytes).
     top_p: tuple[list[int], bytes] | None = None
+    # The images of the new tokens: (position of the first placeholder token, SHA-256).
+    images: list[tuple[int, str]] = field(default_factory=list)

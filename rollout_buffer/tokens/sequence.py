@@ -17,6 +17,7 @@ import orjson
 
 from rollout_buffer.delivery.versions import mask_older_versions
 from rollout_buffer.engine.replay import INT32, ReplayParts
+from rollout_buffer.media.run_images import RunImages
 
 _JSON_PIECES = 32  # the ids' JSON is joined into one piece when it has more (a request writes each piece)
 MID_REQUEST = "mid_request"  # marks a version span generated after an in-place weight change (see version_spans)
@@ -43,6 +44,10 @@ class TokenSequence:
     # engine did not sample keep none), or None.
     top_p_offsets: list[int] | None
     top_p_ids: bytearray | None
+    # The images the tokens hold, in order: (position of the image's first placeholder token, its SHA-256), and
+    # the run's images, which know each one.
+    images: list[tuple[int, str]]
+    _run_images: RunImages | None
     _log_probs_complete: bool  # every generated token came with its log-prob
     # token_ids[:_json_count] as JSON numbers joined by commas, in pieces (each after the first starts with a
     # comma), extended as tokens are appended (`ids_json`).
@@ -82,6 +87,8 @@ class TokenSequence:
         }
         if self._log_probs_complete:
             fields["rollout_log_probs"] = self.log_probs[self.prompt_length:]
+        if self.images and self._run_images is not None:  # in order: each one's sha256, media type, width, height
+            fields["images"] = [self._run_images.info(s).ref() for s in self.image_shas]
         if self.routed is not None and self.routed_width:
             rows = max(0, len(self.token_ids) - 1)
             fields["rollout_routed_experts"] = bytes(memoryview(self.routed)[:rows * self.routed_width * 4])
@@ -125,7 +132,8 @@ class TokenSequence:
         self.top_p_ids += replay.top_p_ids
 
     def _copy_replay(self, other: TokenSequence, tokens: int) -> None:
-        """Hold copies of what `other` keeps to replay of its first `tokens` tokens."""
+        """Hold copies of what `other` keeps beside its first `tokens` tokens (replay data, images)."""
+        self.images = [(at, sha) for at, sha in other.images if at < tokens]
         self.routed = None if other.routed is None else other.routed[:tokens * (other.routed_width or 0) * 4]
         if other.top_p_offsets is not None and other.top_p_ids is not None:
             self.top_p_offsets = other.top_p_offsets[:tokens + 1]
@@ -159,8 +167,15 @@ class TokenSequence:
         if self.top_p_offsets is not None:  # kept ids of their own come with an engine turn (`_add_replay`)
             self.top_p_offsets.extend([self.top_p_offsets[-1]] * len(ids))
 
+    @property
+    def image_shas(self) -> list[str]:
+        """The images the tokens hold, in the order of their placeholders (what the engine's `image_data` lists)."""
+        return [sha for _, sha in self.images]
+
     def _truncate_to(self, n: int) -> None:
         del self.token_ids[n:], self.loss_mask[n:], self.log_probs[n:]
+        if self.images and self.images[-1][0] >= n:
+            self.images = [(at, sha) for at, sha in self.images if at < n]
         if self.routed is not None and self.routed_width:
             del self.routed[n * self.routed_width * 4:]
         if self.top_p_offsets is not None and self.top_p_ids is not None:

@@ -1,0 +1,28 @@
+"""A conversation's images in its tokens: the chat template writes one placeholder for each image part of a
+message, and it is expanded to the tokens the checkpoint's processor gives that image (`media.vision`), so the
+sequence holds the very ids the engine and the trainer see for it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout_buffer.media.images import images_in
+from rollout_buffer.media.run_images import RunImages
+
+
+def with_images(images: RunImages | None, ids: list[int] | tuple[int, ...], messages: list[dict[str, Any]]
+                ) -> tuple[list[int] | tuple[int, ...], list[tuple[int, str]]]:
+    """`ids` rendered from `messages` with each image's placeholder expanded, and where each image's first token
+    is in them (with its SHA-256); ValueError when the messages hold images the run's checkpoint cannot read, or
+    placeholders that are not one per image."""
+    shas = images_in(messages)
+    if not shas:
+        return ids, []
+    if images is None or images.vision is None:
+        raise ValueError("the messages hold images, but the run's checkpoint has no image processor (its "
+                         "tokenizer_path has no preprocessor_config.json)")
+    vision = images.vision
+    infos = [images.info(s) for s in shas]
+    expanded = vision.expanded(ids, [(i.width, i.height) for i in infos])
+    starts = [k for k, t in enumerate(expanded) if t == vision.pad_id and (k == 0 or expanded[k - 1] != t)]
+    return expanded, list(zip(starts, shas, strict=True))

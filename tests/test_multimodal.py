@@ -1,0 +1,254 @@
+"""Images in, images trained: a Qwen-VL-style checkpoint made from files in the repository (`vision_checkpoint`),
+the simulated engine checking each image's placeholder tokens as SGLang does and naming its colour (so a test sees
+that the pixels reached it), and the buffer over real HTTP: a native vision run, a session per wire format with
+the official clients, a screenshot loop resending its images, bad images refused naming their part, a text model
+told of the images it cannot see, the slime adapter's samples with their images, and a kill -9 with images
+stored."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+from PIL import Image
+from runs import drain, start, wait_finished, write_jsonl
+from servers import Server, buffer_server, free_port, running, session_host, sim_engine
+from sessions import finish, open_session, record
+from vision_checkpoint import png, vision_checkpoint
+
+from rollout_buffer.media.vision import VisionProcessor
+from rollout_buffer.tokens.tokenizer import load_tokenizer
+from slime_adapter.client import BufferClient
+from slime_adapter.records import SampleBuilder, open_image
+
+RED, BLUE, GREEN = (220, 30, 30), (30, 60, 220), (30, 180, 60)
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return vision_checkpoint(tmp_path_factory.mktemp("vision") / "checkpoint")
+
+
+@pytest.fixture(scope="module")
+def vision(checkpoint: Path) -> VisionProcessor:
+    found = VisionProcessor.of(checkpoint, load_tokenizer(str(checkpoint)))
+    assert found is not None
+    return found
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with sim_engine(tmp_path_factory.mktemp("vision-sim"), str(checkpoint)) as srv:
+        yield srv
+
+
+def image_runs(rec: dict[str, Any], vision: VisionProcessor) -> list[int]:
+    """The length of each run of image pads in a record's tokens, all at loss 0."""
+    runs: list[int] = []
+    for k, t in enumerate(rec["tokens"]):
+        if t == vision.pad_id:
+            assert rec["loss_mask"][k] == 0, f"{rec['uid']}: an image token at loss 1 (position {k})"
+            if k and rec["tokens"][k - 1] == vision.pad_id:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+    return runs
+
+
+def assert_images(rec: dict[str, Any], vision: VisionProcessor, sizes: list[tuple[int, int]]) -> None:
+    """The record lists its images in order, its tokens hold each one's tokens, its messages name them by hash."""
+    assert [(i["width"], i["height"]) for i in rec["images"]] == sizes
+    assert image_runs(rec, vision) == [vision.tokens(w, h) for w, h in sizes]
+    named = [p["image"] for m in rec["messages"] if isinstance(m["content"], list) for p in m["content"]
+             if p["type"] == "image"]
+    assert named == [f"sha256:{i['sha256']}" for i in rec["images"]]
+
+
+def test_a_native_vision_run_sends_the_pixels_and_keeps_exact_tokens(tmp_path: Path, engine: Server, checkpoint: Path,
+                                                                    vision: VisionProcessor) -> None:
+    rows = [{"instance_id": name, "prompt": "What colour is it?", "images": [data_url(png(colour, size))],
+             "label": name} for name, colour, size in (("red", RED, (64, 48)), ("blue", BLUE, (1280, 800)))]
+    with buffer_server(tmp_path) as buffer:
+        start(buffer.url, engine.url, write_jsonl(tmp_path / "vision.jsonl", rows), str(checkpoint),
+              task_type="vision", num_repeat_per_sample=2, max_tokens=32)
+        status = wait_finished(buffer.url)
+        records = drain(buffer.url)
+        served = {i["sha256"]: httpx.get(f"{buffer.url}/images/{i['sha256']}", timeout=10) for r in records
+                  for i in r["images"]}
+    assert status["run"]["progress"]["failed"] == 0
+    assert len(records) == 4
+    for rec in records:
+        size = (64, 48) if rec["instance_id"] == "red" else (1280, 800)
+        assert_images(rec, vision, [size])
+        assert rec["raw_reward"] == 1.0 and rec["messages"][-1]["content"] == f"The image is {rec['instance_id']}."
+    for sha, answer in served.items():
+        assert answer.status_code == 200 and answer.headers["content-type"] == "image/png"
+        assert hashlib.sha256(answer.content).hexdigest() == sha
+
+
+def test_each_wire_format_takes_its_images(tmp_path: Path, engine: Server, checkpoint: Path,
+                                          vision: VisionProcessor) -> None:
+    """The official clients: an OpenAI chat `image_url` data URL, a Responses `input_image`, an Anthropic base64
+    `image` block; each model turn sees its image, and each record holds it."""
+    with session_host(tmp_path, engine.url, str(checkpoint), max_tokens=64) as buffer:
+        chat = open_session(buffer.url, "chat")
+        reply = openai.OpenAI(base_url=chat["base_url"], api_key=chat["api_key"]).chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": [
+                {"type": "text", "text": "Colour?"}, {"type": "image_url", "image_url": {"url": data_url(png(RED))}}]}])
+        assert reply.choices[0].message.content == "The image is red."
+        responses = open_session(buffer.url, "responses")
+        answer = openai.OpenAI(base_url=responses["base_url"], api_key=responses["api_key"]).responses.create(
+            model="policy", input=[{"role": "user", "content": [
+                {"type": "input_text", "text": "Colour?"}, {"type": "input_image", "image_url": data_url(png(BLUE))}]}])
+        assert answer.output_text == "The image is blue."
+        claude = open_session(buffer.url, "anthropic")
+        message = anthropic.Anthropic(base_url=claude["anthropic_base_url"], api_key=claude["api_key"]).messages.create(
+            model="policy", max_tokens=64, messages=[{"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": base64.b64encode(png(GREEN)).decode()}},
+                {"type": "text", "text": "Colour?"}]}])
+        assert message.content[0].text == "The image is green."
+        records = [record(buffer.url, uid) for s in (chat, responses, claude)
+                   for uid in finish(buffer.url, s, 1.0)["uids"]]
+    for rec in records:
+        assert_images(rec, vision, [(64, 48)])
+
+
+def test_a_screenshot_loop_resends_its_images_and_stays_one_branch(tmp_path: Path, engine: Server, checkpoint: Path,
+                                                                   vision: VisionProcessor) -> None:
+    """An agent that takes a screenshot each turn (a tool whose result is an image) and resends its whole history:
+    the session goes on in one branch, each image's tokens stay where they were, and each image is stored once."""
+    with session_host(tmp_path, engine.url, str(checkpoint), max_tokens=2048) as buffer:
+        session = open_session(buffer.url, "screens")
+        client = openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"])
+        history: list[Any] = [{"role": "user", "content": "Watch the screen."}]
+        colours = [RED, BLUE, GREEN, RED]  # the last screenshot is the first again: the same image, stored once
+        for turn, colour in enumerate(colours):
+            history.append({"role": "user", "content": [{"type": "text", "text": f"Screenshot {turn}:"},
+                                                        {"type": "image_url",
+                                                         "image_url": {"url": data_url(png(colour, (320, 200)))}}]})
+            reply = client.chat.completions.create(model="policy", messages=history).choices[0].message.content
+            history.append({"role": "assistant", "content": reply})
+        uids = finish(buffer.url, session, 1.0)["uids"]
+        [rec] = [record(buffer.url, uid) for uid in uids]
+        stored = [p for p in (tmp_path / "data" / "images").rglob("*") if p.is_file()]
+    assert rec["extra_info"]["turns"] == 4
+    assert_images(rec, vision, [(320, 200)] * 4)
+    assert [m["content"] for m in rec["messages"] if m["role"] == "assistant"] == [
+        "The image is red.", "The image is blue.", "The image is green.", "The image is red."]
+    assert len({i["sha256"] for i in rec["images"]}) == 3 and len(stored) == 3
+
+
+def test_bad_images_are_refused_naming_their_part_and_the_session_goes_on(tmp_path: Path, engine: Server,
+                                                                          checkpoint: Path) -> None:
+    with session_host(tmp_path, engine.url, str(checkpoint), max_image_bytes=4096) as buffer:
+        session = open_session(buffer.url, "bad")
+        url = f"{session['base_url']}/chat/completions"
+        headers = {"authorization": f"Bearer {session['api_key']}"}
+        big = io.BytesIO()
+        Image.effect_noise((128, 128), 64).convert("RGB").save(big, format="PNG")
+        for part, reason in (
+                ({"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}, "not an image"),
+                ({"type": "image_url", "image_url": {"url": "data:image/png;base64,???"}}, "not base64"),
+                ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "remote image URL"),
+                ({"type": "image_url", "image_url": {"url": data_url(big.getvalue())}}, "at most 4096")):
+            answer = httpx.post(url, headers=headers, timeout=30, json={"model": "policy", "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "Look:"}, part]}]})
+            assert answer.status_code == 400, answer.text
+            error = answer.json()["error"]
+            assert reason in error["message"] and error["param"] == "messages[0].content[1]", error
+        ok = httpx.post(url, headers=headers, timeout=30, json={"model": "policy", "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png(BLUE))}}]}]})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "The image is blue."
+        stored = [p for p in (tmp_path / "data" / "images").rglob("*") if p.is_file()]
+    assert len(stored) == 1  # the good one alone
+
+
+def test_a_text_model_is_sent_a_placeholder_and_its_record_says_so(tmp_path: Path, qwen_tokenizer_path: str) -> None:
+    with sim_engine(tmp_path, qwen_tokenizer_path) as text_engine, \
+            session_host(tmp_path, text_engine.url, qwen_tokenizer_path) as buffer:
+        session = open_session(buffer.url, "text")
+        openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"]).chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": [
+                {"type": "text", "text": "What is 2 + 2?"},
+                {"type": "image_url", "image_url": {"url": data_url(png(RED))}}]}])
+        [uid] = finish(buffer.url, session, 1.0)["uids"]
+        rec = record(buffer.url, uid)
+    assert rec["extra_info"]["images_omitted"] == 1 and "images" not in rec
+    assert rec["messages"][0]["content"] == "What is 2 + 2?\n[image omitted]"
+
+
+def test_the_engine_checks_each_images_placeholder_count(engine: Server, checkpoint: Path,
+                                                         vision: VisionProcessor) -> None:
+    ids = load_tokenizer(str(checkpoint)).encode("Look: ", add_special_tokens=False)
+    block = [vision.start_id, *[vision.pad_id] * (vision.tokens(64, 48) + 1), vision.end_id]
+    answer = httpx.post(f"{engine.url}/generate", timeout=30, json={
+        "input_ids": [*ids, *block], "image_data": [data_url(png(RED))], "sampling_params": {"max_new_tokens": 4}})
+    assert answer.status_code == 400 and "placeholder count mismatch" in answer.json()["error"]["message"]
+    answer = httpx.post(f"{engine.url}/generate", timeout=30, json={
+        "input_ids": [*ids, *block, *block], "image_data": [data_url(png(RED))], "sampling_params": {}})
+    assert answer.status_code == 400 and "2 image placeholders but 1 image inputs" in answer.json()["error"]["message"]
+
+
+def test_the_adapters_samples_carry_the_pixels_the_engine_saw(tmp_path: Path, engine: Server, checkpoint: Path,
+                                                              vision: VisionProcessor) -> None:
+    """slime's `multimodal_inputs` (the images, in order) and `multimodal_train_inputs` (the checkpoint's image
+    processor's `pixel_values` and `image_grid_thw`, whose patches are the tokens the record holds)."""
+    pytest.importorskip("torch")  # the image processor's outputs are tensors
+    from transformers import AutoImageProcessor
+
+    rows = [{"instance_id": "red", "prompt": "Colour?", "images": [data_url(png(RED, (320, 200)))], "label": "red"}]
+    with buffer_server(tmp_path) as buffer:
+        start(buffer.url, engine.url, write_jsonl(tmp_path / "vision.jsonl", rows), str(checkpoint),
+              task_type="vision", num_repeat_per_sample=2, max_tokens=32)
+        wait_finished(buffer.url)
+        records = drain(buffer.url)
+        with BufferClient(buffer.url) as client:
+            processor = AutoImageProcessor.from_pretrained(str(checkpoint))
+            builder = SampleBuilder(lambda: None, "qwen3", image=lambda sha: open_image(client.image(sha)),
+                                    image_processor=lambda: processor)
+            samples = [builder.build(r) for r in records]
+    for sample, rec in zip(samples, records, strict=True):
+        [image] = sample.multimodal_inputs["images"]
+        assert image.size == (320, 200) and image.getpixel((5, 5)) == RED
+        grid = sample.multimodal_train_inputs["image_grid_thw"].tolist()
+        assert grid == [list(vision.grid(320, 200))]
+        assert image_runs(rec, vision) == [grid[0][1] * grid[0][2] // 4]
+
+
+def test_a_session_with_images_survives_a_kill9(tmp_path: Path, engine: Server, checkpoint: Path,
+                                                vision: VisionProcessor) -> None:
+    """Its images are stored before its turn is answered: after a kill -9 and a restart the session goes on at
+    the same URL from the same tokens, the image resent continuing its branch."""
+    port = free_port()
+    args = ["serve", "--port", str(port), "--data-dir", str(tmp_path / "data")]
+    payload = {"task_type": "agent", "remote_engine_url": engine.url, "tokenizer_path": str(checkpoint)}
+    first = [{"role": "user", "content": [{"type": "text", "text": "Look:"},
+                                          {"type": "image_url", "image_url": {"url": data_url(png(RED))}}]}]
+    with running(args, "/healthz", port, tmp_path / "buffer.log") as buffer:
+        httpx.post(f"{buffer.url}/start_rollout", json=payload, timeout=30).raise_for_status()
+        session = open_session(buffer.url, "survivor")
+        client = openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"])
+        reply = client.chat.completions.create(model="policy", messages=first).choices[0].message.content
+        buffer.kill9()
+    with running(args, "/healthz", port, tmp_path / "buffer2.log") as buffer:
+        second = [*first, {"role": "assistant", "content": reply},
+                  {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png(BLUE))}}]}]
+        assert client.chat.completions.create(model="policy", messages=second).choices[0].message.content == \
+            "The image is blue."
+        [rec] = [record(buffer.url, uid) for uid in finish(buffer.url, session, 1.0)["uids"]]
+        assert httpx.get(f"{buffer.url}/images/{rec['images'][0]['sha256']}", timeout=10).status_code == 200
+    assert rec["extra_info"]["turns"] == 2
+    assert_images(rec, vision, [(64, 48), (64, 48)])
