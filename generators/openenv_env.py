@@ -86,6 +86,9 @@ class OpenEnvOptions(RunOptions):
     openenv_system_prompt: str | None = None
     openenv_prompt_field: str | None = Field(default=None, min_length=1,
                                              description="the observation field shown to the policy")
+    openenv_image_field: str | None = Field(
+        default=None, min_length=1,
+        description="the observation field holding images shown with it (base64 or data URLs, one or a list)")
     openenv_action_field: str | None = Field(default=None, min_length=1,
                                              description="the action field the policy's reply fills")
     openenv_max_steps: int = Field(default=32, ge=1)
@@ -240,7 +243,7 @@ async def _episode(http: httpx.AsyncClient, server: OpenEnvServer, session: Agen
         messages: list[dict[str, Any]] = []
         if opts.openenv_system_prompt:
             messages.append({"role": "system", "content": opts.openenv_system_prompt})
-        messages.append({"role": "user", "content": observation_text(result, opts.openenv_prompt_field)})
+        messages.append(observation_message(result, opts))
         tools = await _tools(env) if mcp else None
         episode = Episode([])
         while not result.done:
@@ -260,7 +263,7 @@ async def _episode(http: httpx.AsyncClient, server: OpenEnvServer, session: Agen
                 for call in calls:
                     result = await env.step(_tool_action(call))
                     episode.step_rewards.append(result.reward)
-                    messages.append({"role": "tool", "tool_call_id": call.get("id"), "content": tool_text(result)})
+                    messages.append({"role": "tool", "tool_call_id": call.get("id"), "content": tool_content(result)})
                     if result.done:
                         break
             else:
@@ -268,7 +271,7 @@ async def _episode(http: httpx.AsyncClient, server: OpenEnvServer, session: Agen
                                                     server.schema.get("action") or {}, opts.openenv_action_field))
                 episode.step_rewards.append(result.reward)
                 if not result.done:
-                    messages.append({"role": "user", "content": observation_text(result, opts.openenv_prompt_field)})
+                    messages.append(observation_message(result, opts))
         episode.done = True
         return episode
 
@@ -307,19 +310,47 @@ def _tool_action(call: dict[str, Any]) -> dict[str, Any]:
             "arguments": arguments if isinstance(arguments, dict) else {}}
 
 
+def observation_message(result: StepResult, opts: OpenEnvOptions) -> dict[str, Any]:
+    """The user message of an observation: its text (`observation_text`), with the images of
+    `openenv_image_field` after it as image parts when the run names one."""
+    text = observation_text(result, opts.openenv_prompt_field)
+    if opts.openenv_image_field is None:
+        return {"role": "user", "content": text}
+    found = _observed(result, opts.openenv_image_field, "openenv_image_field")
+    images = found if isinstance(found, list) else [found]
+    if not all(isinstance(i, str) for i in images):
+        raise EnvError("openenv_image_field", f"{opts.openenv_image_field!r} holds base64 or data URLs, not "
+                       f"{type(found).__name__}")
+    return {"role": "user", "content": [{"type": "text", "text": text}, *(_image_part(i) for i in images)]}
+
+
+def _image_part(image: str, media_type: str = "image/png") -> dict[str, Any]:
+    """An image part of the chat API (a data URL; the buffer reads the kind from the bytes)."""
+    url = image if image.startswith("data:") else f"data:{media_type};base64,{image}"
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _observed(result: StepResult, field: str, option: str) -> Any:
+    """The observation's `field` (dotted, looked up in the observation then its metadata); EnvError naming
+    `option` when it has none."""
+    obs = result.observation
+    for source in (obs, obs.get("metadata") or result.metadata):
+        value: Any = source
+        for part in field.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is not None:
+            return value
+    raise EnvError(option, f"the observation has no {field!r} (fields: {sorted(obs)})")
+
+
 def observation_text(result: StepResult, field: str | None) -> str:
     """What the policy is shown of an observation: `field` (dotted, looked up in the observation then its
     metadata), else its first text field, else a `prompt` in its metadata, else the observation as JSON."""
     obs = result.observation
     meta = obs.get("metadata") or result.metadata
     if field is not None:
-        for source in (obs, meta):
-            value: Any = source
-            for part in field.split("."):
-                value = value.get(part) if isinstance(value, dict) else None
-            if value is not None:
-                return value if isinstance(value, str) else json.dumps(value)
-        raise EnvError("openenv_prompt_field", f"the observation has no {field!r} (fields: {sorted(obs)})")
+        value = _observed(result, field, "openenv_prompt_field")
+        return value if isinstance(value, str) else json.dumps(value)
     for key in _TEXT_FIELDS:
         if isinstance(obs.get(key), str) and obs[key]:
             return str(obs[key])
@@ -328,16 +359,22 @@ def observation_text(result: StepResult, field: str | None) -> str:
     return json.dumps({k: v for k, v in obs.items() if k != "metadata"})
 
 
-def tool_text(result: StepResult) -> str:
-    """An MCP tool's answer as the tool message: its text content, or its error."""
+def tool_content(result: StepResult) -> str | list[dict[str, Any]]:
+    """An MCP tool's answer as the tool message: its text content (with its image content as image parts: a
+    screenshot tool), or its error."""
     obs = result.observation
     error = obs.get("error")
     if error:
         return f"Error: {error.get('message') if isinstance(error, dict) else error}"
     content = (obs.get("result") or {}).get("content") if isinstance(obs.get("result"), dict) else None
-    if isinstance(content, list):
-        return "\n".join(str(c.get("text", "")) for c in content if isinstance(c, dict))
-    return json.dumps(obs.get("result"))
+    if not isinstance(content, list):
+        return json.dumps(obs.get("result"))
+    items = [c for c in content if isinstance(c, dict)]
+    if not any(c.get("type") == "image" and isinstance(c.get("data"), str) for c in items):
+        return "\n".join(str(c.get("text", "")) for c in items)
+    return [_image_part(c["data"], str(c.get("mimeType") or "image/png"))
+            if c.get("type") == "image" and isinstance(c.get("data"), str)
+            else {"type": "text", "text": str(c.get("text", ""))} for c in items]
 
 
 def action_from(reply: str, action_schema: dict[str, Any], field: str | None) -> dict[str, Any]:

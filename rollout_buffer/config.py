@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from rollout_buffer.media.images import DEFAULT_MAX_IMAGE_BYTES
 from rollout_buffer.policy import Policy
 
 
@@ -49,6 +50,8 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # The image store, when it is not under the data dir (a session worker keeps its images in its buffer's).
     images_dir: Path | None = None
+    # The largest image a trajectory may bring (its bytes); larger ones are refused with the protocol's 400.
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     generator_paths: tuple[Path, ...] = ()
     # What clients may name: files to read, code to run, children's environment, sandbox, hosts to reach.
     policy: Policy = field(default_factory=Policy)

@@ -22,6 +22,7 @@ The kinds:
   the server's own user).
 - `network`: a sandbox's network: no less isolated than `--agent-network` (host < auto < isolated).
 - `urls`: hosts the server sends requests to: http(s), at most `max_urls`, under `--engine-host` when set.
+- Images named by URL in an agent's messages are fetched only from `--image-url-host` hosts (none by default).
 - `secret`: values kept from views (`/status`, the dashboard, logs, exports); `child_env` values are secret too.
 """
 
@@ -138,6 +139,7 @@ class Policy:
     network: Network = "auto"
     engine_hosts: tuple[str, ...] = ()  # empty: any host
     max_urls: int = MAX_URLS
+    image_url_hosts: tuple[str, ...] = ()  # hosts images named by URL are fetched from; empty: none
     # The resolved roots, computed once: a check must not resolve the operator's folders per request.
     _read: tuple[Path, ...] = field(default=(), init=False, repr=False, compare=False)
     _code: tuple[Path, ...] = field(default=(), init=False, repr=False, compare=False)
@@ -161,7 +163,7 @@ class Policy:
             raise ValueError(f"--policy {path}: expected a mapping of settings")
         keys = {"read": "read_roots", "code": "code_roots", "modules": "modules", "installs": "installs",
                 "env": "child_env", "images": "images", "agent_users": "users", "agent_network": "network",
-                "engine_hosts": "engine_hosts", "max_urls": "max_urls"}
+                "engine_hosts": "engine_hosts", "max_urls": "max_urls", "image_url_hosts": "image_url_hosts"}
         unknown = sorted(set(data) - set(keys))
         if unknown:
             raise ValueError(f"--policy {path}: unknown setting {unknown[0]!r}; known: {', '.join(keys)}")
@@ -196,6 +198,7 @@ class Policy:
             child_env=(*self.child_env, *other.child_env), images=(*self.images, *other.images),
             users=(*other.users, *self.users), network=other.network if other.network != "auto" else self.network,
             engine_hosts=(*self.engine_hosts, *other.engine_hosts), max_urls=min(self.max_urls, other.max_urls),
+            image_url_hosts=(*self.image_url_hosts, *other.image_url_hosts),
         )
 
     @property
@@ -344,8 +347,8 @@ class Policy:
 def policy_from_flags(read: Sequence[Path] = (), code: Sequence[Path] = (), modules: Sequence[str] = (),
                       installs: bool = False, env: Sequence[str] = (), images: Sequence[str] = (),
                       users: Sequence[str] = (), network: Network = "auto", engine_hosts: Sequence[str] = (),
-                      file: Path | None = None) -> Policy:
+                      image_url_hosts: Sequence[str] = (), file: Path | None = None) -> Policy:
     """The policy `serve`'s flags state, on top of `--policy FILE` when given."""
     flags = Policy(tuple(read), tuple(code), tuple(modules), installs, tuple(env), tuple(images), tuple(users),
-                   network, tuple(engine_hosts))
+                   network, tuple(engine_hosts), image_url_hosts=tuple(image_url_hosts))
     return Policy.from_file(file).merged(flags) if file is not None else flags

@@ -22,7 +22,9 @@ PACKAGE = "rollout_buffer"
 ALLOWED: dict[str, set[str]] = {
     # What the operator lets clients name (`--policy`, `--allow-*`): nothing of the service.
     "policy": set(),
-    "config": {"policy"},
+    # Images a trajectory saw (decoding, fetching from allowed hosts, the content-hashed store, placeholder counts).
+    "media": {"policy"},
+    "config": {"policy", "media"},
     "schemas": {"policy"},
     # Starting and ending child processes (environments, agents' commands, session workers): nothing of the service.
     "processes": set(),
@@ -32,14 +34,14 @@ ALLOWED: dict[str, set[str]] = {
     "delivery": {"policy", "config", "schemas", "observability"},
     # The SGLang engine client: nothing of runs, records or tokens.
     "engine": {"policy", "observability"},
-    "tokens": {"observability", "delivery", "engine", "shortcuts"},
-    "generation": {"policy", "config", "schemas", "observability", "delivery", "engine", "tokens"},
+    "tokens": {"observability", "delivery", "engine", "shortcuts", "media"},
+    "generation": {"policy", "config", "schemas", "observability", "delivery", "engine", "tokens", "media"},
     "proxy": {"policy", "config", "schemas", "observability", "delivery", "engine", "tokens", "generation",
-              "processes", "shortcuts"},
+              "processes", "shortcuts", "media"},
     # Executors run trajectories elsewhere (Ray actors) with the generator API; the server picks one.
     "executors": {"policy", "config", "schemas", "observability", "delivery", "engine", "tokens", "generation"},
     "server": {"policy", "config", "schemas", "observability", "delivery", "engine", "tokens", "generation", "proxy",
-               "executors", "shortcuts"},
+               "executors", "shortcuts", "media"},
     # Environments in their own processes: the buffer's side knows nothing of the service.
     "environments": {"processes"},
 }
@@ -69,8 +71,9 @@ DELIVERY: dict[str, set[str]] = {
 # speaks HTTP only, the simulated engine is a process the demo and the tests start.
 OUTSIDE = ("generators", "slime_adapter", "rollout_sim")
 SIMULATOR = "rollout_sim"
-# What the simulator may take from the service: the bundled tokenizer, which the engine it imitates loads too.
-SIMULATOR_USES = {"rollout_buffer.tokens.tokenizer"}
+# What the simulator may take from the service: the bundled tokenizer and the vision processor's placeholder counts,
+# which the engine it imitates computes too.
+SIMULATOR_USES = {"rollout_buffer.tokens.tokenizer", "rollout_buffer.media.vision"}
 
 
 def _module_name(path: Path) -> str:
@@ -232,7 +235,7 @@ def test_no_function_outgrows_one_screen() -> None:
     assert long == [], "split these by concern"
 
 
-def test_the_simulator_stands_outside_the_service_and_uses_only_the_tokenizer() -> None:
+def test_the_simulator_stands_outside_the_service_and_uses_only_what_the_engine_computes_too() -> None:
     assert not (ROOT / PACKAGE / "sim").exists()
     graph = _graph(SIMULATOR)
     assert len(graph) > 5, "the walk found the simulator's modules"

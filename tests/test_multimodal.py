@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import http.server
 import io
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from environment_venvs import OPENENV_ENVS
 from PIL import Image
 from runs import drain, start, wait_finished, write_jsonl
 from servers import Server, buffer_server, free_port, running, session_host, sim_engine
@@ -26,6 +30,7 @@ from vision_checkpoint import png, vision_checkpoint
 
 from rollout_buffer.media.vision import VisionProcessor
 from rollout_buffer.tokens.tokenizer import load_tokenizer
+from rollout_buffer.tools.export import export_to_file
 from slime_adapter.client import BufferClient
 from slime_adapter.records import SampleBuilder, open_image
 
@@ -87,6 +92,7 @@ def test_a_native_vision_run_sends_the_pixels_and_keeps_exact_tokens(tmp_path: P
         records = drain(buffer.url)
         served = {i["sha256"]: httpx.get(f"{buffer.url}/images/{i['sha256']}", timeout=10) for r in records
                   for i in r["images"]}
+        exported = export_to_file(tmp_path / "data", tmp_path / "export" / "run.jsonl")
     assert status["run"]["progress"]["failed"] == 0
     assert len(records) == 4
     for rec in records:
@@ -96,6 +102,8 @@ def test_a_native_vision_run_sends_the_pixels_and_keeps_exact_tokens(tmp_path: P
     for sha, answer in served.items():
         assert answer.status_code == 200 and answer.headers["content-type"] == "image/png"
         assert hashlib.sha256(answer.content).hexdigest() == sha
+        assert (tmp_path / "export" / "images" / f"{sha}.png").read_bytes() == answer.content  # beside the JSONL
+    assert exported.records == 4 and exported.images == set(served)
 
 
 def test_each_wire_format_takes_its_images(tmp_path: Path, engine: Server, checkpoint: Path,
@@ -153,7 +161,7 @@ def test_a_screenshot_loop_resends_its_images_and_stays_one_branch(tmp_path: Pat
 
 def test_bad_images_are_refused_naming_their_part_and_the_session_goes_on(tmp_path: Path, engine: Server,
                                                                           checkpoint: Path) -> None:
-    with session_host(tmp_path, engine.url, str(checkpoint), max_image_bytes=4096) as buffer:
+    with session_host(tmp_path, engine.url, str(checkpoint), "--max-image-bytes", "4096") as buffer:
         session = open_session(buffer.url, "bad")
         url = f"{session['base_url']}/chat/completions"
         headers = {"authorization": f"Bearer {session['api_key']}"}
@@ -174,6 +182,105 @@ def test_bad_images_are_refused_naming_their_part_and_the_session_goes_on(tmp_pa
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "The image is blue."
         stored = [p for p in (tmp_path / "data" / "images").rglob("*") if p.is_file()]
     assert len(stored) == 1  # the good one alone
+
+
+@contextmanager
+def image_host(images: dict[str, bytes]) -> Iterator[tuple[str, list[str]]]:
+    """An HTTP server on loopback serving `images` by path, `/moved` redirecting to the first; its URL and the paths
+    it was asked for."""
+    asked: list[str] = []
+    first = next(iter(images))
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            asked.append(self.path)
+            if self.path == "/moved":
+                self.send_response(302)
+                self.send_header("Location", first)
+                self.end_headers()
+                return
+            body = images.get(self.path)
+            self.send_response(200 if body is not None else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", asked
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("workers", [0, 1], ids=["in-the-buffer", "on-a-session-worker"])
+def test_an_image_url_is_fetched_only_from_a_host_the_operator_allows(tmp_path: Path, engine: Server,
+                                                                      checkpoint: Path, vision: VisionProcessor,
+                                                                      workers: int) -> None:
+    """`--image-url-host 127.0.0.1`: an OpenAI `image_url` and an Anthropic `url` source on it are fetched (once,
+    however often the history resends them); a redirect, a 404 and another host are 400s naming the part."""
+    with image_host({"/red.png": png(RED), "/green.png": png(GREEN)}) as (host, asked), \
+            session_host(tmp_path, engine.url, str(checkpoint), "--image-url-host", "127.0.0.1",
+                         "--session-workers", str(workers), "--session-worker-port", str(free_port()),
+                         max_tokens=64) as buffer:
+        chat = open_session(buffer.url, "chat")
+        client = openai.OpenAI(base_url=chat["base_url"], api_key=chat["api_key"])
+        history: list[Any] = [{"role": "user", "content": [
+            {"type": "text", "text": "Colour?"}, {"type": "image_url", "image_url": {"url": f"{host}/red.png"}}]}]
+        for _ in range(2):
+            reply = client.chat.completions.create(model="policy", messages=history)
+            assert reply.choices[0].message.content == "The image is red."
+            history += [{"role": "assistant", "content": reply.choices[0].message.content},
+                        {"role": "user", "content": "And now?"}]
+        claude = open_session(buffer.url, "anthropic")
+        message = anthropic.Anthropic(base_url=claude["anthropic_base_url"], api_key=claude["api_key"]).messages.create(
+            model="policy", max_tokens=64, messages=[{"role": "user", "content": [
+                {"type": "image", "source": {"type": "url", "url": f"{host}/green.png"}},
+                {"type": "text", "text": "Colour?"}]}])
+        assert message.content[0].text == "The image is green."
+        url = f"{chat['base_url']}/chat/completions"
+        for where, reason in ((f"{host}/moved", "answered 302"), (f"{host}/missing.png", "answered 404"),
+                              (host.replace("127.0.0.1", "localhost") + "/red.png", "--image-url-host")):
+            answer = httpx.post(url, headers={"authorization": f"Bearer {chat['api_key']}"}, timeout=30, json={
+                "model": "policy", "messages": [{"role": "user", "content": [
+                    {"type": "text", "text": "Look:"}, {"type": "image_url", "image_url": {"url": where}}]}]})
+            assert answer.status_code == 400, answer.text
+            error = answer.json()["error"]
+            assert reason in error["message"] and error["param"] == "messages[0].content[1]", error
+        records = [record(buffer.url, uid) for s in (chat, claude) for uid in finish(buffer.url, s, 1.0)["uids"]]
+    assert asked == ["/red.png", "/green.png", "/moved", "/missing.png"]  # each image fetched once, no redirect
+    assert_images(records[0], vision, [(64, 48)])
+    assert [i["sha256"] for r in records for i in r["images"]] == [hashlib.sha256(png(c)).hexdigest()
+                                                                   for c in (RED, GREEN)]
+
+
+def test_an_openenv_environments_image_observations_reach_the_model(tmp_path: Path, engine: Server,
+                                                                     checkpoint: Path, vision: VisionProcessor,
+                                                                     openenv_python: str) -> None:
+    """OpenEnv's own server library (`colour_cards.py`): each observation's `image` field is shown with its text;
+    the model names each card's colour (the pixels reached it), the environment scores that, and the record holds
+    both cards' tokens in the order they were shown, at loss 0."""
+    resets = [{"seed": 1}, {"seed": 2}]
+    with buffer_server(tmp_path) as buffer:
+        answer = httpx.post(f"{buffer.url}/start_rollout", timeout=120, json={
+            "task_type": "openenv", "remote_engine_url": engine.url, "tokenizer_path": str(checkpoint),
+            "num_repeat_per_sample": 1, "max_tokens": 64, "openenv_resets": resets,
+            "openenv_image_field": "image",
+            "openenv_command": [openenv_python, str(OPENENV_ENVS / "colour_cards.py"), "--port", "{port}"]})
+        assert answer.status_code == 200, answer.text
+        status = wait_finished(buffer.url, timeout_s=300)
+        records = drain(buffer.url)
+    assert status["run"]["progress"]["statuses"] == {"completed": 2}, status["run"]["progress"]
+    for rec in records:
+        assert rec["raw_reward"] == 2.0 and rec["extra_info"]["openenv"]["step_rewards"] == [1.0, 1.0]
+        assert_images(rec, vision, [(64, 48), (64, 48)])
+        said = [m["content"] for m in rec["messages"] if m["role"] == "assistant"]
+        assert len(said) == 2 and all(s.startswith("The image is ") for s in said)
 
 
 def test_a_text_model_is_sent_a_placeholder_and_its_record_says_so(tmp_path: Path, qwen_tokenizer_path: str) -> None:

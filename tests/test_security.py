@@ -25,6 +25,7 @@ import pytest
 from readable import readable_copies
 from servers import Server, free_port, sim_engine
 
+from rollout_buffer.media.image_fetch import url_host_allowed
 from rollout_buffer.policy import Policy, PolicyRefused
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -266,6 +267,13 @@ def test_the_policy_file_is_checked_at_start(tmp_path: Path) -> None:
     with pytest.raises(PolicyRefused, match=r"--engine-host router\.internal"):
         Policy(engine_hosts=("10.0.0.*",)).check("remote_engine_url", "urls", "http://router.internal:30000")
     assert Policy(engine_hosts=("10.0.0.*",)).check("remote_engine_url", "urls", ["http://10.0.0.5:1"])
+    # Images named by URL: fetched from no host unless the file (or --image-url-host) names it.
+    good = tmp_path / "images.yaml"
+    good.write_text("image_url_hosts: [screens.internal]\n")
+    assert Policy.from_file(good).image_url_hosts == ("screens.internal",) and Policy().image_url_hosts == ()
+    assert url_host_allowed("http://screens.internal/a.png", ("screens.internal",))
+    assert not url_host_allowed("http://screens.internal/a.png", ())
+    assert not url_host_allowed("file:///etc/passwd", ("*",)) and not url_host_allowed("http://evil/a", ("screens*",))
 
 
 def test_the_policy_judges_paths_as_resolved(tmp_path: Path) -> None:

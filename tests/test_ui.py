@@ -2,10 +2,11 @@
 buffer behind --auth-token with a simulated math rollout running: the run and its moving counts, the token
 view's loss-mask styling, a rejected token; the charts (titles, axes with units, labels off the line, "no data
 yet", scaled to the current run), run ids on one line, long messages collapsed, a page load without an error;
-and its read-only API over HTTP (auth, paging, filters, 422s)."""
+a record's images in place; and its read-only API over HTTP (auth, paging, filters, 422s)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -23,6 +24,7 @@ import pytest
 from ops_helpers import math_rows, scrape, start_run, write_jsonl
 from servers import Server, free_port, free_ports, running
 from servers import sim_engine as start_sim_engine
+from vision_checkpoint import png, vision_checkpoint
 
 CHROMIUM = os.environ.get("RB_CHROMIUM", "/usr/bin/chromium")
 TOKEN = "ui-s3cret"
@@ -641,3 +643,31 @@ def wait_run_over(srv: Server, timeout_s: float = 120) -> dict:
         assert time.monotonic() < deadline, status["run"]
         time.sleep(0.2)
     return status
+
+
+def test_a_records_images_show_in_the_inspector_fetched_with_the_token(open_dashboard, tmp_path: Path) -> None:
+    """A native vision run's record opened in the inspector: each image part is drawn where the message has it,
+    from `/images/{sha256}` read with the token (the image URL alone, without it, is refused)."""
+    checkpoint = vision_checkpoint(tmp_path / "checkpoint")
+    rows = [{"instance_id": "red", "prompt": "What colour is it?", "label": "red",
+             "images": ["data:image/png;base64," + base64.b64encode(png((220, 30, 30), (64, 48))).decode()]}]
+    (tmp_path / "sim").mkdir()
+    with start_sim_engine(tmp_path / "sim", str(checkpoint)) as engine, own_buffer(tmp_path) as srv:
+        run = start_run(srv.url, engine.url, write_jsonl(tmp_path / "vision.jsonl", rows), str(checkpoint),
+                        headers=AUTH, task_type="vision", num_repeat_per_sample=1, max_tokens=32)
+        wait_stored(srv, run, 1)
+        listed = httpx.get(f"{srv.url}/ui/api/trajectories", params={"run_id": run}, headers=AUTH, timeout=10)
+        uid = listed.json()["items"][0]["uid"]
+        sha = httpx.get(f"{srv.url}/trajectories/{uid}", headers=AUTH, timeout=10).json()["images"][0]["sha256"]
+        assert httpx.get(f"{srv.url}/images/{sha}", timeout=10).status_code == 401
+        page, problems = connected(open_dashboard, srv)
+        page.fill("#search input[name=uid]", uid)
+        page.click("#search button")
+        page.locator(f"#results tr[data-uid='{uid}']").click()
+        image = page.locator("#messages .msg.role-user img.msg-image")
+        image.wait_for()
+        page.wait_for_function("() => document.querySelector('#messages img.msg-image')?.naturalWidth > 0")
+        assert image.evaluate("i => [i.naturalWidth, i.naturalHeight]") == [64, 48]
+        assert sha in (image.get_attribute("title") or "")
+        assert "What colour is it?" in page.inner_text("#messages .msg.role-user")
+    assert problems == [], problems

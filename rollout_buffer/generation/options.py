@@ -103,7 +103,8 @@ class SignalOptions(RunOptions):
     error_prefix: ClassVar[str] = "trainer signal options"
 
     return_routed_experts: bool = Field(default=False, description="MoE routing replay: each token's experts")
-    top_p_replay: bool | None = Field(default=None, description="the ids top-p kept (default: when top_p < 1)")
+    top_p_replay: bool | None = Field(
+        default=None, description="the ids top-p kept (default: when top_p < 1 and the run has exact tokens)")
     teacher_engine_url: Annotated[str | list[str] | None, Governed("urls")] = Field(
         default=None, description="an SGLang engine (or several) serving the teacher, for its log-probs")
 
@@ -113,17 +114,18 @@ class SignalOptions(RunOptions):
         check_http_urls(value, "teacher engine URL")
         return value
 
-    def top_p(self, sampling_params: dict[str, Any]) -> bool:
-        """Whether a run with these sampling params asks for top-p kept ids."""
+    def top_p(self, sampling_params: dict[str, Any], exact_tokens: bool = True) -> bool:
+        """Whether a run with these sampling params asks for top-p kept ids: by default only one with exact tokens
+        (a chat-mode run has none to replay them on, and is not refused for a default)."""
         if self.top_p_replay is not None:
             return self.top_p_replay
         top_p = sampling_params.get("top_p")
-        return isinstance(top_p, int | float) and not isinstance(top_p, bool) and top_p < 1.0
+        return exact_tokens and isinstance(top_p, int | float) and not isinstance(top_p, bool) and top_p < 1.0
 
-    def asked(self, sampling_params: dict[str, Any]) -> list[str]:
+    def asked(self, sampling_params: dict[str, Any], exact_tokens: bool = True) -> list[str]:
         """The options of these that ask for something."""
         return [name for name, on in (("return_routed_experts", self.return_routed_experts),
-                                      ("top_p_replay", self.top_p(sampling_params)),
+                                      ("top_p_replay", self.top_p(sampling_params, exact_tokens)),
                                       ("teacher_engine_url", self.teacher_engine_url is not None)) if on]
 
 
@@ -153,7 +155,7 @@ async def check_engine_options(payload: dict[str, Any]) -> list[str]:
             if isinstance(value, int) and value > context:
                 whose = "the run's context_length" if options.context_length else "the engine's context length"
                 raise ValueError(f"{name}: {value} tokens cannot fit {whose} ({context} tokens, prompt included)")
-    chat = not payload.get("tokenizer_path") or payload.get("engine_mode") == "chat"
+    chat = not exact_tokens(payload)
     check_signals(payload, params, chat, any(f.router for f in found))
     if not any(f.router for f in found):
         return warnings
@@ -173,8 +175,8 @@ async def engines_for_signals(payload: dict[str, Any]) -> tuple[dict[str, Any], 
     """`payload` with an sglang-router's URL replaced by its workers' when the run asks for routed experts or
     top-p kept ids (the router's `/generate` drops what asks for them), and the warning saying so."""
     url = payload.get("remote_engine_url")
-    asked = [n for n in SignalOptions.from_run(payload).asked(payload.get("sampling_params") or {})
-             if n != "teacher_engine_url"]
+    asked = [n for n in SignalOptions.from_run(payload).asked(payload.get("sampling_params") or {},
+                                                                exact_tokens(payload)) if n != "teacher_engine_url"]
     if not asked or not isinstance(url, str):
         return payload, []
     workers = await router_workers(url, _START_PROBE_TIMEOUT_S, payload.get("engine_hosts") or ())
@@ -185,10 +187,15 @@ async def engines_for_signals(payload: dict[str, Any]) -> tuple[dict[str, Any], 
         f"generates on its workers directly ({', '.join(workers)})"]
 
 
+def exact_tokens(payload: dict[str, Any]) -> bool:
+    """Whether a run's start payload gives it exact tokens (a tokenizer, not `engine_mode: chat`)."""
+    return bool(payload.get("tokenizer_path")) and payload.get("engine_mode") != "chat"
+
+
 def check_signals(payload: dict[str, Any], params: dict[str, Any], chat: bool, router: bool) -> None:
     """ValueError naming the trainer signal a run asks (`generation.trainer_signals`) that it cannot get: each needs
     exact tokens, and sglang-router drops what asks for routed experts and top-p kept ids."""
-    asked = SignalOptions.from_run(payload).asked(params)
+    asked = SignalOptions.from_run(payload).asked(params, not chat)
     if asked and chat:
         raise ValueError(f"{asked[0]}: needs the run's exact tokens: give tokenizer_path (not engine_mode chat)")
     dropped = [name for name in asked if name != "teacher_engine_url"]

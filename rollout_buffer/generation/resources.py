@@ -17,6 +17,7 @@ from rollout_buffer.generation.options import SignalOptions
 from rollout_buffer.generation.sessions import SessionHost
 from rollout_buffer.generation.trainer_signals import TrainerSignals
 from rollout_buffer.media.image_store import ImageStore
+from rollout_buffer.media.images import DEFAULT_MAX_IMAGE_BYTES
 from rollout_buffer.media.run_images import RunImages
 from rollout_buffer.media.vision import VisionProcessor
 from rollout_buffer.schemas import StartRolloutRequest
@@ -29,9 +30,11 @@ _ENGINE_OPTIONS = ("timeout_s", "max_retries", "backoff_s", "max_abort_resumes",
 
 
 async def run_resources(run_id: str, req: StartRolloutRequest, sessions: SessionHost | None = None,
-                        images_root: Path | None = None) -> RunResources:
+                        images_root: Path | None = None, max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+                        image_url_hosts: tuple[str, ...] = ()) -> RunResources:
     """The run's shared resources: its tokenizer (loaded in a worker thread), a new engine client, its settings,
-    and its images, kept under `images_root` (None: the run takes none)."""
+    and its images, kept under `images_root` (None: the run takes none), each at most `max_image_bytes`, fetched
+    by URL from `image_url_hosts` only."""
     tokenizer = await load_run_tokenizer(run_id, req)
     extra = req.model_extra or {}
     engine = EngineClient(req.engine_urls(), **engine_options(req))
@@ -48,18 +51,18 @@ async def run_resources(run_id: str, req: StartRolloutRequest, sessions: Session
         mask_offpolicy=req.mask_offpolicy_in_partial_rollout,
         sessions=sessions,
         signals=trainer_signals(req, engine) if tokenizer is not None else None,
-        images=await run_images(req, tokenizer, images_root),
+        images=await run_images(req, tokenizer, images_root, max_image_bytes, image_url_hosts),
     )
 
 
-async def run_images(req: StartRolloutRequest, tokenizer: Any | None, root: Path | None) -> RunImages | None:
+async def run_images(req: StartRolloutRequest, tokenizer: Any | None, root: Path | None, max_bytes: int,
+                     url_hosts: tuple[str, ...] = ()) -> RunImages | None:
     """The run's images, kept under `root`, read with its checkpoint's image processor when it has one
     (`media.vision`); None without a store or a tokenizer."""
     if root is None or tokenizer is None or not req.tokenizer_path:
         return None
     vision = await asyncio.to_thread(VisionProcessor.of, req.tokenizer_path, tokenizer)
-    limit = (req.model_extra or {}).get("max_image_bytes")
-    return RunImages(ImageStore(root), vision, *([int(limit)] if limit else []))
+    return RunImages(ImageStore(root), vision, max_bytes, url_hosts)
 
 
 def trainer_signals(req: StartRolloutRequest, engine: EngineClient) -> TrainerSignals | None:

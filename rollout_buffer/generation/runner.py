@@ -198,7 +198,9 @@ class Run:
 
     # ---- native generators -----------------------------------------------------------------------
     async def _run_native(self) -> None:
-        resources = self.resources = await run_resources(self.run_id, self.req, self.sessions, self.config.image_dir)
+        resources = self.resources = await run_resources(self.run_id, self.req, self.sessions, self.config.image_dir,
+                                                         self.config.max_image_bytes,
+                                                         self.config.policy.image_url_hosts)
         self.ready.set()
         if self.sessions is not None:
             await self.sessions.start_run(self.run_id)

@@ -11,6 +11,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_buffer.media.image_fetch import fetch_image_bytes
 from rollout_buffer.media.image_store import ImageStore
 from rollout_buffer.media.images import (
     DEFAULT_MAX_IMAGE_BYTES,
@@ -42,11 +43,14 @@ class ImageInfo:
 class RunImages:
     """One run's images (module docstring)."""
 
-    def __init__(self, store: ImageStore, vision: VisionProcessor | None, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES):
+    def __init__(self, store: ImageStore, vision: VisionProcessor | None, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+                 url_hosts: tuple[str, ...] = ()):
         self.store = store
         self.vision = vision
         self.max_bytes = max_bytes
+        self.url_hosts = url_hosts  # the hosts images are fetched from by URL (`image_fetch`); empty: none
         self._infos: dict[str, ImageInfo] = {}
+        self._fetched: dict[str, str] = {}  # URL → the hash of what it gave
         self._urls: OrderedDict[str, str] = OrderedDict()
         self._url_bytes = 0
 
@@ -56,6 +60,15 @@ class RunImages:
         if image.sha256 not in self._infos:
             await asyncio.to_thread(self.store.put, image)
         return self._remember(image)
+
+    async def fetched(self, url: str) -> str:
+        """The image at `url` as a data URL: fetched from an allowed host once, then known by its hash (ValueError
+        saying why it is not taken)."""
+        sha = self._fetched.get(url)
+        if sha is None:
+            sha = (await self.take(await fetch_image_bytes(url, self.url_hosts, self.max_bytes))).sha256
+            self._fetched[url] = sha
+        return (await self.data_urls([sha]))[0]
 
     async def canonical(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """`messages` with each image part a generator gave (`{"type": "image", "image": ...}` holding bytes, a

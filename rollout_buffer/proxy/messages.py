@@ -125,8 +125,9 @@ def _image(part: dict[str, Any], where: str) -> dict[str, Any]:
         raise WireError("invalid_request", f"{where}: an image part needs a data URL or base64 data", where)
     if url.startswith("data:"):
         return _held(None, url, where)
-    raise WireError("invalid_request", f"{where}: a remote image URL ({url[:80]}); this server fetches no images: "
-                    "send the image itself, as a data URL or base64", where)
+    raise WireError("invalid_request", f"{where}: a remote image URL ({url[:80]}) on a host this server does not "
+                    "fetch images from (serve --image-url-host): send the image itself, as a data URL or base64",
+                    where)
 
 
 def _held(data: str | None, url: str | None, where: str) -> dict[str, Any]:

@@ -449,10 +449,8 @@ class Session:
                 "protocols": sorted(b.protocols),
                 "episode_reward": float(reward),
             }
-            if b.lane is not None:
-                info["lane"] = b.lane
-            if self.images_omitted:
-                info["images_omitted"] = self.images_omitted
+            extras = {"lane": b.lane, "images_omitted": self.images_omitted or None}
+            info.update({k: v for k, v in extras.items() if v is not None})
             if self.metadata:
                 info.setdefault("metadata", self.metadata)
             record = await self.ctx.trajectory(b.conv, reward, b.conv.finish_reason or "stop", **info)

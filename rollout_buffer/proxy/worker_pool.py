@@ -162,6 +162,8 @@ class SessionWorkers:
         await asyncio.to_thread(folder.mkdir, parents=True, exist_ok=True)
         args = ["--index", str(slot.index), "--data-dir", str(folder), "--buffer-url", self.launcher.buffer_url,
                 "--images-dir", str(self.config.image_dir.resolve()),
+                "--max-image-bytes", str(self.config.max_image_bytes),
+                *(a for h in self.config.policy.image_url_hosts for a in ("--image-url-host", h)),
                 "--max-body-bytes", str(self.config.max_body_bytes),
                 "--batch-ms", str(self.config.session_worker_batch_ms),
                 "--log-level", logging.getLevelName(logging.getLogger().level), "--access-log", logs.access_mode()]

@@ -31,6 +31,7 @@ from rollout_buffer.generation.run_manager import RunManager
 from rollout_buffer.observability import logs, metrics
 from rollout_buffer.proxy.adapter import StreamState, WireAdapter
 from rollout_buffer.proxy.anthropic_messages import AnthropicMessagesAdapter
+from rollout_buffer.proxy.image_urls import fetch_image_urls
 from rollout_buffer.proxy.manager import SessionManager
 from rollout_buffer.proxy.messages import WireError
 from rollout_buffer.proxy.openai_chat import OpenAIChatAdapter
@@ -177,7 +178,7 @@ def reason_of(err: WireError) -> str:
 
 
 async def _count_tokens(request: Request, session: Session) -> Response:
-    req = ANTHROPIC.parse(_json(await request.body()))
+    req = ANTHROPIC.parse(await _request_body(request, session))
     return json_response({"input_tokens": await session.count_tokens(req)})
 
 
@@ -244,7 +245,7 @@ def _session(scope: Scope, sessions: SessionManager, guards: Guards, session_id:
 
 
 async def _turn(request: Request, session: Session, adapter: WireAdapter) -> Response:
-    req = adapter.parse(_json(await request.body(), session.bodies, adapter.history_key), session.history)
+    req = adapter.parse(await _request_body(request, session, adapter), session.history)
     adapter.bind(req, session)
     req.lane = _lane(request.scope)
     if req.stream:
@@ -254,6 +255,17 @@ async def _turn(request: Request, session: Session, adapter: WireAdapter) -> Res
     if result is None:
         return Response(status_code=499)  # nobody reads it; the turn was cancelled and taken back
     return TurnReply(adapter.response(req, result.reply), result.reply.completion_tokens)
+
+
+async def _request_body(request: Request, session: Session, adapter: WireAdapter | None = None) -> Any:
+    """The body parsed (a turn's with the session's body cache), its remote image URLs fetched where the operator
+    allows their host (`proxy.image_urls`)."""
+    raw = await request.body()
+    body = _json(raw) if adapter is None else _json(raw, session.bodies, adapter.history_key)
+    images = session.ctx.run.images
+    if images is not None and images.url_hosts:
+        await fetch_image_urls(body, images)
+    return body
 
 
 def _lane(scope: Scope) -> str | None:

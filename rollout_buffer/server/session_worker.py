@@ -30,7 +30,9 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rollout_buffer.config import AUTH_TOKEN_ENV, DEFAULT_MAX_BODY_BYTES, ServerConfig
+from rollout_buffer.media.images import DEFAULT_MAX_IMAGE_BYTES
 from rollout_buffer.observability.logs import ACCESS_LOG_MODES, setup_logging
+from rollout_buffer.policy import Policy
 from rollout_buffer.proxy.worker_run import WORKER_SECRET_ENV, WORKER_SECRET_HEADER
 from rollout_buffer.server.app import BufferApp, answer_errors_as_slime
 from rollout_buffer.server.bodies import error_response
@@ -119,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data-dir", type=Path, required=True, help="this worker's folder (its sessions' journals)")
     p.add_argument("--buffer-url", required=True, help="where the buffer takes this worker's records")
     p.add_argument("--images-dir", type=Path, default=None, help="the buffer's image store (on this machine)")
+    p.add_argument("--max-image-bytes", type=int, default=DEFAULT_MAX_IMAGE_BYTES)
+    p.add_argument("--image-url-host", action="append", default=[], help="the buffer's --image-url-host")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument("--batch-ms", type=float, default=ServerConfig.session_worker_batch_ms,
                    help="how long finished records wait for others before they go to the buffer")
@@ -142,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
             listeners.append(sandboxes[1])
         token = os.environ.pop(AUTH_TOKEN_ENV, None) or None
         config = ServerConfig(host=args.host, port=args.port, data_dir=args.data_dir, images_dir=args.images_dir,
+                              max_image_bytes=args.max_image_bytes,
+                              policy=Policy(image_url_hosts=tuple(args.image_url_host)),
                               auth_token=token,
                               max_body_bytes=args.max_body_bytes, session_worker_batch_ms=args.batch_ms,
                               agent_socket=sandboxes[0] if sandboxes is not None else None)

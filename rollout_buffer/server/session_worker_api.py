@@ -91,7 +91,9 @@ class SessionWorker:
     async def build(self, run_id: str, payload: dict[str, Any]) -> WorkerRun:
         """Open a run here from its start payload: its engine client and tokenizer."""
         req = StartRolloutRequest.model_validate(payload)
-        run = WorkerRun(await run_resources(run_id, req, images_root=self.config.image_dir), self.link)
+        run = WorkerRun(await run_resources(run_id, req, images_root=self.config.image_dir,
+                                            max_image_bytes=self.config.max_image_bytes,
+                                            image_url_hosts=self.config.policy.image_url_hosts), self.link)
         self.runs[run_id] = run
         return run
 

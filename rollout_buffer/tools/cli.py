@@ -25,6 +25,7 @@ from rollout_buffer.config import (
     version,
 )
 from rollout_buffer.delivery.store import StoreError, check_store
+from rollout_buffer.media.images import DEFAULT_MAX_IMAGE_BYTES
 from rollout_buffer.observability.logs import ACCESS_LOG_MODES, setup_logging
 from rollout_buffer.policy import NETWORKS, Policy, policy_from_flags
 from rollout_buffer.server.listeners import agent_socket, tcp_listener
@@ -66,6 +67,8 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
                    help="require 'Authorization: Bearer T' (also read from ROLLOUT_BUFFER_AUTH_TOKEN)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body; larger ones are refused with 413")
+    p.add_argument("--max-image-bytes", type=int, default=DEFAULT_MAX_IMAGE_BYTES,
+                   help="largest image a trajectory may bring; larger ones are refused with the protocol's 400")
     p.add_argument("--hook-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="how long a generator's is_valid_group / transform_group may take; its group is dropped "
                         "(reason hook_timeout) past it")
@@ -129,6 +132,9 @@ def _policy_flags(p: argparse.ArgumentParser) -> None:
     policy.add_argument("--engine-host", action="append", default=[], metavar="HOST",
                         help="a host (or fnmatch pattern) the server may send requests to: engine URLs, a router's "
                         "workers, retrieval and OpenEnv servers (repeatable; default: any host)")
+    policy.add_argument("--image-url-host", action="append", default=[], metavar="HOST",
+                        help="a host (or fnmatch pattern) images an agent names by URL are fetched from: no "
+                        "redirects, within --max-image-bytes (repeatable; default: none, such a URL is a 400)")
     policy.add_argument("--policy", type=Path, default=None, metavar="FILE",
                         help="a YAML file stating all of the above (the flags add to it)")
 
@@ -166,7 +172,7 @@ def _policy(args: argparse.Namespace) -> Policy:
     return policy_from_flags(read=(*bundled, *args.data_root), code=args.allow_code, modules=args.allow_module,
                              installs=args.allow_installs, env=args.allow_env, images=args.allow_image,
                              users=args.agent_user, network=args.agent_network, engine_hosts=args.engine_host,
-                             file=args.policy)
+                             image_url_hosts=args.image_url_host, file=args.policy)
 
 
 # `serve`'s exit status when it cannot start, one line on stderr saying why (docs/reliability.md).
@@ -188,6 +194,7 @@ def _config(args: argparse.Namespace) -> ServerConfig:
         group_size=args.group_size,
         auth_token=args.auth_token,
         max_body_bytes=args.max_body_bytes,
+        max_image_bytes=args.max_image_bytes,
         hook_timeout_s=args.hook_timeout,
         generator_paths=tuple(args.generator_path),
         policy=_policy(args),

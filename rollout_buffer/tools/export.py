@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sqlite3
 import sys
 from collections import Counter
@@ -23,9 +24,11 @@ from rich.console import Console
 from rollout_buffer.delivery import schema
 from rollout_buffer.delivery.evals import read_records, read_summaries
 from rollout_buffer.delivery.record_layout import REWARDED_SQL, REWARDS_JOIN_SQL, with_rewards
+from rollout_buffer.media.image_store import ImageStore
 from rollout_buffer.schemas import TrajectoryStatus
 
 DB_NAME = "buffer.sqlite"
+_IMAGE_SHA = re.compile(rb'"sha256":"([0-9a-f]{64})"')
 STATUSES: tuple[TrajectoryStatus, ...] = ("completed", "truncated", "aborted", "failed")
 
 EXAMPLES = """\
@@ -59,6 +62,7 @@ class ExportSummary:
     run_ids: tuple[str, ...]
     by_role: dict[str, int] = field(default_factory=dict)  # records per `extra_info.agent_id`, when they have one
     pruned: int = 0  # selected, but cut down to their facts (`delivery.retention`): not written
+    images: frozenset[str] = frozenset()  # the images the written records name (their SHA-256)
 
 
 def open_readonly(data_dir: Path) -> sqlite3.Connection:
@@ -139,6 +143,7 @@ def export(data_dir: Path, out: BinaryIO, run: str | None = None, delivered_only
         run_ids = select_runs(conn, run)
         n = pruned = 0
         by_role: Counter[str] = Counter()
+        images: set[str] = set()
         for blob, role in iter_records(conn, run_ids[0] if run is not None else None, delivered_only, statuses,
                                        agent_id):
             if blob is None:
@@ -147,6 +152,8 @@ def export(data_dir: Path, out: BinaryIO, run: str | None = None, delivered_only
             out.write(blob)
             out.write(b"\n")
             n += 1
+            if b'"images":[' in blob:  # a record's image list: each one's sha256 (`schemas.ImageRef`)
+                images.update(m.decode() for m in _IMAGE_SHA.findall(blob))
             if role is not None:
                 by_role[role] += 1
         conn.execute("COMMIT")
@@ -154,7 +161,7 @@ def export(data_dir: Path, out: BinaryIO, run: str | None = None, delivered_only
         raise ExportError(f"reading {data_dir / DB_NAME} failed: {e}") from None
     finally:
         conn.close()
-    return ExportSummary(n, tuple(run_ids), dict(sorted(by_role.items())), pruned)
+    return ExportSummary(n, tuple(run_ids), dict(sorted(by_role.items())), pruned, frozenset(images))
 
 
 def iter_eval_lines(conn: sqlite3.Connection, records: bool, datasets: tuple[str, ...] = ()) -> Iterator[bytes]:
@@ -190,7 +197,8 @@ def export_evals(data_dir: Path, out: BinaryIO, records: bool = False, datasets:
 
 def export_to_file(data_dir: Path, path: Path, run: str | None = None, delivered_only: bool = True,
                    statuses: tuple[str, ...] = (), agent_id: str | None = None) -> ExportSummary:
-    """`export` into `path`, which appears complete or not at all (written beside it, then renamed)."""
+    """`export` into `path`, which appears complete or not at all (written beside it, then renamed), with the
+    images its records name in `images/` beside it (`<sha256>.<png|jpg|...>`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -200,7 +208,21 @@ def export_to_file(data_dir: Path, path: Path, run: str | None = None, delivered
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    copy_images(data_dir, summary.images, path.parent / "images")
     return summary
+
+
+def copy_images(data_dir: Path, shas: frozenset[str], folder: Path) -> None:
+    """The named images of the store, copied into `folder` under their hash and kind (existing ones kept)."""
+    store = ImageStore(data_dir / "images")
+    for sha in sorted(shas):
+        image = store.get(sha)
+        if image is None:
+            continue  # a record written with images the store never held (`/buffer/write`)
+        folder.mkdir(parents=True, exist_ok=True)
+        target = folder / f"{sha}.{image.media_type.removeprefix('image/').replace('jpeg', 'jpg')}"
+        if not target.exists():
+            target.write_bytes(image.data)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -260,7 +282,9 @@ def main(argv: list[str]) -> None:
     err.print(f"wrote {summary.records} {what} trajectories from {runs} to {args.out}"
               + (f" (by role: {roles})" if roles else "")
               + (f"; {summary.pruned} more were pruned to their facts (serve --prune-delivered-after-h) and are "
-                 "not written" if summary.pruned else ""))
+                 "not written" if summary.pruned else "")
+              + (f"; their {len(summary.images)} images in {Path(args.out).parent / 'images'}"
+                 if summary.images and args.out != "-" else ""))
 
 
 def _main_evals(args: argparse.Namespace, err: Console) -> None:

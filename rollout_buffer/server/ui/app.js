@@ -548,12 +548,26 @@ function textBlock(tag, cls, s) {
     el(tag, { class: cls }, s));
 }
 
+function imageBlock(sha) {
+  const img = el("img", { class: "msg-image", alt: `image ${sha.slice(0, 12)}`, title: `sha256 ${sha}` });
+  api(`/images/${sha}`).then((r) => (r.ok ? r.blob() : Promise.reject(new Error(`${r.status}`))))
+    .then((blob) => { img.src = URL.createObjectURL(blob); })
+    .catch((err) => { img.replaceWith(el("div", { class: "muted" }, `image ${sha.slice(0, 12)}: ${err.message}`)); });
+  return img;
+}
+
 function renderMessages(messages) {
   $("messages").replaceChildren(...messages.map((m) => {
     const parts = [el("span", { class: "role" }, m.role + (m.name ? ` (${m.name})` : ""))];
     if (m.reasoning_content) parts.push(textBlock("pre", "reasoning", m.reasoning_content));
-    const content = typeof m.content === "string" ? m.content : JSON.stringify(m.content, null, 1);
-    if (content) parts.push(textBlock("div", "content", content));
+    if (Array.isArray(m.content)) {
+      // Content parts: text, and images named by their hash, shown in place (fetched with the token, as every read)
+      for (const p of m.content) {
+        if (p && p.type === "image" && String(p.image || "").startsWith("sha256:")) parts.push(imageBlock(p.image.slice(7)));
+        else if (p && p.type === "text") parts.push(textBlock("div", "content", p.text || ""));
+        else parts.push(textBlock("div", "content", JSON.stringify(p, null, 1)));
+      }
+    } else if (m.content) parts.push(textBlock("div", "content", String(m.content)));
     if (m.tool_calls) parts.push(textBlock("pre", "tool-calls", JSON.stringify(m.tool_calls, null, 1)));
     return el("div", { class: `msg role-${String(m.role).replace(/[^a-z_]/gi, "")}` }, parts);
   }));
