@@ -181,3 +181,11 @@ def test_replay_cost_measures_routing_replays_bytes_and_cpu(tmp_path: Path) -> N
     found = re.search(rf"side data {NUMBER}x the raw int32 size.*CPU per sample, routing \(4x2\) and top-p replay "
                       rf"on / off: {NUMBER}", line)
     assert found and float(found.group(1)) < 1.1 and float(found.group(2)) > 0, line
+
+
+def test_image_cost_measures_a_screenshot_agents_cpu_and_stores_each_image_once(tmp_path: Path) -> None:
+    out = run_bench("image_cost", "--sessions", "1", "--turns", "3", "--rounds", "1", "--width", "320", "--height",
+                    "200", "--workdir", str(tmp_path))
+    line = summary_line(out)
+    found = re.search(rf"screenshots / text: {NUMBER} .*images sent 6, stored 3 of 3 distinct, {NUMBER}x", line)
+    assert found and float(found.group(1)) > 0 and float(found.group(2)) == 1.0, line

@@ -1,9 +1,9 @@
 """Images in, images trained: a Qwen-VL-style checkpoint made from files in the repository (`vision_checkpoint`),
 the simulated engine checking each image's placeholder tokens as SGLang does and naming its colour (so a test sees
 that the pixels reached it), and the buffer over real HTTP: a native vision run, a session per wire format with
-the official clients, a screenshot loop resending its images, bad images refused naming their part, a text model
-told of the images it cannot see, the slime adapter's samples with their images, and a kill -9 with images
-stored."""
+the official clients, a screenshot loop resending its images, image URLs fetched only from allowed hosts, an OpenEnv
+and a verifiers environment's image observations, bad images refused naming their part, a text model told of the
+images it cannot see, the slime adapter's samples with their images, and a kill -9 with images stored."""
 
 from __future__ import annotations
 
@@ -21,16 +21,16 @@ import anthropic
 import httpx
 import openai
 import pytest
-from environment_venvs import OPENENV_ENVS
+from environment_venvs import OPENENV_ENVS, VERIFIERS_ENVS
 from PIL import Image
 from runs import drain, start, wait_finished, write_jsonl
 from servers import Server, buffer_server, free_port, running, session_host, sim_engine
 from sessions import finish, open_session, record
-from vision_checkpoint import png, vision_checkpoint
 
 from rollout_buffer.media.vision import VisionProcessor
 from rollout_buffer.tokens.tokenizer import load_tokenizer
 from rollout_buffer.tools.export import export_to_file
+from rollout_sim.vision_checkpoint import png, vision_checkpoint
 from slime_adapter.client import BufferClient
 from slime_adapter.records import SampleBuilder, open_image
 
@@ -281,6 +281,26 @@ def test_an_openenv_environments_image_observations_reach_the_model(tmp_path: Pa
         assert_images(rec, vision, [(64, 48), (64, 48)])
         said = [m["content"] for m in rec["messages"] if m["role"] == "assistant"]
         assert len(said) == 2 and all(s.startswith("The image is ") for s in said)
+
+
+def test_a_verifiers_environments_image_prompts_reach_the_model(tmp_path: Path, engine: Server, checkpoint: Path,
+                                                                 vision: VisionProcessor, verifiers_python: str
+                                                                 ) -> None:
+    """verifiers' own `image_url` content parts (`rb_colours.py`): the environment's prompt images go through the
+    session's chat endpoint to the model, which names each card's colour, and the environment scores it."""
+    with buffer_server(tmp_path) as buffer:
+        answer = httpx.post(f"{buffer.url}/start_rollout", timeout=600, json={
+            "task_type": "verifiers", "remote_engine_url": engine.url, "tokenizer_path": str(checkpoint),
+            "env_python": verifiers_python, "env_id": "rb_colours", "env_paths": [str(VERIFIERS_ENVS)],
+            "env_config": {"agent": {"harness": {"id": "null"}}}, "num_repeat_per_sample": 1, "max_tokens": 64})
+        assert answer.status_code == 200, answer.text
+        status = wait_finished(buffer.url, timeout_s=300)
+        records = drain(buffer.url)
+    assert status["run"]["progress"]["statuses"] == {"completed": 2}, status["run"]["progress"]
+    for rec in records:
+        colour = rec["instance_id"].removeprefix("card-")
+        assert rec["raw_reward"] == 1.0 and colour in rec["messages"][-1]["content"]
+        assert_images(rec, vision, [(64, 48)])
 
 
 def test_a_text_model_is_sent_a_placeholder_and_its_record_says_so(tmp_path: Path, qwen_tokenizer_path: str) -> None:

@@ -24,7 +24,8 @@ import pytest
 from ops_helpers import math_rows, scrape, start_run, write_jsonl
 from servers import Server, free_port, free_ports, running
 from servers import sim_engine as start_sim_engine
-from vision_checkpoint import png, vision_checkpoint
+
+from rollout_sim.vision_checkpoint import png, vision_checkpoint
 
 CHROMIUM = os.environ.get("RB_CHROMIUM", "/usr/bin/chromium")
 TOKEN = "ui-s3cret"

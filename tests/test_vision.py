@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vision_checkpoint import FIXTURES
 
 from rollout_buffer.media.vision import VisionProcessor
 from rollout_buffer.tokens.tokenizer import load_tokenizer
+from rollout_sim.vision_checkpoint import FILES
 
 SIZES = [(64, 48), (1280, 800), (800, 1280), (28, 28), (13, 900), (3000, 2000), (1920, 1080), (500, 333), (7, 7)]
 
@@ -19,7 +19,7 @@ SIZES = [(64, 48), (1280, 800), (800, 1280), (28, 28), (13, 900), (3000, 2000), 
 @pytest.fixture(scope="module")
 def vision(qwen_tokenizer_path: str, tmp_path_factory: pytest.TempPathFactory) -> VisionProcessor:
     folder = tmp_path_factory.mktemp("ck")
-    (folder / "preprocessor_config.json").write_text((FIXTURES / "preprocessor_config.json").read_text())
+    (folder / "preprocessor_config.json").write_text((FILES / "preprocessor_config.json").read_text())
     found = VisionProcessor.of(folder, load_tokenizer(qwen_tokenizer_path))
     assert found is not None
     return found

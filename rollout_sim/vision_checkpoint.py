@@ -1,8 +1,8 @@
-"""A Qwen-VL-style checkpoint for the tests, made offline from files in the repository: the bundled Qwen3
-tokenizer (whose vocabulary holds the vision tokens) with a multimodal chat template (`fixtures/vision/
-chat_template.jinja`: Qwen3's, each image part of a message written as `<|vision_start|><|image_pad|>
+"""A Qwen-VL-style checkpoint for the simulated engine, the tests and the benchmarks, made offline from files in the
+repository: the bundled Qwen3 tokenizer (whose vocabulary holds the vision tokens) with a multimodal chat template
+(`vision/chat_template.jinja`: Qwen3's, each image part of a message written as `<|vision_start|><|image_pad|>
 <|vision_end|>`, as Qwen2.5-VL's and Qwen3-VL's templates write it) and a Qwen2.5-VL image processor config
-(`fixtures/vision/preprocessor_config.json`: patch 14, merge 2, at most 256 tokens an image)."""
+(`vision/preprocessor_config.json`: patch 14, merge 2, at most 256 tokens an image)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from PIL import Image
 
 from rollout_buffer.tokens.tokenizer import bundled_tokenizer_path
 
-FIXTURES = Path(__file__).parent / "fixtures" / "vision"
+FILES = Path(__file__).parent / "vision"
 
 
 def vision_checkpoint(folder: Path) -> Path:
@@ -25,9 +25,9 @@ def vision_checkpoint(folder: Path) -> Path:
     for name in ("tokenizer.json", "vocab.json", "merges.txt"):
         shutil.copy(bundled / name, folder / name)
     config = json.loads((bundled / "tokenizer_config.json").read_text())
-    config["chat_template"] = (FIXTURES / "chat_template.jinja").read_text()
+    config["chat_template"] = (FILES / "chat_template.jinja").read_text()
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    shutil.copy(FIXTURES / "preprocessor_config.json", folder / "preprocessor_config.json")
+    shutil.copy(FILES / "preprocessor_config.json", folder / "preprocessor_config.json")
     return folder
 
 
