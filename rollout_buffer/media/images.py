@@ -26,18 +26,24 @@ _MAX_PIXELS = 64 * 1024 * 1024  # beyond this a decoder allocates gigabytes (Pil
 
 
 @dataclass(frozen=True)
-class Image:
-    """One image: its bytes as they came, their media type and pixel size, and their SHA-256 (hex): its name."""
+class ImageInfo:
+    """What a record says of an image it names: its SHA-256 (hex), media type and pixel size."""
 
-    data: bytes
+    sha256: str
     media_type: str
     width: int
     height: int
-    sha256: str
 
     def ref(self) -> dict[str, Any]:
         """How a record lists it."""
         return {"sha256": self.sha256, "media_type": self.media_type, "width": self.width, "height": self.height}
+
+
+@dataclass(frozen=True)
+class Image(ImageInfo):
+    """One image: what a record says of it, and its bytes as they came."""
+
+    data: bytes
 
     def data_url(self) -> str:
         """The image as SGLang's `image_data` takes it."""
@@ -58,7 +64,7 @@ def image_of(data: bytes, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -> Image:
         raise ValueError(f"not an image that decodes ({type(e).__name__}: {e})") from None
     if kind not in MEDIA_TYPES:
         raise ValueError(f"a {kind} image; the engine's processors take {', '.join(MEDIA_TYPES)}")
-    return Image(data, MEDIA_TYPES[kind], width, height, hashlib.sha256(data).hexdigest())
+    return Image(hashlib.sha256(data).hexdigest(), MEDIA_TYPES[kind], width, height, data)
 
 
 def decoded_base64(text: str) -> bytes:

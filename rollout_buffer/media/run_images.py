@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 from rollout_buffer.media.image_fetch import fetch_image_bytes
@@ -17,6 +16,7 @@ from rollout_buffer.media.images import (
     DEFAULT_MAX_IMAGE_BYTES,
     IMAGE_REF,
     Image,
+    ImageInfo,
     data_url_bytes,
     decoded_base64,
     image_of,
@@ -25,19 +25,6 @@ from rollout_buffer.media.images import (
 from rollout_buffer.media.vision import VisionProcessor
 
 _ENCODED_KEPT_BYTES = 256 * 1024 * 1024  # data URLs kept for the next turns' requests
-
-
-@dataclass(frozen=True)
-class ImageInfo:
-    """What a record says of an image it names."""
-
-    sha256: str
-    media_type: str
-    width: int
-    height: int
-
-    def ref(self) -> dict[str, object]:
-        return {"sha256": self.sha256, "media_type": self.media_type, "width": self.width, "height": self.height}
 
 
 class RunImages:
