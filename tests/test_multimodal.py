@@ -317,6 +317,19 @@ def test_a_text_model_is_sent_a_placeholder_and_its_record_says_so(tmp_path: Pat
     assert rec["messages"][0]["content"] == "What is 2 + 2?\n[image omitted]"
 
 
+def test_a_vision_run_without_exact_tokens_fails_saying_why(tmp_path: Path, engine: Server) -> None:
+    """Chat mode (no tokenizer_path) keeps no images: each trajectory of a vision run fails naming that, rather
+    than sending the engine a prompt whose images went nowhere."""
+    rows = [{"instance_id": "red", "prompt": "Colour?", "images": [data_url(png(RED))], "label": "red"}]
+    with buffer_server(tmp_path) as buffer:
+        start(buffer.url, engine.url, write_jsonl(tmp_path / "vision.jsonl", rows), None, task_type="vision",
+              num_repeat_per_sample=1, max_tokens=32, max_retries=0)
+        status = wait_finished(buffer.url)
+        rec = httpx.get(f"{buffer.url}/trajectories/{status['run']['run_id']}:red:0:0", timeout=10).json()
+    assert status["run"]["progress"]["failures"] == {"generator_error": 1}, status["run"]["progress"]
+    assert rec["status"] == "failed" and "keeps none here" in rec["extra_info"]["error"], rec
+
+
 def test_the_engine_checks_each_images_placeholder_count(engine: Server, checkpoint: Path,
                                                          vision: VisionProcessor) -> None:
     ids = load_tokenizer(str(checkpoint)).encode("Look: ", add_special_tokens=False)

@@ -15,6 +15,7 @@ from rollout_buffer.engine.replay import NO_REPLAY
 from rollout_buffer.engine.sglang_wire import GenerateDelta, to_sglang_sampling_params
 from rollout_buffer.generation.sessions import AgentSession, SessionHost
 from rollout_buffer.generation.trainer_signals import TrainerSignals
+from rollout_buffer.media.images import has_image_parts
 from rollout_buffer.media.run_images import RunImages
 from rollout_buffer.observability import metrics
 from rollout_buffer.tokens.conversation import Conversation
@@ -100,6 +101,9 @@ class RolloutContext:
         """
         if self.run.images is not None:
             messages = await self.run.images.canonical(messages)
+        elif has_image_parts(messages):
+            raise ValueError("the messages hold images, but this run keeps none here: images are taken by the "
+                             "buffer and its session workers, not on a Ray actor, and only with a tokenizer_path")
         return await Conversation.acreate(
             messages,
             tokenizer if tokenizer is not None else self.run.tokenizer,

@@ -95,6 +95,12 @@ def image_part(sha256: str) -> dict[str, Any]:
     return {"type": "image", "image": IMAGE_REF + sha256}
 
 
+def has_image_parts(messages: list[dict[str, Any]]) -> bool:
+    """Whether any message holds an image part (`{"type": "image", ...}`), named or not yet taken."""
+    return any(isinstance(p, dict) and p.get("type") == "image" for m in messages
+               if isinstance(m.get("content"), list) for p in m["content"])
+
+
 def images_in(messages: list[dict[str, Any]]) -> list[str]:
     """The images `messages` hold, in the order the chat template writes their placeholders."""
     out = []
