@@ -9,7 +9,7 @@ per turn in ms; the images the candidate stored against those its agents sent (e
 often a history resent it), the bytes stored per image against its PNG, and a record's JSON size (images are named
 by hash, never inlined).
 
-    python -m bench.image_cost                  # 4 sessions x 20 turns of 1280x800, 3 rounds
+    python -m bench.image_cost                  # 16 sessions x 20 turns of 1280x800, 3 rounds
     python -m bench.image_cost --aa             # the A/A spread
     python -m bench.image_cost --quick
 """
@@ -104,7 +104,7 @@ def _stored(data_dir: Path) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sessions", type=int, default=4, help="agents per buffer and round")
+    parser.add_argument("--sessions", type=int, default=16, help="agents per buffer and round")
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--width", type=int, default=1280)
     parser.add_argument("--height", type=int, default=800)

@@ -93,6 +93,9 @@ def test_a_native_vision_run_sends_the_pixels_and_keeps_exact_tokens(tmp_path: P
         served = {i["sha256"]: httpx.get(f"{buffer.url}/images/{i['sha256']}", timeout=10) for r in records
                   for i in r["images"]}
         exported = export_to_file(tmp_path / "data", tmp_path / "export" / "run.jsonl")
+        named_badly = httpx.get(f"{buffer.url}/images/not-a-hash", timeout=10)
+        outside = httpx.get(f"{buffer.url}/images/..%2F..%2Fbuffer.sqlite", timeout=10)
+        unknown = httpx.get(f"{buffer.url}/images/{'0' * 64}", timeout=10)
     assert status["run"]["progress"]["failed"] == 0
     assert len(records) == 4
     for rec in records:
@@ -104,6 +107,9 @@ def test_a_native_vision_run_sends_the_pixels_and_keeps_exact_tokens(tmp_path: P
         assert hashlib.sha256(answer.content).hexdigest() == sha
         assert (tmp_path / "export" / "images" / f"{sha}.png").read_bytes() == answer.content  # beside the JSONL
     assert exported.records == 4 and exported.images == set(served)
+    assert named_badly.status_code == 422 and "sha256" in named_badly.json()["message"]
+    assert unknown.status_code == 404 and "sha256" in unknown.json()["message"]
+    assert outside.status_code == 404 and b"SQLite" not in outside.content
 
 
 def test_each_wire_format_takes_its_images(tmp_path: Path, engine: Server, checkpoint: Path,

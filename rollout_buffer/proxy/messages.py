@@ -99,7 +99,7 @@ PENDING_IMAGE = "pending"
 
 
 def _image_kind(part: Any) -> bool:
-    return isinstance(part, dict) and part.get("type") in _IMAGE_PARTS
+    return isinstance(part, dict) and isinstance(part.get("type"), str) and part["type"] in _IMAGE_PARTS
 
 
 def _image(part: dict[str, Any], where: str) -> dict[str, Any]:

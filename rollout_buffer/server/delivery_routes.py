@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import orjson
 from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi import Path as PathParam
 from fastapi.responses import Response
 from pydantic import TypeAdapter
 
@@ -127,12 +128,9 @@ async def trajectory(uid: str, request: Request) -> Response:
 
 @router.get("/images/{sha256}", summary="An image a record names, by its SHA-256",
             responses={200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}}}})
-async def image(sha256: str, request: Request) -> Response:
+async def image(request: Request, sha256: str = PathParam(pattern="^[0-9a-f]{64}$")) -> Response:
     config: ServerConfig = request.app.state.config
-    try:
-        found = await asyncio.to_thread(ImageStore(config.image_dir).get, sha256)
-    except ValueError as e:
-        raise HTTPException(422, f"sha256: {e}") from None
+    found = await asyncio.to_thread(ImageStore(config.image_dir).get, sha256)
     if found is None:
         raise HTTPException(404, f"sha256: no image {sha256}")
     # Immutable: its name is its content's hash.

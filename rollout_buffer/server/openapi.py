@@ -113,7 +113,7 @@ def _hoist_defs(node: Any, schemas: dict[str, Any]) -> None:
         ref = node.get("$ref")
         if isinstance(ref, str) and ref.startswith(_REF_PREFIX):
             node["$ref"] = _COMPONENTS + ref[len(_REF_PREFIX):]
-        for value in node.values():
+        for value in list(node.values()):  # hoisting adds to `schemas`, which may be a value of this walk
             _hoist_defs(value, schemas)
     elif isinstance(node, list):
         for value in node:
