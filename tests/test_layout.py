@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "observability": set(),
     # Shortcuts around dependencies' public APIs: nothing of the service.
     "shortcuts": set(),
-    "delivery": {"policy", "config", "schemas", "observability"},
+    "delivery": {"policy", "config", "schemas", "observability", "media"},
     # The SGLang engine client: nothing of runs, records or tokens.
     "engine": {"policy", "observability"},
     "tokens": {"observability", "delivery", "engine", "shortcuts", "media"},
@@ -49,7 +49,8 @@ TOP = {"tools", "__main__", "generator_api"}
 # Inside delivery, storage by concern: the store thread knows only the schema; each concern is a module over the
 # store (streams are what completion admits groups to and what reads join); only the buffer composes them.
 DELIVERY: dict[str, set[str]] = {
-    "schema": set(),
+    "schema": {"record_images"},
+    "record_images": set(),
     "store": {"schema"},
     "groups": set(),
     "versions": set(),
@@ -57,14 +58,14 @@ DELIVERY: dict[str, set[str]] = {
     "side_data": set(),
     "record_layout": {"side_data"},
     "streams": {"store", "groups", "versions", "record_layout"},
-    "records": {"store", "groups", "streams", "versions", "record_layout"},
+    "records": {"store", "groups", "streams", "versions", "record_layout", "record_images"},
     "reads": {"store", "streams"},
     "evals": {"store"},
-    "retention": {"store", "encoded", "record_layout"},  # the app runs it beside the buffer
+    "retention": {"store", "encoded", "record_layout", "record_images"},  # the app runs it beside the buffer
     "queries": {"record_layout"},
     "ledger": {"streams", "versions"},
     # A record as the store takes it, made where it is built.
-    "encoded": {"records", "streams", "versions", "record_layout", "side_data"},
+    "encoded": {"records", "streams", "versions", "record_layout", "side_data", "record_images"},
     "buffer": {"store", "groups", "versions", "runs", "streams", "records", "reads", "evals", "ledger", "encoded"},
 }
 # The core never names the packages that sit beside it: generators are found by discovery, the slime adapter

@@ -7,6 +7,7 @@ images it cannot see, the slime adapter's samples with their images, and a kill 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import http.server
@@ -27,6 +28,9 @@ from runs import drain, start, wait_finished, write_jsonl
 from servers import Server, buffer_server, free_port, running, session_host, sim_engine
 from sessions import finish, open_session, record
 
+from rollout_buffer.delivery.retention import Retention
+from rollout_buffer.delivery.store import Store
+from rollout_buffer.media.image_store import ImageStore
 from rollout_buffer.media.vision import VisionProcessor
 from rollout_buffer.tokens.tokenizer import load_tokenizer
 from rollout_buffer.tools.export import export_to_file
@@ -157,7 +161,7 @@ def test_a_screenshot_loop_resends_its_images_and_stays_one_branch(tmp_path: Pat
             history.append({"role": "assistant", "content": reply})
         uids = finish(buffer.url, session, 1.0)["uids"]
         [rec] = [record(buffer.url, uid) for uid in uids]
-        stored = [p for p in (tmp_path / "data" / "images").rglob("*") if p.is_file()]
+        stored = list((tmp_path / "data" / "images").glob("??/*"))
     assert rec["extra_info"]["turns"] == 4
     assert_images(rec, vision, [(320, 200)] * 4)
     assert [m["content"] for m in rec["messages"] if m["role"] == "assistant"] == [
@@ -186,7 +190,7 @@ def test_bad_images_are_refused_naming_their_part_and_the_session_goes_on(tmp_pa
         ok = httpx.post(url, headers=headers, timeout=30, json={"model": "policy", "messages": [
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png(BLUE))}}]}]})
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "The image is blue."
-        stored = [p for p in (tmp_path / "data" / "images").rglob("*") if p.is_file()]
+        stored = list((tmp_path / "data" / "images").glob("??/*"))
     assert len(stored) == 1  # the good one alone
 
 
@@ -398,3 +402,35 @@ def test_a_session_with_images_survives_a_kill9(tmp_path: Path, engine: Server, 
         assert httpx.get(f"{buffer.url}/images/{rec['images'][0]['sha256']}", timeout=10).status_code == 200
     assert rec["extra_info"]["turns"] == 2
     assert_images(rec, vision, [(64, 48), (64, 48)])
+
+
+def test_retention_deletes_the_images_only_pruned_records_held(tmp_path: Path, engine: Server,
+                                                               checkpoint: Path) -> None:
+    """Sessions on a session worker: once a delivered session's record is cut down to its facts, the image only it
+    held goes (nothing uses it any more); the images a record still waiting for the trainer holds stay, served."""
+    data = tmp_path / "data"
+    with session_host(tmp_path, engine.url, str(checkpoint), "--session-workers", "1", "--group-size", "1",
+                      "--session-worker-port", str(free_port()), max_tokens=64) as buffer:
+        for name, colours in (("seen", (RED, BLUE)), ("waiting", (BLUE, GREEN))):
+            session = open_session(buffer.url, name)
+            client = openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"])
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url(png(c))}} for c in colours]}])
+            [uid] = finish(buffer.url, session, 1.0)["uids"]
+            assert len(record(buffer.url, uid)["images"]) == 2
+            if name == "seen":
+                assert [r["uid"] for r in drain(buffer.url)] == [uid]
+
+    async def prune() -> int:
+        store = Store(data / "buffer.sqlite")
+        await store.open()
+        try:  # the retention pass `serve --prune-delivered-after-h` runs, due now
+            return await Retention(store, 0.0, ImageStore(data / "images"), image_grace_s=0.0).prune()
+        finally:
+            await store.close()
+
+    assert asyncio.run(prune()) == 1
+    shas = {c: hashlib.sha256(png(c)).hexdigest() for c in (RED, BLUE, GREEN)}
+    with buffer_server(tmp_path) as buffer:
+        served = {c: httpx.get(f"{buffer.url}/images/{sha}", timeout=10).status_code for c, sha in shas.items()}
+    assert served == {RED: 404, BLUE: 200, GREEN: 200}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import os
 import sqlite3
 import time
 from pathlib import Path
@@ -25,8 +26,12 @@ from rollout_buffer.delivery.encoded import EncodedRecord
 from rollout_buffer.delivery.queries import Reader
 from rollout_buffer.delivery.retention import Retention, prune_delivered
 from rollout_buffer.delivery.store import Store
+from rollout_buffer.media.image_store import ImageStore
+from rollout_buffer.media.images import image_of, image_part
+from rollout_buffer.media.run_images import RunImages
 from rollout_buffer.schemas import TrajectoryRecord
 from rollout_buffer.tools.export import export
+from rollout_sim.vision_checkpoint import png
 
 GROUP = 2
 
@@ -182,3 +187,83 @@ def test_the_retention_loop_prunes_what_is_due_and_says_so(tmp_path: Path,
         stored = asyncio.run(main())
     assert all(pruned_at is not None for _, _, pruned_at in stored.values()), stored
     assert f"pruned {GROUP} long records of delivered groups" in caplog.text
+
+
+def test_images_go_once_no_record_holds_them_and_nothing_used_them(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Records holding images are pruned like long ones (delivered, old enough), and with them their hold on their
+    images: an image file goes once no record holds it whole and nothing has used it for the grace. An image a
+    waiting record holds, one used again (stored again) and one used recently stay."""
+    day = 24 * 3600.0
+    config = ServerConfig(data_dir=tmp_path, group_size=GROUP)
+    images = ImageStore(config.image_dir)
+    made = {name: image_of(png(colour)) for name, colour in
+            {"a": (200, 0, 0), "b": (0, 200, 0), "c": (0, 0, 200), "retaken": (9, 9, 9), "orphan": (50, 50, 50),
+             "recent": (90, 90, 90)}.items()}
+
+    def shown(name: str) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": [{"type": "text", "text": "Look:"}, image_part(made[name].sha256)]}]
+
+    def pictured(instance_id: str, names: list[list[str]]) -> list[EncodedRecord]:
+        out = []
+        for i, held in enumerate(names):
+            record = {"uid": f"{instance_id}-{i}", "instance_id": instance_id, "reward": 1.0,
+                      "extra_info": {"epoch": 0, "repeat": i},
+                      "messages": [m for n in held for m in shown(n)] + [{"role": "assistant", "content": "ok"}],
+                      "images": [made[n].ref() for n in held]}
+            out.append(EncodedRecord.of(TrajectoryRecord.model_validate(record)))
+        return out
+
+    def kept() -> set[str]:
+        return {name for name, image in made.items() if images.path(image.sha256).exists()}
+
+    async def main() -> tuple[set[str], set[str]]:
+        store = Store(config.db_path)
+        await store.open()
+        try:
+            for image in made.values():
+                images.put(image)
+                os.utime(images.path(image.sha256), (time.time() - 2 * day,) * 2)
+            os.utime(images.path(made["recent"].sha256))  # used an hour ago (within the grace)
+            buffer = RolloutBuffer(config, store, {"hooked": Hooks()})
+            run = await buffer.runs.get(await buffer.create_run({"task_type": "hooked"}, GROUP))
+            assert run is not None
+            await buffer.write_encoded(pictured("delivered", [["a", "b"], ["a"]]), run)
+            assert len((await buffer.deliver(None, 0, None)).records) == GROUP
+            await buffer.write_encoded(pictured("waiting", [["b"], ["c"]]), run)  # ready, not delivered
+            images.put(made["retaken"])  # a conversation took it again: its time is now
+            retention = Retention(store, after_s=0.0, images=images)
+            assert await retention.prune() == GROUP  # the delivered group's, short as they are
+            with sqlite3.connect(config.db_path) as conn:
+                holders = {uid for (uid,) in conn.execute("SELECT uid FROM record_images")}
+            return kept(), holders
+        finally:
+            await store.close()
+
+    with caplog.at_level(logging.INFO, logger="rollout_buffer.delivery.retention"):
+        survivors, holders = asyncio.run(main())
+    assert holders == {"waiting-0", "waiting-1"}
+    assert survivors == {"b", "c", "retaken", "recent"}, survivors
+    assert "deleted 2 image files" in caplog.text and "nothing used for 24 h" in caplog.text
+
+
+def test_an_image_a_conversation_uses_has_its_time_renewed(tmp_path: Path) -> None:
+    """Taking an image stored already, or sending one to the engine (a session worker's conversation, a restored
+    session), sets its file's time to now: retention's grace counts from the last use."""
+    images = ImageStore(tmp_path)
+    old = time.time() - 2 * 24 * 3600.0
+
+    async def main() -> list[bool]:
+        sha = (await RunImages(images, None).take(png((1, 2, 3)))).sha256
+        renewed = []
+        for use in ("take", "send"):
+            os.utime(images.path(sha), (old, old))
+            other = RunImages(images, None)  # another conversation's run (or process)
+            if use == "take":
+                await other.take(png((1, 2, 3)))
+            else:
+                assert (await other.data_urls([sha]))[0].startswith("data:image/png;base64,")
+            renewed.append(images.path(sha).stat().st_mtime > old + 3600)
+        return renewed
+
+    assert asyncio.run(main()) == [True, True]

@@ -127,3 +127,26 @@ def test_export_asks_for_an_upgrade_of_an_older_store(tmp_path: Path) -> None:
         assert orjson.loads(rows[0][0])["instance_id"] == "g-acked"
     finally:
         exported.close()
+
+
+def test_a_store_from_before_image_retention_knows_which_images_its_records_hold(tmp_path: Path) -> None:
+    """Records stored before `record_images` existed get their rows, so retention never deletes their images."""
+    path = tmp_path / "buffer.sqlite"
+    conn = sqlite3.connect(path, isolation_level=None)
+    for migration in schema.MIGRATIONS[:-1]:
+        migration(conn)
+    conn.execute(f"PRAGMA user_version={schema.VERSION - 1}")
+    held, pruned = "a" * 64, "b" * 64
+    for uid, sha, pruned_at in (("kept", held, None), ("pruned", pruned, 1.0), ("text", None, None)):
+        content = [{"type": "image", "image": f"sha256:{sha}"}] if sha else "no image here"
+        record = {"uid": uid, "messages": [{"role": "user", "content": content}],
+                  "images": [{"sha256": sha, "media_type": "image/png", "width": 4, "height": 4}] if sha else None}
+        conn.execute("INSERT INTO trajectories(uid, run_id, instance_id, epoch, part, status, episode, created_at, "
+                     "record, pruned_at) VALUES (?, 'r', 'i', 0, 0, 'completed', ?, 0, ?, ?)",
+                     (uid, uid, orjson.dumps(record), pruned_at))
+    conn.close()
+    upgraded = schema.connect(path)
+    try:
+        assert upgraded.execute("SELECT uid, sha256 FROM record_images").fetchall() == [("kept", held)]
+    finally:
+        upgraded.close()

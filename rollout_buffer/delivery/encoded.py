@@ -12,6 +12,7 @@ import orjson
 import pybase64
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from rollout_buffer.delivery.record_images import image_names
 from rollout_buffer.delivery.record_layout import record_facts, rewards_first
 from rollout_buffer.delivery.records import NewRecord
 from rollout_buffer.delivery.side_data import SIDE_FIELDS, packed
@@ -109,7 +110,7 @@ class EncodedRecord:
         row = NewRecord(record.uid, record.instance_id, record.epoch, record.status, blob,
                         episode=info.get("episode_id"), agent_id=role_of({"extra_info": info}), reward=record.reward,
                         facts=orjson.dumps(record_facts(data)) if len(blob) >= FACTS_FROM_BYTES else None,
-                        side=_side(record))
+                        side=_side(record), images=image_names(blob))
         metrics = info.get("metrics")
         failure = ((str(info.get("error_kind") or "failed"), str(info.get("error") or ""))
                    if record.status == "failed" else None)
@@ -148,8 +149,12 @@ _WIRE: TypeAdapter[list[_Wire]] = TypeAdapter(list[_Wire])
 def decode_wire(items: Any) -> list[EncodedRecord]:
     """Encoded records from their `wire()` form; pydantic's ValidationError names a malformed field. The record's
     JSON itself is not parsed again: the process that encoded it validated it (a session worker of this buffer)."""
-    return [EncodedRecord(NewRecord(w.uid, w.instance_id, w.epoch, w.status, w.record.encode(), episode=w.episode,
-                                    agent_id=w.agent_id, reward=w.reward, facts=w.facts.encode() or None,
-                                    side=None if w.side is None else pybase64.b64decode(w.side)),
-                          (w.versions[0], w.versions[1]) if w.versions else None, w.metrics)
-            for w in _WIRE.validate_python(items)]
+    out = []
+    for w in _WIRE.validate_python(items):
+        blob = w.record.encode()
+        out.append(EncodedRecord(NewRecord(w.uid, w.instance_id, w.epoch, w.status, blob, episode=w.episode,
+                                           agent_id=w.agent_id, reward=w.reward, facts=w.facts.encode() or None,
+                                           side=None if w.side is None else pybase64.b64decode(w.side),
+                                           images=image_names(blob)),
+                                 (w.versions[0], w.versions[1]) if w.versions else None, w.metrics))
+    return out

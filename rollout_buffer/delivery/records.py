@@ -25,6 +25,7 @@ import orjson
 
 from rollout_buffer.delivery.groups import GROUP_KEY_SQL as _KEY
 from rollout_buffer.delivery.groups import GroupKey, GroupOutcome, Record
+from rollout_buffer.delivery.record_images import hold
 from rollout_buffer.delivery.record_layout import (
     REWARDED_SQL,
     REWARDS_JOIN_SQL,
@@ -52,6 +53,7 @@ class NewRecord:
     reward: float | None = None  # as the generator scored it (before group normalization)
     facts: bytes | None = None  # what the built-in group policy reads of it, as JSON (`record_layout.record_facts`)
     side: bytes | None = None  # its per-token side data (`side_data`)
+    images: tuple[str, ...] = ()  # the images it names (`record_images`)
 
 
 @dataclass
@@ -127,6 +129,7 @@ def _write(conn: sqlite3.Connection, run_id: str, group_size: int, items: list[N
             result.duplicate_at.append(i)
             continue
         result.inserted += 1
+        hold(conn, item.uid, item.images)
         result.inserted_by_status[item.status] = result.inserted_by_status.get(item.status, 0) + 1
         conn.execute(
             "INSERT INTO groups(run_id, instance_id, epoch, part, size, n, state) VALUES (?,?,?,?,?,?,'open') "

@@ -14,6 +14,8 @@ import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
+from rollout_buffer.delivery.record_images import backfill
+
 log = logging.getLogger(__name__)
 
 # Release 0.1.0's tables. Delivery state lived in two places then: `groups.state` for the default stream and
@@ -201,6 +203,17 @@ ALTER TABLE trajectories ADD COLUMN side BLOB;
 CREATE INDEX trajectories_prunable_side ON trajectories(created_at) WHERE pruned_at IS NULL AND side IS NOT NULL;
 """
 
+# The images each record holds whole (`record_images`), for retention to know which image files are still needed;
+# a store from before has its records' rows made.
+_IMAGES = """
+CREATE TABLE record_images (
+    uid TEXT NOT NULL,
+    sha256 TEXT NOT NULL,
+    PRIMARY KEY (sha256, uid)
+) WITHOUT ROWID;
+CREATE INDEX record_images_of ON record_images(uid);
+"""
+
 Migration = Callable[[sqlite3.Connection], None]
 
 
@@ -208,6 +221,14 @@ def _script(sql: str) -> Migration:
     def run(conn: sqlite3.Connection) -> None:
         for statement in _statements(sql):
             conn.execute(statement)
+
+    return run
+
+
+def _then(first: Migration, second: Migration) -> Migration:
+    def run(conn: sqlite3.Connection) -> None:
+        first(conn)
+        second(conn)
 
     return run
 
@@ -225,7 +246,7 @@ def _statements(sql: str) -> list[str]:
 
 # Migration k (1-based) brings a store at version k-1 to version k. Append only: a released store may be at any.
 MIGRATIONS: tuple[Migration, ...] = (_script(_RELEASE_0_1), _script(_STREAMS), _script(_FACTS),
-                                   _script(_PRUNED), _script(_SIDE))
+                                   _script(_PRUNED), _script(_SIDE), _then(_script(_IMAGES), backfill))
 VERSION = len(MIGRATIONS)
 
 

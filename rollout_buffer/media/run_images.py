@@ -2,12 +2,17 @@
 (`info`), and handed to the engine as data URLs (`data_urls`, the recent ones kept encoded: an agent resends its
 screenshots every turn). With the checkpoint's image processor (`vision`) the conversation counts each image's
 placeholder tokens; without one the run's checkpoint reads no images.
+
+Every image a conversation takes or sends to the engine has its file's time kept recent (`ImageStore.touch`, at
+most once per `TOUCH_EVERY_S` an image): retention deletes only images no record holds and nothing used for a day.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
 
 from rollout_buffer.media.image_fetch import fetch_image_bytes
@@ -25,6 +30,7 @@ from rollout_buffer.media.images import (
 from rollout_buffer.media.vision import VisionProcessor
 
 _ENCODED_KEPT_BYTES = 256 * 1024 * 1024  # data URLs kept for the next turns' requests
+TOUCH_EVERY_S = 600.0  # far below retention's grace (`delivery.retention.IMAGE_GRACE_S`)
 
 
 class RunImages:
@@ -40,13 +46,27 @@ class RunImages:
         self._fetched: dict[str, str] = {}  # URL → the hash of what it gave
         self._urls: OrderedDict[str, str] = OrderedDict()
         self._url_bytes = 0
+        self._touched: dict[str, float] = {}  # hash → when its file's time was last set (monotonic)
 
     async def take(self, data: bytes) -> ImageInfo:
         """`data` checked as an image and stored (ValueError saying why it is not one the run takes)."""
         image = await asyncio.to_thread(image_of, data, self.max_bytes)
-        if image.sha256 not in self._infos:
+        if image.sha256 not in self._infos or self._due([image.sha256]):
             await asyncio.to_thread(self.store.put, image)
+            self._touched[image.sha256] = time.monotonic()
         return self._remember(image)
+
+    async def _keep(self, shas: Iterable[str]) -> None:
+        """A conversation still uses the images `shas` (sent to the engine)."""
+        due = self._due(shas)
+        if due:
+            await asyncio.to_thread(self.store.touch, due)
+            now = time.monotonic()
+            self._touched.update((s, now) for s in due)
+
+    def _due(self, shas: Iterable[str]) -> list[str]:
+        since = time.monotonic() - TOUCH_EVERY_S
+        return [s for s in dict.fromkeys(shas) if self._touched.get(s, since - 1) < since]
 
     async def fetched(self, url: str) -> str:
         """The image at `url` as a data URL: fetched from an allowed host once, then known by its hash (ValueError
@@ -102,6 +122,7 @@ class RunImages:
 
     async def data_urls(self, shas: list[str]) -> list[str]:
         """The images as SGLang's `image_data` takes them, in order."""
+        await self._keep(shas)
         missing = [s for s in dict.fromkeys(shas) if s not in self._urls]
         if missing:
             for sha, url in zip(missing, await asyncio.to_thread(self._encoded, missing), strict=True):

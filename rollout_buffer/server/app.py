@@ -29,6 +29,7 @@ from rollout_buffer.generation.evaluation import EvalManager
 from rollout_buffer.generation.executor import Executor, LocalExecutor
 from rollout_buffer.generation.plugins import Generator, discover
 from rollout_buffer.generation.run_manager import RunManager
+from rollout_buffer.media.image_store import ImageStore
 from rollout_buffer.observability.logs import RefusalLog
 from rollout_buffer.policy import PolicyRefused
 from rollout_buffer.proxy.manager import SessionError, SessionManager
@@ -164,7 +165,7 @@ def lifespan_of(config: ServerConfig, generators: dict[str, Generator]
         history = RunHistory(app)
         app.state.history = history
         retention = None if config.prune_delivered_after_s is None else \
-            Retention(store, config.prune_delivered_after_s)
+            Retention(store, config.prune_delivered_after_s, ImageStore(config.image_dir))
         log.info("rollout buffer %s ready on %s (dashboard %s/ui), store in %s; tasks: %s", version(), config.local_url,
                  config.local_url, config.data_dir.resolve(), ", ".join(sorted(generators)))
         sessions.start()

@@ -84,9 +84,10 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--max-db-mb", type=float, default=None,
                    help="cap the store's size; writes past it answer 503 as on a full disk")
     p.add_argument("--prune-delivered-after-h", type=float, default=None, metavar="HOURS",
-                   help="cut the long records (64 KiB and more: coding agents' trajectories) of groups every "
-                   "stream has delivered down to their facts once older than HOURS: the row, reward and last "
-                   "message stay, the tokens and log-probs go (default: keep everything)")
+                   help="cut the long records (64 KiB and more: coding agents' trajectories), and those with side "
+                   "data or images, of groups every stream has delivered down to their facts once older than "
+                   "HOURS: the row, reward and last message stay, the tokens and log-probs go; then the images "
+                   "no record holds and nothing used for max(24, HOURS) hours (default: keep everything)")
     _scale_flags(p)
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     p.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one JSON object per line")

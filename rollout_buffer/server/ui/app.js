@@ -550,7 +550,9 @@ function textBlock(tag, cls, s) {
 
 function imageBlock(sha) {
   const img = el("img", { class: "msg-image", alt: `image ${sha.slice(0, 12)}`, title: `sha256 ${sha}` });
-  api(`/images/${sha}`).then((r) => (r.ok ? r.blob() : Promise.reject(new Error(`${r.status}`))))
+  // 404: retention deleted it with the records that held it (serve --prune-delivered-after-h)
+  api(`/images/${sha}`).then((r) => (r.ok ? r.blob()
+    : Promise.reject(new Error(r.status === 404 ? "no longer kept (retention)" : `${r.status}`))))
     .then((blob) => { img.src = URL.createObjectURL(blob); })
     .catch((err) => { img.replaceWith(el("div", { class: "muted" }, `image ${sha.slice(0, 12)}: ${err.message}`)); });
   return img;
