@@ -1,7 +1,9 @@
 """The buffer against the real SGLang engine on this CPU (`real_sglang/`: SGLang 0.5.23 on tiny float32 Qwen3
 checkpoints), directly and through the real sglang-router: a native math run, the demo, the OpenAI chat, Responses
 and Anthropic session endpoints with the official clients (a tool round trip among their turns), and a run whose
-weights are updated mid-trajectory and whose trainer then moves past a staleness bound.
+weights are updated mid-trajectory and whose trainer then moves past a staleness bound. Its venv also runs the
+pinned slime's multimodal prompt path (transformers' Qwen-VL processor needs its torchvision) against a vision
+run's records.
 
 Every record of every path is checked against the trainer: a transformers float32 forward of the checkpoint that
 generated each token (per weight-version segment) over the record's `tokens` gives, at every loss-1 position, the
@@ -12,6 +14,7 @@ which measured 1.2e-5 at most; a record whose tokens or mask are off by one posi
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -24,12 +27,14 @@ from typing import Any
 
 import anthropic
 import httpx
+import numpy as np
 import openai
 import pytest
 from demo_cli import run_demo
 from runs import drain, math_rows, start, wait_finished, write_jsonl
 from servers import buffer_server, free_port, session_host, sglang_router, sim_engine, stop_process
 from sessions import ANTHROPIC_TOOLS, OPENAI_TOOLS, finish, open_session, record
+from slime_src import SLIME_SRC, needs_slime_src
 
 from rollout_buffer.engine.weight_watch import probe_body
 from rollout_buffer.tokens.tokenizer import load_tokenizer
@@ -518,3 +523,56 @@ def test_the_simulator_answers_as_real_sglang_does(engine_a: str, build: Path, t
         real_info, sim_info = answer(engine_a, "/get_model_info")[1], answer(sim.url, "/get_model_info")[1]
         assert shape({k: v for k, v in real_info.items() if k != "embedding"}) == shape(sim_info)
         assert shape(answer(engine_a, "/v1/models")[1]) == shape(answer(sim.url, "/v1/models")[1])
+
+
+@needs_slime_src
+def test_slimes_own_multimodal_path_gives_the_records_tokens_and_pixels(build: Path, tmp_path: Path) -> None:
+    """A native vision run's records, against the pinned slime's multimodal path run in this venv (whose
+    torchvision lets transformers' AutoProcessor load the checkpoint's Qwen-VL processor, as slime's
+    `load_processor` does): slime's prompt ids for the same conversation and images are the record's prompt tokens,
+    its processor's `image_grid_thw` and `pixel_values` are the adapter's `multimodal_train_inputs`, and the images
+    slime would send the engine have the pixels the engine was sent."""
+    from transformers import AutoImageProcessor
+
+    from rollout_sim.vision_checkpoint import png, vision_checkpoint
+    from slime_adapter.client import BufferClient
+    from slime_adapter.records import SampleBuilder, open_image
+
+    checkpoint = vision_checkpoint(tmp_path / "checkpoint")
+    shown = {"red": [png((220, 30, 30), (320, 200))], "two": [png((30, 60, 220), (64, 48)), png((30, 180, 60))]}
+    rows = [{"instance_id": name, "prompt": "Colours?", "label": "x",
+             "images": ["data:image/png;base64," + base64.b64encode(p).decode() for p in pngs]}
+            for name, pngs in shown.items()]
+    with sim_engine(tmp_path, str(checkpoint)) as engine, buffer_server(tmp_path) as buffer:
+        start(buffer.url, engine.url, write_jsonl(tmp_path / "vision.jsonl", rows), str(checkpoint),
+              task_type="vision", num_repeat_per_sample=1, max_tokens=16)
+        wait_finished(buffer.url)
+        records = sorted(drain(buffer.url), key=lambda r: r["instance_id"])
+        with BufferClient(buffer.url) as client:
+            processor = AutoImageProcessor.from_pretrained(str(checkpoint))
+            samples = [SampleBuilder(lambda: None, "qwen3", image=lambda sha: open_image(client.image(sha)),
+                                     image_processor=lambda: processor).build(r) for r in records]
+            stored = {i["sha256"]: client.image(i["sha256"]) for r in records for i in r["images"]}
+    cases = [{"messages": [{**m, "content": [
+        {"type": "image", "image": "data:image/png;base64," + base64.b64encode(stored[p["image"][7:]]).decode()}
+        if p["type"] == "image" else p for p in m["content"]]} if isinstance(m["content"], list) else m
+        for m in rec["messages"][:-1]]} for rec in records]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    out = tmp_path / "slime"
+    out.mkdir()
+    done = subprocess.run([str(build / "venv" / "bin" / "python"), str(ROOT / "tests" / "data" / "slime_checks" /
+                                                                       "multimodal_prompts.py"),
+                           str(checkpoint), str(tmp_path / "cases.json"), str(out)],
+                          env={**os.environ, "PYTHONPATH": str(SLIME_SRC)}, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((out / "result.json").read_text())
+    assert len(results) == len(records) == 2
+    for k, (rec, sample, slime) in enumerate(zip(records, samples, results, strict=True)):
+        assert slime["processor"] == "Qwen2_5_VLProcessor"
+        assert slime["prompt_ids"] == rec["tokens"][:len(rec["tokens"]) - rec["response_length"]], rec["uid"]
+        train = sample.multimodal_train_inputs
+        assert slime["image_grid_thw"] == train["image_grid_thw"].tolist()
+        theirs, ours = np.load(out / f"pixel_values-{k}.npy"), train["pixel_values"].numpy()
+        assert theirs.shape == ours.shape and np.allclose(theirs, ours, atol=1e-5)
+        assert slime["engine_pixels_equal"] == [True] * len(rec["images"])
