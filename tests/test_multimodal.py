@@ -12,6 +12,7 @@ import base64
 import hashlib
 import http.server
 import io
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,6 +31,7 @@ from sessions import finish, open_session, record
 
 from rollout_buffer.delivery.retention import Retention
 from rollout_buffer.delivery.store import Store
+from rollout_buffer.media.image_fetch import fetch_image_bytes
 from rollout_buffer.media.image_store import ImageStore
 from rollout_buffer.media.vision import VisionProcessor
 from rollout_buffer.tokens.tokenizer import load_tokenizer
@@ -195,15 +197,18 @@ def test_bad_images_are_refused_naming_their_part_and_the_session_goes_on(tmp_pa
 
 
 @contextmanager
-def image_host(images: dict[str, bytes]) -> Iterator[tuple[str, list[str]]]:
+def image_host(images: dict[str, bytes], host_headers: list[str] | None = None
+               ) -> Iterator[tuple[str, list[str]]]:
     """An HTTP server on loopback serving `images` by path, `/moved` redirecting to the first; its URL and the paths
-    it was asked for."""
+    it was asked for (and the `Host` header of each request in `host_headers`)."""
     asked: list[str] = []
     first = next(iter(images))
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             asked.append(self.path)
+            if host_headers is not None:
+                host_headers.append(self.headers["Host"])
             if self.path == "/moved":
                 self.send_response(302)
                 self.send_header("Location", first)
@@ -267,6 +272,33 @@ def test_an_image_url_is_fetched_only_from_a_host_the_operator_allows(tmp_path: 
     assert_images(records[0], vision, [(64, 48)])
     assert [i["sha256"] for r in records for i in r["images"]] == [hashlib.sha256(png(c)).hexdigest()
                                                                    for c in (RED, GREEN)]
+
+
+def test_an_image_hosts_name_is_looked_up_once_and_may_not_lead_inside(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DNS rebinding: an allowed name that resolves to a loopback (private, link-local) address is refused unless
+    that address is allowed too; the fetch goes to the address the check saw (a second lookup, which could answer
+    another address, is never made) with the name as `Host`."""
+    lookups: list[str] = []
+    real = socket.getaddrinfo
+
+    def resolve(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name != "images.test":
+            return real(name, *args, **kwargs)
+        lookups.append(name)
+        if len(lookups) > 1:
+            raise socket.gaierror("a second lookup")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", args[0]))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    seen: list[str] = []
+    with image_host({"/red.png": png(RED)}, seen) as (host, asked):
+        port = int(host.rsplit(":", 1)[1])
+        url = f"http://images.test:{port}/red.png"
+        with pytest.raises(ValueError, match=r"resolves to 127\.0\.0\.1, a loopback, private or link-local"):
+            asyncio.run(fetch_image_bytes(url, ("images.test",), 1 << 20))
+        lookups.clear()
+        assert asyncio.run(fetch_image_bytes(url, ("images.test", "127.0.0.1"), 1 << 20)) == png(RED)
+    assert lookups == ["images.test"] and asked == ["/red.png"] and seen == [f"images.test:{port}"]
 
 
 def test_an_openenv_environments_image_observations_reach_the_model(tmp_path: Path, engine: Server,
