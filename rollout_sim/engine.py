@@ -37,7 +37,7 @@ from rollout_sim.contract import (
 )
 from rollout_sim.detokenizer import Detokenizer
 from rollout_sim.faults import Faults
-from rollout_sim.images import placeholder_refusal, seen
+from rollout_sim.images import seen, with_images
 from rollout_sim.prefix_memo import Hit
 from rollout_sim.replay import ReplayConfig, replay_fields, start_refusal
 from rollout_sim.replies import (
@@ -472,9 +472,8 @@ class SimEngine:
             return StreamingResponse(self._generate_events(body, rid, fault), media_type="text/event-stream")
         started = time.time()
         try:
-            ids = await self._prompt_ids(body)
+            ids, note = await self._looked_at(body, await self._prompt_ids(body))
             sampling, known = await self.admit(ids, body.sampling_params)
-            note = await self._looked_at(body, ids)
         except Refused as e:
             return error_response(e.status, e.message)
         except TypeError:
@@ -495,20 +494,19 @@ class SimEngine:
             return openai_error(status, finish["message"], str(status))
         return finish_response(answer, fault)
 
-    async def _looked_at(self, body: GenerateRequest, ids: list[int]) -> str | None:
-        """The colour of the request's last image (`images`), None without images; Refused (400) as SGLang refuses
-        images that do not load or placeholders that do not fit them."""
+    async def _looked_at(self, body: GenerateRequest, ids: list[int]) -> tuple[list[int], str | None]:
+        """The prompt as the model reads it (each image's pad expanded, `images`) and the colour of its last image
+        (None without images); Refused (400) as SGLang refuses images that do not load or pads without an image."""
         urls = [body.image_data] if isinstance(body.image_data, str) else body.image_data or []
         if not urls:
-            return None
+            return ids, None
         try:
             looked = await asyncio.to_thread(lambda: [seen(u) for u in urls])
+            expanded = with_images(ids, looked, self.vision)
         except ValueError as e:
             raise Refused(400, str(e)) from None
-        refusal = placeholder_refusal(ids, looked, self.vision)
-        if refusal is not None:
-            raise Refused(400, refusal)
-        return looked[-1].colour
+        used = sum(1 for t in ids if self.vision is not None and t == self.vision.pad_id)
+        return expanded, looked[used - 1].colour if used else None
 
     async def _prompt_ids(self, body: GenerateRequest) -> list[int]:
         if body.input_ids is not None:
@@ -521,9 +519,8 @@ class SimEngine:
         stream). A client that leaves ends the generation (SGLang aborts it)."""
         started = time.time()
         try:
-            ids = await self._prompt_ids(body)
+            ids, note = await self._looked_at(body, await self._prompt_ids(body))
             sampling, known = await self.admit(ids, body.sampling_params)
-            note = await self._looked_at(body, ids)
         except Refused as e:
             error = {"message": e.message, "type": "invalid_request_error", "code": 400, "retryable": False}
             yield b"data: " + orjson.dumps({"error": error}) + b"\n\n"

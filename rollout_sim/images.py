@@ -1,9 +1,11 @@
-"""Images in a `/generate` request, as SGLang takes them with `input_ids`: `image_data` lists one image (a data URL)
-for each `<|vision_start|>…<|vision_end|>` block of the prompt, in order, and each block holds as many
-`<|image_pad|>` tokens as the checkpoint's processor gives that image (`managers/multimodal_processor`,
-`multimodal/processors/base_processor.py`); a count that differs is refused (400, SGLang's messages). The
-simulated model then looks at the last image: its reply names the image's dominant colour, so a test sees that the
-pixels reached the engine.
+"""Images in a `/generate` request, as SGLang 0.5.23 takes them with `input_ids`: `image_data` lists one image (a data
+URL) for each `<|image_pad|>` token of the prompt, in order, and SGLang expands each pad to the tokens the
+checkpoint's processor gives that image, keeping the other ids as sent (`SGLANG_MM_AVOID_RETOKENIZE`, on by
+default; `multimodal/processors/base_processor.py`). More pads than images is refused (400, SGLang's message);
+images beyond the pads are left out. Real SGLang never answers a prompt whose pads are already expanded (several
+pads for one image): the simulator refuses it with the same 400 so that a test sees it. The prompt the model reads,
+and counts (`prompt_tokens`, the context), is the expanded one. The simulated model looks at the last image: its
+reply names the image's dominant colour, so a test sees that the pixels reached the engine.
 """
 
 from __future__ import annotations
@@ -46,24 +48,12 @@ def seen(url: str) -> SeenImage:
     return SeenImage(width, height, colour)
 
 
-def placeholder_refusal(ids: list[int], images: list[SeenImage], vision: VisionProcessor | None) -> str | None:
-    """Why SGLang refuses these `input_ids` for these images, None when each block holds its image's tokens."""
+def with_images(ids: list[int], images: list[SeenImage], vision: VisionProcessor | None) -> list[int]:
+    """`ids` with each image's pad expanded as SGLang expands it (module docstring); ValueError (SGLang's wording)
+    when it refuses them."""
     if vision is None:
-        return "image_data was given, but the model has no image processor"
-    blocks: list[int] = []
-    inside = False
-    for t in ids:
-        if t == vision.start_id:
-            blocks.append(0)
-            inside = True
-        elif t == vision.end_id:
-            inside = False
-        elif inside and t == vision.pad_id:
-            blocks[-1] += 1
-    if len(blocks) != len(images):
-        return f"Prompt has {len(blocks)} image placeholders but {len(images)} image inputs were provided"
-    for pads, image in zip(blocks, images, strict=True):
-        want = vision.tokens(image.width, image.height)
-        if pads != want:
-            return f"processor image placeholder count mismatch: processor={pads}, resolved={want}"
-    return None
+        raise ValueError("image_data was given, but the model has no image processor")
+    pads = sum(1 for t in ids if t == vision.pad_id)
+    if pads > len(images):
+        raise ValueError(f"Prompt has {pads} image placeholders but {len(images)} image inputs were provided")
+    return vision.expanded(ids, [(i.width, i.height) for i in images[:pads]])

@@ -372,16 +372,30 @@ def test_a_vision_run_without_exact_tokens_fails_saying_why(tmp_path: Path, engi
     assert rec["status"] == "failed" and "keeps none here" in rec["extra_info"]["error"], rec
 
 
-def test_the_engine_checks_each_images_placeholder_count(engine: Server, checkpoint: Path,
-                                                         vision: VisionProcessor) -> None:
+def test_the_engine_expands_each_images_pad_as_sglang_does(engine: Server, checkpoint: Path,
+                                                          vision: VisionProcessor) -> None:
+    """As real SGLang 0.5.23 (`tests/test_real_sglang.py` holds the two side by side): one pad per image, expanded
+    by the engine to the image's tokens (`prompt_tokens` counts them); more pads than images (an expanded prompt
+    among them) is a 400; an image beyond the pads is left out."""
     ids = load_tokenizer(str(checkpoint)).encode("Look: ", add_special_tokens=False)
-    block = [vision.start_id, *[vision.pad_id] * (vision.tokens(64, 48) + 1), vision.end_id]
-    answer = httpx.post(f"{engine.url}/generate", timeout=30, json={
-        "input_ids": [*ids, *block], "image_data": [data_url(png(RED))], "sampling_params": {"max_new_tokens": 4}})
-    assert answer.status_code == 400 and "placeholder count mismatch" in answer.json()["error"]["message"]
-    answer = httpx.post(f"{engine.url}/generate", timeout=30, json={
-        "input_ids": [*ids, *block, *block], "image_data": [data_url(png(RED))], "sampling_params": {}})
-    assert answer.status_code == 400 and "2 image placeholders but 1 image inputs" in answer.json()["error"]["message"]
+    block = [vision.start_id, vision.pad_id, vision.end_id]
+
+    def generate(prompt: list[int], colours: list[tuple[int, int, int]]) -> httpx.Response:
+        return httpx.post(f"{engine.url}/generate", timeout=30, json={
+            "input_ids": prompt, "image_data": [data_url(png(c)) for c in colours],
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+
+    answer = generate([*ids, *block, *block], [RED, BLUE])
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["meta_info"]["prompt_tokens"] == len(ids) + 2 * (vision.tokens(64, 48) + 2)
+    assert "blue" in answer.json()["text"]  # the model looks at the last image
+    for prompt, colours in (([*ids, *block, *block], [RED]),
+                            ([*ids, vision.start_id, *[vision.pad_id] * vision.tokens(64, 48), vision.end_id], [RED])):
+        refused = generate(prompt, colours)
+        assert refused.status_code == 400, refused.text
+        assert "image placeholders but 1 image inputs" in refused.json()["error"]["message"]
+    answer = generate([*ids, *block], [RED, BLUE])
+    assert answer.status_code == 200 and "red" in answer.json()["text"], answer.text
 
 
 def test_the_adapters_samples_carry_the_pixels_the_engine_saw(tmp_path: Path, engine: Server, checkpoint: Path,

@@ -42,7 +42,7 @@ from rollout_buffer.engine.sglang_wire import EnginePrompt
 from rollout_buffer.media.run_images import RunImages
 from rollout_buffer.tokens.chat_render import chat_renderer
 from rollout_buffer.tokens.check import compare_text, compare_tokens
-from rollout_buffer.tokens.image_tokens import with_images
+from rollout_buffer.tokens.image_tokens import engine_ids, with_images
 from rollout_buffer.tokens.marks import ConversationTail, TurnMark
 from rollout_buffer.tokens.prompt_ids import BASE_HISTORY, PROMPT_CACHE_MAX_BYTES, encode, frame, light, prompt
 from rollout_buffer.tokens.sequence import TokenSequence
@@ -170,6 +170,9 @@ class Conversation(TokenSequence):
         self._require_tokens()
         self._require_not_truncated()
         tail = () if self._open else self._frame.generation_prompt_ids
+        if self.images:  # one pad per image: the engine expands them (`image_tokens.engine_ids`)
+            body = orjson.dumps(engine_ids(self.token_ids, self.images, tail))
+            return EnginePrompt(len(self.token_ids) + len(tail), [body[:-1], b"]"])
         return EnginePrompt(len(self.token_ids) + len(tail), self.ids_json(tail))
 
     def generation_length(self) -> int:
