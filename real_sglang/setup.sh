@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Builds a CPU-only venv with the real SGLang 0.5.23 server and two tiny random Qwen3 checkpoints, for testing the
-# buffer against the real engine without a GPU (docs/engine.md, "Real SGLang without a GPU").
+# Builds a CPU-only venv with the real SGLang 0.5.23 server, two tiny random Qwen3 checkpoints and a tiny Qwen2.5-VL,
+# for testing the buffer against the real engine without a GPU (docs/engine.md, "Real SGLang without a GPU").
 #
 #   bash real_sglang/setup.sh            # build, or reuse the build cached under the hash of this recipe
 #   FORCE=1 bash real_sglang/setup.sh    # rebuild
 #
 # The build goes to $RB_REAL_SGLANG_HOME (default ~/.cache/rollout-buffer/real-sglang)/<hash of the pins, the
-# constraint and the model maker>, and `current` there points at it:
+# constraint, the model makers and the vision files>, and `current` there points at it:
 #   current/venv                      python3.11, torch 2.13.0+cpu, sglang 0.5.23 (--no-deps), sglang-router
 #   current/models/tiny-qwen3-a, -b   float32 Qwen3ForCausalLM, 2 layers, seeds 1234 and 5678, Qwen3's tokenizer
+#   current/models/tiny-qwen2.5-vl    float32 Qwen2_5_VLForConditionalGeneration, 2+2 layers, seed 7, Qwen3's
+#                                     tokenizer with rollout_sim/vision's chat template and image processor config
 # Needs python3.11, a package index, and torch 2.13.0+cpu (a wheel in /opt/wheels, or the PyTorch CPU index).
 set -euo pipefail
 
@@ -19,12 +21,14 @@ REQ="$LAB/requirements.txt"
 NODEPS="$LAB/requirements-nodeps.txt"
 CONS="$LAB/constraints.txt"
 MAKER="$LAB/make_tiny_qwen3.py"
-RECIPE_VERSION="real-sglang-cpu-recipe-v1"   # bump when the steps below change
+VLM_MAKER="$LAB/make_tiny_qwen25vl.py"
+VISION_FILES="$LAB/../rollout_sim/vision"
+RECIPE_VERSION="real-sglang-cpu-recipe-v2"   # bump when the steps below change
 
 log() { printf '[setup %4ds] %s\n' "$SECONDS" "$*"; }
 pin() { sed -n "s/^$1==\\([^ ]*\\)\$/\\1/p" "$NODEPS"; }
 
-HASH=$( { echo "$RECIPE_VERSION"; "$PYTHON" --version 2>&1; cat "$REQ" "$NODEPS" "$CONS" "$MAKER"; } | sha256sum | cut -c1-16)
+HASH=$( { echo "$RECIPE_VERSION"; "$PYTHON" --version 2>&1; cat "$REQ" "$NODEPS" "$CONS" "$MAKER" "$VLM_MAKER" "$VISION_FILES"/*; } | sha256sum | cut -c1-16)
 CACHE="$ROOT/$HASH"
 log "recipe hash $HASH -> $CACHE"
 
@@ -88,7 +92,14 @@ for n in keep:
 stub = os.path.join(sp, "sgl_kernel", "common_ops.py")
 with open(stub, "w") as f:
     f.write("# Stand-in for the CUDA-only common_ops extension of sglang-kernel.\n"
-            "# With SGLANG_USE_CPU_ENGINE=1 SGLang falls back to native PyTorch layers and never calls into it.\n")
+            "# With SGLANG_USE_CPU_ENGINE=1 SGLang falls back to native PyTorch layers and never calls into it.\n"
+            "# SGLang's Qwen3.5 module (imported by its Qwen-VL processor) looks these CPU ops up at import: their\n"
+            "# names are declared (never called for the checkpoints made here).\n"
+            "import torch as _torch\n"
+            "_lib = _torch.library.Library('sgl_kernel', 'FRAGMENT')\n"
+            "for _name in ('fused_sigmoid_mul_cpu', 'fused_qk_gemma_rmsnorm_cpu', 'fused_qk_gemma_rmsnorm_with_gate_cpu',\n"
+            "              'fused_qkvzba_split_reshape_cat_contiguous_cpu', 'fused_input_proj_cpu'):\n"
+            "    _lib.define(_name + '(Tensor x) -> Tensor')\n")
 dist = [d for d in os.listdir(sp) if d.startswith("sglang_kernel-") and d.endswith(".dist-info")][0]
 with open(os.path.join(sp, dist, "INSTALLER"), "w") as f:
     f.write("setup_real_sglang.sh\n")
@@ -117,6 +128,7 @@ import importlib, sys
 import torch, torchvision.transforms, sgl_kernel, transformers, sglang
 assert torch.version.cuda is None, torch.version.cuda
 for m in ["sglang.srt.entrypoints.http_server", "sglang.srt.managers.scheduler", "sglang.srt.models.qwen3",
+          "sglang.srt.multimodal.processors.qwen_vl",
           "sglang.srt.layers.attention.torch_native_backend", "sglang_router"]:
     importlib.import_module(m)
 bad = [d.metadata["Name"] for d in importlib.metadata.distributions() if d.metadata["Name"].lower().startswith("nvidia-")]
@@ -125,7 +137,7 @@ print(f"[setup]     ok: torch {torch.__version__} (cuda={torch.version.cuda}), t
       f"sgl_kernel {sgl_kernel.__version__}, transformers {transformers.__version__}, sglang {sglang.__version__}; no nvidia-* dists")
 PY
 
-log "7/7 tiny Qwen3 checkpoints"
+log "7/7 tiny Qwen3 checkpoints and a tiny Qwen2.5-VL"
 TOKDIR=""
 if command -v python > /dev/null; then
     # the bundled tokenizer of the buffer's own environment, located (never imported)
@@ -146,6 +158,7 @@ fi
 log "    tokenizer files: $TOKDIR"
 OMP_NUM_THREADS=2 "$VENV/bin/python" "$MAKER" "$CACHE/models/tiny-qwen3-a" 1234 "$TOKDIR" 2>&1 | { grep -v "Writing model shards" || true; }
 OMP_NUM_THREADS=2 "$VENV/bin/python" "$MAKER" "$CACHE/models/tiny-qwen3-b" 5678 "$TOKDIR" 2>&1 | { grep -v "Writing model shards" || true; }
+OMP_NUM_THREADS=2 "$VENV/bin/python" "$VLM_MAKER" "$CACHE/models/tiny-qwen2.5-vl" 7 "$TOKDIR" "$VISION_FILES" 2>&1 | { grep -v "Writing model shards" || true; }
 
 "$VENV/bin/python" -m pip freeze --all 2>/dev/null > "$CACHE/pip-freeze.txt"
 du -sh "$VENV" | awk '{print "[setup]     venv size: " $1}'

@@ -47,6 +47,7 @@ BUILD = Path(os.environ.get("RB_REAL_SGLANG_HOME", Path.home() / ".cache" / "rol
 TOLERANCE = 1e-4
 READY_S = 420  # measured 109–155 s on two quiet cores
 A, B = "tiny-qwen3-a", "tiny-qwen3-b"
+VLM = "tiny-qwen2.5-vl"
 # The checkpoint behind each weight version the tests give the engine ("default": before its first update).
 CHECKPOINT_OF = {"default": A, "1": B, "2": A}
 
@@ -89,11 +90,12 @@ def engine(real_engine: RealEngine) -> str:
     return real_engine.url
 
 
-def start_sglang(build: Path, folder: Path, port: int) -> subprocess.Popen[bytes]:
-    """Real SGLang serving checkpoint A on `port`, its log and IPC sockets in `folder`, once it answers /health."""
+def start_sglang(build: Path, folder: Path, port: int, model: str = A) -> subprocess.Popen[bytes]:
+    """Real SGLang serving `model` (checkpoint A) on `port`, its log and IPC sockets in `folder`, once it answers
+    /health."""
     log = folder / "sglang.log"
     command = [str(build / "venv" / "bin" / "python"), "-m", "sglang.launch_server", "--model-path",
-               str(build / "models" / A), "--device", "cpu", "--dtype", "float32",
+               str(build / "models" / model), "--device", "cpu", "--dtype", "float32",
                "--attention-backend", "torch_native", "--disable-overlap-schedule", "--max-total-tokens", "8192",
                "--mem-fraction-static", "0.05", "--host", "127.0.0.1", "--port", str(port),
                "--sleep-on-idle"]  # its scheduler otherwise spins a core between requests
@@ -141,11 +143,13 @@ def update_weights(engine: str, model: Path, version: str, pause: str = "abort",
     httpx.post(f"{engine}/continue_generation", json={}, timeout=30).raise_for_status()
 
 
-def trainer_logprobs(build: Path, model: str, sequences: list[list[int]], temperature: float = 1.0
-                     ) -> list[list[float]]:
-    """Each sequence's log-probs from a transformers float32 forward at the sampling temperature
-    (`real_sglang/forward_logprobs.py`)."""
-    request = {"model": model, "sequences": sequences, "temperature": temperature}
+def trainer_logprobs(build: Path, model: str, sequences: list[list[int]], temperature: float = 1.0,
+                     images: list[list[str]] | None = None) -> list[list[float]]:
+    """Each sequence's log-probs from a transformers float32 forward at the sampling temperature, with each
+    sequence's `images` (base64) for a vision checkpoint (`real_sglang/forward_logprobs.py`)."""
+    request: dict[str, Any] = {"model": model, "sequences": sequences, "temperature": temperature}
+    if images is not None:
+        request["images"] = images
     done = subprocess.run([str(build / "venv" / "bin" / "python"), str(ROOT / "real_sglang" / "forward_logprobs.py")],
                           input=json.dumps(request), capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "2"})
@@ -576,3 +580,66 @@ def test_slimes_own_multimodal_path_gives_the_records_tokens_and_pixels(build: P
         theirs, ours = np.load(out / f"pixel_values-{k}.npy"), train["pixel_values"].numpy()
         assert theirs.shape == ours.shape and np.allclose(theirs, ours, atol=1e-5)
         assert slime["engine_pixels_equal"] == [True] * len(rec["images"])
+
+
+@pytest.fixture(scope="module")
+def vlm_engine(build: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Real SGLang serving the tiny Qwen2.5-VL, through its own multimodal processor."""
+    folder, port = tmp_path_factory.mktemp("real-sglang-vlm"), free_port()
+    proc = start_sglang(build, folder, port, VLM)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_process(proc)
+
+
+def test_images_reach_a_real_vision_model_with_the_trainers_log_probs(vlm_engine: str, build: Path,
+                                                                      tmp_path: Path) -> None:
+    """A native vision run and an OpenAI chat session that resends its screenshot, on SGLang's own Qwen2.5-VL path
+    (each image sent as one pad, which SGLang expands with its processor): every loss-1 log-prob of every record
+    equals a transformers forward of the checkpoint over the record's tokens and images, so the tokens hold the
+    image tokens where and as many as the engine put them, and the engine saw the pixels the trainer sees."""
+    from rollout_sim.vision_checkpoint import png
+
+    model = build / "models" / VLM
+
+    def b64(data: bytes) -> str:
+        return base64.b64encode(data).decode()
+
+    shown = {"red": [png((220, 30, 30), (320, 200))], "two": [png((30, 60, 220)), png((30, 180, 60))]}
+    rows = [{"instance_id": name, "prompt": "Colours?", "label": "x",
+             "images": ["data:image/png;base64," + b64(p) for p in pngs]} for name, pngs in shown.items()]
+    with buffer_server(tmp_path, "--data-root", str(build)) as buffer:
+        start(buffer.url, vlm_engine, write_jsonl(tmp_path / "vision.jsonl", rows), str(model), task_type="vision",
+              num_repeat_per_sample=1, max_tokens=8)
+        wait_finished(buffer.url)
+        records = drain(buffer.url)
+        stored = {i["sha256"]: httpx.get(f"{buffer.url}/images/{i['sha256']}", timeout=10).content
+                  for r in records for i in r["images"]}
+    (tmp_path / "sessions").mkdir()
+    with session_host(tmp_path / "sessions", vlm_engine, str(model), "--data-root", str(build),
+                      max_tokens=64) as buffer:
+        session = open_session(buffer.url, "screens")
+        client = openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"])
+        history: list[Any] = []
+        for colour in ((220, 30, 30), (30, 60, 220)):
+            history.append({"role": "user", "content": [{"type": "text", "text": "Screen:"}, {
+                "type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(png(colour, (128, 96)))}}]})
+            reply = client.chat.completions.create(model="policy", messages=history, temperature=0, max_tokens=12,
+                                                   stop=["e"])
+            history.append({"role": "assistant", "content": reply.choices[0].message.content})
+        # A reply its token cap cut cannot be continued: the next turn is then a branch (a record) of its own.
+        sessions = [record(buffer.url, uid) for uid in finish(buffer.url, session, 1.0)["uids"]]
+        stored |= {i["sha256"]: httpx.get(f"{buffer.url}/images/{i['sha256']}", timeout=10).content
+                   for r in sessions for i in r["images"]}
+    assert sorted(len(r["images"]) for r in records) == [1, 2]
+    assert max(len(r["images"]) for r in sessions) == 2 and sum(r["extra_info"]["turns"] for r in sessions) == 2
+    records += sessions
+    forward = trainer_logprobs(build, str(model), [r["tokens"] for r in records],
+                               images=[[b64(stored[i["sha256"]]) for i in r["images"]] for r in records])
+    for rec, logprobs in zip(records, forward, strict=True):
+        positions = list(trained_positions(rec))
+        assert positions, rec["uid"]
+        for position, logprob, _ in positions:
+            assert abs(logprob - logprobs[position - 1]) <= TOLERANCE, (rec["uid"], position, logprob,
+                                                                        logprobs[position - 1])
