@@ -42,7 +42,7 @@ from rollout_buffer.engine.sglang_wire import EnginePrompt
 from rollout_buffer.media.run_images import RunImages
 from rollout_buffer.tokens.chat_render import chat_renderer
 from rollout_buffer.tokens.check import compare_text, compare_tokens
-from rollout_buffer.tokens.image_tokens import engine_ids, with_images
+from rollout_buffer.tokens.image_tokens import image_prompt, with_images
 from rollout_buffer.tokens.marks import ConversationTail, TurnMark
 from rollout_buffer.tokens.prompt_ids import BASE_HISTORY, PROMPT_CACHE_MAX_BYTES, encode, frame, light, prompt
 from rollout_buffer.tokens.sequence import TokenSequence
@@ -166,14 +166,12 @@ class Conversation(TokenSequence):
 
     def engine_prompt(self) -> EnginePrompt:
         """`generation_ids` as the engine client sends them, without copying them: their count and their JSON,
-        written as the conversation grew."""
+        written as the conversation grew (with images: one pad each, `image_tokens.image_prompt`)."""
         self._require_tokens()
         self._require_not_truncated()
         tail = () if self._open else self._frame.generation_prompt_ids
-        if self.images:  # one pad per image: the engine expands them (`image_tokens.engine_ids`)
-            body = orjson.dumps(engine_ids(self.token_ids, self.images, tail))
-            return EnginePrompt(len(self.token_ids) + len(tail), [body[:-1], b"]"])
-        return EnginePrompt(len(self.token_ids) + len(tail), self.ids_json(tail))
+        return (image_prompt(self.token_ids, self.images, tail) if self.images
+                else EnginePrompt(len(self.token_ids) + len(tail), self.ids_json(tail)))
 
     def generation_length(self) -> int:
         """How many tokens `generation_ids` would send."""

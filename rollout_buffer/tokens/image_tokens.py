@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
+from rollout_buffer.engine.sglang_wire import EnginePrompt
 from rollout_buffer.media.images import images_in
 from rollout_buffer.media.run_images import RunImages
 
@@ -32,9 +35,16 @@ def with_images(images: RunImages | None, ids: list[int] | tuple[int, ...], mess
     return expanded, list(zip(starts, shas, strict=True))
 
 
+def image_prompt(ids: list[int], images: list[tuple[int, str]], tail: tuple[int, ...] | list[int] = ()
+                 ) -> EnginePrompt:
+    """The engine's prompt of `ids` then `tail`: as long as they are, sent with the run of pads at each image's
+    position (`images`: position, SHA-256) as one pad, as SGLang takes them with `image_data`."""
+    body = orjson.dumps(engine_ids(ids, images, tail))
+    return EnginePrompt(len(ids) + len(tail), [body[:-1], b"]"])
+
+
 def engine_ids(ids: list[int], images: list[tuple[int, str]], tail: tuple[int, ...] | list[int] = ()) -> list[int]:
-    """`ids` (then `tail`) with the run of pads at each image's position (`images`: position, SHA-256) as one pad,
-    as SGLang takes them with `image_data`."""
+    """`ids` (then `tail`) with the run of pads at each image's position (`images`: position, SHA-256) as one pad."""
     out: list[int] = []
     at = 0
     for start, _ in images:
