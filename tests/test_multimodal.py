@@ -12,6 +12,7 @@ import base64
 import hashlib
 import http.server
 import io
+import json
 import socket
 import threading
 from collections.abc import Iterator
@@ -370,6 +371,25 @@ def test_a_vision_run_without_exact_tokens_fails_saying_why(tmp_path: Path, engi
         rec = httpx.get(f"{buffer.url}/trajectories/{status['run']['run_id']}:red:0:0", timeout=10).json()
     assert status["run"]["progress"]["failures"] == {"generator_error": 1}, status["run"]["progress"]
     assert rec["status"] == "failed" and "keeps none here" in rec["extra_info"]["error"], rec
+
+
+def test_an_engine_that_expands_images_otherwise_fails_the_trajectory(tmp_path: Path, engine: Server,
+                                                                     checkpoint: Path) -> None:
+    """The run's `tokenizer_path` allows fewer pixels an image than the engine's checkpoint: the engine reads the
+    prompt as more tokens than the buffer holds, and the trajectory fails naming why, rather than being stored with
+    tokens the engine did not generate from."""
+    other = vision_checkpoint(tmp_path / "other")
+    config = json.loads((other / "preprocessor_config.json").read_text())
+    (other / "preprocessor_config.json").write_text(json.dumps({**config, "max_pixels": 28 * 28 * 16}))
+    rows = [{"instance_id": "red", "prompt": "Colour?", "images": [data_url(png(RED, (640, 400)))], "label": "red"}]
+    with buffer_server(tmp_path) as buffer:
+        start(buffer.url, engine.url, write_jsonl(tmp_path / "vision.jsonl", rows), str(other), task_type="vision",
+              num_repeat_per_sample=1, max_tokens=32, max_retries=0)
+        status = wait_finished(buffer.url)
+        rec = httpx.get(f"{buffer.url}/trajectories/{status['run']['run_id']}:red:0:0", timeout=10).json()
+    assert rec["status"] == "failed", rec
+    assert rec["extra_info"]["error_kind"] == "engine_image_tokens", rec["extra_info"]
+    assert "expanded the images to other counts" in rec["extra_info"]["error"], rec["extra_info"]
 
 
 def test_the_engine_expands_each_images_pad_as_sglang_does(engine: Server, checkpoint: Path,

@@ -170,6 +170,7 @@ class Chunk:
     refusal: tuple[int, str] | None = None  # an abort with a status_code: (status_code, message)
     # The answer's replay fields (routed experts, top-p ids: `engine.replay`), as sent, when it has any.
     replay: dict[str, Any] | None = None
+    prompt_tokens: int | None = None  # how many tokens the engine read the prompt as (its images expanded)
 
 
 @dataclass
@@ -290,7 +291,9 @@ def parse_generate(body: Any, want_logprobs: bool, partial: bool = False) -> Chu
         if spans:
             spans = [(int(s["end"]) - int(s["start"]), str(s["version"])) for s in spans]
         replay = {k: meta[k] for k in REPLAY_META_KEYS if k in meta} or None
-        return Chunk(ids, log_probs, str(body.get("text") or ""), kind, version, spans or None, refusal, replay)
+        prompt = meta.get("prompt_tokens")
+        return Chunk(ids, log_probs, str(body.get("text") or ""), kind, version, spans or None, refusal, replay,
+                     prompt if isinstance(prompt, int) else None)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
         raise AttemptError("bad_response", f"unexpected /generate response: {e}") from None
 
