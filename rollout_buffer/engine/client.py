@@ -38,6 +38,7 @@ from rollout_buffer.engine.results import (
     GenerateResult,
     GenerationProgress,
     GenerationStream,
+    check_images_read,
 )
 from rollout_buffer.engine.sglang_wire import (
     DONE,
@@ -410,7 +411,7 @@ class EngineClient:
             if progress.refusal is None and progress.replay is not None:
                 self._take_replay(replay, progress, prompt_length)
             if image_data and progress.refusal is None:
-                self._check_images_read(progress, prompt_length)
+                check_images_read(progress, prompt_length)
             if progress.refusal is not None:
                 fitted, refusals = await self._refused(progress, prompt_length, want, fitted, refusals)
                 continue
@@ -459,16 +460,6 @@ class EngineClient:
                    "return_logprob": True, "logprob_start_len": len(input_ids) - count - 1}
         values, _, _ = await self._post("/generate", payload, session_id, lambda b: parse_prompt_log_probs(b, count))
         return values
-
-    def _check_images_read(self, progress: GenerationProgress, prompt_length: int) -> None:
-        """EngineError when the engine read a prompt with images as another number of tokens than the buffer holds:
-        its processor expanded them otherwise, and the record's tokens would not be those it generated from."""
-        read = None if progress.last is None else progress.last.prompt_tokens
-        if read is not None and read != prompt_length:
-            raise EngineError("image_tokens", progress.url, progress.attempts, (
-                f"the engine read the prompt as {read} tokens where the buffer holds {prompt_length}: it expanded the "
-                "images to other counts (its checkpoint's preprocessor_config.json is not the run's tokenizer_path's, "
-                "or SGLANG_MM_AVOID_RETOKENIZE is off)"))
 
     def _take_replay(self, replay: ReplayAsk, progress: GenerationProgress, prompt_length: int) -> None:
         """The replay data of the answer just read (`engine.replay`); EngineError when it lacks or garbles it."""

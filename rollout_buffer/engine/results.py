@@ -206,3 +206,15 @@ class EngineStats:
             "context_full": self.context_full,
         }
 
+
+
+def check_images_read(progress: GenerationProgress, prompt_length: int) -> None:
+    """EngineError when the engine read a prompt with images as another number of tokens than the buffer holds
+    (`prompt_length`): its processor expanded them otherwise, and the record's tokens would not be those it generated
+    from."""
+    read = None if progress.last is None else progress.last.prompt_tokens
+    if read is not None and read != prompt_length:
+        raise EngineError("image_tokens", progress.url, progress.attempts, (
+            f"the engine read the prompt as {read} tokens where the buffer holds {prompt_length}: it expanded the "
+            "images to other counts (its checkpoint's preprocessor_config.json is not the run's tokenizer_path's, "
+            "or SGLANG_MM_AVOID_RETOKENIZE is off)"))
