@@ -373,6 +373,22 @@ def test_a_vision_run_without_exact_tokens_fails_saying_why(tmp_path: Path, engi
     assert rec["status"] == "failed" and "keeps none here" in rec["extra_info"]["error"], rec
 
 
+def test_a_teachers_log_probs_of_a_vision_trajectory_see_its_images(tmp_path: Path, engine: Server,
+                                                                    checkpoint: Path) -> None:
+    """`teacher_engine_url`: the teacher is asked with the trajectory's images beside its tokens (one pad each) and
+    gives a log-prob for each response token (`tests/test_real_sglang.py` holds the values against a forward with
+    the images)."""
+    rows = [{"instance_id": "red", "prompt": "Colour?", "images": [data_url(png(RED, (320, 200)))], "label": "red"}]
+    with buffer_server(tmp_path) as buffer:
+        start(buffer.url, engine.url, write_jsonl(tmp_path / "vision.jsonl", rows), str(checkpoint),
+              task_type="vision", num_repeat_per_sample=1, max_tokens=32, teacher_engine_url=engine.url)
+        status = wait_finished(buffer.url)
+        [rec] = drain(buffer.url)
+    assert status["run"]["progress"]["failed"] == 0, status["run"]["progress"]
+    assert len(rec["teacher_log_probs"]) == rec["response_length"] > 0
+    assert all(lp <= 0 for lp in rec["teacher_log_probs"])
+
+
 def test_an_engine_that_expands_images_otherwise_fails_the_trajectory(tmp_path: Path, engine: Server,
                                                                      checkpoint: Path) -> None:
     """The run's `tokenizer_path` allows fewer pixels an image than the engine's checkpoint: the engine reads the

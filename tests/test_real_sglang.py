@@ -611,7 +611,7 @@ def test_images_reach_a_real_vision_model_with_the_trainers_log_probs(vlm_engine
              "images": ["data:image/png;base64," + b64(p) for p in pngs]} for name, pngs in shown.items()]
     with buffer_server(tmp_path, "--data-root", str(build)) as buffer:
         start(buffer.url, vlm_engine, write_jsonl(tmp_path / "vision.jsonl", rows), str(model), task_type="vision",
-              num_repeat_per_sample=1, max_tokens=8)
+              num_repeat_per_sample=1, max_tokens=8, teacher_engine_url=vlm_engine)
         wait_finished(buffer.url)
         records = drain(buffer.url)
         stored = {i["sha256"]: httpx.get(f"{buffer.url}/images/{i['sha256']}", timeout=10).content
@@ -634,6 +634,7 @@ def test_images_reach_a_real_vision_model_with_the_trainers_log_probs(vlm_engine
                    for r in sessions for i in r["images"]}
     assert sorted(len(r["images"]) for r in records) == [1, 2]
     assert max(len(r["images"]) for r in sessions) == 2 and sum(r["extra_info"]["turns"] for r in sessions) == 2
+    native = {r["uid"] for r in records}
     records += sessions
     forward = trainer_logprobs(build, str(model), [r["tokens"] for r in records],
                                images=[[b64(stored[i["sha256"]]) for i in r["images"]] for r in records])
@@ -643,3 +644,7 @@ def test_images_reach_a_real_vision_model_with_the_trainers_log_probs(vlm_engine
         for position, logprob, _ in positions:
             assert abs(logprob - logprobs[position - 1]) <= TOLERANCE, (rec["uid"], position, logprob,
                                                                         logprobs[position - 1])
+        if rec["uid"] in native:  # the native run's teacher (the same checkpoint) was sent the images too
+            start_at = len(rec["tokens"]) - rec["response_length"]
+            teacher = rec["teacher_log_probs"]
+            assert all(abs(t - logprobs[start_at + k - 1]) <= TOLERANCE for k, t in enumerate(teacher)), rec["uid"]

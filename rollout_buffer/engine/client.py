@@ -446,18 +446,20 @@ class EngineClient:
         await asyncio.sleep(delay)
         return fitted, refusals + 1
 
-    async def prompt_log_probs(self, input_ids: list[int], count: int, temperature: float, *, session_id: str
-                               ) -> list[float]:
-        """The log-probs of the last `count` of `input_ids`, each given those before it, at `temperature`: one
-        prefill, nothing generated (a teacher's log-probs of a response, as slime's on-policy distillation asks
-        them). Retried like any request; EngineError when it fails for good."""
+    async def prompt_log_probs(self, input_ids: list[int] | EnginePrompt, count: int, temperature: float, *,
+                               session_id: str, image_data: list[str] | None = None) -> list[float]:
+        """The log-probs of the last `count` of `input_ids` (with the images their pads stand for), each given those
+        before it, at `temperature`: one prefill, nothing generated (a teacher's log-probs of a response, as slime's
+        on-policy distillation asks them). Retried like any request; EngineError when it fails for good."""
         if count <= 0:
             return []
         if count >= len(input_ids):
             raise ValueError(f"{count} log-probs asked of {len(input_ids)} tokens: the first one has none")
         # SGLang gives the first position of the range it is asked no log-prob: one more is asked, and dropped.
-        payload = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 0, "temperature": temperature},
-                   "return_logprob": True, "logprob_start_len": len(input_ids) - count - 1}
+        ids = input_ids.payload([]) if isinstance(input_ids, EnginePrompt) else input_ids
+        payload = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0, "temperature": temperature},
+                   "return_logprob": True, "logprob_start_len": len(input_ids) - count - 1,
+                   **({"image_data": image_data} if image_data else {})}
         values, _, _ = await self._post("/generate", payload, session_id, lambda b: parse_prompt_log_probs(b, count))
         return values
 

@@ -208,7 +208,9 @@ class RolloutContext:
             if mismatch is not None:
                 info["tokenization_mismatch"] = mismatch
                 metrics.TOKENIZATION_MISMATCHES.inc()
-            signals = {} if self.run.signals is None else await self.run.signals.complete(conv, self.engine, self.uid)
+            images = await self.run.images.data_urls(conv.image_shas) if conv.images and self.run.images else None
+            signals = {} if self.run.signals is None else await self.run.signals.complete(conv, self.engine, self.uid,
+                                                                                          images)
             fields = {**conv.record_fields(mask_offpolicy=self.run.mask_offpolicy), **signals}
             info["weight_version_spans"] = [span[:3] for span in conv.version_spans]
             if mid_request := conv.mid_request_spans():

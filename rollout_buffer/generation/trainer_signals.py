@@ -17,6 +17,7 @@ from rollout_buffer.engine.replay import ReplayAsk
 from rollout_buffer.engine.sglang_wire import EnginePrompt
 from rollout_buffer.generation.options import SignalOptions
 from rollout_buffer.tokens.conversation import Conversation
+from rollout_buffer.tokens.image_tokens import image_prompt
 
 
 class TrainerSignals:
@@ -33,22 +34,25 @@ class TrainerSignals:
         return ReplayAsk(routed_from=conv.routed_rows if self.routed else None, routed_width=conv.routed_width,
                          top_p=self.top_p)
 
-    async def complete(self, conv: Conversation, engine: EngineClient, session_id: str) -> dict[str, Any]:
+    async def complete(self, conv: Conversation, engine: EngineClient, session_id: str,
+                       image_data: list[str] | None = None) -> dict[str, Any]:
         """Make `conv`'s routed-expert rows cover its tokens (the template's closing after its last turn) and
-        return the record fields of its teacher log-probs. EngineError when an engine fails."""
+        return the record fields of its teacher log-probs, the engines given its images (`image_data`) as for its
+        turns. EngineError when an engine fails."""
         tokens = conv.token_ids
+        # The conversation's ids as the engine gets them: their JSON written as it grew, or one pad an image.
+        prompt = image_prompt(tokens, conv.images) if conv.images else EnginePrompt(len(tokens), conv.ids_json())
         if self.routed and conv.routed_rows < len(tokens) - 1:
-            # The conversation's ids as the engine got them, their JSON written as it grew: not serialized again.
-            prompt = EnginePrompt(len(tokens), conv.ids_json())
             result = await engine.generate(prompt, {"max_new_tokens": 0, "temperature": 0.0},
                                            session_id=session_id, return_logprob=False,
                                            replay=ReplayAsk(routed_from=conv.routed_rows,
-                                                            routed_width=conv.routed_width))
+                                                            routed_width=conv.routed_width), image_data=image_data)
             if result.replay is not None:
                 conv.extend_routed(result.replay)
         if self.teacher is None:
             return {}
         response = len(tokens) - conv.prompt_length
-        log_probs = await self.teacher.prompt_log_probs(list(tokens), response, self.temperature,
-                                                        session_id=session_id)
+        log_probs = await self.teacher.prompt_log_probs(prompt if conv.images else list(tokens), response,
+                                                        self.temperature, session_id=session_id,
+                                                        image_data=image_data)
         return {"teacher_log_probs": log_probs}
