@@ -137,7 +137,7 @@ class RolloutContext:
                 return "length"
             ids, engine_params = conv.engine_prompt(), to_sglang_sampling_params(params, budget)
             replay = self.run.signals.ask(conv) if self.run.signals is not None else NO_REPLAY
-            images = await self.run.images.data_urls(conv.image_shas) if conv.images and self.run.images else None
+            images = await self._image_data(conv)
             if on_delta is None:
                 result = await engine.generate(ids, engine_params, session_id=session, return_logprob=return_logprob,
                                                replay=replay, image_data=images)
@@ -170,6 +170,10 @@ class RolloutContext:
         conv.add_assistant_text(chat.text, finish_reason=chat.finish_reason, tool_calls=chat.tool_calls,
                                 reasoning_content=chat.reasoning_content, weight_version=chat.weight_version)
         return chat.finish_reason
+
+    async def _image_data(self, conv: Conversation) -> list[str] | None:
+        """The images of `conv`'s tokens as the engine's `image_data`; None without any."""
+        return await self.run.images.data_urls(conv.image_shas) if conv.images and self.run.images else None
 
     async def open_session(self, metadata: dict[str, Any] | None = None) -> AgentSession:
         """An agent session recording this trajectory: point an OpenAI or Anthropic client at its base URL."""
@@ -208,9 +212,8 @@ class RolloutContext:
             if mismatch is not None:
                 info["tokenization_mismatch"] = mismatch
                 metrics.TOKENIZATION_MISMATCHES.inc()
-            images = await self.run.images.data_urls(conv.image_shas) if conv.images and self.run.images else None
-            signals = {} if self.run.signals is None else await self.run.signals.complete(conv, self.engine, self.uid,
-                                                                                          images)
+            signals = {} if self.run.signals is None else await self.run.signals.complete(
+                conv, self.engine, self.uid, await self._image_data(conv))
             fields = {**conv.record_fields(mask_offpolicy=self.run.mask_offpolicy), **signals}
             info["weight_version_spans"] = [span[:3] for span in conv.version_spans]
             if mid_request := conv.mid_request_spans():

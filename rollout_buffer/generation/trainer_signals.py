@@ -40,10 +40,8 @@ class TrainerSignals:
         return the record fields of its teacher log-probs, the engines given its images (`image_data`) as for its
         turns. EngineError when an engine fails."""
         tokens = conv.token_ids
-        # The conversation's ids as the engine gets them: their JSON written as it grew, or one pad an image.
-        prompt = image_prompt(tokens, conv.images) if conv.images else EnginePrompt(len(tokens), conv.ids_json())
         if self.routed and conv.routed_rows < len(tokens) - 1:
-            result = await engine.generate(prompt, {"max_new_tokens": 0, "temperature": 0.0},
+            result = await engine.generate(_prompt(conv), {"max_new_tokens": 0, "temperature": 0.0},
                                            session_id=session_id, return_logprob=False,
                                            replay=ReplayAsk(routed_from=conv.routed_rows,
                                                             routed_width=conv.routed_width), image_data=image_data)
@@ -52,7 +50,13 @@ class TrainerSignals:
         if self.teacher is None:
             return {}
         response = len(tokens) - conv.prompt_length
-        log_probs = await self.teacher.prompt_log_probs(prompt if conv.images else list(tokens), response,
+        log_probs = await self.teacher.prompt_log_probs(_prompt(conv) if conv.images else list(tokens), response,
                                                         self.temperature, session_id=session_id,
                                                         image_data=image_data)
         return {"teacher_log_probs": log_probs}
+
+
+def _prompt(conv: Conversation) -> EnginePrompt:
+    """The conversation's ids as the engine gets them: their JSON written as it grew, or one pad an image."""
+    tokens = conv.token_ids
+    return image_prompt(tokens, conv.images) if conv.images else EnginePrompt(len(tokens), conv.ids_json())

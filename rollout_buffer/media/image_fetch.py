@@ -63,9 +63,12 @@ async def _checked_address(host: str, port: int, hosts: tuple[str, ...]) -> str:
     except ValueError:
         pass
     try:
-        found = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        found = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM),
+                                       FETCH_TIMEOUT_S)
     except (socket.gaierror, UnicodeError) as e:
         raise ValueError(f"the image host {host} does not resolve ({e})") from None
+    except TimeoutError:
+        raise ValueError(f"the image host {host} did not resolve within {FETCH_TIMEOUT_S:g} s") from None
     addresses = list(dict.fromkeys(str(info[4][0]) for info in found))
     for address in addresses:
         if not ipaddress.ip_address(address).is_global and not host_allowed(address, hosts):
