@@ -168,7 +168,7 @@ class _Run(ProcessPool[OpenEnvServer]):
 
 
 async def _run(ctx: RolloutContext) -> _Run:
-    opts = OpenEnvOptions.from_run(ctx.config)
+    opts = ctx.options(OpenEnvOptions)
 
     async def build() -> _Run:
         command = await asyncio.to_thread(opts.command)
@@ -189,7 +189,7 @@ class Episode:
 async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> list[dict[str, Any]]:
     """One episode of the row's `reset` through a fresh session; its records carry the episode's return."""
     run = await _run(ctx)
-    opts = OpenEnvOptions.from_run(ctx.config)
+    opts = ctx.options(OpenEnvOptions)
     reset = item.get("reset", {})
     if not isinstance(reset, dict):
         raise EnvError("reset", "the row's reset must be a JSON object (the environment's reset arguments)")

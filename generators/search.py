@@ -192,7 +192,7 @@ def _run_state(ctx: RolloutContext) -> tuple[SearchConfig, SearchClient]:
     """The run's options and its one search client, made by the first trajectory."""
     shared = ctx.run.shared
     if _SHARED_KEY not in shared:
-        config = SearchConfig.from_run(ctx.config)
+        config = ctx.options(SearchConfig)
         shared[f"{_SHARED_KEY}.config"] = config
         # Kept on its own so the runner closes it (it closes shared values that have aclose()).
         shared[_SHARED_KEY] = SearchClient(

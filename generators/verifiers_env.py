@@ -237,7 +237,7 @@ _parked = _Parked()
 
 
 async def _pool(ctx: RolloutContext) -> tuple[_Pool, VerifiersOptions]:
-    opts = VerifiersOptions.from_run(ctx.config)
+    opts = ctx.options(VerifiersOptions)
 
     async def build() -> _Pool:
         python = await asyncio.to_thread(opts.interpreter)

@@ -82,10 +82,11 @@ def _record(uid: str, instance_id: str, reward: float) -> TrajectoryRecord:
 def test_group_hooks_run_outside_the_store_and_a_hanging_or_raising_hook_fails_only_its_group(tmp_path: Path) -> None:
     """A hook that hangs holds up its own group, not the store: other writes commit meanwhile, and past the
     hook timeout the group is dropped with the reason. A hook that raises drops its group with the error."""
-    release = threading.Event()
+    release, hanging = threading.Event(), threading.Event()
 
     def hangs(records: list[dict[str, Any]]) -> bool:
         if records[0]["instance_id"] == "slow":
+            hanging.set()
             release.wait(30)
         return True
 
@@ -103,7 +104,7 @@ def test_group_hooks_run_outside_the_store_and_a_hanging_or_raising_hook_fails_o
             run = await buffer.runs.get(await buffer.create_run({"task_type": "hooked"}, 2))
             assert run is not None
             slow = asyncio.create_task(buffer.write([_record("s1", "slow", 1.0), _record("s2", "slow", 0.0)], run))
-            await asyncio.sleep(0.2)  # its hook is running now
+            assert await asyncio.to_thread(hanging.wait, 30), "its hook is running now"
             other = await asyncio.wait_for(buffer.write([_record("o1", "other", 1.0)], run), 0.5)
             assert other.inserted == 1 and not slow.done()  # committed while the hook hangs
             assert (await slow).finished[0].reason == "hook_timeout: no answer within 1 s"

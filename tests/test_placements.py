@@ -121,7 +121,10 @@ def test_requests_wait_for_their_placement_and_a_session_never_placed_or_refused
     answers: list[httpx.Response] = []
     waiting = threading.Thread(target=lambda: answers.append(chat(early, "early-key")))
     waiting.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30  # the worker has the request, waiting for the placement
+    while httpx.get(f"{worker['url']}/healthz", timeout=10).json()["waiting"] != 1:
+        assert time.monotonic() < deadline and waiting.is_alive(), answers
+        time.sleep(0.05)
     assert waiting.is_alive(), "the request waits for its placement"
     with connect(url, additional_headers={WORKER_SECRET_HEADER: secret}) as stream:
         stream.send('{"run_id": "no placement"}')  # malformed: dropped, the stream goes on

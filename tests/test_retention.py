@@ -247,6 +247,41 @@ def test_images_go_once_no_record_holds_them_and_nothing_used_them(tmp_path: Pat
     assert "deleted 2 image files" in caplog.text and "nothing used for 24 h" in caplog.text
 
 
+def test_unused_images_are_looked_for_once_an_hour_by_retentions_clock(tmp_path: Path) -> None:
+    """Finding unused images lists the whole image folder: a pass looks for them at most once an hour of its clock
+    (an injected one here, moved instead of waited for), while records are pruned at every pass."""
+    config = ServerConfig(data_dir=tmp_path, group_size=GROUP)
+    images = ImageStore(config.image_dir)
+    now = [time.time()]
+
+    def unused(colour: tuple[int, int, int]) -> Path:
+        image = image_of(png(colour))
+        images.put(image)
+        path = images.path(image.sha256)
+        os.utime(path, (now[0] - 120.0,) * 2)  # last used two minutes before the clock's now
+        return path
+
+    async def main() -> list[bool]:
+        store = Store(config.db_path)
+        await store.open()
+        try:
+            retention = Retention(store, after_s=0.0, images=images, image_grace_s=60.0, clock=lambda: now[0])
+            first = unused((1, 2, 3))
+            await retention.prune()
+            second = unused((4, 5, 6))
+            seen = [first.exists(), second.exists()]
+            now[0] += 3000.0  # within the hour: not looked for
+            await retention.prune()
+            seen.append(second.exists())
+            now[0] += 600.0  # an hour after the last look
+            await retention.prune()
+            return [*seen, second.exists()]
+        finally:
+            await store.close()
+
+    assert asyncio.run(main()) == [False, True, True, False]
+
+
 def test_an_image_a_conversation_uses_has_its_time_renewed(tmp_path: Path) -> None:
     """Taking an image stored already, or sending one to the engine (a session worker's conversation, a restored
     session), sets its file's time to now: retention's grace counts from the last use."""

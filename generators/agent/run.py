@@ -71,7 +71,7 @@ async def agent_run(ctx: RolloutContext) -> AgentRun:
 
 async def _build_agent_run(ctx: RolloutContext) -> AgentRun:
     """Load the run's agent and scorer, make its threads and sandbox (kept in `ctx.run.shared`)."""
-    opts = AgentOptions.from_run(ctx.config)
+    opts = ctx.options(AgentOptions)
     shared = AgentRun(opts)
     if opts.agent_max_running is not None:
         shared.running = asyncio.Semaphore(opts.agent_max_running)

@@ -9,7 +9,8 @@ facts; one a group hook rewrote whole does not, and is parsed for them here.
 
 An image file goes once no record holds it whole (`record_images`) and nothing has used it for `IMAGE_GRACE_S` or H,
 whichever is longer: a conversation in progress uses its images at every engine call, and its record names them
-only when it ends (`media.image_store`).
+only when it ends (`media.image_store`). Finding them lists the whole image folder, so it runs once an hour
+(`IMAGE_SWEEP_EVERY_S`), not at every pass.
 
 Without the option nothing is ever pruned. Short records are kept whole: a few KB each, they are not what fills a
 disk. SQLite reuses the pages pruning frees; the file itself does not shrink (`VACUUM` it offline for that).
@@ -22,6 +23,7 @@ import contextlib
 import logging
 import sqlite3
 import time
+from collections.abc import Callable
 
 import orjson
 
@@ -35,6 +37,7 @@ log = logging.getLogger(__name__)
 
 PRUNE_EVERY_S = 60.0
 IMAGE_GRACE_S = 24 * 3600.0  # far beyond an idle session's default life (`session_ttl_s`)
+IMAGE_SWEEP_EVERY_S = 3600.0
 _BATCH = 8  # records per transaction: each frees megabytes of pages, and the store thread serves delivery too
 
 # A long record, or one with side data (`side_data`), of a group no stream is still to deliver (every stream's
@@ -87,13 +90,15 @@ async def sweep_images(store: Store, images: ImageStore, before: float) -> tuple
 
 
 class Retention:
-    """The pruning loop: every `PRUNE_EVERY_S`, the records past `after_s`, a batch per transaction; then the image
-    files of `images` no record holds and nothing used for `image_grace_s` (default: `IMAGE_GRACE_S` or `after_s`,
-    the longer)."""
+    """The pruning loop: every `PRUNE_EVERY_S`, the records past `after_s`, a batch per transaction; then, at most
+    every `IMAGE_SWEEP_EVERY_S`, the image files of `images` no record holds and nothing used for `image_grace_s`
+    (default: `IMAGE_GRACE_S` or `after_s`, the longer). `clock` tells the time (wall-clock seconds)."""
 
     def __init__(self, store: Store, after_s: float, images: ImageStore | None = None, every_s: float = PRUNE_EVERY_S,
-                 image_grace_s: float | None = None):
+                 image_grace_s: float | None = None, clock: Callable[[], float] = time.time):
         self.store = store
+        self.clock = clock
+        self._swept_at: float | None = None
         self.after_s = after_s
         self.images = images
         self.every_s = every_s
@@ -115,14 +120,16 @@ class Retention:
 
     async def prune(self) -> int:
         """Prune every record due now; how many were."""
-        before, total = time.time() - self.after_s, 0
+        before, total = self.clock() - self.after_s, 0
         while (n := await self.store.call(lambda conn: prune_delivered(conn, before))) > 0:
             total += n
         if total:
             log.info("pruned %d long records of delivered groups (older than %g h): their facts are kept",
                      total, self.after_s / 3600)
-        if self.images is not None:
-            count, size = await sweep_images(self.store, self.images, time.time() - self.image_grace_s)
+        now = self.clock()
+        if self.images is not None and (self._swept_at is None or now - self._swept_at >= IMAGE_SWEEP_EVERY_S):
+            self._swept_at = now
+            count, size = await sweep_images(self.store, self.images, now - self.image_grace_s)
             if count:
                 log.info("deleted %d image files (%.1f MB) no record holds whole and nothing used for %g h",
                          count, size / 1e6, self.image_grace_s / 3600)

@@ -109,7 +109,7 @@ class RayExecutor:
 
     async def start_run(self, generator: Generator, resources: RunResources) -> None:
         """Connect to Ray, (re)build the pool for the run's options and open the run on every actor."""
-        options = RayRunOptions.from_run(resources.config)
+        options = resources.options(RayRunOptions)
         await self.connect()
         await self._check_fits(options)
         if self._options is not None and options.pool_key() != self._options.pool_key():

@@ -13,6 +13,7 @@ from rollout_buffer.engine.client import EngineClient
 from rollout_buffer.engine.outage import Outage
 from rollout_buffer.engine.replay import NO_REPLAY
 from rollout_buffer.engine.sglang_wire import GenerateDelta, to_sglang_sampling_params
+from rollout_buffer.generation.options import RunOptions
 from rollout_buffer.generation.sessions import AgentSession, SessionHost
 from rollout_buffer.generation.trainer_signals import TrainerSignals
 from rollout_buffer.media.images import has_image_parts
@@ -21,6 +22,7 @@ from rollout_buffer.observability import metrics
 from rollout_buffer.tokens.conversation import Conversation
 
 T = TypeVar("T")
+OptionsT = TypeVar("OptionsT", bound=RunOptions)
 
 STATUS_BY_FINISH = {"stop": "completed", "length": "truncated", "abort": "aborted"}
 
@@ -50,6 +52,16 @@ class RunResources:
     # The images its trajectories saw (None: the run takes none).
     images: RunImages | None = None
     _building: dict[str, asyncio.Lock] = field(default_factory=dict, repr=False)
+    _options: dict[type[RunOptions], RunOptions] = field(default_factory=dict, repr=False)
+
+    def options(self, kind: type[OptionsT]) -> OptionsT:
+        """The run's options of type `kind`, parsed from its payload once for every trajectory of the run
+        (ValueError naming the bad ones)."""
+        parsed = self._options.get(kind)
+        if parsed is None:
+            parsed = self._options[kind] = kind.from_run(self.config)
+        assert isinstance(parsed, kind)
+        return parsed
 
     def outages(self) -> list[Outage]:
         """The outages of the run's engines: the policy engine's, and the teacher's when the run has one."""
@@ -83,6 +95,10 @@ class RolloutContext:
     def config(self) -> dict[str, Any]:
         """The run's `/start_rollout` payload, extra keys included (generator options live here)."""
         return self.run.config
+
+    def options(self, kind: type[OptionsT]) -> OptionsT:
+        """The run's options of type `kind` (a generator's `RunOptions`), parsed once for the whole run."""
+        return self.run.options(kind)
 
     @property
     def engine(self) -> EngineClient:

@@ -1,5 +1,5 @@
 """Idle harness sessions expire: a session without a request for longer than its run's `session_ttl_s` (and no
-turn generating) is closed as failed by the manager (`SessionManager.expire`), so its group is dropped rather
+turn generating) is closed as failed by its backend (`LocalBackend.expire`), so its group is dropped rather
 than waiting forever. One loop sleeps until the next session is due, woken early when one opens that is due
 sooner."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 
+from rollout_buffer.clock import SYSTEM, Clock
 from rollout_buffer.proxy.session import Session, SessionKind
 
 log = logging.getLogger(__name__)
@@ -18,11 +18,14 @@ _MAX_SLEEP_S = 30.0
 
 
 class Reaper:
-    """The expiry loop over the manager's open sessions (`sessions`), closing each with `expire(session, why)`."""
+    """The expiry loop over a backend's open sessions (`sessions`), closing each with `expire(session, why)`; idle
+    time is read on `clock`, the sessions' own."""
 
-    def __init__(self, sessions: dict[str, Session], expire: Callable[[Session, str], Awaitable[None]]):
+    def __init__(self, sessions: dict[str, Session], expire: Callable[[Session, str], Awaitable[None]],
+                 clock: Clock = SYSTEM):
         self._sessions = sessions
         self._expire = expire
+        self._clock = clock
         self._wake = asyncio.Event()
         self._look_at = 0.0  # when the loop looks again, unless woken earlier
         self._task: asyncio.Task[None] | None = None
@@ -48,7 +51,7 @@ class Reaper:
 
     async def _loop(self) -> None:
         while True:
-            now = time.monotonic()
+            now = self._clock.monotonic()
             due = [s for s in self._sessions.values()
                    if s.kind is SessionKind.HARNESS and s.state == "open" and not s.generating
                    and now - s.last_active >= s.options.session_ttl_s]
@@ -58,12 +61,10 @@ class Reaper:
                                        "of its last request")
                 except Exception:
                     log.exception("expiring session %s failed", session.session_id)
-            waits = [s.last_active + s.options.session_ttl_s - time.monotonic()
+            now = self._clock.monotonic()
+            waits = [s.last_active + s.options.session_ttl_s - now
                      for s in self._sessions.values() if s.kind is SessionKind.HARNESS and s.state == "open"]
             self._wake.clear()
             timeout = max(min([_MAX_SLEEP_S, *waits]), 0.05)
-            self._look_at = time.monotonic() + timeout
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
-            except TimeoutError:
-                pass
+            self._look_at = now + timeout
+            await self._clock.wait(self._wake, timeout)

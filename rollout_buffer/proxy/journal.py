@@ -238,6 +238,7 @@ def _reply_message(reply: list[Any]) -> dict[str, Any]:
     return assistant_message(text, [tool_call(name, arguments) for name, arguments in calls])
 
 
-def idle_since(last_at: float | None, created_at: float) -> float:
-    """The monotonic clock reading equal to the session's last activity (wall time) before the restart."""
-    return time.monotonic() - max(0.0, time.time() - (last_at if last_at is not None else created_at))
+def idle_since(last_at: float | None, created_at: float, now: float) -> float:
+    """The reading of a monotonic clock that reads `now` equal to the session's last activity (wall time) before
+    the restart."""
+    return now - max(0.0, time.time() - (last_at if last_at is not None else created_at))

@@ -1,520 +1,130 @@
-"""Agent sessions of the server: opened by generators (`SessionHost`) or by a harness over HTTP, found by id,
-finished into records, expired when a harness forgets them.
+"""The server's agent sessions: a router over the session backends (`proxy.session_backend`).
 
-A generator's session is opened in-process (`SessionHost.open`) or, for a trajectory running in a Ray actor, over
-HTTP (`open_for_actor`): the actor closes it into records it takes back, or discards it. Such a session has no
-owner here if its actor is lost, so it is discarded when its trajectory opens a new one (the retry, same uid)
-and when its run ends.
-
-A harness session belongs to the run it was opened in; finishing it stores its records in that run (grouped by
-instance id like any trajectory), and a session idle for longer than the run's `session_ttl_s` is closed as
-failed (its branches stored with `status: failed`, so its group is dropped rather than waiting forever).
-
-Harness sessions are durable: each committed turn is appended to the session's file (`proxy.journal`), and a
-restarted server restores the open sessions of the run it resumes before it serves (`recover`): same ids, keys
-and URLs, the same branches and exact tokens, idle time counted from the last turn before the restart. Sessions
-of a run that did not resume (replaced, ended) are closed as failed. Generator sessions are not stored: the
-runner generates their unfinished trajectories again. A server shutting down keeps its harness sessions stored
-instead of closing them. With session workers (`proxy.worker_pool`) the training run's sessions live on them;
-this manager places them there and asks them.
+Sessions are opened by generators (`SessionHost.open`), by Ray actors over HTTP (`open_for_actor`) or by a harness
+(`POST /sessions`, `place`), and then found by id. They live in this process (`proxy.local_backend`) or, with
+`serve --session-workers`, the training run's live on the workers (`proxy.worker_backend`): a call goes to the
+backend that serves the run or holds the session; what happens to a session is each backend's.
 """
 
 from __future__ import annotations
 
 import builtins
-import logging
-import secrets
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import ValidationError
-
 from rollout_buffer.config import ServerConfig
-from rollout_buffer.delivery.store import StoreError
-from rollout_buffer.generation.context import RolloutContext, RunResources
+from rollout_buffer.generation.context import RolloutContext
 from rollout_buffer.generation.run_manager import RunManager
 from rollout_buffer.generation.runner import Run
 from rollout_buffer.generation.sessions import AgentSession
-from rollout_buffer.observability import metrics
-from rollout_buffer.proxy.expiry import Reaper
-from rollout_buffer.proxy.journal import Journal, StoredSession, idle_since, load_sessions, load_state, replay
-from rollout_buffer.proxy.messages import WireError
-from rollout_buffer.proxy.recovery import StoredSummary, record_failure, recovery_plan
-from rollout_buffer.proxy.session import HarnessRun, ProxyOptions, Session, SessionKind
-from rollout_buffer.proxy.session_files import SessionFiles
-from rollout_buffer.proxy.session_names import harness_uid, new_session_id, session_root
-from rollout_buffer.proxy.tree import ResponseRef, SessionTree
+from rollout_buffer.proxy.local_backend import LocalBackend
+from rollout_buffer.proxy.session import HarnessRun
+from rollout_buffer.proxy.session_backend import SessionBackend, wait_ready
+from rollout_buffer.proxy.worker_backend import WorkerBackend
 from rollout_buffer.proxy.worker_pool import SessionWorkers
-from rollout_buffer.proxy.worker_sessions import WorkerCallError, WorkerSession, WorkerSessionError, WorkerUnavailable
-from rollout_buffer.schemas import TrajectoryRecord
 
-log = logging.getLogger(__name__)
-
-# Finished sessions remembered for `GET /sessions/{id}` and for a clear answer to late requests.
-_CLOSED_KEPT = 4096
-# How long POST /sessions waits for a just-started run to load its tokenizer.
-READY_WAIT_S = 120.0
-
-
-class SessionError(Exception):
-    """A session request the server refuses (`/sessions` endpoints, slime's error shape)."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
+_ACTOR_LOST = "its trajectory opened a new session (the actor running it was lost)"
 
 
 class SessionManager:
-    """Every open agent session; implements `generation.sessions.SessionHost`."""
+    """Every agent session of the server; implements `generation.sessions.SessionHost`."""
 
     def __init__(self, config: ServerConfig, workers: SessionWorkers | None = None):
         self.config = config
-        # Session workers serve harness sessions in processes of their own (`serve --session-workers`).
-        self.workers = workers
-        self.sessions: dict[str, Session] = {}
-        self.closed: OrderedDict[str, dict[str, Any]] = OrderedDict()
-        self._options: dict[str, ProxyOptions] = {}
-        self._repeats: dict[tuple[str, str], int] = {}
-        # uid -> the open session an actor's trajectory holds (here, or on a session worker)
-        self._for_actors: dict[str, Session | WorkerSession] = {}
-        self._on_workers: dict[str, WorkerSession] = {}  # session id -> an actor's session on a session worker
-        # Sessions a session worker handed to the buffer (`hand_over`), until it stored their records.
-        self._handed: dict[str, tuple[Session, builtins.list[TrajectoryRecord], str]] = {}
-        self.files = SessionFiles(config.data_dir / "sessions")  # harness sessions' journals
-        self.reaper = Reaper(self.sessions, self.expire)
-        self._stopping = False  # the server shuts down: harness sessions stay stored, not closed
-        # A session worker that started again, until the buffer has had its stored sessions restored: a request
-        # for a session it does not hold yet is answered "send it again" rather than "unknown".
-        self.restoring = False
+        self.local = LocalBackend(config)
+        self.on_workers = WorkerBackend(workers) if workers is not None else None
+        self._backends: list[SessionBackend] = [b for b in (self.on_workers, self.local) if b is not None]
 
     @property
-    def local_url(self) -> str:
-        """The buffer as this process's own agents reach it."""
-        return self.config.local_url
+    def pool(self) -> SessionWorkers | None:
+        """The session workers, if the server has them."""
+        return self.on_workers.pool if self.on_workers is not None else None
 
-    # ---- opening -------------------------------------------------------------------------------------
+    def _serving(self, run_id: str) -> SessionBackend:
+        """Where a generator's sessions of `run_id` open."""
+        return next(b for b in self._backends if b.serves(run_id))
+
+    def _holding(self, session_id: str) -> SessionBackend:
+        """Where session `session_id` is (this process when no worker holds it: it answers for unknown ids)."""
+        return next((b for b in self._backends if b.holds(session_id)), self.local)
+
+    # ---- generators' and actors' sessions ------------------------------------------------------------
     async def open(self, ctx: RolloutContext, metadata: dict[str, Any] | None = None) -> AgentSession:
-        """A session for one trajectory a generator runs (`SessionHost.open`): on a session worker when the server
-        has them and the trajectory belongs to the training run, else here."""
-        if self.workers is not None and self.workers.serves(ctx.run.run_id):
-            try:
-                remote = await self.workers.open_generator(ctx, metadata or {})
-            except WorkerUnavailable as e:
-                raise WorkerSessionError(str(e)) from None
-            remote.agent_socket = await self.workers.socket_here(remote.agent_socket)
-            return remote
-        return self._register(ctx, SessionKind.GENERATOR, self.local_url, metadata or {}, run=None)
+        """A session for one trajectory a generator runs (`SessionHost.open`)."""
+        return await self._serving(ctx.run.run_id).open_generator(ctx, metadata or {}, self.config.local_url)
 
+    async def open_for_actor(self, run: HarnessRun, uid: str, instance_id: str, epoch: int, repeat: int,
+                             metadata: dict[str, Any], public_url: str, near: str | None = None) -> AgentSession:
+        """A generator session for trajectory `uid` of `run`, which a Ray actor (on node `near`, if known) runs;
+        a session the trajectory opened before (on an actor since lost) is discarded."""
+        resources = await wait_ready(run)
+        for backend in self._backends:
+            await backend.drop_actor(uid, _ACTOR_LOST)
+        ctx = RolloutContext(resources, instance_id, epoch, repeat, uid)
+        return await self._serving(run.run_id).open_for_actor(ctx, metadata, public_url, near)
+
+    async def close_for_actor(self, session_id: str, reward: float, extra_info: dict[str, Any]
+                              ) -> builtins.list[dict[str, Any]]:
+        """Close an actor's session: its records (not stored: the actor hands them to the runner, which stamps
+        and stores them). ValueError when it generated nothing (it is closed all the same)."""
+        return await self._holding(session_id).close_for_actor(session_id, reward, extra_info)
+
+    async def discard_for_actor(self, session_id: str, reason: str) -> None:
+        """Close an actor's session without records (its trajectory failed)."""
+        await self._holding(session_id).discard_for_actor(session_id, reason)
+
+    async def transcript(self, session_id: str) -> builtins.list[dict[str, Any]]:
+        """The messages of an open session's latest branch."""
+        return await self._holding(session_id).transcript(session_id)
+
+    # ---- harness sessions ----------------------------------------------------------------------------
     async def place(self, run: Run, instance_id: str, metadata: dict[str, Any], public_url: Callable[[], str],
                     near: str | None = None) -> dict[str, Any]:
         """Open a harness session (`POST /sessions`): on a session worker when the server has them (one on node
         `near`, if any), else here (at `public_url()`). Its ids, base URLs, key and uid (and worker, node)."""
-        if self.workers is not None:
-            await self._wait_ready(run)
-            try:
-                return await self.workers.place(run, instance_id, metadata, near)
-            except WorkerCallError as e:
-                raise SessionError(e.status, str(e)) from None
-            except WorkerUnavailable as e:
-                raise SessionError(503, str(e)) from None
-        session = await self.open_harness(run, instance_id, metadata, public_url())
-        return {"session_id": session.session_id, "base_url": session.base_url,
-                "anthropic_base_url": session.anthropic_base_url, "api_key": session.api_key, "uid": session.ctx.uid}
+        return await self._backends[0].place(run, instance_id, metadata, public_url(), near)
 
-    async def open_harness(self, run: HarnessRun, instance_id: str, metadata: dict[str, Any], public_url: str,
-                           repeat: int | None = None, session_id: str | None = None, api_key: str | None = None
-                           ) -> Session:
-        """A session a harness opened with `POST /sessions` in `run` (the generation `Run`, or a session worker's
-        `WorkerRun`, which the buffer gives the repeat number, id and key: `proxy.placements`)."""
-        resources = await self._wait_ready(run)
-        if repeat is None:  # the next repeat number of `instance_id` in the run
-            repeat = self._repeats.get((run.run_id, instance_id), 0)
-            self._repeats[(run.run_id, instance_id)] = repeat + 1
-        session_id = session_id or new_session_id()
-        ctx = RolloutContext(resources, instance_id, 0, repeat, harness_uid(run.run_id, instance_id, session_id))
-        session = self._register(ctx, SessionKind.HARNESS, public_url, metadata, run, session_id, api_key)
-        run.session_opened(session_id)
-        if not session.options.session_journal:
-            return session
-        session.journal = Journal(self.files, session_id)
-        try:  # answered only once written: the session survives a restart from its first request on
-            session.journal.opened(run.run_id, instance_id, ctx.uid, {
-                "api_key": session.api_key, "repeat": repeat, "public_url": public_url, "metadata": metadata,
-                "created_at": session.created_at})
-        except StoreError:  # not answered: nobody holds it, so it goes
-            self.sessions.pop(session_id, None)
-            run.session_closed(session_id)
-            session.journal.closed()
-            raise
-        return session
-
-    async def open_for_actor(self, run: HarnessRun, uid: str, instance_id: str, epoch: int, repeat: int,
-                             metadata: dict[str, Any], public_url: str, near: str | None = None) -> AgentSession:
-        """A generator session for trajectory `uid` of `run`, which a Ray actor runs: it generates through the run's
-        engine and tokenizer here (or on a session worker, which the buffer asks for the actor: one on the actor's
-        node `near`, if any); a session the trajectory opened before (on an actor since lost) is discarded."""
-        resources = await self._wait_ready(run)
-        earlier = self._for_actors.pop(uid, None)
-        if isinstance(earlier, Session) and earlier.state == "open":
-            await self._discard(earlier, "its trajectory opened a new session (the actor running it was lost)", 0.0)
-        elif earlier is not None:
-            self._on_workers.pop(earlier.session_id, None)
-            await earlier.discard("its trajectory opened a new session (the actor running it was lost)")
-        ctx = RolloutContext(resources, instance_id, epoch, repeat, uid)
-        if self.workers is not None and self.workers.serves(run.run_id):
-            try:
-                remote = await self.workers.open_generator(ctx, metadata, near)
-            except WorkerUnavailable as e:
-                raise SessionError(503, str(e)) from None
-            self._for_actors[uid] = self._on_workers[remote.session_id] = remote
-            return remote
-        session = self._register(ctx, SessionKind.GENERATOR, public_url, metadata, run=None)
-        self._for_actors[uid] = session
-        return session
-
-    def for_actor(self, session_id: str) -> Session:
-        """The open session `session_id` that an actor opened; SessionError (404, 409) naming why not."""
-        session = self.sessions.get(session_id)
-        if session is None:
-            if session_id in self.closed:
-                state = self.closed[session_id]["state"]
-                raise SessionError(409, f"session_id: session {session_id} is already {state}")
-            raise SessionError(404, f"session_id: unknown session {session_id!r}")
-        if self._for_actors.get(session.ctx.uid) is not session:
-            raise SessionError(409, f"session_id: session {session_id} is a {session.kind} session not opened by a "
-                               "Ray actor (a harness finishes it with /finish)")
-        return session
-
-    async def close_for_actor(self, session_id: str, reward: float, extra_info: dict[str, Any]
-                              ) -> list[dict[str, Any]]:
-        """Close an actor's session: its records (not stored: the actor hands them to the runner, which stamps
-        and stores them). ValueError when it generated nothing (it is closed all the same)."""
-        remote = self._off_workers(session_id)
-        if remote is not None:
-            try:
-                return await remote.close(reward, **extra_info)
-            except WorkerSessionError as e:
-                raise SessionError(503, str(e)) from None
-        session = self.for_actor(session_id)
-        try:
-            return await session.close(reward, **extra_info)
-        finally:
-            session.ctx.engine.release(session.ctx.uid)
-
-    async def discard_for_actor(self, session_id: str, reason: str) -> None:
-        """Close an actor's session without records (its trajectory failed)."""
-        remote = self._off_workers(session_id)
-        if remote is not None:
-            await remote.discard(reason)
-            return
-        await self._discard(self.for_actor(session_id), reason)
-
-    async def transcript(self, session_id: str) -> builtins.list[dict[str, Any]]:
-        """The messages of an open session's latest branch (asked of its worker when one holds it)."""
-        remote = self._on_workers.get(session_id)
-        if remote is not None:
-            try:
-                return await remote.transcript()
-            except WorkerSessionError as e:
-                raise SessionError(503, str(e)) from None
-        session = self.sessions.get(session_id)
-        if session is None:
-            raise SessionError(404, f"session_id: no open session {session_id!r}")
-        return await session.transcript()
-
-    def _off_workers(self, session_id: str) -> WorkerSession | None:
-        """An actor's session on a worker, forgotten here (it is being closed)."""
-        remote = self._on_workers.pop(session_id, None)
-        if remote is not None:
-            self._for_actors = {uid: s for uid, s in self._for_actors.items() if s is not remote}
-        return remote
-
-    @staticmethod
-    async def _discard(session: Session, reason: str, wait_s: float | None = None) -> None:
-        """Discard `session`; with `wait_s`, turns still generating are cancelled after that long (nobody waits
-        for the turns of a lost actor's agent) rather than after the proxy's usual wait."""
-        if wait_s is not None:
-            await session.stop("failed", wait_s)
-        await session.discard(reason)
-        session.ctx.engine.release(session.ctx.uid)
-
-    @staticmethod
-    async def _wait_ready(run: HarnessRun) -> RunResources:
-        try:
-            resources = await run.wait_loaded(READY_WAIT_S)
-        except RuntimeError as e:
-            raise SessionError(409, str(e)) from None
-        if resources.tokenizer is None:
-            raise SessionError(409, f"run_id: run {run.run_id} has no tokenizer (chat mode); agent sessions "
-                               "capture exact tokens and need tokenizer_path")
-        return resources
-
-    def _register(self, ctx: RolloutContext, kind: SessionKind, public_url: str, metadata: dict[str, Any],
-                  run: HarnessRun | None, session_id: str | None = None, api_key: str | None = None) -> Session:
-        if ctx.tokenizer is None:
-            raise SessionError(409, "agent sessions need token mode: the run has no tokenizer")
-        session_id = session_id or new_session_id()
-        root = session_root(public_url, session_id)
-        session = Session(
-            session_id=session_id, api_key=api_key or secrets.token_urlsafe(24), ctx=ctx, kind=kind,
-            options=self.options(ctx.run.run_id, ctx.config), base_url=f"{root}/v1", anthropic_base_url=root,
-            agent_socket=str(self.config.agent_socket) if self.config.agent_socket else None,
-            metadata=metadata, run=run, on_closed=self._forget)
-        self.sessions[session_id] = session
-        if kind is SessionKind.HARNESS:
-            self.reaper.opened(session)
-        log.debug("session %s opened (%s) for %s", session_id, kind, ctx.uid)
-        return session
-
-    def options(self, run_id: str, config: dict[str, Any]) -> ProxyOptions:
-        """The session options of a run, read once."""
-        opts = self._options.get(run_id)
-        if opts is None:
-            try:
-                opts = self._options[run_id] = ProxyOptions.from_run(config)
-            except ValueError as e:
-                raise SessionError(422, str(e)) from None
-        return opts
-
-    # ---- lookup --------------------------------------------------------------------------------------
-    def get(self, session_id: str) -> Session:
-        """The open session `session_id`; WireError (not found) naming what became of it otherwise."""
-        session = self.sessions.get(session_id)
-        if session is not None:
-            return session
-        closed = self.closed.get(session_id)
-        if closed is not None:
-            raise WireError("not_found", f"session {session_id} is {closed['state']}")
-        raise WireError("not_found", f"unknown session {session_id!r}")
+    async def finish(self, session_id: str, reward: float, extra_info: dict[str, Any]) -> dict[str, Any]:
+        """Close a harness session and store its records in its run; returns what was stored."""
+        return await self._holding(session_id).finish(session_id, reward, extra_info)
 
     async def view(self, session_id: str) -> dict[str, Any] | None:
-        """The state of an open or recently closed session (asked of its worker when one holds it)."""
-        if self.workers is not None and self.workers.holds(session_id):
-            try:
-                return await self.workers.view(session_id)
-            except WorkerUnavailable as e:
-                raise SessionError(503, str(e)) from None
-        session = self.sessions.get(session_id)
-        return session.view() if session is not None else self.closed.get(session_id)
+        """The state of an open or recently closed session."""
+        return await self._holding(session_id).view(session_id)
 
     async def list(self, run_id: str | None = None) -> builtins.list[dict[str, Any]]:
-        """Summaries of the open sessions (of one run), those of every session worker included."""
-        here = [{k: v for k, v in s.view().items() if k != "branches"} | {"branches": len(s.tree.branches)}
-                for s in self.sessions.values() if run_id is None or s.ctx.run.run_id == run_id]
-        return here + (await self.workers.list(run_id) if self.workers is not None else [])
+        """Summaries of the open sessions (of one run), wherever they are."""
+        return [s for b in reversed(self._backends) for s in await b.list(run_id)]
 
     def open_count(self) -> int:
         """Sessions open here and on the session workers."""
-        return len(self.sessions) + (len(self.workers.held.placed) if self.workers is not None else 0)
+        return sum(b.open_count() for b in self._backends)
 
-    # ---- closing -------------------------------------------------------------------------------------
-    async def finish(self, session_id: str, reward: float, extra_info: dict[str, Any]) -> dict[str, Any]:
-        """Close a harness session and store its records in its run (through the worker holding it, if one
-        does); returns what was stored."""
-        if self.workers is not None and self.workers.holds(session_id):
-            try:
-                status, answer = await self.workers.finish(session_id, {"reward": reward, "extra_info": extra_info})
-            except WorkerUnavailable as e:
-                raise SessionError(503, str(e)) from None
-            except ValueError as e:  # its run is gone from the store
-                raise SessionError(409, str(e)) from None
-            if status != 200:
-                raise SessionError(status, str(answer.get("message", answer)))
-            return {k: v for k, v in answer.items() if k != "success"}
-        session = self._harness(session_id)
-        records, outcome = await self._closed_records(session, reward, extra_info)
-        await self._store(session, records)
-        self._forget(session, outcome)
-        return _finished(session, records, outcome)
-
-    async def hand_over(self, session_id: str, reward: float, extra_info: dict[str, Any]
-                        ) -> tuple[dict[str, Any], builtins.list[TrajectoryRecord]]:
-        """A session worker's finish: close the session and answer its records for the buffer to store (what
-        `finish` answers, and the records). The session keeps its journal until the buffer says it stored them
-        (`released`); asked again before that (the buffer could not store them), it answers the same records."""
-        handed = self._handed.get(session_id)
-        if handed is not None:
-            return _finished(*handed), handed[1]
-        session = self._harness(session_id)
-        records, outcome = await self._closed_records(session, reward, extra_info)
-        self._handed[session_id] = (session, records, outcome)
-        return _finished(session, records, outcome), records
-
-    def released(self, session_ids: builtins.list[str]) -> None:
-        """The buffer stored the records of these handed-over sessions: their journals go."""
-        for session_id in session_ids:
-            handed = self._handed.pop(session_id, None)
-            if handed is None:
-                continue
-            session, _, outcome = handed
-            if session.journal is not None:
-                session.journal.closed()
-            session.ctx.engine.release(session.ctx.uid)
-            self._forget(session, outcome, tell_run=False)  # the buffer let it go when it stored the records
-
-    def _harness(self, session_id: str) -> Session:
-        session = self.sessions.get(session_id)
-        if session is None:
-            if session_id in self.closed:
-                raise SessionError(409, f"session {session_id} is already {self.closed[session_id]['state']}")
-            raise SessionError(404, f"unknown session {session_id!r}")
-        if session_id in self._handed:
-            raise SessionError(409, f"session {session_id} is already finished")
-        if session.kind is not SessionKind.HARNESS:
-            raise SessionError(409, f"session {session_id} belongs to a generator, which closes it")
-        return session
-
-    async def _closed_records(self, session: Session, reward: float, extra_info: dict[str, Any]
-                              ) -> tuple[builtins.list[TrajectoryRecord], str]:
-        try:
-            return await session.finish_records(reward, extra_info)
-        except ValidationError as e:
-            raise SessionError(422, f"the session's records are invalid: {e}") from None
-
-    @staticmethod
-    def _stamped(session: Session, raw: builtins.list[dict[str, Any]]) -> builtins.list[TrajectoryRecord]:
-        try:
-            return session.stamped(raw)
-        except ValidationError as e:
-            raise SessionError(422, f"the session's records are invalid: {e}") from None
-
-    async def _store(self, session: Session, records: builtins.list[TrajectoryRecord]) -> None:
-        await session.harness_run().accept(records)
-        if session.journal is not None:  # only once its records are stored: a failed write keeps it restorable
-            session.journal.closed()
-        session.ctx.engine.release(session.ctx.uid)
-
-    async def expire(self, session: Session, reason: str, outcome: str = "expired", wait_s: float = 0.0) -> None:
-        """Close a harness session as failed: its branches are stored with `status: failed` and the reason
-        (turns in flight are cancelled after `wait_s`)."""
-        await session.stop(outcome, wait_s)
-        extra = {"error": reason, "error_kind": f"session_{outcome}"}
-        try:
-            raw = await session.records(0.0, status="failed", **extra)
-        except ValueError:
-            raw = [session.harness_run().failed({}, session.ctx, f"session_{outcome}", reason).model_dump(mode="json")]
-        else:
-            session.harness_run().session_failed(f"session_{outcome}")
-            metrics.TRAJECTORIES_FAILED.labels(f"session_{outcome}").inc()
-        try:
-            await self._store(session, self._stamped(session, raw))
-        finally:
-            self._forget(session, outcome)
-        log.warning("session %s closed as failed: %s", session.session_id, reason)
-
+    # ---- runs and the server's life ------------------------------------------------------------------
     async def start_run(self, run_id: str) -> None:
         """The run is ready (`SessionHost.start_run`): with session workers, an agent run opens on each of them."""
-        if self.workers is not None:
-            self.workers.prepare(run_id)
+        for backend in self._backends:
+            await backend.start_run(run_id)
 
     async def end_run(self, run_id: str) -> None:
         """Close the harness sessions of a run that ends (`SessionHost.end_run`; when the server shuts down, only
         let go of them: they stay stored and are restored at the next start), and discard those Ray actors still
-        hold (their trajectories were cancelled, or their actors lost)."""
-        for remote in [s for s in self._on_workers.values() if s.run_id == run_id]:  # the workers end them
-            self._off_workers(remote.session_id)
-        for session in [s for s in self._for_actors.values() if isinstance(s, Session) and s.ctx.run.run_id == run_id]:
-            try:
-                await self._discard(session, f"run {run_id} ended", 0.0)
-            except Exception as e:  # the run is ending: keep closing the others
-                log.warning("discarding session %s of run %s failed: %s", session.session_id, run_id, e)
-        for session in [s for s in self.sessions.values() if s.kind is SessionKind.HARNESS and s.ctx.run.run_id ==
-                        run_id and s.session_id not in self._handed]:  # handed over: the buffer has its records
-            if self._stopping:
-                await session.stop("stopped", 0)  # a turn in flight is cancelled: the client's retry reruns it
-                self.sessions.pop(session.session_id, None)
-                continue
-            try:
-                await self.expire(session, f"run {run_id} ended before the session was finished", "failed")
-            except Exception as e:  # the run is ending: keep closing the others
-                log.warning("closing session %s of run %s failed: %s", session.session_id, run_id, e)
-        if self.workers is not None and not self._stopping:
-            await self.workers.end_run(run_id)
-        self._options.pop(run_id, None)
-        self._repeats = {k: v for k, v in self._repeats.items() if k[0] != run_id}
+        hold."""
+        for backend in self._backends:
+            await backend.end_run(run_id)
 
-    def _forget(self, session: Session, outcome: str, tell_run: bool = True) -> None:
-        if self.sessions.pop(session.session_id, None) is None:
-            return
-        if self._for_actors.get(session.ctx.uid) is session:
-            del self._for_actors[session.ctx.uid]
-        if session.kind is SessionKind.HARNESS and session.run is not None and tell_run:
-            session.run.session_closed(session.session_id)
-        metrics.PROXY_SESSIONS_CLOSED.labels(outcome).inc()
-        self.closed[session.session_id] = {**session.view(), "state": session.state, "outcome": outcome}
-        while len(self.closed) > _CLOSED_KEPT:
-            self.closed.popitem(last=False)
-
-    # ---- restart -------------------------------------------------------------------------------------
     async def recover(self, runs: RunManager) -> None:
-        """After a (re)start, once `runs` resumed its run: restore the stored harness sessions of that run, and
-        close those of any other run as failed (a record with the reason each; `proxy.recovery`). Session workers
-        start here, each doing the same for the sessions of its folder."""
-        if self.workers is not None:
-            await self.workers.start(runs)
-        stored = {s.session_id: s for s in load_sessions(self.files)}
-        if not stored:
-            return
-        summaries = {sid: StoredSummary.of(s) for sid, s in stored.items()}
-        plan = await recovery_plan(runs, list(summaries.values()))
-        for session_id in plan.done:  # finished or expired just before a crash: its records stand
-            self.files.remove(session_id)
-        unrestored: dict[str, str] = {}
-        if plan.run is not None and plan.restore:
-            unrestored = self.restore(plan.run, plan.run.loaded_resources(), [stored[sid] for sid in plan.restore])
-        for session_id, reason in (plan.fail | unrestored).items():
-            await record_failure(runs, summaries[session_id], reason)
-            self.files.remove(session_id)
-        log.info("restored %d agent sessions after a restart", len(plan.restore) - len(unrestored))
-        self.reaper.wake()
+        """After a (re)start, once `runs` resumed its run: the session workers start, each restoring its stored
+        sessions, and this process restores its own (`proxy.recovery` decides which)."""
+        for backend in self._backends:
+            await backend.recover(runs)
 
-    def restore(self, run: HarnessRun, resources: RunResources, stored: builtins.list[StoredSession]
-                ) -> dict[str, str]:
-        """Restore stored sessions of `run`; those that cannot be, with why (they stay stored)."""
-        failed: dict[str, str] = {}
-        for s in stored:
-            try:
-                self._restore(run, resources, s)
-            except (ValueError, KeyError, TypeError, RuntimeError, SessionError) as e:
-                log.exception("session %s could not be restored", s.session_id)
-                failed[s.session_id] = f"session {s.session_id} could not be restored after a restart: {e}"
-        self.reaper.wake()
-        return failed
-
-    def _restore(self, run: HarnessRun, resources: RunResources, stored: StoredSession) -> Session:
-        state = load_state(stored)
-        ctx = RolloutContext(resources, stored.instance_id, 0, state["repeat"], stored.uid)
-        tree = SessionTree()
-        responses: dict[str, ResponseRef] = {}
-        last_at = replay(stored, ctx, tree, responses)
-        session = self._register(ctx, SessionKind.HARNESS, state["public_url"], state["metadata"], run=run,
-                                 session_id=stored.session_id, api_key=state["api_key"])
-        session.tree, session.responses, session.created_at = tree, responses, state["created_at"]
-        session.last_active = idle_since(last_at, state["created_at"])
-        next_seq = max((t[0] for t in stored.turns), default=-1) + 1
-        session.journal = Journal(self.files, stored.session_id, next_seq)
-        ctx.engine_stats["turns"] = len(stored.turns)
-        run.session_opened(stored.session_id)
-        key = (run.run_id, stored.instance_id)
-        self._repeats[key] = max(self._repeats.get(key, 0), state["repeat"] + 1)
-        return session
-
-    # ---- expiry --------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start expiring idle harness sessions (call from the running event loop; `proxy.expiry`)."""
-        self.reaper.start()
+        """Start expiring idle harness sessions here (call from the running event loop)."""
+        self.local.start()
 
     async def stop(self) -> None:
-        """The server shuts down: stop the expiry loop, and keep harness sessions stored rather than closing them
-        when their run stops (call before the runs stop)."""
-        self._stopping = True
-        await self.reaper.stop()
-        if self.workers is not None:
-            await self.workers.stop()
-
-
-def _finished(session: Session, records: list[TrajectoryRecord], outcome: str) -> dict[str, Any]:
-    """What finishing a session answers."""
-    return {"session_id": session.session_id, "run_id": session.ctx.run.run_id, "records": len(records),
-            "uids": [r.uid for r in records], "branches": len(session.tree.branches), "status": outcome}
+        """The server shuts down: harness sessions stay stored rather than closing when their run stops (call
+        before the runs stop)."""
+        for backend in reversed(self._backends):
+            await backend.stop()

@@ -96,6 +96,10 @@ class Arrivals:
         self._waiting: dict[str, asyncio.Future[None]] = {}
         self.refused: OrderedDict[str, str] = OrderedDict()  # session id -> why it could not be opened
 
+    def waiting(self) -> int:
+        """How many sessions have requests waiting for their placement."""
+        return len(self._waiting)
+
     async def arrive(self, raw: bytes | str) -> None:
         """Open the session one placement names (a malformed one is logged and dropped: only the buffer sends
         them)."""

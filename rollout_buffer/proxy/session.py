@@ -21,10 +21,11 @@ from typing import Any, ClassVar, Literal, Protocol
 from jinja2 import TemplateError
 from pydantic import Field
 
+from rollout_buffer.clock import SYSTEM, Clock
 from rollout_buffer.delivery.store import StoreError
 from rollout_buffer.engine.results import EngineError
 from rollout_buffer.engine.sglang_wire import GenerateDelta
-from rollout_buffer.generation.context import RolloutContext, RunResources, stamp
+from rollout_buffer.generation.context import RolloutContext, RunResources
 from rollout_buffer.generation.options import RunOptions
 from rollout_buffer.observability import metrics
 from rollout_buffer.proxy.history import HistoryCache
@@ -33,6 +34,7 @@ from rollout_buffer.proxy.messages import MessageKey, WireError, message_key, to
 from rollout_buffer.proxy.replies import Reply, ReplyParser, ReplyPart
 from rollout_buffer.proxy.request_bodies import BodyCache
 from rollout_buffer.proxy.session_images import take_images
+from rollout_buffer.proxy.session_records import branch_records
 from rollout_buffer.proxy.tree import Branch, ResponseRef, Route, SessionTree
 from rollout_buffer.schemas import TrajectoryRecord
 from rollout_buffer.tokens.conversation import Conversation
@@ -167,6 +169,7 @@ class Session:
     state: str = "open"
     images_omitted: int = 0  # images the run's checkpoint cannot read, sent as a placeholder
     created_at: float = field(default_factory=time.time)
+    clock: Clock = SYSTEM  # what its idle time is read on (`proxy.expiry`)
     last_active: float = field(default_factory=time.monotonic)
     _tasks: set[asyncio.Task[TurnResult]] = field(default_factory=set)
 
@@ -175,7 +178,7 @@ class Session:
         """Start generating one turn; await it with `outcome`. With a `sink`, the engine streams and the sink
         gets the reply's parts as they are parsed (the last ones just before the turn commits)."""
         self.require_open()
-        self.last_active = time.monotonic()
+        self.last_active = self.clock.monotonic()
         task = asyncio.create_task(self._turn(req, sink), name=f"turn-{self.session_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -312,7 +315,7 @@ class Session:
         text, reasoning, calls, errors = parser.text, parser.reasoning, parser.calls, parser.errors
         stop_sequence = None
         if finish == "stop" and req.stops and output:
-            assert self.ctx.tokenizer is not None  # sessions open in token mode only (SessionManager)
+            assert self.ctx.tokenizer is not None  # sessions open in token mode only (LocalBackend._register)
             tail = self.ctx.tokenizer.decode(output[-_STOP_TAIL_TOKENS:], skip_special_tokens=True)
             stop_sequence = next((s for s in req.stops if s in tail), None)
         wire_finish = ("tool_calls" if calls else "length" if finish == "length"
@@ -344,7 +347,7 @@ class Session:
         if req.remember:
             response = ResponseRef(branch, mark, req.instructions, frozenset(c.id for c in reply.calls))
             self.responses[req.response_id] = response
-        self.last_active = time.monotonic()
+        self.last_active = self.clock.monotonic()
         metrics.PROXY_TURNS.labels(req.protocol, pending.route.kind).inc()
         return TurnResult(reply, pending.route.kind, branch, mark, keys_before, pending.new, response=response)
 
@@ -404,7 +407,7 @@ class Session:
         """Close the session and return its records (`AgentSession.close`)."""
         await self.stop("finished")
         try:
-            return await self.records(reward, **extra_info)
+            return await branch_records(self, reward, **extra_info)
         finally:
             self.on_closed(self, "finished" if self.tree.branches else "empty")
 
@@ -424,61 +427,6 @@ class Session:
             for t in late:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def records(self, reward: float, status: str | None = None, **extra_info: Any) -> list[dict[str, Any]]:
-        """One record per branch that generated a turn of its own, sharing `reward` (not stamped yet).
-
-        ValueError when no branch generated anything. `status` overrides the records' status (`failed`).
-        """
-        branches = [b for _, b in sorted(self.tree.branches.items()) if b.own_turns > 0]
-        if not branches:
-            raise ValueError(f"session {self.session_id} generated no model turn")
-        several = len(branches) > 1
-        out: list[dict[str, Any]] = []
-        for b in branches:
-            info: dict[str, Any] = {
-                **extra_info,
-                "session_id": self.session_id,
-                "branch": b.id,
-                "parent_branch": b.parent,
-                "fork_turn": b.own_from,
-                "shared_messages": b.shared_messages,
-                "branch_turns": b.own_turns,
-                "tool_calls": b.tool_calls,
-                "ill_formed_turns": b.ill_formed,
-                "protocols": sorted(b.protocols),
-                "episode_reward": float(reward),
-            }
-            extras = {"lane": b.lane, "images_omitted": self.images_omitted or None}
-            info.update({k: v for k, v in extras.items() if v is not None})
-            if self.metadata:
-                info.setdefault("metadata", self.metadata)
-            record = await self.ctx.trajectory(b.conv, reward, b.conv.finish_reason or "stop", **info)
-            record["messages"] = list(record["messages"])
-            if status is not None:
-                record["status"] = status
-            if several:
-                record["uid"] = f"{self.ctx.uid}-{b.id}"
-            out.append(record)
-        return out
-
-    async def finish_records(self, reward: float, extra_info: dict[str, Any]
-                             ) -> tuple[list[TrajectoryRecord], str]:
-        """Stop a harness session: its stamped records (one failed record when it generated nothing) and the
-        outcome (`finished`, `empty`). ValidationError when a record is not valid."""
-        await self.stop("finished")
-        try:
-            raw = await self.records(reward, **extra_info)
-            outcome = "finished"
-        except ValueError as e:
-            raw = [self.harness_run().failed({}, self.ctx, "empty_session", str(e)).model_dump(mode="json")]
-            outcome = "empty"
-        return self.stamped(raw), outcome
-
-    def stamped(self, raw: list[dict[str, Any]]) -> list[TrajectoryRecord]:
-        """Records as the runner stamps a trajectory's (uid per branch when there are several), validated."""
-        several = len(raw) > 1
-        return [TrajectoryRecord.model_validate(stamp(r, self.ctx, k if several else None)) for k, r in enumerate(raw)]
 
     async def transcript(self) -> list[dict[str, Any]]:
         """The messages of the branch that committed last (`AgentSession.transcript`)."""
@@ -501,7 +449,7 @@ class Session:
             "instance_id": self.ctx.instance_id,
             "uid": self.ctx.uid,
             "created_at": self.created_at,
-            "idle_s": time.monotonic() - self.last_active,
+            "idle_s": self.clock.monotonic() - self.last_active,
             "metadata": self.metadata,
             "base_url": self.base_url,
             "latest_branch": self.tree.latest.id if self.tree.latest is not None else None,

@@ -1,5 +1,5 @@
-"""How sessions are named: their ids (a session placed on a session worker names it: `s-w<index>-…`), the uid of a
-harness session's records, the URL a session is reached at."""
+"""How sessions are named and numbered: their ids (a session placed on a session worker names it: `s-w<index>-…`),
+the uid of a harness session's records, the URL a session is reached at, the repeat numbers of an instance."""
 
 from __future__ import annotations
 
@@ -44,3 +44,25 @@ def harness_uid(run_id: str, instance_id: str, session_id: str) -> str:
 def session_root(public_url: str, session_id: str) -> str:
     """A session's root URL (its `anthropic_base_url`; `base_url` is `<root>/v1`) on the server at `public_url`."""
     return f"{public_url.rstrip('/')}/sessions/{session_id}"
+
+
+class RepeatNumbers:
+    """The repeat number of each harness session of an instance in a run: 0, 1, 2, … in the order they open."""
+
+    def __init__(self) -> None:
+        self._next: dict[tuple[str, str], int] = {}
+
+    def take(self, run_id: str, instance_id: str) -> int:
+        """The next repeat number of `instance_id` in `run_id`."""
+        repeat = self._next.get((run_id, instance_id), 0)
+        self._next[(run_id, instance_id)] = repeat + 1
+        return repeat
+
+    def taken(self, run_id: str, instance_id: str, repeat: int) -> None:
+        """`repeat` is in use (a session restored after a restart): the next one is above it."""
+        key = (run_id, instance_id)
+        self._next[key] = max(self._next.get(key, 0), repeat + 1)
+
+    def end_run(self, run_id: str) -> None:
+        """Forget the numbers of a run that ended."""
+        self._next = {k: v for k, v in self._next.items() if k[0] != run_id}

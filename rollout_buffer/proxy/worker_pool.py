@@ -39,7 +39,7 @@ from rollout_buffer.observability import logs, metrics
 from rollout_buffer.proxy.placements import Placement, PlacementStream
 from rollout_buffer.proxy.recovery import StoredSummary, record_failure, recovery_plan
 from rollout_buffer.proxy.session import ProxyOptions
-from rollout_buffer.proxy.session_names import harness_uid, new_session_id, session_root
+from rollout_buffer.proxy.session_names import RepeatNumbers, harness_uid, new_session_id, session_root
 from rollout_buffer.proxy.worker_launch import WorkerLauncher
 from rollout_buffer.proxy.worker_ledger import PlacedSessions, WorkerSlot, WorkerSlots
 from rollout_buffer.proxy.worker_records import store, store_parts
@@ -65,7 +65,7 @@ class SessionWorkers:
         self.secret = secrets.token_urlsafe(32)
         self.slots = WorkerSlots(config.session_workers)
         self.held = PlacedSessions(self._current)
-        self._repeats: dict[tuple[str, str], int] = {}
+        self._repeats = RepeatNumbers()
         self._runs: RunManager | None = None
         # The engines' keep-alive client: placing and finishing sessions cost the buffer little more than its own
         # routes. Every call to a worker is a POST of JSON.
@@ -225,8 +225,7 @@ class SessionWorkers:
             if fail:
                 await self._call(slot, "/worker/restore", {"remove": list(fail)})
             for s in stored:
-                self._repeats[(s.run_id, s.instance_id)] = max(self._repeats.get((s.run_id, s.instance_id), 0),
-                                                               s.repeat + 1)
+                self._repeats.taken(s.run_id, s.instance_id, s.repeat)
             for session_id in restored:
                 self.held.hold(slot, by_id[session_id])
             for session_id in set(plan.done) | set(fail):
@@ -264,7 +263,7 @@ class SessionWorkers:
         first turn is answered)."""
         run = self._current(run_id)
         return run is not None and run.resources is not None and \
-            ProxyOptions.from_run(run.resources.config).session_journal
+            run.resources.options(ProxyOptions).session_journal
 
     # ---- placing and asking ----------------------------------------------------------------------------
     async def place(self, run: Run, instance_id: str, metadata: dict[str, Any], near: str | None = None
@@ -280,9 +279,7 @@ class SessionWorkers:
                 slot.opening -= 1
             if not slot.up.is_set() or slot.stream is None:
                 raise WorkerUnavailable(f"session worker {slot.index} was lost while the run opened on it")
-        key = (run.run_id, instance_id)
-        repeat = self._repeats.get(key, 0)
-        self._repeats[key] = repeat + 1
+        repeat = self._repeats.take(run.run_id, instance_id)
         session_id = new_session_id(slot.index)
         placement = Placement(run_id=run.run_id, session_id=session_id, instance_id=instance_id, repeat=repeat,
                               api_key=secrets.token_urlsafe(24), public_url=slot.public_url, metadata=metadata)
@@ -441,7 +438,7 @@ class SessionWorkers:
         await asyncio.gather(*(end(s) for s in self.slots))
         for session_id in [sid for sid, s in self.held.summaries.items() if s.run_id == run_id]:
             self.held.let_go(session_id)
-        self._repeats = {k: v for k, v in self._repeats.items() if k[0] != run_id}
+        self._repeats.end_run(run_id)
 
     def snapshot(self) -> builtins.list[dict[str, Any]]:
         """The workers in /status."""

@@ -5,7 +5,7 @@ Records and what became of the sessions go to the buffer in batches (`BufferLink
 carries the records of the sessions closed within the link's wait for company (`serve
 --session-worker-batch-ms`), the session events meanwhile, and every two seconds the metrics the worker gained):
 each request costs the buffer more than the records it carries. A closed session's records are written to the
-worker's outbox (`proxy.outbox`) before its journal goes and its finish is answered (`SessionManager._store`), and
+worker's outbox (`proxy.outbox`) before its journal goes and its finish is answered (`LocalBackend._store`), and
 stay there until the buffer stored them: a worker killed in between sends them again when it is back, once the
 buffer said which it had stored already.
 """

@@ -32,7 +32,8 @@ from rollout_buffer.generation.run_manager import RunManager
 from rollout_buffer.media.image_store import ImageStore
 from rollout_buffer.observability.logs import RefusalLog
 from rollout_buffer.policy import PolicyRefused
-from rollout_buffer.proxy.manager import SessionError, SessionManager
+from rollout_buffer.proxy.manager import SessionManager
+from rollout_buffer.proxy.session_backend import SessionError
 from rollout_buffer.proxy.worker_launch import LocalLauncher
 from rollout_buffer.proxy.worker_pool import SessionWorkers
 from rollout_buffer.server import delivery_routes, openapi, run_routes, status_routes

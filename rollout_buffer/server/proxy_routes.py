@@ -32,6 +32,7 @@ from rollout_buffer.observability import logs, metrics
 from rollout_buffer.proxy.adapter import StreamState, WireAdapter
 from rollout_buffer.proxy.anthropic_messages import AnthropicMessagesAdapter
 from rollout_buffer.proxy.image_urls import fetch_image_urls
+from rollout_buffer.proxy.local_backend import LocalBackend
 from rollout_buffer.proxy.manager import SessionManager
 from rollout_buffer.proxy.messages import WireError
 from rollout_buffer.proxy.openai_chat import OpenAIChatAdapter
@@ -229,7 +230,7 @@ async def arrival(state: Any, session_id: str) -> None:
         raise Refusal("unknown_session", "not_found", f"session {session_id} {why}")
 
 
-def _session(scope: Scope, sessions: SessionManager, guards: Guards, session_id: str) -> Session:
+def _session(scope: Scope, sessions: LocalBackend, guards: Guards, session_id: str) -> Session:
     """The session, once the request proved it may drive it (`Guards.session_key_ok`: the session's own key or the
     server token)."""
     try:
@@ -464,9 +465,10 @@ class SessionApi:
                 response.headers["allow"] = route[0]
             else:
                 self.guards.check_declared_length(scope)
-                if session_id not in self.state.sessions.sessions and not self.state.sessions.restoring:
+                local = self.state.sessions.local
+                if session_id not in local.sessions and not local.restoring:
                     await arrival(self.state, session_id)
-                session = _session(scope, self.state.sessions, self.guards, session_id)
+                session = _session(scope, local, self.guards, session_id)
                 response = await route[1](Request(scope, receive), session)
         except BodyTooLarge as e:
             error = WireError("too_large", e.detail)

@@ -18,10 +18,11 @@ from rollout_buffer.delivery.encoded import EncodedRecord
 from rollout_buffer.delivery.store import StoreError
 from rollout_buffer.generation.resources import close_resources, run_resources
 from rollout_buffer.proxy.journal import load_sessions
-from rollout_buffer.proxy.manager import SessionError, SessionManager
+from rollout_buffer.proxy.manager import SessionManager
 from rollout_buffer.proxy.outbox import Outbox
 from rollout_buffer.proxy.placements import Arrivals, Placement
 from rollout_buffer.proxy.recovery import StoredSummary
+from rollout_buffer.proxy.session_backend import SessionError
 from rollout_buffer.proxy.worker_run import BufferLink, WorkerRun
 from rollout_buffer.schemas import DiscardSessionRequest, FinishSessionRequest, StartRolloutRequest
 from rollout_buffer.server.bodies import error_response, json_response, parse_body, validated
@@ -42,11 +43,12 @@ class SessionWorker:
         self.link = BufferLink(buffer_url, index, secret, config.auth_token, config.session_worker_batch_ms / 1000,
                                self.outbox, config.max_body_bytes)
         self.sessions = SessionManager(config)
-        self.sessions.restoring = True  # until the buffer has said which stored sessions come back
+        self.local = self.sessions.local  # a worker's sessions are all in its own process
+        self.local.restoring = True  # until the buffer has said which stored sessions come back
         self.runs: dict[str, WorkerRun] = {}
         self.building: dict[str, asyncio.Task[WorkerRun]] = {}
         self.arrivals = Arrivals(self.open_placed,
-                                 lambda sid: sid in self.sessions.sessions or sid in self.sessions.closed, index)
+                                 lambda sid: sid in self.local.sessions or sid in self.local.closed, index)
 
     async def start(self) -> None:
         """Start handing records to the buffer and expiring sessions."""
@@ -69,7 +71,7 @@ class SessionWorker:
             why = f"run {placement.run_id} is not open on session worker {self.index}"
         else:
             try:
-                await self.sessions.open_harness(run, placement.instance_id, placement.metadata,
+                await self.local.open_harness(run, placement.instance_id, placement.metadata,
                                                  placement.public_url, placement.repeat, placement.session_id,
                                                  placement.api_key)
                 return None
@@ -142,7 +144,8 @@ router = APIRouter()
 @router.api_route("/healthz", methods=["GET", "POST"])
 async def healthz(request: Request) -> Response:
     w: SessionWorker = request.app.state.worker
-    return json_response({"ok": True, "worker": w.index, "sessions": len(w.sessions.sessions)})
+    return json_response({"ok": True, "worker": w.index, "sessions": len(w.local.sessions),
+                          "waiting": w.arrivals.waiting()})
 
 
 @router.post("/worker/runs/{run_id}/open")
@@ -194,7 +197,7 @@ async def open_generator(body: OpenGeneratorSession, request: Request) -> Respon
 @router.post("/worker/sessions/{session_id}/transcript")
 async def transcript(session_id: str, request: Request) -> Response:
     w: SessionWorker = request.app.state.worker
-    return json_response({"messages": await w.sessions.for_actor(session_id).transcript()})
+    return json_response({"messages": await w.local.for_actor(session_id).transcript()})
 
 
 @router.post("/worker/sessions/{session_id}/close")
@@ -218,12 +221,12 @@ async def discard(session_id: str, body: DiscardSessionRequest, request: Request
 async def journal(request: Request) -> Response:
     """The sessions stored here, and the episodes of the records the last process left in the outbox."""
     w: SessionWorker = request.app.state.worker
-    stored = await asyncio.to_thread(load_sessions, w.sessions.files)
+    stored = await asyncio.to_thread(load_sessions, w.local.files)
     held = [key for p in w.outbox.unstored.values() if p.held for key in p.episodes()]
     finished = {uid for _, _, uid in held}
     for s in stored:
         if s.uid in finished:  # killed between writing its records and letting its journal go: finished
-            w.sessions.files.remove(s.session_id)
+            w.local.files.remove(s.session_id)
     return json_response({"sessions": [StoredSummary.of(s).__dict__ for s in stored if s.uid not in finished],
                           "outbox": held})
 
@@ -253,13 +256,13 @@ async def restore(body: RestoreSessions, request: Request) -> Response:
             raise HTTPException(422, "run_id: required to restore sessions")
         run = await w.run_of(body.run_id)
         wanted = set(body.restore)
-        stored = [s for s in await asyncio.to_thread(load_sessions, w.sessions.files) if s.session_id in wanted]
-        failed = w.sessions.restore(run, run.resources, stored)
+        stored = [s for s in await asyncio.to_thread(load_sessions, w.local.files) if s.session_id in wanted]
+        failed = w.local.restore(run, run.resources, stored)
         failed |= {sid: f"session {sid} is not stored on session worker {w.index}"
                    for sid in wanted - {s.session_id for s in stored}}
     for session_id in body.remove:
-        w.sessions.files.remove(session_id)
-    w.sessions.restoring = False
+        w.local.files.remove(session_id)
+    w.local.restoring = False
     return json_response({"success": True, "failed": failed})
 
 
@@ -267,7 +270,7 @@ async def restore(body: RestoreSessions, request: Request) -> Response:
 async def finish(session_id: str, body: FinishSessionRequest, request: Request) -> Response:
     w: SessionWorker = request.app.state.worker
     await w.arrivals.wait(session_id)
-    summary, records = await w.sessions.hand_over(session_id, body.reward, body.extra_info)
+    summary, records = await w.local.hand_over(session_id, body.reward, body.extra_info)
     return json_response({"success": True, "summary": summary,
                           "records": [EncodedRecord.of(r).wire() for r in records]})
 
@@ -276,7 +279,7 @@ async def finish(session_id: str, body: FinishSessionRequest, request: Request) 
 async def finish_here(session_id: str, request: Request) -> Response:
     w: SessionWorker = request.app.state.worker
     body = validated(FINISH_BODY, parse_body(await request.body()))
-    if w.sessions.restoring and session_id not in w.sessions.sessions:
+    if w.local.restoring and session_id not in w.local.sessions:
         raise HTTPException(503, restoring(session_id))
     await w.arrivals.wait(session_id)
     if session_id in w.arrivals.refused:
@@ -288,7 +291,7 @@ async def finish_here(session_id: str, request: Request) -> Response:
 @router.post("/worker/sessions/released")
 async def released(body: ReleaseSessions, request: Request) -> Response:
     w: SessionWorker = request.app.state.worker
-    w.sessions.released(body.session_ids)
+    w.local.released(body.session_ids)
     return json_response({"success": True})
 
 
@@ -312,6 +315,6 @@ async def view(session_id: str, request: Request) -> Response:
 async def probe(session_id: str, request: Request) -> Response:
     w: SessionWorker = request.app.state.worker
     await w.arrivals.wait(session_id)
-    if session_id not in w.sessions.sessions:
+    if session_id not in w.local.sessions:
         raise HTTPException(404, f"session_id: unknown session {session_id!r}")
     return Response(status_code=200)

@@ -46,7 +46,7 @@ async def status_view(app: Starlette) -> dict[str, Any]:
     body["control"] = await run_control(app, body["run"])
     body["evals"] = await evals_view(app)
     body["executor"] = runs.executor.snapshot()
-    workers = app.state.sessions.workers
+    workers = app.state.sessions.pool
     if workers is not None:
         body["session_workers"] = workers.snapshot()
     return body

@@ -21,7 +21,7 @@ def mount_workers(app: FastAPI) -> None:
     @app.post("/workers/records", include_in_schema=False)
     async def take(request: Request) -> Response:
         sessions: SessionManager = request.app.state.sessions
-        workers = sessions.workers
+        workers = sessions.pool
         if workers is None:
             raise HTTPException(404, "this buffer has no session workers")
         if not hmac.compare_digest(request.headers.get(WORKER_SECRET_HEADER, "").encode(), workers.secret.encode()):
