@@ -190,17 +190,14 @@ def search_reward(answer: str | None, golden: list[str], well_formed: bool, form
 
 def _run_state(ctx: RolloutContext) -> tuple[SearchConfig, SearchClient]:
     """The run's options and its one search client, made by the first trajectory."""
-    shared = ctx.run.shared
-    if _SHARED_KEY not in shared:
-        config = ctx.options(SearchConfig)
-        shared[f"{_SHARED_KEY}.config"] = config
-        # Kept on its own so the runner closes it (it closes shared values that have aclose()).
+    shared, config = ctx.run.shared, ctx.options(SearchConfig)
+    if _SHARED_KEY not in shared:  # the runner closes it with the run (a shared value with aclose())
         shared[_SHARED_KEY] = SearchClient(
             config.search_url, topk=config.topk, concurrency=config.search_concurrency,
             timeout_s=config.search_timeout_s, retries=config.search_retries,
             cache_size=config.search_cache_size, cache_ttl_s=config.search_cache_ttl_s,
         )
-    return shared[f"{_SHARED_KEY}.config"], shared[_SHARED_KEY]
+    return config, shared[_SHARED_KEY]
 
 
 def _stops(run_stop: str | list[str] | None) -> list[str]:

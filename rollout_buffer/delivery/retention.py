@@ -128,8 +128,8 @@ class Retention:
                      total, self.after_s / 3600)
         now = self.clock()
         if self.images is not None and (self._swept_at is None or now - self._swept_at >= IMAGE_SWEEP_EVERY_S):
-            self._swept_at = now
             count, size = await sweep_images(self.store, self.images, now - self.image_grace_s)
+            self._swept_at = now  # a sweep the store refused is tried again at the next pass
             if count:
                 log.info("deleted %d image files (%.1f MB) no record holds whole and nothing used for %g h",
                          count, size / 1e6, self.image_grace_s / 3600)
