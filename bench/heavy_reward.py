@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from generators import math
-from rollout_buffer.generation.context import RolloutContext
+from rollout_buffer.generator_api import RolloutContext, Trajectory
 
 TASK_TYPE = "math_heavy_reward"
 REQUIRED_FIELDS = math.REQUIRED_FIELDS
@@ -26,7 +26,7 @@ def burn(cpu_ms: float) -> int:
     return n
 
 
-async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> dict[str, Any]:
+async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> Trajectory:
     """The math trajectory, scored after `reward_cpu_ms` (run option, default 20) of pure-Python work."""
     record = await math.run_rollout(item, ctx)
     burn(float(ctx.config.get("reward_cpu_ms", 20.0)))

@@ -17,7 +17,7 @@ from typing import Any
 import math_verify.parser
 from math_verify import parse, verify
 
-from rollout_buffer.generator_api import RolloutContext
+from rollout_buffer.generator_api import RolloutContext, Trajectory
 
 TASK_TYPE = "math"
 REQUIRED_FIELDS = ("prompt", "label")
@@ -115,7 +115,7 @@ async def score(response: str, label: str, timeout_s: float = 10.0) -> float:
     return reward
 
 
-async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> dict[str, Any]:
+async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> Trajectory:
     """Generate one answer and score it against `label`."""
     conv = await ctx.conversation(prompt_messages(item, ctx.config.get("system_prompt")))
     finish = await ctx.generate(conv)

@@ -43,6 +43,7 @@ from rollout_buffer.generator_api import (
     RunOptions,
     ServerSpec,
     StepResult,
+    Trajectory,
     give_to,
     is_mcp,
     scratch_folder,
@@ -186,7 +187,7 @@ class Episode:
     end: str = "done"
 
 
-async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> list[dict[str, Any]]:
+async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> list[Trajectory]:
     """One episode of the row's `reset` through a fresh session; its records carry the episode's return."""
     run = await _run(ctx)
     opts = ctx.options(OpenEnvOptions)

@@ -48,7 +48,7 @@ from generators.plan_act_format import (
 from generators.plan_act_run import PlanActRun, plan_act_run
 from generators.scoring import answer_reward
 from generators.tools import ToolRegistry, ToolSession, message_tool_calls, truncate_response
-from rollout_buffer.generator_api import INLINE_CHARS, Conversation, EngineError, RolloutContext
+from rollout_buffer.generator_api import INLINE_CHARS, Conversation, EngineError, RolloutContext, Trajectory
 
 TASK_TYPE = "plan_act"
 REQUIRED_FIELDS = (("prompt", "question"), ("label", "golden_answers", "answer"))
@@ -208,7 +208,7 @@ async def _room_for_reply(ctx: RolloutContext, conv: Conversation, text: str) ->
     return conv.response_tokens_used() + n + _MIN_REPLY_TOKENS <= budget
 
 
-async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> list[dict[str, Any]]:
+async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> list[Trajectory]:
     """Run one plan/act episode; returns the planner's record, then the actor's, sharing one reward."""
     run = plan_act_run(ctx)
     opts = run.options

@@ -27,7 +27,7 @@ from typing import Annotated, Any, ClassVar
 from pydantic import Field, field_validator
 
 from generators.search_client import Document, SearchClient, SearchError
-from rollout_buffer.generator_api import Governed, RolloutContext, RunOptions, check_http_urls
+from rollout_buffer.generator_api import Governed, RolloutContext, RunOptions, Trajectory, check_http_urls
 
 TASK_TYPE = "search"
 REQUIRED_FIELDS = ("question", ("golden_answers", "answer"))
@@ -223,7 +223,7 @@ async def _observe(client: SearchClient, query: str, counts: Counter[str]) -> tu
     return observation, observation
 
 
-async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> dict[str, Any]:
+async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> Trajectory:
     """Search and answer one question; reward by exact match, with partial credit for a well-formed try."""
     config, client = _run_state(ctx)
     golden = golden_answers(item)

@@ -44,7 +44,7 @@ from generators.tools import (
     load_tool_config,
     message_tool_calls,
 )
-from rollout_buffer.generator_api import Governed, RolloutContext, RunOptions
+from rollout_buffer.generator_api import Governed, RolloutContext, RunOptions, Trajectory
 
 TASK_TYPE = "tool_call"
 REQUIRED_FIELDS = ("prompt",)
@@ -105,7 +105,7 @@ def _tools_kwargs(item: dict[str, Any]) -> dict[str, Any]:
     return found if isinstance(found, dict) else {}
 
 
-async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> dict[str, Any]:
+async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> Trajectory:
     """Generate, call tools, repeat until an answer or a limit; score the answer plus tool rewards."""
     tools = await run_tools(ctx)
     opts = tools.options

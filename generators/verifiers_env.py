@@ -36,6 +36,7 @@ from rollout_buffer.generator_api import (
     ProcessPool,
     RolloutContext,
     RunOptions,
+    Trajectory,
     WorkerSpec,
     fate_shared,
     give_to,
@@ -250,7 +251,7 @@ async def _pool(ctx: RolloutContext) -> tuple[_Pool, VerifiersOptions]:
     return await ctx.run.once(_SHARED_KEY, build), opts
 
 
-async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> list[dict[str, Any]]:
+async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> list[Trajectory]:
     """One episode of the row's task through a fresh session; its records carry the environment's reward."""
     pool, opts = await _pool(ctx)
     task = item.get("env_task")
@@ -277,7 +278,7 @@ async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> list[dict[st
         return await _records(session, result, attempt)
 
 
-async def _records(session: Any, result: dict[str, Any], retries: int) -> list[dict[str, Any]]:
+async def _records(session: Any, result: dict[str, Any], retries: int) -> list[Trajectory]:
     traces = result.get("traces") or []
     info = {"env": {"ok": result.get("ok"), "traces": traces, "errors": result.get("errors") or [],
                     "retries": retries}}
@@ -302,7 +303,7 @@ async def _records(session: Any, result: dict[str, Any], retries: int) -> list[d
     return per_trace(records, traces)
 
 
-def per_trace(records: list[dict[str, Any]], traces: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def per_trace(records: list[Trajectory], traces: list[dict[str, Any]]) -> list[Trajectory]:
     """Each record with its own trace's reward: verifiers sends every agent run's requests under the run's trace id
     (`X-Session-ID`), which the session keeps as its branch's lane. An episode of several runs scored against
     each other (best-of-n, relative judges) so gives each run its reward as the environment gave it; runs the

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout_buffer.generator_api import RolloutContext
+from rollout_buffer.generator_api import RolloutContext, Trajectory
 
 TASK_TYPE = "vision"
 REQUIRED_FIELDS = ("prompt", "images", "label")
 
 
-async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> dict[str, Any]:
+async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> Trajectory:
     """Ask about the row's images and score the answer against `label`."""
     parts = [*({"type": "image", "image": image} for image in item["images"]), {"type": "text", "text": item["prompt"]}]
     conv = await ctx.conversation([{"role": "user", "content": parts}])

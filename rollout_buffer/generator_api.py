@@ -26,10 +26,10 @@ from rollout_buffer.generation.options import RunOptions
 from rollout_buffer.generation.sessions import AgentSession
 from rollout_buffer.policy import Governed, Policy, PolicyRefused
 from rollout_buffer.processes import fate_shared, give_to, scratch_folder, user_ids
-from rollout_buffer.schemas import check_http_urls
+from rollout_buffer.schemas import Trajectory, check_http_urls
 from rollout_buffer.tokens.conversation import Conversation
 from rollout_buffer.tokens.hermes import ToolCall, parse_tool_calls, tool_call
-from rollout_buffer.tokens.prompt_ids import INLINE_CHARS
+from rollout_buffer.tokens.renderer import INLINE_CHARS
 
 __all__ = [
     "INLINE_CHARS",
@@ -54,6 +54,7 @@ __all__ = [
     "ServerSpec",
     "StepResult",
     "ToolCall",
+    "Trajectory",
     "WorkerSpec",
     "check_http_urls",
     "existing_path",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import binascii
 import difflib
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Required, TypedDict
 
 import numpy as np
 import pybase64
@@ -230,6 +230,33 @@ class TrajectoryRecord(BaseModel):
             return int(self.extra_info.get("epoch", 0) or 0)
         except (TypeError, ValueError):
             return 0
+
+
+class Trajectory(TypedDict, total=False):
+    """What a native generator's `run_rollout` returns for one trajectory (or a list of them, one per agent of an
+    episode), as `RolloutContext.trajectory` builds it: a `TrajectoryRecord` but for what the runner fills in (`uid`,
+    `instance_id`, `rollout_id` and the run's part of `extra_info`), which a generator may set itself. Keys beyond
+    these are kept in the record as they are."""
+
+    messages: Required[list[dict[str, Any]]]
+    reward: Required[float]
+    status: TrajectoryStatus
+    extra_info: dict[str, Any]
+    uid: str
+    instance_id: str
+    rollout_id: str
+    raw_reward: float
+    tokens: list[int]
+    loss_mask: list[int]
+    rollout_log_probs: list[float]
+    response_length: int
+    weight_versions: list[str]
+    teacher_log_probs: list[float]
+    images: list[dict[str, Any]]
+    rollout_routed_experts: bytes
+    rollout_top_p_token_ids: bytes
+    rollout_top_p_token_offsets: bytes
+    tools: list[dict[str, Any]]  # chat mode: the tool schemas the engine saw, for the trainer's loss mask
 
 
 class StartRolloutRequest(BaseModel):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import typing
 
 import numpy as np
 import orjson
@@ -11,10 +12,10 @@ import pytest
 
 from rollout_buffer.engine.replay import ReplayParts
 from rollout_buffer.engine.sglang_wire import request_body
-from rollout_buffer.schemas import TrajectoryRecord
+from rollout_buffer.schemas import Trajectory, TrajectoryRecord
 from rollout_buffer.tokens.conversation import Conversation
-from rollout_buffer.tokens.prompt_ids import encode
-from rollout_buffer.tokens.tokenizer import end_of_turn_ids, load_tokenizer
+from rollout_buffer.tokens.renderer import Renderer, renderer
+from rollout_buffer.tokens.tokenizer import load_tokenizer
 
 PROMPT = [
     {"role": "system", "content": "You are a careful math assistant."},
@@ -403,7 +404,7 @@ def test_async_variants_match_the_sync_ones(qwen_tokenizer, im_end):
 def test_load_tokenizer_is_cached_and_local_only(qwen_tokenizer_path, tmp_path):
     tok = load_tokenizer(qwen_tokenizer_path)
     assert load_tokenizer(qwen_tokenizer_path + os.sep) is tok
-    assert end_of_turn_ids(tok) == [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert renderer(tok, None, {}).frame.end_of_turn == {tok.convert_tokens_to_ids("<|im_end|>")}
     with pytest.raises(ValueError, match="Qwen/Qwen3-8B"):
         load_tokenizer("Qwen/Qwen3-8B")
     with pytest.raises(ValueError, match=str(tmp_path)):
@@ -421,8 +422,9 @@ def test_fast_encode_gives_the_tokenizers_ids(qwen_tokenizer):
                   for i in range(400)),
         "",
     ]
+    encode = renderer(qwen_tokenizer, None, {}).encode
     for text in texts:
-        assert encode(qwen_tokenizer, text) == qwen_tokenizer.encode(text, add_special_tokens=False)
+        assert encode(text) == qwen_tokenizer.encode(text, add_special_tokens=False)
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
@@ -450,9 +452,8 @@ def test_strict_check_agrees_with_encoding_the_whole_render(qwen_tokenizer, im_e
         conversations[name] = conv
 
     encoded: list[str] = []
-    real_encode = encode
-    monkeypatch.setattr("rollout_buffer.tokens.conversation.encode",
-                        lambda t, text: encoded.append(text) or real_encode(t, text))
+    real_encode = Renderer.encode
+    monkeypatch.setattr(Renderer, "encode", lambda self, text: encoded.append(text) or real_encode(self, text))
     verdicts = {}
     for name, conv in conversations.items():
         whole = tok.encode(render(tok, conv.messages, tools=conv.tools))
@@ -592,3 +593,13 @@ def test_replayed_rows_and_kept_ids_stay_aligned_with_the_tokens(qwen_tokenizer,
     conv_two.add_assistant(ids, lps, TURN_2, replay=replayed(conv_two, ids))
     conv_two.restore(first)
     assert conv_two.routed_rows <= first.tokens and len(conv_two.top_p_offsets) == first.tokens + 1
+
+
+def test_a_trajectory_is_a_record_but_for_what_the_runner_fills_in(qwen_tokenizer, im_end):
+    """`Trajectory` (what generators return) names every field of `TrajectoryRecord` and nothing else but chat mode's
+    `tools`; a token-mode conversation's record fields are among its keys."""
+    keys = set(typing.get_type_hints(Trajectory))
+    assert keys - {"tools"} == set(TrajectoryRecord.model_fields)
+    conv = Conversation(PROMPT, qwen_tokenizer)
+    conv.add_assistant(*engine_output(qwen_tokenizer, TURN_1, im_end), TURN_1)
+    assert set(conv.record_fields()) <= keys

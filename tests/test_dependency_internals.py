@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from transformers.utils import chat_template_utils as ctu
 
 from rollout_buffer.shortcuts import templates as internals
-from rollout_buffer.tokens.chat_render import ChatRenderer
+from rollout_buffer.tokens.renderer import Renderer
 from rollout_buffer.tokens.template_sandbox import speed_up_sandbox
 
 TRANSFORMERS = importlib.metadata.version("transformers")
@@ -30,7 +30,7 @@ WHAT_TO_DO = (
     "The buffer now renders chat templates through their fallbacks (same text, slower). Read what transformers "
     f"{TRANSFORMERS} does instead (chat_template_utils.render_jinja_template, apply_chat_template), then adapt "
     "rollout_buffer/shortcuts/templates.py (its docstring lists each internal, why, and its fallback) "
-    "and chat_render.py, or drop the internal there and here."
+    "and tokens/renderer.py, or drop the internal there and here."
 )
 
 TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {
@@ -58,10 +58,10 @@ def _tokenizer(path: str, name: str) -> Any:
 
 
 def _renders(tok: Any) -> tuple[list[str], list[list[int]], list[bool]]:
-    """ChatRenderer's renders of every case, their token ids, and whether each renderer rendered directly."""
+    """Renderer's renders of every case, their token ids, and whether each renderer rendered directly."""
     texts, direct = [], []
     for tools, options, messages, generation_prompt in CASES:
-        renderer = ChatRenderer(tok, tools, options)
+        renderer = Renderer(tok, tools, options)
         texts.append(renderer.render(messages, generation_prompt))
         direct.append(renderer._template is not None)
     return texts, [tok.encode(text, add_special_tokens=False) for text in texts], direct
@@ -116,7 +116,7 @@ def test_transformers_compile_jinja_template_is_as_reviewed(qwen_tokenizer_path)
         f"transformers {TRANSFORMERS} changed the signature of _compile_jinja_template to "
         f"{inspect.signature(compile_template)}. {WHAT_TO_DO}")
     assert hasattr(compile_template, "cache_info"), (
-        f"transformers {TRANSFORMERS} no longer caches _compile_jinja_template: ChatRenderer's tojson cache and "
+        f"transformers {TRANSFORMERS} no longer caches _compile_jinja_template: Renderer's tojson cache and "
         f"speed_up_sandbox change an environment apply_chat_template no longer renders with. {WHAT_TO_DO}")
     tok = _tokenizer(qwen_tokenizer_path, "compile reviewed")
     template = compile_template(tok.chat_template)
@@ -161,7 +161,7 @@ def test_transformers_reasoning_fields_are_as_mirrored():
     theirs = getattr(ctu, "_REASONING_FIELDS", None)
     assert theirs == internals.REASONING_FIELDS, (
         f"transformers {TRANSFORMERS} offers a message's reasoning under {theirs!r}, not "
-        f"{internals.REASONING_FIELDS!r} as chat_render mirrors it. {WHAT_TO_DO}")
+        f"{internals.REASONING_FIELDS!r} as tokens/renderer.py mirrors it. {WHAT_TO_DO}")
     assert internals.select_transformers_internals().fallbacks == ()
 
 
@@ -241,7 +241,7 @@ def test_without_plain_template_data_the_fallback_copy_renders_the_same(qwen_tok
     # Tools that are not exact JSON values (a tuple): transformers' copy takes them, the fallback's does not.
     odd_tools: list[dict[str, Any]] = [{"type": "function", "function": {**TOOLS[0]["function"], "parameters": {
         "type": "object", "properties": {"a": {"type": "integer"}}, "required": ("a",)}}}]
-    fast_odd = ChatRenderer(_tokenizer(qwen_tokenizer_path, "plain fast"), odd_tools, {})
+    fast_odd = Renderer(_tokenizer(qwen_tokenizer_path, "plain fast"), odd_tools, {})
     assert fast_odd._template is not None
     with caplog.at_level(logging.WARNING, logger=internals.__name__):
         choice = _choose_transformers(monkeypatch, remove=("_plain_template_data",))
@@ -251,7 +251,7 @@ def test_without_plain_template_data_the_fallback_copy_renders_the_same(qwen_tok
     texts, ids, direct = _renders(tok)
     assert all(direct)  # plain JSON tools and options: still rendered directly, with the fallback's copy
     assert texts == fast_texts and ids == fast_ids == _transformers_ids(tok)
-    odd = ChatRenderer(tok, odd_tools, {})
+    odd = Renderer(tok, odd_tools, {})
     assert odd._template is None  # the fallback refuses the tuple: these renders go through apply_chat_template
     for messages in CONVERSATIONS:
         assert odd.render(messages, True) == fast_odd.render(messages, True)

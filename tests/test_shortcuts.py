@@ -20,7 +20,7 @@ from sessions import OPENAI_TOOLS, PARALLEL_TASK, open_session, tool_results
 from rollout_buffer.shortcuts import switch
 from rollout_buffer.shortcuts import templates as internals
 from rollout_buffer.shortcuts.quiet_server import SHUTDOWN_GRACE_S
-from rollout_buffer.tokens.chat_render import ChatRenderer
+from rollout_buffer.tokens.renderer import Renderer
 from rollout_buffer.tokens.tokenizer import load_tokenizer
 
 MESSAGES = [{"role": "system", "content": "You are careful."}, {"role": "user", "content": "What is 2 + 2?"},
@@ -56,14 +56,14 @@ def test_serve_refuses_a_shortcut_it_does_not_have(tmp_path: Path) -> None:
 def test_switched_off_chat_templates_render_through_transformers_public_api(
         qwen_tokenizer_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     on = load_tokenizer(qwen_tokenizer_path)
-    expected = ChatRenderer(on, None, {}).render(MESSAGES, True)
+    expected = Renderer(on, None, {}).render(MESSAGES, True)
     monkeypatch.setenv(switch.ENV, "off")
     monkeypatch.setattr(internals, "_transformers_choice", None)  # chosen again, under the switch
     choice = internals.transformers_internals()
     assert choice.compile_template is None and not choice.reasoning_fields_match
     off = load_tokenizer(qwen_tokenizer_path)
     off.chat_template = off.chat_template + "{#- switched off -#}"  # a template no earlier test compiled
-    renderer = ChatRenderer(off, None, {})
+    renderer = Renderer(off, None, {})
     assert renderer.render(MESSAGES, True) == expected == off.apply_chat_template(
         MESSAGES, tokenize=False, add_generation_prompt=True)
     assert renderer._template is None, "no direct render"

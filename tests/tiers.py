@@ -10,9 +10,10 @@ import pytest
 UNIT = frozenset({
     "test_vision",
     "test_adapter_flags", "test_adapter_loss_mask", "test_adapter_meta_info", "test_adapter_records",
-    "test_adapter_run_control", "test_adapter_selection", "test_chat_render", "test_conversation",
+    "test_adapter_run_control", "test_adapter_selection", "test_renderer", "test_conversation",
     "test_dependency_internals", "test_groups", "test_history_cache", "test_layout", "test_math_reward",
-    "test_record_encoding", "test_record_layout", "test_request_bodies", "test_run_options", "test_session_files",
+    "test_record_encoding", "test_record_layout", "test_request_bodies", "test_run_options", "test_scheduler",
+    "test_session_files",
     "test_sim_policy", "test_session_backends", "test_session_expiry", "test_store_batches", "test_template_sandbox",
     "test_tools", "test_versions",
 })

@@ -18,7 +18,7 @@ from typing import Any
 
 from generators.agent.options import AgentOptions, check_payload
 from generators.agent.run import run_agent
-from rollout_buffer.generator_api import RolloutContext
+from rollout_buffer.generator_api import RolloutContext, Trajectory
 
 TASK_TYPE = "agent"
 REQUIRED_FIELDS = ()
@@ -37,6 +37,6 @@ def runs_in_buffer(payload: dict[str, Any]) -> bool:
     return not AgentOptions.from_run(payload).runs_agents
 
 
-async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> list[dict[str, Any]]:
+async def run_rollout(item: dict[str, Any], ctx: RolloutContext) -> list[Trajectory]:
     """Run the row's agent; one record per branch of its session."""
     return await run_agent(item, ctx)

@@ -26,7 +26,7 @@ from generators.agent.sandbox import (
 )
 from generators.math import final_answer_text
 from generators.scoring import answer_reward
-from rollout_buffer.generator_api import AgentSession, RolloutContext
+from rollout_buffer.generator_api import AgentSession, RolloutContext, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ async def _build_agent_run(ctx: RolloutContext) -> AgentRun:
     return shared
 
 
-async def run_agent(item: dict[str, Any], ctx: RolloutContext) -> list[dict[str, Any]]:
+async def run_agent(item: dict[str, Any], ctx: RolloutContext) -> list[Trajectory]:
     """Run the row's agent through a fresh session; the session's records (one per branch) with the reward."""
     run = await agent_run(ctx)
     opts = run.options
@@ -100,7 +100,7 @@ async def run_agent(item: dict[str, Any], ctx: RolloutContext) -> list[dict[str,
         return await _run_in_session(run, item, ctx)
 
 
-async def _run_in_session(run: AgentRun, item: dict[str, Any], ctx: RolloutContext) -> list[dict[str, Any]]:
+async def _run_in_session(run: AgentRun, item: dict[str, Any], ctx: RolloutContext) -> list[Trajectory]:
     opts = run.options
     session = await ctx.open_session({"instance_id": ctx.instance_id})
     user = agent_user(opts.agent_user) if run.sandbox is not None else current_user()

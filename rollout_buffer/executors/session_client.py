@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 
 from rollout_buffer.generation.sessions import is_socket
+from rollout_buffer.schemas import Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +52,13 @@ class RemoteSession:
         messages: list[dict[str, Any]] = answer["messages"]
         return messages
 
-    async def close(self, reward: float, **extra_info: Any) -> list[dict[str, Any]]:
+    async def close(self, reward: float, **extra_info: Any) -> list[Trajectory]:
         """Close the session; its records (one per branch), which the buffer did not store.
 
         ValueError when the session generated nothing."""
         body = {"reward": reward, "extra_info": extra_info}
         answer = await _call(self._client, "POST", f"/sessions/{self.session_id}/close", body)
-        records: list[dict[str, Any]] = answer["records"]
+        records: list[Trajectory] = answer["records"]
         return records
 
     async def discard(self, reason: str) -> None:

@@ -6,7 +6,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from rollout_buffer.delivery.versions import ordered_versions
 from rollout_buffer.engine.client import EngineClient
@@ -19,12 +19,13 @@ from rollout_buffer.generation.trainer_signals import TrainerSignals
 from rollout_buffer.media.images import has_image_parts
 from rollout_buffer.media.run_images import RunImages
 from rollout_buffer.observability import metrics
+from rollout_buffer.schemas import Trajectory, TrajectoryStatus
 from rollout_buffer.tokens.conversation import Conversation
 
 T = TypeVar("T")
 OptionsT = TypeVar("OptionsT", bound=RunOptions)
 
-STATUS_BY_FINISH = {"stop": "completed", "length": "truncated", "abort": "aborted"}
+STATUS_BY_FINISH: dict[str, TrajectoryStatus] = {"stop": "completed", "length": "truncated", "abort": "aborted"}
 
 
 @dataclass
@@ -205,9 +206,10 @@ class RolloutContext:
             stats["engines"].append(engine_url)
 
     async def trajectory(self, conv: Conversation, reward: float, finish_reason: str = "stop",
-                         **extra_info: Any) -> dict[str, Any]:
-        """Build the record of a finished conversation: exact tokens in token mode; in chat mode the tool
-        schemas the engine saw (`tools`), which the trainer's loss-mask generator needs to render the prompt.
+                         **extra_info: Any) -> Trajectory:
+        """The trajectory of a finished conversation (what `run_rollout` returns): exact tokens in token mode; in
+        chat mode the tool schemas the engine saw (`tools`), which the trainer's loss-mask generator needs to render
+        the prompt.
 
         `extra_info` gets the oldest and newest weight version the conversation was generated with
         (`weight_version_min` / `weight_version_max`) and, in token mode, `weight_version_spans`:
@@ -236,17 +238,20 @@ class RolloutContext:
                 info["mid_request_update_spans"] = mid_request
         elif conv.tools:
             fields = {"tools": conv.tools}
-        return {
+        # The token fields are the conversation's (`TokenSequence.record_fields`, typed where tokens live: below
+        # the schemas): they are Trajectory's own keys.
+        return cast(Trajectory, {
             "messages": conv.messages,
             "reward": float(reward),
             "status": STATUS_BY_FINISH.get(finish_reason, "completed"),
             "extra_info": info,
             **fields,
-        }
+        })
 
 
-def stamp(record: dict[str, Any], ctx: RolloutContext, index: int | None = None) -> dict[str, Any]:
-    """Fill the fields the runner owns: uid, instance_id, epoch, repeat, task and timing."""
+def stamp(record: Trajectory | dict[str, Any], ctx: RolloutContext, index: int | None = None) -> dict[str, Any]:
+    """A generator's trajectory with the fields the runner owns filled: uid, instance_id, epoch, repeat, task and
+    timing (a generator's own values kept)."""
     info = dict(record.get("extra_info") or {})
     info.setdefault("epoch", ctx.epoch)
     info.setdefault("repeat", ctx.repeat)

@@ -2,15 +2,17 @@
 beside the training run through the same generators and engines.
 
 An eval never competes for the training run's slots: its trajectories hold slots of their own budget
-(`eval_num_process`, shared by every running eval), so the training run keeps its `num_process` in flight
-while an eval runs. Samples are stored per (dataset, version) as they finish (`delivery.evals`), with eval
-sampling params and no group logic (no normalization, no filters, never delivered to the trainer); an eval
-asked for again, or resumed after a restart, generates only the samples the store lacks.
+(`eval_num_process`, shared by every running eval; the runs' scheduler, `generation.scheduler`), so the
+training run keeps its `num_process` in flight while an eval runs. Samples are stored per (dataset, version) as
+they finish (`delivery.evals`), with eval sampling params and no group logic (no normalization, no filters, never
+delivered to the trainer); an eval asked for again, or resumed after a restart, generates only the samples the
+store lacks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from rollout_buffer.generation.context import RolloutContext, RunResources
 from rollout_buffer.generation.inputs import LineIndex
 from rollout_buffer.generation.plugins import Generator
 from rollout_buffer.generation.resources import engine_options_of
+from rollout_buffer.generation.scheduler import InFlight, Slot, Slots
 from rollout_buffer.generation.sessions import SessionHost
 from rollout_buffer.generation.trajectory import failed_record, produce
 from rollout_buffer.schemas import StartEvalRequest, TrajectoryRecord
@@ -37,38 +40,6 @@ log = logging.getLogger(__name__)
 _TRAINING_ONLY = ("input_file", "num_items", "skip_instance_ids", "num_epoch", "num_repeat_per_sample",
                   "num_process", "sampling_params", "max_tokens", "current_version", "max_staleness",
                   "rollout_batch_size", "max_ready_groups", "regenerate_stale", "shuffle", "seed")
-
-
-class EvalBudget:
-    """The slots every running eval shares: at most `limit` eval trajectories in flight. Resizable, because
-    each `/start_eval` sets the budget anew; released from a task's done-callback, so a trajectory task
-    cancelled before it ever ran gives its slot back too."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.in_flight = 0
-        self._freed = asyncio.Event()
-
-    async def acquire(self) -> None:
-        """Wait for a free eval slot and take it."""
-        while self.in_flight >= self.limit:
-            await self._freed.wait()
-        self.in_flight += 1
-
-    def release(self) -> None:
-        """Give a slot back."""
-        self.in_flight -= 1
-        self._wake()
-
-    def resize(self, limit: int) -> None:
-        """A new limit; trajectories above it finish, none starts until below it."""
-        self.limit = limit
-        self._wake()
-
-    def _wake(self) -> None:
-        # Every waiter re-checks; the ones still over the limit wait on the new event.
-        event, self._freed = self._freed, asyncio.Event()
-        event.set()
 
 
 @dataclass
@@ -107,17 +78,16 @@ class EvalJob:
     """Generates what the store lacks of one eval (a dataset at a version), within the shared budget."""
 
     def __init__(self, key: EvalKey, n_samples: int, config: dict[str, Any], generator: Generator,
-                 evals: EvalStore, budget: EvalBudget, sessions: SessionHost | None):
+                 evals: EvalStore, budget: Slots, sessions: SessionHost | None):
         self.key = key
         self.n = n_samples
         self.config = config
         self.generator = generator
         self.evals = evals
-        self.budget = budget
         self.sessions = sessions
         self.progress = EvalProgress(*key, total=0)
         self.task: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._in_flight = InFlight(budget)
 
     @property
     def run_id(self) -> str:
@@ -155,29 +125,18 @@ class EvalJob:
                     if (item["instance_id"], sample) in stored:
                         self.progress.skipped += 1
                         continue
-                    await self.budget.acquire()
-                    t = asyncio.create_task(self._one(item, position, sample, resources))
-                    self._tasks.add(t)
-                    t.add_done_callback(self._done)
-            while self._tasks:
-                done, _ = await asyncio.wait(set(self._tasks), return_when=asyncio.FIRST_EXCEPTION)
-                for t in done:
-                    if not t.cancelled() and t.exception() is not None:
-                        raise t.exception()  # type: ignore[misc]
+                    await self._in_flight.start(functools.partial(self._one, item, position, sample, resources))
+            await self._in_flight.wait_all()
         finally:
-            for t in self._tasks:
-                t.cancel()
+            self._in_flight.cancel()
             index.close()
             if self.sessions is not None:
                 await self.sessions.end_run(self.run_id)
             await engine.aclose()
 
-    def _done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        self.budget.release()
-
-    async def _one(self, item: dict[str, Any], position: int, sample: int, resources: RunResources) -> None:
-        """One sample (the caller took its eval slot; the task's end gives it back): generate and store."""
+    async def _one(self, item: dict[str, Any], position: int, sample: int, resources: RunResources,
+                   slot: Slot) -> None:
+        """One sample (holding its eval `slot` until the task ends): generate and store."""
         iid = item["instance_id"]
         ctx = RolloutContext(resources, iid, 0, sample, f"{self.run_id}:{iid}:{sample}")
         self.progress.in_flight += 1
@@ -207,7 +166,7 @@ class EvalManager:
         self.generators = generators
         self.sessions = sessions
         self.evals = buffer.evals
-        self.budget = EvalBudget(StartEvalRequest.model_fields["eval_num_process"].default)
+        self.budget = Slots(StartEvalRequest.model_fields["eval_num_process"].default)
         self.jobs: dict[EvalKey, EvalJob] = {}
         self._changed = asyncio.Event()
 

@@ -1,18 +1,18 @@
 """The rollout runner: one asyncio task per run keeps `num_process` trajectories in flight.
 
-Work is created lazily (a semaphore is taken before each trajectory task exists), so a huge input file
-never sits in memory as tasks. Repeats of one instance are scheduled back to back so groups complete early.
-Each group is admitted whole by the run's admission controller (`generation.admission`) before its first
-trajectory starts. A trajectory still aborted after the engine client's resumes goes back to the queue (its
-group waits for it); a group dropped as stale at delivery with `regenerate_stale` is generated again as a
-new part of its (instance, epoch). Each trajectory runs on the run's executor (`generation.executor`: asyncio
-tasks here, or Ray actors); everything above stays in this process, whichever executor runs them.
-"""
+Trajectories run under the run's `num_process` slots (`generation.scheduler`, the scheduler evaluations share), so a
+huge input file never sits in memory as tasks. Repeats of one instance are scheduled back to back so groups complete
+early. Each group is admitted whole by the run's admission controller (`generation.admission`) before its first
+trajectory starts. A trajectory still aborted after the engine client's resumes goes back to the queue (its group
+waits for it); a group dropped as stale at delivery with `regenerate_stale` is generated again as a new part of its
+(instance, epoch). Each trajectory runs on the run's executor (`generation.executor`: asyncio tasks here, or Ray
+actors); everything above stays in this process, whichever executor runs them."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import time
@@ -37,6 +37,7 @@ from rollout_buffer.generation.plugins import Generator
 from rollout_buffer.generation.progress import Progress
 from rollout_buffer.generation.resources import close_resources, engine_options, run_resources
 from rollout_buffer.generation.run_health import FailureWatch, RunCannotWork, RunHealthOptions
+from rollout_buffer.generation.scheduler import InFlight, Slot, Slots
 from rollout_buffer.generation.sessions import SessionHost
 from rollout_buffer.generation.trajectory import Failure, failed_record
 from rollout_buffer.observability import metrics
@@ -85,8 +86,7 @@ class Run:
         self._regenerate: deque[tuple[str, int, int]] = deque()
         self._regenerate_added = asyncio.Event()
         self.accepting = True
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._slots = asyncio.Semaphore(req.num_process)
+        self._in_flight = InFlight(Slots(req.num_process))
         # Set while new trajectories may start: cleared when the server is stopping.
         self.starting = asyncio.Event()
         self.starting.set()
@@ -264,8 +264,7 @@ class Run:
                 await self._start_scheduled(item, epoch, work, index, resources)
             await self._finish_in_flight(index, resources)
         finally:
-            for t in self._tasks:
-                t.cancel()
+            self._in_flight.cancel()
             reporter.cancel()
             index.close()
 
@@ -334,10 +333,8 @@ class Run:
             await self.starting.wait()
             for outage in resources.outages():  # no new trajectory while an engine (a teacher's too) is down
                 await outage.wait_clear()
-            await self._slots.acquire()
-            t = asyncio.create_task(self._one(item, RolloutContext(resources, iid, epoch, repeat, uid)))
-            self._tasks.add(t)
-            t.add_done_callback(self._tasks.discard)
+            await self._in_flight.start(functools.partial(self._one, item,
+                                                          RolloutContext(resources, iid, epoch, repeat, uid)))
 
     async def _finish_in_flight(self, index: LineIndex, resources: RunResources) -> None:
         """Wait for the trajectories in flight, starting regenerations as they come; a failed task fails the run."""
@@ -350,18 +347,11 @@ class Run:
                     self.admission.give_back()
                     break
                 await self._start_regeneration(*queued, resources)
-            if not self._tasks and not self._regenerate:
+            if not self._in_flight and not self._regenerate:
                 self.accepting = False  # decided with no await since the check: nothing slips in between
                 return
             self._regenerate_added.clear()
-            added = asyncio.ensure_future(self._regenerate_added.wait())
-            try:
-                done, _ = await asyncio.wait({*self._tasks, added}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                added.cancel()
-            for t in done:
-                if t is not added and not t.cancelled() and t.exception() is not None:
-                    raise t.exception()  # type: ignore[misc]
+            await self._in_flight.wait_next(self._regenerate_added)
 
     def _schedule(self, num_items: int) -> Iterator[tuple[int, int]]:
         for epoch in range(self.req.num_epoch):
@@ -371,8 +361,8 @@ class Run:
             for i in order:
                 yield epoch, i
 
-    async def _one(self, item: dict[str, Any], ctx: RolloutContext) -> None:
-        """Generate one trajectory (the caller took its generation slot) and store it.
+    async def _one(self, item: dict[str, Any], ctx: RolloutContext, slot: Slot) -> None:
+        """Generate one trajectory (holding its generation `slot`) and store it.
 
         `num_process` bounds the trajectories talking to the engine: a finished one hands its slot to the
         next as soon as it holds a write slot, not after its SQLite commit. One still aborted after the
@@ -389,7 +379,7 @@ class Run:
                     await self._writing.acquire()
             finally:
                 self.progress.in_flight -= 1
-                self._slots.release()
+                slot.release()
             if not requeue:
                 break
             requeues += 1
@@ -398,7 +388,7 @@ class Run:
             log.info("trajectory %s still aborted after the engine's resumes; back to the queue (%d/%d)",
                      ctx.uid, requeues, self.req.max_abort_requeues)
             await asyncio.sleep(self._requeue_delay(requeues))
-            await self._slots.acquire()
+            await slot.acquire()
             ctx = RolloutContext(ctx.run, ctx.instance_id, ctx.epoch, ctx.repeat, ctx.uid)
         try:
             await self._write(records)

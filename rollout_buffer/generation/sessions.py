@@ -11,6 +11,8 @@ import os
 import stat
 from typing import Any, Protocol
 
+from rollout_buffer.schemas import Trajectory
+
 
 def is_socket(path: str) -> bool:
     """Whether `path` is a Unix socket on this machine: an agent socket answered by a server on another node is
@@ -35,7 +37,7 @@ class AgentSession(Protocol):
         """The messages of the branch that generated last ([] before any turn)."""
         ...
 
-    async def close(self, reward: float, **extra_info: Any) -> list[dict[str, Any]]:
+    async def close(self, reward: float, **extra_info: Any) -> list[Trajectory]:
         """Close the session: one record per branch (the reward shared), not yet stamped by the runner.
 
         Raises ValueError when the session generated nothing.

@@ -45,7 +45,7 @@ from rollout_buffer.proxy.session_files import SessionFiles
 from rollout_buffer.proxy.session_names import RepeatNumbers, harness_uid, new_session_id, session_root
 from rollout_buffer.proxy.session_records import InvalidRecords, failed_records, finished_records
 from rollout_buffer.proxy.tree import ResponseRef, SessionTree
-from rollout_buffer.schemas import TrajectoryRecord
+from rollout_buffer.schemas import Trajectory, TrajectoryRecord
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class LocalBackend:
         return session
 
     async def close_for_actor(self, session_id: str, reward: float, extra_info: dict[str, Any]
-                              ) -> builtins.list[dict[str, Any]]:
+                              ) -> builtins.list[Trajectory]:
         """Close an actor's session: its records (the actor's runner stamps and stores them)."""
         session = self.for_actor(session_id)
         try:

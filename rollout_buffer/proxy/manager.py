@@ -22,6 +22,7 @@ from rollout_buffer.proxy.session import HarnessRun
 from rollout_buffer.proxy.session_backend import SessionBackend, wait_ready
 from rollout_buffer.proxy.worker_backend import WorkerBackend
 from rollout_buffer.proxy.worker_pool import SessionWorkers
+from rollout_buffer.schemas import Trajectory
 
 _ACTOR_LOST = "its trajectory opened a new session (the actor running it was lost)"
 
@@ -33,7 +34,8 @@ class SessionManager:
         self.config = config
         self.local = LocalBackend(config)
         self.on_workers = WorkerBackend(workers) if workers is not None else None
-        self._backends: list[SessionBackend] = [b for b in (self.on_workers, self.local) if b is not None]
+        backends: list[SessionBackend | None] = [self.on_workers, self.local]
+        self._backends = [b for b in backends if b is not None]
 
     @property
     def pool(self) -> SessionWorkers | None:
@@ -64,7 +66,7 @@ class SessionManager:
         return await self._serving(run.run_id).open_for_actor(ctx, metadata, public_url, near)
 
     async def close_for_actor(self, session_id: str, reward: float, extra_info: dict[str, Any]
-                              ) -> builtins.list[dict[str, Any]]:
+                              ) -> builtins.list[Trajectory]:
         """Close an actor's session: its records (not stored: the actor hands them to the runner, which stamps
         and stores them). ValueError when it generated nothing (it is closed all the same)."""
         return await self._holding(session_id).close_for_actor(session_id, reward, extra_info)

@@ -36,7 +36,7 @@ from rollout_buffer.proxy.request_bodies import BodyCache
 from rollout_buffer.proxy.session_images import take_images
 from rollout_buffer.proxy.session_records import branch_records
 from rollout_buffer.proxy.tree import Branch, ResponseRef, Route, SessionTree
-from rollout_buffer.schemas import TrajectoryRecord
+from rollout_buffer.schemas import Trajectory, TrajectoryRecord
 from rollout_buffer.tokens.conversation import Conversation
 from rollout_buffer.tokens.marks import TurnMark
 
@@ -403,7 +403,7 @@ class Session:
         return len(conv.token_ids)
 
     # ---- closing -------------------------------------------------------------------------------------
-    async def close(self, reward: float, **extra_info: Any) -> list[dict[str, Any]]:
+    async def close(self, reward: float, **extra_info: Any) -> list[Trajectory]:
         """Close the session and return its records (`AgentSession.close`)."""
         await self.stop("finished")
         try:

@@ -15,6 +15,7 @@ from rollout_buffer.generation.run_manager import RunManager
 from rollout_buffer.generation.runner import Run
 from rollout_buffer.generation.sessions import AgentSession
 from rollout_buffer.proxy.session import HarnessRun
+from rollout_buffer.schemas import Trajectory
 
 # How long opening a session waits for a just-started run to load its tokenizer.
 READY_WAIT_S = 120.0
@@ -68,7 +69,7 @@ class SessionBackend(Protocol):
         ...
 
     async def close_for_actor(self, session_id: str, reward: float, extra_info: dict[str, Any]
-                              ) -> builtins.list[dict[str, Any]]:
+                              ) -> builtins.list[Trajectory]:
         """Close an actor's session: its records, for the actor's runner to stamp and store. ValueError when it
         generated nothing; SessionError (404, 409) when no actor's session `session_id` is open here."""
         ...

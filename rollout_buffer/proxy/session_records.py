@@ -3,13 +3,14 @@ are built, stamped as the runner stamps a trajectory's and validated here, in on
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from pydantic import ValidationError
 
 from rollout_buffer.generation.context import RolloutContext, stamp
 from rollout_buffer.proxy.tree import SessionTree
-from rollout_buffer.schemas import TrajectoryRecord
+from rollout_buffer.schemas import Trajectory, TrajectoryRecord, TrajectoryStatus
 
 
 class _RecordsRun(Protocol):
@@ -34,8 +35,8 @@ class InvalidRecords(ValueError):
     """A session's records do not validate (a 422 to whoever finished it)."""
 
 
-async def branch_records(session: Closing, reward: float, status: str | None = None,
-                         **extra_info: Any) -> list[dict[str, Any]]:
+async def branch_records(session: Closing, reward: float, status: TrajectoryStatus | None = None,
+                         **extra_info: Any) -> list[Trajectory]:
     """One record per branch that generated a turn of its own, sharing `reward` (not stamped yet).
 
     ValueError when no branch generated anything. `status` overrides the records' status (`failed`).
@@ -44,7 +45,7 @@ async def branch_records(session: Closing, reward: float, status: str | None = N
     if not branches:
         raise ValueError(f"session {session.session_id} generated no model turn")
     several = len(branches) > 1
-    out: list[dict[str, Any]] = []
+    out: list[Trajectory] = []
     for b in branches:
         info: dict[str, Any] = {
             **extra_info,
@@ -82,8 +83,8 @@ async def finished_records(session: Closing, reward: float, extra_info: dict[str
         raw = await branch_records(session, reward, **extra_info)
         outcome = "finished"
     except ValueError as e:
-        raw = [session.harness_run().failed({}, session.ctx, "empty_session", str(e)).model_dump(mode="json")]
-        outcome = "empty"
+        failed = session.harness_run().failed({}, session.ctx, "empty_session", str(e))
+        return stamped(session, [failed.model_dump(mode="json")]), "empty"
     return stamped(session, raw), outcome
 
 
@@ -102,7 +103,7 @@ async def failed_records(session: Closing, reason: str, outcome: str, wait_s: fl
     return stamped(session, raw), True
 
 
-def stamped(session: Closing, raw: list[dict[str, Any]]) -> list[TrajectoryRecord]:
+def stamped(session: Closing, raw: Sequence[Trajectory | dict[str, Any]]) -> list[TrajectoryRecord]:
     """Records as the runner stamps a trajectory's (uid per branch when there are several), validated."""
     several = len(raw) > 1
     try:

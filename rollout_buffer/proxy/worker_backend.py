@@ -13,6 +13,7 @@ from rollout_buffer.generation.runner import Run
 from rollout_buffer.proxy.session_backend import SessionError, wait_ready
 from rollout_buffer.proxy.worker_pool import SessionWorkers
 from rollout_buffer.proxy.worker_sessions import WorkerCallError, WorkerSession, WorkerSessionError, WorkerUnavailable
+from rollout_buffer.schemas import Trajectory
 
 
 class WorkerBackend:
@@ -61,7 +62,7 @@ class WorkerBackend:
             await earlier.discard(reason)
 
     async def close_for_actor(self, session_id: str, reward: float, extra_info: dict[str, Any]
-                              ) -> builtins.list[dict[str, Any]]:
+                              ) -> builtins.list[Trajectory]:
         """Close an actor's session on its worker: its records."""
         remote = self._let_go(session_id)
         try:

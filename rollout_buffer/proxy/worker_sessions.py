@@ -8,6 +8,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from rollout_buffer.schemas import Trajectory
+
 log = logging.getLogger(__name__)
 
 # POST a body to a path of the session's worker: its status and answer (WorkerUnavailable when it cannot be asked).
@@ -51,12 +53,12 @@ class WorkerSession:
         messages: list[dict[str, Any]] = (await self._ask("transcript", {}))["messages"]
         return messages
 
-    async def close(self, reward: float, **extra_info: Any) -> list[dict[str, Any]]:
+    async def close(self, reward: float, **extra_info: Any) -> list[Trajectory]:
         """Close the session: its records (not stored: the runner stores them). ValueError when it generated
         nothing."""
         try:
-            records: list[dict[str, Any]] = (await self._ask("close", {"reward": reward, "extra_info": extra_info})
-                                             )["records"]
+            records: list[Trajectory] = (await self._ask("close", {"reward": reward, "extra_info": extra_info})
+                                         )["records"]
             return records
         finally:
             self._forget()

@@ -2,7 +2,7 @@
 fallback that stays correct (every fallback is taken while the shortcuts are switched off, `switch`).
 
 Nothing else in the buffer names a private attribute of transformers or jinja2 or replaces one of their
-methods: `chat_render` (direct renders of chat templates) and `template_sandbox` (memoized sandbox decisions)
+methods: `tokens.renderer` (direct renders of chat templates) and `template_sandbox` (memoized sandbox decisions)
 get what they need from here. `tests/test_dependency_internals.py` fails, saying what to review, as soon as an
 installed version changes one of them, and forces each fallback to show that renders (text and Qwen3 token ids)
 and the sandbox's refusals stay the same.
@@ -11,7 +11,7 @@ transformers, `transformers.utils.chat_template_utils` (chosen at first use and 
 taken: the buffer imports transformers only when it loads a tokenizer, which takes about a second):
 
 - `_compile_jinja_template(chat_template)`: the compiled template `apply_chat_template` renders with, cached by
-  transformers per template text, so its environment is the one `apply_chat_template` uses. Why: `ChatRenderer`
+  transformers per template text, so its environment is the one `apply_chat_template` uses. Why: `Renderer`
   renders plain-JSON messages with it directly (the work transformers repeats on every call was about 40% of a
   render), and `speed_up_template_sandbox` changes its environment. Fallback (gone, not a one-argument
   callable, or not returning a jinja `Template`): no compiled template, so every render goes through the

@@ -23,8 +23,8 @@ engine did not generate for this conversation). `tail(...)` is what a conversati
 
 Chat mode (no tokenizer) keeps the messages only.
 
-The token arrays, and what a record carries of them, are kept by the base `token_sequence.TokenSequence`; the
-chat template and tokenizer work behind them (framing, cached prompts, `encode`) is `prompt_ids`'.
+The token arrays, and what a record carries of them, are kept by the base `sequence.TokenSequence`; every render
+and encode goes through the conversation's one `renderer.Renderer` (its tokenizer, tools and template options).
 """
 
 from __future__ import annotations
@@ -35,16 +35,13 @@ import functools
 from collections.abc import Collection
 from typing import Any, Literal
 
-import orjson
-
 from rollout_buffer.engine.replay import ReplayParts
 from rollout_buffer.engine.sglang_wire import EnginePrompt
 from rollout_buffer.media.run_images import RunImages
-from rollout_buffer.tokens.chat_render import chat_renderer
 from rollout_buffer.tokens.check import compare_text, compare_tokens
 from rollout_buffer.tokens.image_tokens import image_prompt, with_images
 from rollout_buffer.tokens.marks import ConversationTail, TurnMark
-from rollout_buffer.tokens.prompt_ids import BASE_HISTORY, PROMPT_CACHE_MAX_BYTES, encode, frame, light, prompt
+from rollout_buffer.tokens.renderer import BASE_HISTORY, light, renderer
 from rollout_buffer.tokens.sequence import TokenSequence
 
 SanityCheckMode = Literal["strict", "ignore_strippable", "disable"]
@@ -59,7 +56,7 @@ class Conversation(TokenSequence):
     Build it with the opening messages; then alternate `generation_ids()` → engine → `add_assistant(...)`
     and `add_messages([...])` for tool results or user turns; finish with `check()` and `record_fields()`.
     The `a`-prefixed variants run template renders and tokenization in a thread, off the event loop, unless
-    the conversation is small enough (`prompt_ids.INLINE_CHARS`) that the hop would cost more than the work.
+    the conversation is small enough (`renderer.INLINE_CHARS`) that the hop would cost more than the work.
     """
 
     messages: list[dict[str, Any]]
@@ -99,7 +96,6 @@ class Conversation(TokenSequence):
         self.prompt_length = 0
         self.truncated = False
         self.finish_reason = None
-        self._tokenizer = tokenizer
         self._options = dict(chat_template_kwargs or {})
         self._log_probs_complete = True
         self.routed, self.routed_width, self.top_p_offsets, self.top_p_ids = None, None, None, None
@@ -115,9 +111,8 @@ class Conversation(TokenSequence):
         self._env_text = ""
         self._prompt_head: tuple[str, tuple[int, ...]] | None = None
         if self.token_mode:
-            self._template_key = (orjson.dumps(tools), orjson.dumps(self._options, option=orjson.OPT_SORT_KEYS))
-            self._frame = frame(tokenizer, *self._template_key)
-            self._renderer = chat_renderer(tokenizer, *self._template_key)
+            self._renderer = renderer(tokenizer, tools, self._options)
+            self._frame = self._renderer.frame
 
     @classmethod
     def restored(cls, tail: ConversationTail, tokenizer: Any, *, tools: list[dict[str, Any]] | None = None,
@@ -407,8 +402,8 @@ class Conversation(TokenSequence):
         try:
             expected = self._full_render()
             if self.sanity_check == "strict":
-                return compare_tokens(self._tokenizer, self.token_ids, self._expected_ids(expected))
-            return compare_text(self._tokenizer, self.token_ids, expected)
+                return compare_tokens(self._renderer.tokenizer, self.token_ids, self._expected_ids(expected))
+            return compare_text(self._renderer.tokenizer, self.token_ids, expected)
         except Exception as e:  # the check diagnoses; it must not fail a finished trajectory
             return {"mode": self.sanity_check, "error": f"{type(e).__name__}: {e}"}
 
@@ -422,21 +417,15 @@ class Conversation(TokenSequence):
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
-        return self._renderer.render(messages, generation_prompt)
-
-    def _encode(self, text: str) -> list[int]:
-        return encode(self._tokenizer, text)
-
     def _expected_ids(self, expected: str) -> list[int]:
         """`encode(expected)`, reusing the prompt's ids up to its last restart token when `expected` starts
         with them (the full render of a conversation usually does): same ids, a fraction of the work; each image's
         placeholder expanded as in the sequence."""
         head = self._prompt_head
         if head is not None and expected.startswith(head[0]):
-            ids = [*head[1], *self._encode(expected[len(head[0]):])]
+            ids = [*head[1], *self._renderer.encode(expected[len(head[0]):])]
         else:
-            ids = self._encode(expected)
+            ids = self._renderer.encode(expected)
         return list(with_images(self._run_images, ids, self.messages)[0])
 
     def _with_images(self, ids: list[int] | tuple[int, ...], messages: list[dict[str, Any]], at: int
@@ -449,25 +438,15 @@ class Conversation(TokenSequence):
 
 
     def _render_prompt(self, messages: list[dict[str, Any]]) -> None:
-        try:
-            key: bytes | None = orjson.dumps(messages)
-        except TypeError:  # not JSON (a caller's own objects): rendered without the cache
-            key = None
-        ids: tuple[int, ...] | list[int]
-        head = None
-        if key is not None and len(key) <= PROMPT_CACHE_MAX_BYTES:
-            cached = prompt(self._tokenizer, key, *self._template_key)
-            text, ids, head = cached.text, cached.ids, cached.head
-        else:
-            text = self._render(messages, True)
-            ids = self._encode(text)
+        rendered = self._renderer.prompt(messages)
+        text, ids = rendered.text, rendered.ids
         if text == self._env_text:
             raise ValueError(f"chat template renders nothing for roles {[m.get('role') for m in messages]}")
         self.messages = messages
         self._truncate_to(0)
         self._append(self._with_images(ids, messages, 0), 0)
         self.prompt_length = len(self.token_ids)
-        self._prompt_head = head
+        self._prompt_head = rendered.head
         self._env_text = text
         self._open = True
 
@@ -477,14 +456,14 @@ class Conversation(TokenSequence):
             self._render_prompt([*self.messages, *new])
             return
         run = [*self.messages[self._env_messages_start:], *new]
-        rendered = self._render([*BASE_HISTORY, *run], False)
+        rendered = self._renderer.render([*BASE_HISTORY, *run], False)
         if not rendered.startswith(self._frame.base_text):
             raise ValueError("chat template rewrites the base history when messages follow it")
         delta = rendered[len(self._frame.base_text):]
         if delta == self._env_text:
             raise ValueError(f"chat template renders nothing for roles {[m.get('role') for m in new]}")
         self._truncate_to(self._env_tokens_start)
-        ids = self._with_images(self._encode(delta), run, self._env_tokens_start)
+        ids = self._with_images(self._renderer.encode(delta), run, self._env_tokens_start)
         self.messages.extend(new)
         self._append(ids, 0)
         self._env_text = delta
@@ -504,7 +483,7 @@ class Conversation(TokenSequence):
         self._env_text = ""
 
     def _full_render(self) -> str:
-        text = self._render(self.messages, self._open)
+        text = self._renderer.render(self.messages, self._open)
         if self.truncated and text.endswith(self._frame.closing_text):
             # The template closes the cut last turn; the sequence, rightly, does not.
             text = text[: -len(self._frame.closing_text)]

@@ -12,9 +12,6 @@ from typing import Any
 
 from rollout_buffer.tokens.template_sandbox import speed_up_sandbox
 
-# A user turn and an assistant reply: enough history for any chat template to render an assistant turn.
-_PROBE_REPLY = "rollout-buffer probe reply"
-_PROBE_HISTORY = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": _PROBE_REPLY}]
 # Loads run in worker threads (a training run and evals start together): one at a time, so a folder is loaded
 # once and two threads never import transformers concurrently (a half-imported module fails the other).
 _LOAD_LOCK = threading.Lock()
@@ -76,22 +73,6 @@ def _load(folder: str) -> Any:
         raise ValueError(f"cannot load a tokenizer from {folder!r}: {e}") from e
     speed_up_sandbox(tokenizer)
     return tokenizer
-
-
-def end_of_turn_ids(tokenizer: Any) -> list[int]:
-    """Token ids that end an assistant turn: the one the chat template closes assistant messages with
-    (Qwen's `<|im_end|>`), then the eos token when it is a different one.
-
-    An engine output that ends with one of these finished its turn; anything else was cut or stopped on a
-    stop string. Raises `ValueError` when the template does not close assistant turns with a special token.
-    """
-    rendered = tokenizer.apply_chat_template(_PROBE_HISTORY, tokenize=False)
-    closing = rendered[rendered.rindex(_PROBE_REPLY) + len(_PROBE_REPLY):]
-    ids = tokenizer.encode(closing, add_special_tokens=False)
-    if not ids or ids[0] not in set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder):
-        raise ValueError(f"chat template closes assistant turns with {closing!r}, not a special token")
-    eos = tokenizer.eos_token_id
-    return [ids[0]] if eos is None or eos == ids[0] else [ids[0], eos]
 
 
 def bundled_tokenizer_path() -> str:

@@ -1,4 +1,4 @@
-"""ChatRenderer renders what transformers' apply_chat_template renders, for the real Qwen3 template."""
+"""Renderer renders what transformers' apply_chat_template renders, for the real Qwen3 template."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import gc
 import pytest
 from transformers import AutoTokenizer
 
-from rollout_buffer.tokens.chat_render import ChatRenderer, _template_messages
+from rollout_buffer.tokens.renderer import Renderer, _template_messages
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a"]}}},
@@ -49,7 +49,7 @@ def _transformers(tok, messages, tools, options, generation_prompt):
 def test_plain_messages_render_as_transformers_renders_them(tokenizer):
     for tools in (None, TOOLS):
         for options in OPTIONS:
-            renderer = ChatRenderer(tokenizer, tools, options)
+            renderer = Renderer(tokenizer, tools, options)
             for messages in CONVERSATIONS:
                 assert _template_messages(messages) is not None  # rendered by the compiled template itself
                 for generation_prompt in (False, True):
@@ -69,7 +69,7 @@ class Part:
 
 
 def test_other_messages_go_through_transformers(tokenizer):
-    renderer = ChatRenderer(tokenizer, TOOLS, {})
+    renderer = Renderer(tokenizer, TOOLS, {})
     # Each is something transformers converts (enum members to their text, dataclasses to dicts, tuples kept).
     odd = [
         [{"role": Role.USER, "content": "hi"}],
@@ -96,8 +96,8 @@ def test_the_template_for_tools_is_chosen_as_transformers_chooses_it(tokenizer):
     messages = CONVERSATIONS[0]
     for tools in (None, TOOLS):
         expected = _transformers(tokenizer, messages, tools, {}, True)
-        assert ChatRenderer(tokenizer, tools, {}).render(messages, True) == expected
-    assert ChatRenderer(tokenizer, None, {}).render(messages, True).startswith("[user]")
+        assert Renderer(tokenizer, tools, {}).render(messages, True) == expected
+    assert Renderer(tokenizer, None, {}).render(messages, True).startswith("[user]")
 
 
 def test_a_tokenizer_without_a_jinja_template_renders_through_its_own_method():
@@ -105,7 +105,7 @@ def test_a_tokenizer_without_a_jinja_template_renders_through_its_own_method():
         def apply_chat_template(self, messages, tools, add_generation_prompt, tokenize, **options):
             return f"{len(messages)} {tools} {add_generation_prompt} {tokenize} {options}"
 
-    renderer = ChatRenderer(Tokenizer(), None, {"x": 1})
+    renderer = Renderer(Tokenizer(), None, {"x": 1})
     assert renderer.render([{"role": "user", "content": "hi"}], True) == "1 None True False {'x': 1}"
 
 
@@ -114,7 +114,7 @@ def test_tool_schemas_keep_their_json_text_while_a_renderer_holds_them(tokenizer
     tokenizer.chat_template = ("{% for t in tools %}{{ t | tojson }}|{{ t | tojson(indent=2) }}|"
                                "{{ t.function | tojson }}{% endfor %}"
                                "{% for m in messages %}{{ m.content }}{% endfor %}")
-    renderer = ChatRenderer(tokenizer, TOOLS, {})
+    renderer = Renderer(tokenizer, TOOLS, {})
     filters = renderer._template.environment.filters
     held = filters["tojson"]._held
     assert len(held) == len(TOOLS)
@@ -123,7 +123,7 @@ def test_tool_schemas_keep_their_json_text_while_a_renderer_holds_them(tokenizer
             assert renderer.render(messages, True) == _transformers(tokenizer, messages, TOOLS, {}, True)
     # jinja looks filters up at render time: the template's tojson calls reached the held texts.
     assert all(len(texts) == 2 for _, texts in held.values()), "the template no longer calls the held tojson filter"
-    other = ChatRenderer(tokenizer, TOOLS[:1], {})
+    other = Renderer(tokenizer, TOOLS[:1], {})
     assert other.render(CONVERSATIONS[0], False) == _transformers(tokenizer, CONVERSATIONS[0], TOOLS[:1], {}, False)
     assert len(held) == len(TOOLS) + 1
     del renderer, other
